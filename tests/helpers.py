@@ -1,0 +1,24 @@
+"""Small builders shared by the allocator and scheduler tests."""
+
+from __future__ import annotations
+
+from harness.sched.sequence import SamplingParams, Sequence, SequenceGroup
+
+_next = [0]
+
+
+def make_seq(tokens: list[int], *, max_tokens: int = 16, n: int = 1,
+             extra_key: int | str | None = None) -> Sequence:
+    """A fresh one-sequence group over ``tokens`` (ids unique per call)."""
+    _next[0] += 1
+    g = SequenceGroup(_next[0], list(tokens), SamplingParams(max_tokens=max_tokens, n=n),
+                      extra_key=extra_key)
+    s = Sequence(1000 + _next[0], g, list(tokens))
+    g.seqs.append(s)
+    return s
+
+
+def make_group(rid: int, prompt: list[int], *, max_tokens: int = 8, n: int = 1,
+               arrival: float = 0.0, priority: int = 0, **kw: object) -> SequenceGroup:
+    return SequenceGroup(rid, list(prompt), SamplingParams(max_tokens=max_tokens, n=n, **kw),  # type: ignore[arg-type]
+                         arrival_time=arrival, priority=priority)

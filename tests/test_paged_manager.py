@@ -1,0 +1,212 @@
+"""Narrated scenarios for the paged KV manager on a tiny pool (block size 4, 10 blocks).
+
+Each test walks the pool through a story and asserts exact block ids, reference counts
+and queue orders after each step, saying why that order is the right one.
+"""
+
+from __future__ import annotations
+
+from harness.kv.base import CopyOp, Demand
+from harness.kv.paged import PagedKVManager
+from tests.helpers import make_seq
+
+BS = 4
+
+
+def mgr(num_blocks: int = 10, **kw: object) -> PagedKVManager:
+    return PagedKVManager(num_blocks, BS, watermark=0.0, **kw)  # type: ignore[arg-type]
+
+
+def admit(m: PagedKVManager, seq, use_cache: bool = True) -> int:  # type: ignore[no-untyped-def]
+    """Admit ``seq``'s whole prompt as the scheduler would; returns prefix-hit tokens."""
+    hits = m.lookup_prefix(seq) if use_cache else []
+    d = Demand(seq, seq.num_tokens - len(hits) * BS, hits)
+    assert m.can_allocate([d], watermark=False)
+    m.allocate(d)
+    seq.num_computed = seq.num_tokens
+    return len(hits) * BS
+
+
+def decode(m: PagedKVManager, seq, token: int) -> None:  # type: ignore[no-untyped-def]
+    """Append one token and give it a slot (the engine writes its K/V this step)."""
+    seq.token_ids.append(token)
+    d = Demand(seq, 1)
+    assert m.can_allocate([d], watermark=False)
+    m.allocate(d)
+    seq.num_computed += 1
+
+
+def test_prefix_hit_and_miss_and_lru_eviction() -> None:
+    m = mgr()
+    a = make_seq(list(range(10)))  # blocks: [0..3] [4..7] [8 9 _ _]
+    admit(m, a)
+    assert a.block_table == [0, 1, 2]
+    assert m.pool.fill[2] == 2
+    # Two full blocks are named; the partial third is not cacheable.
+    assert m.pool.block_hash[0] is not None and m.pool.block_hash[2] is None
+
+    # Same first block, different second: hits exactly one block.
+    b = make_seq([0, 1, 2, 3, 99, 98, 97, 96, 95])
+    assert admit(m, b) == 4
+    assert b.block_table == [0, 3, 4]
+    assert m.pool.ref[0] == 2 and m.pool.num_shared == 1
+
+    # Free a: reverse order puts its tail first into the LRU. Block 0 is still held by b.
+    m.free(a)
+    assert m.pool.lru_order() == [1]  # block 2 had no hash: it went to the plain free list
+    assert m.pool.free_order()[-1] == 2
+    m.free(b)
+    # b's release order: 4 (no hash -> free), 3 (hashed), 0 (hashed, now ref 0).
+    assert m.pool.lru_order() == [1, 3, 0]
+
+    # A fresh allocation takes plain free blocks before evicting any cached one.
+    c = make_seq(list(range(100, 120)))  # 5 blocks, all new
+    admit(m, c, use_cache=False)
+    assert c.block_table == [5, 6, 7, 8, 9]
+    assert m.pool.num_evictions == 0
+    d = make_seq(list(range(200, 212)))  # 3 blocks: free list holds 2 and 4, then evict LRU
+    admit(m, d, use_cache=False)
+    assert d.block_table == [2, 4, 1]
+    assert m.pool.num_evictions == 1 and m.pool.lru_order() == [3, 0]
+
+    # c finishes: its full blocks were named too, so they join the LRU, tail first.
+    m.free(c)
+    assert m.pool.lru_order() == [3, 0, 9, 8, 7, 6, 5]
+    # a's first block (hash of tokens 0..3) survived eviction: a new copy of a hits it,
+    # reviving it out of the LRU; its two new blocks evict the two oldest entries.
+    e = make_seq(list(range(10)))
+    assert admit(m, e) == 4
+    assert e.block_table == [0, 3, 9]
+    assert m.pool.lru_order() == [8, 7, 6, 5]
+
+
+def test_whole_prompt_cached_still_computes_last_block() -> None:
+    m = mgr()
+    a = make_seq(list(range(8)))
+    admit(m, a)
+    b = make_seq(list(range(8)))
+    # Both blocks are cached, but the last token's logits are needed: only block 0 hits.
+    assert m.lookup_prefix(b) == [0]
+
+
+def test_decode_filled_block_becomes_cacheable_for_next_turn() -> None:
+    m = mgr()
+    a = make_seq([1, 2, 3, 4, 5, 6])
+    admit(m, a)
+    decode(m, a, 7)
+    assert m.pool.block_hash[1] is None  # 7 of 8 slots filled
+    decode(m, a, 8)
+    assert m.pool.block_hash[1] is not None  # the answer's block is full: named
+    m.free(a)
+    # The next turn re-sends the history plus a user message: both blocks hit.
+    nxt = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    assert admit(m, nxt) == 8
+    assert nxt.block_table[:2] == [0, 1]
+
+
+def test_extra_key_separates_prefixes() -> None:
+    m = mgr()
+    admit(m, make_seq(list(range(9)), extra_key="lora-a"))
+    assert m.lookup_prefix(make_seq(list(range(9)), extra_key="lora-b")) == []
+    assert m.lookup_prefix(make_seq(list(range(9)), extra_key="lora-a")) == [0, 1]
+
+
+def test_fork_and_copy_on_write() -> None:
+    m = mgr()
+    p = make_seq([1, 2, 3, 4, 5, 6])  # blocks 0 (full) and 1 (2 of 4)
+    admit(m, p)
+    c = make_seq([0])
+    c.token_ids = list(p.token_ids)
+    m.fork(p, c)
+    c.num_computed = p.num_computed
+    assert c.block_table == [0, 1] and m.pool.ref[0] == 2 and m.pool.ref[1] == 2
+    assert m.logical_blocks == 4 and m.pool.num_used == 2
+
+    # The first writer into the shared partial block gets a private copy of its 2 slots.
+    decode(m, c, 50)
+    assert c.block_table == [0, 2]
+    assert m.take_copies() == [CopyOp(src=1 * BS, dst=2 * BS, num_slots=2)]
+    assert m.pool.ref[1] == 1 and m.cow_copies == 1
+    # The parent is now the only holder of block 1: it writes in place, no copy.
+    decode(m, p, 60)
+    assert p.block_table == [0, 1] and m.take_copies() == []
+    # Full shared blocks are never copied: block 0 stays shared.
+    assert m.pool.ref[0] == 2
+    m.free(c)
+    m.free(p)
+    assert m.pool.num_used == 0 and m.logical_blocks == 0
+
+
+def test_fork_on_block_boundary_needs_no_copy() -> None:
+    m = mgr()
+    p = make_seq([1, 2, 3, 4])
+    admit(m, p)
+    c = make_seq([0])
+    c.token_ids = list(p.token_ids)
+    m.fork(p, c)
+    c.num_computed = 4
+    decode(m, c, 9)
+    decode(m, p, 8)
+    assert m.take_copies() == [] and c.block_table == [0, 1] and p.block_table == [0, 2]
+
+
+def test_swap_out_and_in_round_trip() -> None:
+    m = mgr(num_cpu_blocks=4)
+    p = make_seq([1, 2, 3, 4, 5])
+    admit(m, p)
+    c = make_seq([0])
+    c.token_ids = list(p.token_ids)
+    m.fork(p, c)
+    assert m.can_swap_out([p, c])
+    out = m.swap_out([p, c])
+    # Shared blocks move once: 2 device blocks -> 2 CPU blocks, both tables point at them.
+    assert out == [(0, 0), (1, 1)]
+    assert p.block_table == [0, 1] and c.block_table == [0, 1]  # now CPU ids
+    assert m.pool.num_used == 0 and m.num_cpu_blocks_used == 2
+    # Hashed block 0 stays in the prefix cache; unhashed block 1 is plain free.
+    assert m.pool.lru_order() == [0]
+    admit(m, make_seq(list(range(100, 108))), use_cache=False)  # takes 2..3 (free list)
+    back = m.swap_in([p, c])
+    assert [cpu for cpu, _ in back] == [0, 1]
+    new0, new1 = (dev for _, dev in back)
+    assert p.block_table == [new0, new1] == c.block_table
+    assert m.pool.ref[new0] == 2 and m.pool.fill[new1] == 1
+    assert m.num_cpu_blocks_used == 0
+
+
+def test_sliding_window_partial_free() -> None:
+    m = mgr(enable_prefix_caching=False)
+    s = make_seq(list(range(14)))  # blocks 0..3, last holds 2 tokens
+    admit(m, s)
+    # A window of 6 over 14 tokens keeps tokens 8..13: blocks 0 and 1 are wholly outside.
+    assert m.free_leading(s, 14 - 6) == 2
+    assert s.block_table == [-1, -1, 2, 3]
+    assert m.pool.num_used == 2 and m.evicted_tokens == 8
+    assert m.free_leading(s, 8) == 0  # idempotent
+    assert m.slot(s, 13) == 3 * BS + 1
+    m.free(s)
+    assert m.pool.num_used == 0 and m.logical_blocks == 0
+
+
+def test_allocation_fails_cleanly_when_full() -> None:
+    m = mgr(num_blocks=3)
+    a = make_seq(list(range(12)))
+    admit(m, a)
+    d = Demand(a, 1)
+    a.token_ids.append(1)
+    assert not m.can_allocate([d], watermark=False)
+
+
+def test_watermark_holds_back_blocks() -> None:
+    m = PagedKVManager(10, BS, watermark=0.2)
+    s = make_seq(list(range(33)))  # 9 blocks: fits 10, but not with 2 held back
+    d = Demand(s, 33)
+    assert m.can_allocate([d], watermark=False)
+    assert not m.can_allocate([d], watermark=True)
+
+
+def test_admission_error_names_the_fix() -> None:
+    m = mgr(num_blocks=4)
+    msg = m.admission_error(10, 10, 1)
+    assert msg is not None and "cache.kv_budget" in msg
+    assert m.admission_error(8, 8, 1) is None
