@@ -72,6 +72,10 @@ class KVManager(Protocol):
         """Meet a demand that :meth:`can_allocate` accepted; advances nothing else."""
         ...
 
+    def append_slot(self, seq: Sequence) -> int | None:
+        """Decode fast path: a slot for token ``seq.num_computed`` (None: no room)."""
+        ...
+
     def slot(self, seq: Sequence, pos: int) -> int:
         """Physical slot of token ``pos`` of ``seq``."""
         ...

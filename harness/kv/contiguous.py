@@ -171,6 +171,14 @@ class ContiguousKVManager:
         assert end <= seq.kv_capacity, "a contiguous range never grows"
         self._set_fill(seq, end)
 
+    def append_slot(self, seq: Sequence) -> int | None:
+        """Fast path of ``allocate(Demand(seq, 1))``: None when the range is full."""
+        pos = seq.num_computed
+        if not seq.kv_capacity or pos >= seq.kv_capacity:
+            return None
+        self._set_fill(seq, pos + 1)
+        return seq.block_table[0] + pos
+
     def _set_fill(self, seq: Sequence, fill: int) -> None:
         start = seq.block_table[0]
         self._used += fill - self._fills.get(start, 0)

@@ -148,6 +148,26 @@ class PagedKVManager:
         if self.enable_prefix_caching:
             self._register_full_blocks(seq, end)
 
+    def append_slot(self, seq: Sequence) -> int | None:
+        """Fast path of ``allocate(Demand(seq, 1))`` for a decode: the slot of token
+        ``seq.num_computed``, or None when that needs a block and none is free."""
+        pos, bs, pool = seq.num_computed, self.block_size, self.pool
+        off = pos % bs
+        if off:
+            b = seq.block_table[pos // bs]
+            if pool.ref[b] == 1:  # the common case: write in place into our own block
+                pool.used_slots += 1
+                pool.fill[b] = off + 1
+                if pool.ledger is not None:
+                    pool.ledger.fill(b, off + 1)
+                if off + 1 == bs and self.enable_prefix_caching:
+                    self._register_full_blocks(seq, pos + 1)
+                return b * bs + off
+        if pool.num_free == 0:
+            return None
+        self.allocate(Demand(seq, 1))
+        return self.slot(seq, pos)
+
     def _register_full_blocks(self, seq: Sequence, end: int) -> None:
         """Name the blocks that ``end`` tokens fill, so a later prompt (the next turn of a
         conversation re-sending this answer) can hit them."""

@@ -65,6 +65,7 @@ class Scheduler:
         self.swapped: deque[SequenceGroup] = deque()
         self.finished: list[SequenceGroup] = []
         self.rejected: list[SequenceGroup] = []
+        self._just_finished: list[SequenceGroup] = []
         self._next_seq_id = 0
         self._step = 0
         self.num_running_seqs = 0
@@ -130,14 +131,35 @@ class Scheduler:
         self._step += 1
         budget = self.cfg.max_num_batched_tokens
         # Tokens every running decode will need: prefills only get what is left of them.
-        pending_decode = sum(len(g.seqs) for g in self.running if self._is_decoding(g))
+        decoding = [self._is_decoding(g) for g in self.running]
+        pending_decode = sum(len(g.seqs) for g, d in zip(self.running, decoding) if d)
 
         i = 0
         while i < len(self.running):
             g = self.running[i]
+            if decoding[i] and len(g.seqs) == 1:
+                # Fast path (the bulk of every step): one sequence, one token.
+                if budget == 0:
+                    break
+                seq = g.seqs[0]
+                slot = self.kv.append_slot(seq)
+                while slot is None:
+                    victim = self.running[-1]
+                    self._preempt(victim, rec)
+                    if victim is g:
+                        break
+                    slot = self.kv.append_slot(seq)
+                if slot is None:
+                    break
+                rec.seqs.append(ScheduledSeq(seq, seq.num_computed, 1, [slot], True))
+                seq.num_computed += 1
+                rec.num_decode_tokens += 1
+                budget -= 1
+                pending_decode -= 1
+                i += 1
+                continue
             live = g.live_seqs
-            decoding = self._is_decoding(g)
-            if decoding:
+            if decoding[i]:
                 n_tokens = [1] * len(live)
                 if len(live) > budget:
                     break  # out of token budget: the rest decode next step
@@ -153,7 +175,7 @@ class Scheduler:
                 self._commit(d, rec)
             used = sum(n_tokens)
             budget -= used
-            if decoding:
+            if decoding[i]:
                 pending_decode -= used
             i += 1
 
@@ -165,8 +187,13 @@ class Scheduler:
         rec.copies = self.kv.take_copies()
         return rec
 
-    def _is_decoding(self, g: SequenceGroup) -> bool:
-        return all(s.num_uncomputed == 1 for s in g.seqs if s.status is SeqStatus.RUNNING)
+    @staticmethod
+    def _is_decoding(g: SequenceGroup) -> bool:
+        """Every live sequence has exactly its last sampled token left to compute."""
+        seqs = g.seqs
+        if len(seqs) == 1:  # fast path: no generator for the common single-sequence group
+            return len(seqs[0].token_ids) - seqs[0].num_computed == 1
+        return all(s.num_uncomputed == 1 for s in seqs if s.status is SeqStatus.RUNNING)
 
     def _chunks(self, seqs: list[Sequence], budget: int) -> list[int]:
         """Prefill tokens per sequence: whole remainders, or chunks of the budget."""
@@ -308,15 +335,18 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         self.kv.free(seq)
+        if seq.group.is_finished:
+            self._just_finished.append(seq.group)
 
     def append_token(self, seq: Sequence, token: int) -> None:
         """Append a sampled token and stop the sequence if it hit EOS or a length limit."""
-        seq.token_ids.append(token)
+        toks = seq.token_ids
+        toks.append(token)
         p = seq.group.params
-        if not p.ignore_eos and token in self.eos_token_ids or token in p.stop_token_ids:
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             self.finish_seq(seq, "stop")
-        elif (seq.num_output_tokens >= p.max_tokens
-              or seq.num_tokens >= self.cfg.max_model_len):
+        elif (len(toks) - seq.num_prompt_tokens >= p.max_tokens
+              or len(toks) >= self.cfg.max_model_len):
             self.finish_seq(seq, "length")
 
     def update(self, rec: StepRecord, tokens: list[tuple[Sequence, int]]) -> None:
@@ -326,8 +356,11 @@ class Scheduler:
         self.retire_finished(rec)
 
     def retire_finished(self, rec: StepRecord) -> None:
-        done = [g for g in self.running if g.is_finished]
-        for g in done:
-            self.running.remove(g)
-            self.finished.append(g)
-            rec.finished.append(g)
+        """Move groups whose last sequence finished out of ``running``."""
+        if not self._just_finished:
+            return
+        done = {id(g) for g in self._just_finished}
+        self.running = [g for g in self.running if id(g) not in done]
+        self.finished += self._just_finished
+        rec.finished += self._just_finished
+        self._just_finished = []
