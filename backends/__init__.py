@@ -1,1 +1,23 @@
-"""KV backends (installed as ``harness.backends``)."""
+"""KV backends (installed as ``harness.backends``). The registry is explicit: every
+backend is listed here by hand, and an unknown name fails with the known ones."""
+
+from __future__ import annotations
+
+from harness.backends.base import AttentionBatch, CacheSizing, KVBackend, KVLayout, PrefillChunk
+from harness.backends.contiguous import ContiguousBackend
+from harness.backends.paged import PagedBackend
+
+BACKENDS: dict[str, type[KVBackend]] = {
+    "contiguous": ContiguousBackend,
+    "paged": PagedBackend,
+}
+
+
+def get_backend(name: str) -> type[KVBackend]:
+    if name not in BACKENDS:
+        raise ValueError(f"backend {name!r} is not registered; known: {', '.join(BACKENDS)}")
+    return BACKENDS[name]
+
+
+__all__ = ["BACKENDS", "AttentionBatch", "CacheSizing", "KVBackend", "KVLayout",
+           "PrefillChunk", "get_backend"]

@@ -56,6 +56,10 @@ class KVManager(Protocol):
     cow_copies: int
     evicted_tokens: int
 
+    def slots_needed(self, prompt_len: int, max_tokens: int, n: int) -> int:
+        """Slots a request of this shape holds when it has generated ``max_tokens``."""
+        ...
+
     def admission_error(self, prompt_len: int, max_tokens: int, n: int) -> str | None:
         """Why a request of this shape can never fit (None if it can)."""
         ...

@@ -100,6 +100,9 @@ class ContiguousKVManager:
     def _size_for(self, seq: Sequence) -> int:
         return self.reservation_size(seq.num_prompt_tokens, seq.group.params.max_tokens)
 
+    def slots_needed(self, prompt_len: int, max_tokens: int, n: int) -> int:
+        return self.reservation_size(prompt_len, max_tokens) * n
+
     def admission_error(self, prompt_len: int, max_tokens: int, n: int) -> str | None:
         size = self.reservation_size(prompt_len, max_tokens)
         if size * n > self.arena.size:

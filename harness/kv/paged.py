@@ -57,10 +57,14 @@ class PagedKVManager:
         self.swapped_in_blocks = 0
 
     # -- admission -------------------------------------------------------------------
-    def admission_error(self, prompt_len: int, max_tokens: int, n: int) -> str | None:
+    def slots_needed(self, prompt_len: int, max_tokens: int, n: int) -> int:
         bs = self.block_size
         # n samples share the prompt's full blocks and each needs its own tail.
-        need = prompt_len // bs + n * _cdiv(prompt_len % bs + max_tokens, bs)
+        return (prompt_len // bs + n * _cdiv(prompt_len % bs + max_tokens, bs)) * bs
+
+    def admission_error(self, prompt_len: int, max_tokens: int, n: int) -> str | None:
+        bs = self.block_size
+        need = self.slots_needed(prompt_len, max_tokens, n) // bs
         if need > self.pool.num_blocks:
             return (f"needs {need} blocks of {bs} tokens (prompt {prompt_len} + max_tokens "
                     f"{max_tokens}, n={n}) but the whole pool has {self.pool.num_blocks}: "

@@ -306,6 +306,7 @@ class Scheduler:
             del self.waiting[0], self._waiting_keys[0]
             for d, hit in zip(demands, hit_tokens):
                 kv.prefix_query_tokens += d.seq.num_tokens
+                g.prefix_hit_tokens += hit
                 d.seq.status = SeqStatus.RUNNING
                 self._commit(d, rec, hit)
             self.running.append(g)

@@ -101,6 +101,7 @@ class SequenceGroup:
     num_preemptions_swap: int = 0
     num_recomputed_tokens: int = 0
     num_swapped_blocks: int = 0
+    prefix_hit_tokens: int = 0
 
     @property
     def live_seqs(self) -> list[Sequence]:

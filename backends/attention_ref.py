@@ -1,0 +1,43 @@
+"""Plain torch attention over gathered K/V: the reference every backend is checked against.
+
+Shapes follow the backend contract: K/V of one sequence as (ctx, num_kv_heads, head_dim).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                 window: int | None = None, sinks: int = 0) -> torch.Tensor:
+    """Causal attention of a query chunk over its sequence's cached keys.
+
+    q: (n, H, D) at positions ``start .. start+n-1``; k, v: (ctx, KV, D) for positions
+    ``0 .. ctx-1`` with ``ctx >= start + n``. With ``window``, query at position p sees keys
+    in ``(p - window, p]`` plus the first ``sinks`` positions. Returns (n, H, D).
+    """
+    n, ctx = q.shape[0], k.shape[0]
+    qpos = torch.arange(start, start + n, device=q.device).unsqueeze(1)
+    kpos = torch.arange(ctx, device=q.device).unsqueeze(0)
+    mask = kpos <= qpos
+    if window is not None:
+        mask &= (kpos > qpos - window) | (kpos < sinks)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0), attn_mask=mask, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  lens: torch.Tensor) -> torch.Tensor:
+    """One query per sequence over padded keys.
+
+    q: (B, H, D); k, v: (B, L, KV, D) with sequence b valid in ``[0, lens[b])``.
+    Returns (B, H, D).
+    """
+    mask = torch.arange(k.shape[1], device=q.device).unsqueeze(0) < lens.unsqueeze(1)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=mask[:, None, None, :], enable_gqa=True)
+    return out.squeeze(2)

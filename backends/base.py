@@ -1,0 +1,135 @@
+"""The KV backend contract: owns the physical cache tensors and the attention call.
+
+The engine turns each :class:`~harness.sched.step.StepRecord` into an
+:class:`AttentionBatch` (tensors), calls :meth:`KVBackend.apply_cache_ops` and
+:meth:`KVBackend.begin_step`, then runs the model, whose every layer calls
+:meth:`KVBackend.attend`. A backend never decides who runs; it only stores and attends.
+
+Flat batch order: the ``num_decode`` decode tokens (one per sequence) come first, then each
+prefill chunk's tokens in order.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from harness.kv.base import KVManager
+from harness.sched.step import ScheduledSeq, StepRecord
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Shape of what is cached per token: K and V for every layer and KV head."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def elem_bytes(self) -> int:
+        return torch.tensor([], dtype=self.dtype).element_size()
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """``num_tokens`` query tokens at batch rows ``[row, row + num_tokens)``, positions
+    ``[start, start + num_tokens)`` of a sequence whose first ``start`` tokens are cached.
+
+    ``table`` is the sequence's block table (paged) or ``[range_start]`` (contiguous), as an
+    int64 tensor on the cache's device.
+    """
+
+    row: int
+    num_tokens: int
+    start: int
+    table: torch.Tensor
+    sched: ScheduledSeq
+
+
+@dataclass(slots=True)
+class AttentionBatch:
+    """The tensors of one step, as every backend needs them.
+
+    slot_mapping: int64 (T,) cache slot of each new token.
+    decode_tables: int64 (num_decode, max_blocks) block tables padded with 0 (paged), or
+        (num_decode, 1) range starts (contiguous).
+    decode_lens: int64 (num_decode,) context length of each decode including its new token.
+    """
+
+    slot_mapping: torch.Tensor
+    num_decode: int
+    decode_tables: torch.Tensor
+    decode_lens: torch.Tensor
+    decode_seqs: list[ScheduledSeq] = field(default_factory=list)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSizing:
+    """How the run's KV budget became token slots (the same bytes for every backend)."""
+
+    kv_budget_bytes: int
+    bytes_per_slot: int
+    num_slots: int  # token capacity
+    block_size: int
+    num_blocks: int
+    num_cpu_blocks: int
+
+
+class KVBackend(ABC):
+    """Base of every backend. Subclasses set ``name`` and ``storage`` and implement the
+    abstract methods; :mod:`backends.paged_storage` holds the shared paged machinery."""
+
+    name: str = ""
+    storage: str = ""  # "paged" or "contiguous": which KV manager the run uses
+    exact: bool = True  # False for lossy backends (quantized, evicting)
+
+    def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:
+        self.layout = layout
+        self.device = device
+        self.options = options
+        self.batch: AttentionBatch | None = None
+
+    # -- sizing -------------------------------------------------------------------------
+    def bytes_per_slot(self) -> int:
+        """Bytes one token takes in the cache, all layers, K and V (scales included)."""
+        lay = self.layout
+        return 2 * lay.num_layers * lay.num_kv_heads * lay.head_dim * lay.elem_bytes
+
+    @property
+    def kernel(self) -> str:
+        """The attention implementation actually used (part of the run's record)."""
+        return "torch"
+
+    @abstractmethod
+    def allocate(self, sizing: CacheSizing) -> None:
+        """Create the cache tensors for ``sizing`` (device slots, and CPU swap blocks)."""
+
+    @abstractmethod
+    def make_manager(self, sizing: CacheSizing, **options: Any) -> KVManager:
+        """The KV manager (bookkeeping) matching this backend's storage."""
+
+    # -- per step ------------------------------------------------------------------------
+    @abstractmethod
+    def apply_cache_ops(self, rec: StepRecord) -> None:
+        """Perform the step's swaps and copies, in the order StepRecord documents."""
+
+    def begin_step(self, batch: AttentionBatch) -> None:
+        self.batch = batch
+
+    @abstractmethod
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """Store this step's K/V of ``layer``, then attend.
+
+        q: (T, num_heads, head_dim) rotated; k, v: (T, num_kv_heads, head_dim).
+        Returns (T, num_heads, head_dim).
+        """
+
+    def end_step(self, rec: StepRecord) -> None:
+        """Hook after the forward (eviction backends free blocks here)."""

@@ -1,0 +1,66 @@
+"""`contiguous`: each sequence's K/V in one range of slots reserved at admission.
+
+The way serving systems held the cache before paging; kept to measure what paging
+removes. ``backend.reserve`` = ``max`` | ``pow2`` | ``exact`` (harness.kv.contiguous).
+Attention is dense over a view of the sequence's range: no gather, no indirection.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from harness.backends.attention_ref import attend_chunk
+from harness.backends.base import CacheSizing, KVBackend, KVLayout
+from harness.kv.base import KVManager
+from harness.kv.contiguous import POLICIES, ContiguousKVManager
+from harness.sched.step import StepRecord
+
+
+class ContiguousBackend(KVBackend):
+    name = "contiguous"
+    storage = "contiguous"
+
+    def __init__(self, layout: KVLayout, device: torch.device, *, reserve: str = "max",
+                 **options: Any) -> None:
+        super().__init__(layout, device, **options)
+        if reserve not in POLICIES:
+            raise ValueError(f"unknown backend.reserve {reserve!r}; known: "
+                             f"{', '.join(POLICIES)}")
+        self.reserve = reserve
+
+    def allocate(self, sizing: CacheSizing) -> None:
+        lay = self.layout
+        shape = (sizing.num_slots, lay.num_kv_heads, lay.head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=lay.dtype, device=self.device)
+                        for _ in range(lay.num_layers)]
+        self.v_cache = [torch.zeros_like(t) for t in self.k_cache]
+
+    def make_manager(self, sizing: CacheSizing, **options: Any) -> KVManager:
+        return ContiguousKVManager(sizing.num_slots, policy=self.reserve,
+                                   max_model_len=options["max_model_len"])
+
+    def apply_cache_ops(self, rec: StepRecord) -> None:
+        assert not rec.swap_in and not rec.swap_out, "contiguous storage never swaps"
+        for op in rec.copies:
+            for t in (*self.k_cache, *self.v_cache):
+                t[op.dst:op.dst + op.num_slots] = t[op.src:op.src + op.num_slots]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        b = self.batch
+        assert b is not None
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        kc.index_copy_(0, b.slot_mapping, k.to(kc.dtype))
+        vc.index_copy_(0, b.slot_mapping, v.to(vc.dtype))
+        out = torch.empty_like(q)
+        starts = b.decode_tables[:, 0].tolist()
+        lens = b.decode_lens.tolist()
+        for i, (s, n) in enumerate(zip(starts, lens)):
+            out[i:i + 1] = attend_chunk(q[i:i + 1], kc[s:s + n], vc[s:s + n], n - 1)
+        for c in b.prefills:
+            s, n = int(c.table[0]), c.start + c.num_tokens
+            out[c.row:c.row + c.num_tokens] = attend_chunk(
+                q[c.row:c.row + c.num_tokens], kc[s:s + n], vc[s:s + n], c.start)
+        return out

@@ -1,0 +1,75 @@
+"""Shared machinery of every paged backend: the block-shaped cache, stores, copies, swaps.
+
+Cache of one layer: ``(num_blocks, block_size, num_kv_heads, head_dim)`` (flash-attn's
+layout), viewed as ``(num_blocks * block_size, num_kv_heads, head_dim)`` flat slots for
+stores and copies. Subclasses implement only the attention (and, for lossy backends,
+what they store).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from harness.backends.base import CacheSizing, KVBackend
+from harness.kv.base import KVManager
+from harness.kv.paged import PagedKVManager
+from harness.sched.step import StepRecord
+
+
+class PagedStorageBackend(KVBackend):
+    """Paged K/V tensors + the cache operations every paged backend shares."""
+
+    storage = "paged"
+    default_block_size = 16
+
+    def allocate(self, sizing: CacheSizing) -> None:
+        lay = self.layout
+        shape = (sizing.num_blocks, sizing.block_size, lay.num_kv_heads, lay.head_dim)
+        self.block_size = sizing.block_size
+        self.k_cache = [torch.zeros(shape, dtype=lay.dtype, device=self.device)
+                        for _ in range(lay.num_layers)]
+        self.v_cache = [torch.zeros_like(t) for t in self.k_cache]
+        cpu_shape = (sizing.num_cpu_blocks, *shape[1:])
+        self.k_cpu = [torch.zeros(cpu_shape, dtype=lay.dtype) for _ in range(lay.num_layers)]
+        self.v_cpu = [torch.zeros_like(t) for t in self.k_cpu]
+
+    def make_manager(self, sizing: CacheSizing, **options: Any) -> KVManager:
+        return PagedKVManager(sizing.num_blocks, sizing.block_size,
+                              num_cpu_blocks=sizing.num_cpu_blocks, **options)
+
+    def apply_cache_ops(self, rec: StepRecord) -> None:
+        if rec.swap_out:
+            dev = torch.tensor([d for d, _ in rec.swap_out], device=self.device)
+            cpu = torch.tensor([c for _, c in rec.swap_out])
+            for caches, cpus in ((self.k_cache, self.k_cpu), (self.v_cache, self.v_cpu)):
+                for t, c in zip(caches, cpus):
+                    c[cpu] = t[dev].cpu()
+        if rec.swap_in:
+            cpu = torch.tensor([c for c, _ in rec.swap_in])
+            dev = torch.tensor([d for _, d in rec.swap_in], device=self.device)
+            for caches, cpus in ((self.k_cache, self.k_cpu), (self.v_cache, self.v_cpu)):
+                for t, c in zip(caches, cpus):
+                    t[dev] = c[cpu].to(self.device)
+        for op in rec.copies:
+            for t in (*self.k_cache, *self.v_cache):
+                flat = t.view(-1, *t.shape[2:])
+                flat[op.dst:op.dst + op.num_slots] = flat[op.src:op.src + op.num_slots]
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the step's new K/V through the slot mapping. k, v: (T, KV, D)."""
+        assert self.batch is not None
+        slots = self.batch.slot_mapping
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        kc.view(-1, *kc.shape[2:]).index_copy_(0, slots, k.to(kc.dtype))
+        vc.view(-1, *vc.shape[2:]).index_copy_(0, slots, v.to(vc.dtype))
+
+    def gather(self, layer: int, table: torch.Tensor, ctx: int) -> tuple[torch.Tensor,
+                                                                          torch.Tensor]:
+        """K/V of one sequence's first ``ctx`` tokens through its block table.
+        table: int64 (num_blocks,). Returns two (ctx, KV, D) tensors."""
+        nb = -(-ctx // self.block_size)
+        k = self.k_cache[layer][table[:nb]].flatten(0, 1)[:ctx]
+        v = self.v_cache[layer][table[:nb]].flatten(0, 1)[:ctx]
+        return k, v

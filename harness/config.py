@@ -1,0 +1,103 @@
+"""Typed run configuration: dataclasses registered in Hydra's ConfigStore.
+
+Every YAML file under conf/ extends one of these schemas, so a typo in a key fails when
+the config is composed, not halfway through a run. Groups mirror the plugin axes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from harness.workloads.multiturn import MultiturnConfig
+
+
+@dataclass
+class BackendConfig:
+    name: str = "paged"
+    block_size: int = 16  # paged backends; ignored by contiguous
+
+
+@dataclass
+class PagedConfig(BackendConfig):
+    name: str = "paged"
+    kernel: str = "auto"  # auto | torch | triton
+
+
+@dataclass
+class ContiguousConfig(BackendConfig):
+    name: str = "contiguous"
+    reserve: str = "max"  # max | pow2 | exact
+
+
+@dataclass
+class ModelSpec:
+    source: str = "smollm2"  # smollm2 | gguf | hf | a tiny preset (tiny, tiny-bias, ...)
+    path: str | None = None  # a .gguf file or an HF folder; overrides source when set
+    dtype: str = "float32"
+
+
+@dataclass
+class SchedulerSpec:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 1024
+    chunked_prefill: bool = True
+    preemption_mode: str = "recompute"  # recompute | swap
+    policy: str = "fcfs"  # fcfs | priority
+    max_model_len: int = 2048
+
+
+@dataclass
+class CacheSpec:
+    kv_budget: str = "64MiB"  # bytes of K/V on the device, the same for every backend
+    swap_space: str = "0"  # bytes of CPU swap blocks (paged backends, preemption_mode=swap)
+    enable_prefix_caching: bool = True
+    watermark: float = 0.01  # share of blocks kept free at admission
+
+
+@dataclass
+class LoggerSpec:
+    name: str = "none"
+
+
+@dataclass
+class WorkloadSpec:
+    name: str = "multiturn"
+
+
+@dataclass
+class MultiturnSpec(WorkloadSpec, MultiturnConfig):
+    name: str = "multiturn"
+
+
+@dataclass
+class RunConfig:
+    # Any + MISSING: each option of the group brings its own schema (paged, contiguous...).
+    backend: Any = MISSING
+    workload: Any = MISSING
+    model: ModelSpec = field(default_factory=ModelSpec)
+    scheduler: SchedulerSpec = field(default_factory=SchedulerSpec)
+    cache: CacheSpec = field(default_factory=CacheSpec)
+    logger: LoggerSpec = field(default_factory=LoggerSpec)
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    results_dir: str = "results"
+    run_name: str | None = None
+    progress: bool = True  # a progress bar when stdout is a terminal
+    out_dir: str | None = None  # set by the CLI (Hydra's output dir) or by tests
+
+
+def register_configs() -> None:
+    """Put the schemas where conf/*.yaml's defaults lists look for them."""
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    cs.store(group="backend", name="paged_schema", node=PagedConfig)
+    cs.store(group="backend", name="contiguous_schema", node=ContiguousConfig)
+    cs.store(group="workload", name="multiturn_schema", node=MultiturnSpec)
+    cs.store(group="model", name="model_schema", node=ModelSpec)
+    cs.store(group="scheduler", name="scheduler_schema", node=SchedulerSpec)
+    cs.store(group="cache", name="cache_schema", node=CacheSpec)
+    cs.store(group="logger", name="logger_schema", node=LoggerSpec)

@@ -1,0 +1,115 @@
+"""The engine loop: schedule -> cache ops -> forward -> sample -> update -> metrics."""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable
+
+import torch
+
+from harness.backends.base import KVBackend
+from harness.engine.batch import build_inputs
+from harness.engine.sampler import Sampler
+from harness.metrics.collector import MetricsCollector
+from harness.model.llama import LlamaModel
+from harness.sched.scheduler import Scheduler
+from harness.sched.sequence import Sequence, SequenceGroup
+from harness.workloads.base import Request, Workload
+
+ProgressFn = Callable[[int, int, float], None]  # (requests done, total known, tokens/s)
+
+
+class Engine:
+    """Runs one workload to completion on one model, backend and scheduler."""
+
+    def __init__(self, model: LlamaModel, backend: KVBackend, scheduler: Scheduler,
+                 sampler: Sampler, metrics: MetricsCollector, device: torch.device) -> None:
+        self.model = model
+        self.backend = backend
+        self.scheduler = scheduler
+        self.sampler = sampler
+        self.metrics = metrics
+        self.device = device
+
+    def run(self, workload: Workload, progress: ProgressFn | None = None) -> float:
+        """Serve every request of ``workload``; returns the wall time in seconds.
+
+        Arrival times are honoured on the wall clock: a request is handed to the scheduler
+        only once it has arrived, and an idle engine sleeps until the next arrival.
+        """
+        sch, col = self.scheduler, self.metrics
+        start = time.perf_counter()
+        pending: list[tuple[float, int, Request]] = []
+        for r in workload.initial_requests():
+            heapq.heappush(pending, (r.arrival_s, r.request_id, r))
+        total, done, out_tokens = len(pending), 0, 0
+        while pending or sch.has_unfinished:
+            now = time.perf_counter() - start
+            while pending and pending[0][0] <= now:
+                arrival, _, req = heapq.heappop(pending)
+                g = req.to_group(arrival)
+                col.on_arrival(g, arrival)
+                if not sch.add(g):
+                    done += 1
+            if not sch.has_unfinished:
+                if pending:
+                    time.sleep(max(0.0, pending[0][0] - (time.perf_counter() - start)))
+                continue
+            t0 = time.perf_counter()
+            rec = sch.schedule()
+            self.backend.apply_cache_ops(rec)
+            if rec.is_empty:
+                if not (rec.preempted or sch.running or sch.swapped):
+                    raise RuntimeError(
+                        "the scheduler cannot admit any waiting request although nothing "
+                        "runs: the KV budget is below one request's need plus the watermark; "
+                        "raise cache.kv_budget")
+                continue
+            inputs = build_inputs(rec, sch.kv.block_size, self.device)
+            self.backend.begin_step(inputs.attn)
+            tf = time.perf_counter()
+            with torch.inference_mode():
+                logits = self.model(inputs.input_ids, inputs.positions, self.backend.attend,
+                                    inputs.logits_rows)
+            forward_s = time.perf_counter() - tf
+            tokens = self._sample(logits, [s.seq for s in inputs.samplers])
+            sch.kv.ledger.now += 1  # blocks freed by this step's finishes were held 1 step
+            sch.update(rec, tokens)
+            self.backend.end_step(rec)
+            t_end = time.perf_counter()
+            col.on_tokens(rec, [seq.group for seq, _ in tokens], t_end - start)
+            col.on_step(rec, t0, t_end, forward_s, start)
+            out_tokens += len(tokens)
+            for g in rec.finished:
+                done += 1
+                self._forget(g)
+                for r in workload.on_finished(g):
+                    arrival = (t_end - start) + r.arrival_s
+                    heapq.heappush(pending, (arrival, r.request_id, r))
+                    total += 1
+            if progress is not None:
+                progress(done, total, out_tokens / max(t_end - start, 1e-9))
+        return time.perf_counter() - start
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
+        """Next token per sampling sequence; a request with n > 1 forks its samples
+        right after its prompt (they share the prompt's blocks) and each draws its own."""
+        rows: list[int] = []
+        owners: list[Sequence] = []
+        for i, seq in enumerate(seqs):
+            g = seq.group
+            rows.append(i)
+            owners.append(seq)
+            if g.params.n > 1 and len(g.seqs) == 1:
+                for _ in range(g.params.n - 1):
+                    rows.append(i)
+                    owners.append(self.scheduler.fork(seq))
+        if not owners:
+            return []
+        picked = self.sampler.sample(logits[rows], owners)
+        return list(zip(owners, picked))
+
+    def _forget(self, g: SequenceGroup) -> None:
+        for s in g.seqs:
+            self.sampler.forget(s)

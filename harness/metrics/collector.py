@@ -1,0 +1,100 @@
+"""Per-step and per-request measurements, taken from the allocator and the clock.
+
+Rows are appended as the run goes; :func:`harness.metrics.summary.summarize` turns them
+into DESIGN.md's metrics.json keys at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from harness.kv.base import KVManager
+from harness.sched.scheduler import Scheduler
+from harness.sched.sequence import SequenceGroup
+from harness.sched.step import StepRecord
+
+
+@dataclass(slots=True)
+class StepRow:
+    step: int
+    time_s: float  # since the run started
+    step_ms: float
+    forward_ms: float
+    overhead_ms: float  # step_ms - forward_ms: scheduling, batching, sampling, bookkeeping
+    batch_tokens: int
+    prefill_tokens: int
+    decode_tokens: int
+    num_seqs: int
+    running: int
+    waiting: int
+    swapped: int
+    reserved_bytes: int
+    used_bytes: int
+    free_blocks: int
+    cached_free_blocks: int
+    shared_blocks: int
+    logical_blocks: int
+    held_blocks: int
+    external_frag_bytes: int
+    preempted: int
+    finished: int
+
+
+@dataclass(slots=True)
+class RequestTimes:
+    arrival: float
+    first_scheduled: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished: float | None = None
+
+
+class MetricsCollector:
+    """Collects rows; knows the byte size of a slot to report bytes."""
+
+    def __init__(self, kv: KVManager, scheduler: Scheduler, bytes_per_slot: int) -> None:
+        self.kv = kv
+        self.scheduler = scheduler
+        self.bytes_per_slot = bytes_per_slot
+        self.steps: list[StepRow] = []
+        self.requests: dict[int, RequestTimes] = {}
+        self.groups: dict[int, SequenceGroup] = {}
+
+    def on_arrival(self, group: SequenceGroup, now: float) -> None:
+        self.requests[group.request_id] = RequestTimes(arrival=now)
+        self.groups[group.request_id] = group
+
+    def on_tokens(self, rec: StepRecord, sampled_groups: list[SequenceGroup],
+                  now: float) -> None:
+        for s in rec.seqs:
+            t = self.requests[s.seq.group.request_id]
+            if t.first_scheduled is None:
+                t.first_scheduled = now
+        # One token event per group per step: for n > 1 the samples advance together.
+        seen: set[int] = set()
+        for g in sampled_groups:
+            if g.request_id not in seen:
+                seen.add(g.request_id)
+                self.requests[g.request_id].token_times.append(now)
+        for g in rec.finished:
+            self.requests[g.request_id].finished = now
+
+    def on_step(self, rec: StepRecord, t_start: float, t_end: float, forward_s: float,
+                run_start: float) -> None:
+        kv, sch, bps = self.kv, self.scheduler, self.bytes_per_slot
+        u = kv.usage()
+        ext = kv.external_fragmentation(sch.next_waiting_need())
+        kv.ledger.add_external(ext)
+        held = u.reserved_slots // kv.block_size if kv.block_size > 1 else 0
+        step_ms = (t_end - t_start) * 1e3
+        self.steps.append(StepRow(
+            step=rec.step, time_s=t_end - run_start, step_ms=step_ms,
+            forward_ms=forward_s * 1e3, overhead_ms=step_ms - forward_s * 1e3,
+            batch_tokens=rec.num_tokens, prefill_tokens=rec.num_prefill_tokens,
+            decode_tokens=rec.num_decode_tokens, num_seqs=len(rec.seqs),
+            running=sch.num_running_seqs, waiting=len(sch.waiting), swapped=len(sch.swapped),
+            reserved_bytes=u.reserved_slots * bps, used_bytes=u.used_slots * bps,
+            free_blocks=u.free_blocks, cached_free_blocks=u.cached_free_blocks,
+            shared_blocks=u.shared_blocks, logical_blocks=u.logical_blocks, held_blocks=held,
+            external_frag_bytes=ext * bps, preempted=len(rec.preempted),
+            finished=len(rec.finished),
+        ))

@@ -1,0 +1,106 @@
+"""DESIGN.md's metrics.json keys, computed from what the run recorded."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from harness.metrics.collector import MetricsCollector
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(xs, q)) if xs else None
+
+
+def request_rows(col: MetricsCollector) -> list[dict[str, Any]]:
+    """One row per request for requests.csv (latencies in ms, relative to arrival)."""
+    rows = []
+    for rid, t in col.requests.items():
+        g = col.groups[rid]
+        out_tokens = sum(s.num_output_tokens for s in g.seqs)
+        ttft = (t.token_times[0] - t.arrival) * 1e3 if t.token_times else None
+        itls = [(b - a) * 1e3 for a, b in zip(t.token_times, t.token_times[1:])]
+        e2e = (t.finished - t.arrival) * 1e3 if t.finished is not None else None
+        best = g.seqs[0] if g.seqs else None
+        rows.append({
+            "request_id": rid,
+            "status": ("rejected" if g.rejected_reason else
+                       "finished" if t.finished is not None else "unfinished"),
+            "rejected_reason": g.rejected_reason or "",
+            "arrival_s": t.arrival,
+            "prompt_tokens": len(g.prompt_ids),
+            "output_tokens": out_tokens,
+            "num_seqs": len(g.seqs),
+            "ttft_ms": ttft,
+            "tpot_ms": float(np.mean(itls)) if itls else None,
+            "itl_ms_max": max(itls) if itls else None,
+            "e2e_ms": e2e,
+            "prefix_hit_tokens": g.prefix_hit_tokens,
+            "preemptions_recompute": g.num_preemptions_recompute,
+            "preemptions_swap": g.num_preemptions_swap,
+            "recomputed_tokens": g.num_recomputed_tokens,
+            "finish_reason": best.finish_reason if best else "",
+            "output_ids": " ".join(map(str, best.output_ids)) if best else "",
+        })
+    return rows
+
+
+def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: int,
+              token_capacity: int, wall_s: float) -> dict[str, Any]:
+    """The flat, dotted summary (metrics.json). Call after the ledger is finished."""
+    kv, sch = col.kv, col.scheduler
+    reqs = request_rows(col)
+    done = [r for r in reqs if r["status"] == "finished"]
+    out_tokens = sum(r["output_tokens"] for r in done)
+    prompt_tokens = sum(r["prompt_tokens"] for r in done)
+    ttft = [r["ttft_ms"] for r in done if r["ttft_ms"] is not None]
+    e2e = [r["e2e_ms"] for r in done if r["e2e_ms"] is not None]
+    itl: list[float] = []
+    for rid, t in col.requests.items():
+        itl += [(b - a) * 1e3 for a, b in zip(t.token_times, t.token_times[1:])]
+    tot = kv.ledger.totals
+    denom = tot.reserved + tot.external
+    steps = col.steps
+    m: dict[str, Any] = {f"run.{k}": v for k, v in run_info.items()}
+    m.update({
+        "throughput.output_tokens_per_s": out_tokens / wall_s if wall_s else 0.0,
+        "throughput.total_tokens_per_s": (out_tokens + prompt_tokens) / wall_s if wall_s else 0.0,
+        "throughput.requests_per_s": len(done) / wall_s if wall_s else 0.0,
+        "latency.ttft_ms.p50": _pct(ttft, 50), "latency.ttft_ms.p90": _pct(ttft, 90),
+        "latency.ttft_ms.p99": _pct(ttft, 99),
+        "latency.itl_ms.p50": _pct(itl, 50), "latency.itl_ms.p90": _pct(itl, 90),
+        "latency.itl_ms.p99": _pct(itl, 99),
+        "latency.e2e_ms.p50": _pct(e2e, 50), "latency.e2e_ms.p99": _pct(e2e, 99),
+        "memory.kv_budget_bytes": kv_budget_bytes,
+        "memory.token_capacity": token_capacity,
+        "memory.peak_reserved_bytes": max((s.reserved_bytes for s in steps), default=0),
+        "memory.peak_used_bytes": max((s.used_bytes for s in steps), default=0),
+        # Time-averaged over steps, as the ledger integrates them (harness.kv.ledger).
+        "memory.waste_pct": 100.0 * (1 - tot.used / denom) if denom else 0.0,
+        "memory.reservation_pct": 100.0 * tot.reservation / denom if denom else 0.0,
+        "memory.internal_frag_pct": 100.0 * tot.internal / denom if denom else 0.0,
+        "memory.external_frag_pct": 100.0 * tot.external / denom if denom else 0.0,
+        "memory.max_running_seqs": max((s.running for s in steps), default=0),
+        "cache.prefix_hit_rate": (kv.prefix_hit_tokens / kv.prefix_query_tokens
+                                  if kv.prefix_query_tokens else 0.0),
+        "cache.prefill_tokens_computed": sum(s.prefill_tokens for s in steps),
+        "cache.prefill_tokens_saved": kv.prefix_hit_tokens,
+        "cache.cow_copies": kv.cow_copies,
+        "cache.evicted_tokens": kv.evicted_tokens,
+        "sched.steps": len(steps),
+        "sched.preemptions_recompute": sch.preemptions_recompute,
+        "sched.preemptions_swap": sch.preemptions_swap,
+        "sched.recomputed_tokens": sch.recomputed_tokens,
+        "sched.swapped_bytes": getattr(kv, "swapped_out_blocks", 0) * kv.block_size
+        * col.bytes_per_slot,
+        "requests.finished": len(done),
+        "requests.rejected": sum(1 for r in reqs if r["status"] == "rejected"),
+        "engine.step_ms_mean": float(np.mean([s.step_ms for s in steps])) if steps else 0.0,
+        "engine.overhead_ms_mean": (float(np.mean([s.overhead_ms for s in steps]))
+                                    if steps else 0.0),
+        "engine.overhead_pct": (100.0 * sum(s.overhead_ms for s in steps)
+                                / sum(s.step_ms for s in steps)) if steps else 0.0,
+        "engine.wall_s": wall_s,
+    })
+    return m

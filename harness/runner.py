@@ -1,0 +1,162 @@
+"""``run(cfg) -> RunResult``: one run of kvbench, callable from tests and from the CLI."""
+
+from __future__ import annotations
+
+import datetime as dt
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from harness.backends import get_backend
+from harness.backends.base import KVLayout
+from harness.engine.engine import Engine
+from harness.engine.sampler import Sampler
+from harness.metrics.collector import MetricsCollector
+from harness.metrics.summary import request_rows, summarize
+from harness.model import load_model
+from harness.results import write_results
+from harness.sched.scheduler import Scheduler, SchedulerConfig
+from harness.sizing import min_budget_for, size_cache
+from harness.units import format_bytes
+from harness.workloads import make_workload
+
+
+@dataclass
+class RunResult:
+    metrics: dict[str, Any]
+    requests: list[dict[str, Any]]
+    out_dir: Path | None
+    outputs: dict[int, list[int]]  # request id -> output ids of its first sequence
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=Path(__file__).parent, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _progress(enabled: bool):  # type: ignore[no-untyped-def]
+    if not (enabled and sys.stderr.isatty()):
+        return None
+
+    def show(done: int, total: int, tps: float) -> None:
+        sys.stderr.write(f"\r  requests {done}/{total}   {tps:7.1f} tok/s ")
+        sys.stderr.flush()
+    return show
+
+
+def run(cfg: DictConfig | dict[str, Any]) -> RunResult:
+    """Compose nothing, just run: ``cfg`` is a composed config (see harness.config)."""
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.create(cfg)
+    torch.manual_seed(cfg.seed)
+    device = _device(cfg.device)
+    started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+
+    loaded = load_model(cfg.model.source, cfg.model.path, cfg.model.dtype, device)
+    mc = loaded.config
+    layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                      next(loaded.model.parameters()).dtype)
+    bopts = {k: v for k, v in OmegaConf.to_container(cfg.backend).items()  # type: ignore[union-attr]
+             if k not in ("name", "block_size")}
+    backend = get_backend(cfg.backend.name)(layout, device, **bopts)
+    sizing = size_cache(backend, cfg.cache.kv_budget, cfg.cache.swap_space,
+                        cfg.backend.get("block_size", 16))
+    sc = cfg.scheduler
+    max_model_len = min(sc.max_model_len, mc.max_position_embeddings)
+    kv_opts: dict[str, Any] = ({"enable_prefix_caching": cfg.cache.enable_prefix_caching,
+                                "watermark": cfg.cache.watermark}
+                               if backend.storage == "paged" else {"max_model_len": max_model_len})
+    kv = backend.make_manager(sizing, **kv_opts)
+    sched = Scheduler(SchedulerConfig(sc.max_num_seqs, sc.max_num_batched_tokens,
+                                      sc.chunked_prefill, sc.preemption_mode, sc.policy,
+                                      max_model_len), kv, tuple(loaded.tokenizer.eos_ids))
+    workload = make_workload(OmegaConf.to_container(cfg.workload), loaded.tokenizer)  # type: ignore[arg-type]
+    _check_budget(workload.initial_requests(), kv, backend, sizing, cfg)
+    backend.allocate(sizing)
+
+    collector = MetricsCollector(kv, sched, sizing.bytes_per_slot)
+    engine = Engine(loaded.model, backend, sched, Sampler(cfg.seed), collector, device)
+    wall = engine.run(workload, _progress(cfg.get("progress", True)))
+    if sys.stderr.isatty() and cfg.get("progress", True):
+        sys.stderr.write("\n")
+    kv.ledger.finish()
+
+    run_info = {
+        "backend": cfg.backend.name, "workload": cfg.workload.name,
+        "model": loaded.description, "kernel": backend.kernel, "device": str(device),
+        "seed": cfg.seed, "git_sha": _git_sha(), "started_at": started,
+        "dtype": str(layout.dtype).removeprefix("torch."),
+        "block_size": sizing.block_size,
+    }
+    metrics = summarize(collector, run_info, sizing.kv_budget_bytes, sizing.num_slots, wall)
+    rows = request_rows(collector)
+    out_dir = Path(cfg.out_dir) if cfg.get("out_dir") else None
+    if out_dir is not None:
+        write_results(out_dir, OmegaConf.to_yaml(cfg, resolve=True), metrics,
+                      collector.steps, rows)
+    outputs = {rid: g.seqs[0].output_ids for rid, g in collector.groups.items() if g.seqs}
+    return RunResult(metrics, rows, out_dir, outputs)
+
+
+def _check_budget(requests: list[Any], kv: Any, backend: Any, sizing: Any,
+                  cfg: DictConfig) -> None:
+    """Fail at start, with the budget that would work, if no request can ever fit."""
+    if not requests:
+        return
+    needs = [kv.slots_needed(len(r.prompt_ids), r.params.max_tokens, r.params.n)
+             for r in requests]
+    if min(needs) <= sizing.num_slots * (1 - cfg.cache.watermark):
+        return
+    want = min_budget_for(backend, sizing, max(needs), cfg.cache.watermark)
+    raise ValueError(
+        f"cache.kv_budget={format_bytes(sizing.kv_budget_bytes)} holds "
+        f"{sizing.num_slots} tokens for backend {cfg.backend.name}, but the smallest "
+        f"request needs {min(needs)}: set cache.kv_budget={want} ({format_bytes(want)}) "
+        f"or more to run this workload")
+
+
+def print_summary(m: dict[str, Any], out_dir: Path | None) -> None:
+    """A short table on the terminal at the end of a run."""
+    def f(key: str, fmt: str = "{:.1f}") -> str:
+        v = m.get(key)
+        return "-" if v is None else fmt.format(v)
+
+    lines = [
+        ("backend / workload", f"{m['run.backend']} / {m['run.workload']} "
+                               f"(kernel {m['run.kernel']}, {m['run.device']})"),
+        ("requests finished / rejected", f"{m['requests.finished']} / {m['requests.rejected']}"),
+        ("output tokens/s", f("throughput.output_tokens_per_s")),
+        ("TTFT p50 / p99 (ms)", f"{f('latency.ttft_ms.p50')} / {f('latency.ttft_ms.p99')}"),
+        ("ITL p50 / p99 (ms)", f"{f('latency.itl_ms.p50')} / {f('latency.itl_ms.p99')}"),
+        ("KV token capacity", f"{m['memory.token_capacity']}"),
+        ("KV waste % (reservation / internal / external)",
+         f"{f('memory.waste_pct')} ({f('memory.reservation_pct')} / "
+         f"{f('memory.internal_frag_pct')} / {f('memory.external_frag_pct')})"),
+        ("max running seqs", f"{m['memory.max_running_seqs']}"),
+        ("prefix hit rate", f("cache.prefix_hit_rate", "{:.3f}")),
+        ("preemptions (recompute / swap)",
+         f"{m['sched.preemptions_recompute']} / {m['sched.preemptions_swap']}"),
+        ("engine overhead % of step", f("engine.overhead_pct")),
+        ("wall time (s)", f("engine.wall_s")),
+    ]
+    width = max(len(k) for k, _ in lines)
+    print()
+    for k, v in lines:
+        print(f"  {k:<{width}}  {v}")
+    if out_dir is not None:
+        print(f"\n  results: {out_dir}")

@@ -1,0 +1,33 @@
+"""From a KV budget in bytes to token slots and blocks: the same bytes for every backend."""
+
+from __future__ import annotations
+
+from harness.backends.base import CacheSizing, KVBackend
+from harness.units import format_bytes, parse_bytes
+
+
+def size_cache(backend: KVBackend, kv_budget: str | int, swap_space: str | int,
+               block_size: int) -> CacheSizing:
+    """Token capacity = budget // bytes per token; paged backends round down to blocks."""
+    budget = parse_bytes(kv_budget)
+    bps = backend.bytes_per_slot()
+    bs = block_size if backend.storage == "paged" else 1
+    if bs < 1:
+        raise ValueError(f"backend.block_size must be >= 1, got {block_size}")
+    num_blocks = budget // (bps * bs)
+    if num_blocks < 1:
+        raise ValueError(f"cache.kv_budget={format_bytes(budget)} holds no {bs}-token block "
+                         f"({format_bytes(bps * bs)} each): raise cache.kv_budget")
+    num_cpu_blocks = parse_bytes(swap_space) // (bps * bs)
+    return CacheSizing(kv_budget_bytes=budget, bytes_per_slot=bps,
+                       num_slots=num_blocks * bs, block_size=bs, num_blocks=num_blocks,
+                       num_cpu_blocks=num_cpu_blocks)
+
+
+def min_budget_for(backend: KVBackend, sizing: CacheSizing, slots_needed: int,
+                   watermark: float) -> int:
+    """Smallest budget (bytes) whose pool holds ``slots_needed`` plus the watermark."""
+    bs = sizing.block_size
+    blocks = -(-slots_needed // bs)
+    blocks = int(blocks / (1 - watermark)) + 1 if watermark else blocks
+    return blocks * bs * sizing.bytes_per_slot

@@ -1,0 +1,40 @@
+"""What a workload is: requests with arrival times, and follow-ups when one finishes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from harness.sched.sequence import SamplingParams, SequenceGroup
+
+
+@dataclass(slots=True)
+class Request:
+    """One request: its prompt, how to sample it and when it arrives (seconds from the
+    run's start, or from the finish of the request it follows)."""
+
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_s: float = 0.0
+    priority: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_group(self, arrival_time: float) -> SequenceGroup:
+        return SequenceGroup(self.request_id, list(self.prompt_ids), self.params,
+                             arrival_time=arrival_time, priority=self.priority)
+
+
+class Workload(Protocol):
+    """A seeded, reproducible source of requests."""
+
+    name: str
+
+    def initial_requests(self) -> list[Request]:
+        """Requests known at the start, arrival_s relative to the run's start."""
+        ...
+
+    def on_finished(self, group: SequenceGroup) -> list[Request]:
+        """Follow-ups of a finished request (the next turn of a conversation); their
+        arrival_s is relative to now."""
+        ...
