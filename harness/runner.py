@@ -65,6 +65,8 @@ def run(cfg: DictConfig | dict[str, Any]) -> RunResult:
         cfg = OmegaConf.create(cfg)
     torch.manual_seed(cfg.seed)
     device = _device(cfg.device)
+    if device.type == "cpu" and cfg.get("cpu_threads", 0) > 0:
+        torch.set_num_threads(cfg.cpu_threads)
     started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
     loaded = load_model(cfg.model.source, cfg.model.path, cfg.model.dtype, device)

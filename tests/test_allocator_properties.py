@@ -346,11 +346,11 @@ class PagedEvictionMachine(PagedMachine):
     CACHING = False
 
     @precondition(lambda self: any(g.seqs for g in self._device_groups()))
-    @rule(i=pick, keep=st.integers(0, 13))
-    def free_leading(self, i: int, keep: int) -> None:
+    @rule(i=pick, upto=st.integers(0, 16))
+    def free_leading(self, i: int, upto: int) -> None:
         _, seq = self._pick_seq(i)
         m = self.m
-        upto = max(0, seq.num_computed - keep)
+        upto = min(upto, seq.num_computed)  # a window never reaches past computed tokens
         before = seq.num_evicted_blocks
         used_before, evicted_before = m.pool.num_used, m.evicted_tokens
         freed = m.free_leading(seq, upto)
@@ -426,7 +426,15 @@ class ContiguousMachine(RuleBasedStateMachine):
     @rule(i=pick, token=st.integers(0, 2), chunk=st.integers(1, 6))
     def compute(self, i: int, token: int, chunk: int) -> None:
         _, seq = self._pick_seq(i)
+        if seq.num_computed == seq.kv_capacity:
+            # A range never grows: a full one refuses one more slot whatever is free.
+            assert not self.m.can_allocate([Demand(seq, 1)], watermark=False)
         if seq.num_uncomputed == 0:
+            # The scheduler stops a sequence at prompt + max_tokens (or max_model_len), so
+            # its tokens never outnumber its reservation; past that it can only finish.
+            limit = min(seq.num_prompt_tokens + seq.group.params.max_tokens, MAX_LEN)
+            if seq.num_tokens >= limit:
+                return
             seq.token_ids.append(token)
         n = min(chunk, seq.num_uncomputed)
         fits = seq.num_computed + n <= seq.kv_capacity

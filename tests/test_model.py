@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import math
 import os
-import re
-from itertools import pairwise
 import pydoc_data.topics
+import re
 from dataclasses import replace
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -138,8 +138,13 @@ def test_rope_matches_a_direct_rotation_of_each_pair() -> None:
 @pytest.mark.parametrize(
     "params",
     [
-        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 8192},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
         {"rope_type": "linear", "factor": 4.0},
     ],
 )
@@ -148,8 +153,13 @@ def test_scaled_inverse_frequencies_equal_transformers(params: dict[str, object]
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     rope_parameters = {"rope_theta": 500000.0, **params}
-    cfg = LlamaConfig(hidden_size=4096, num_attention_heads=32, head_dim=128,
-                      max_position_embeddings=131072, rope_parameters=rope_parameters)
+    cfg = LlamaConfig(
+        hidden_size=4096,
+        num_attention_heads=32,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rope_parameters=rope_parameters,
+    )
     theirs, _ = ROPE_INIT_FUNCTIONS[str(params["rope_type"])](cfg, "cpu")
     assert torch.equal(inverse_frequencies(128, 500000.0, dict(params)), theirs)
 
@@ -159,8 +169,10 @@ def test_unpermute_qk_inverts_llama_cpp_permutation() -> None:
 
     # llama.cpp's convert_hf_to_gguf.py LlamaModel.permute, applied to HF-order rows.
     def permute(w: np.ndarray, n_head: int) -> np.ndarray:
-        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
-            w.shape
+        return (
+            w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(w.shape)
         )
 
     w = np.arange(3 * 8 * 5, dtype=np.float32).reshape(24, 5)

@@ -21,6 +21,7 @@ AttentionFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 """``attn(layer_idx, q (T, n_heads, hd), k (T, n_kv, hd), v (T, n_kv, hd)) -> (T, n_heads, hd)``.
 
 q and k are already rotated. The callee stores k/v and attends with scale 1/sqrt(hd).
+v (and q/k on some paths) may be a non-contiguous view: copy it, do not ``.view`` it.
 """
 
 
@@ -84,7 +85,10 @@ class LlamaModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed.device
 
-    @torch.inference_mode()
+    # no_grad, not inference_mode: tensors a backend allocates inside attn() would become
+    # inference tensors, and the engine's later in-place writes to them outside inference
+    # mode (block copies, say) would raise. Callers may still wrap the call in inference_mode.
+    @torch.no_grad()
     def forward(
         self,
         input_ids: Tensor,
@@ -130,7 +134,7 @@ class LlamaModel(nn.Module):
 
     # ---- weights in Hugging Face naming -------------------------------------------------
 
-    def _targets(self) -> Iterator[tuple[str, Tensor]]:
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """(HF name, destination view) for every weight, fused tensors split into views."""
         c = self.config
         yield "model.embed_tokens.weight", self.embed
@@ -162,7 +166,7 @@ class LlamaModel(nn.Module):
         Extra ``lm_head.weight`` of a tied model and stale ``rotary_emb.inv_freq`` buffers are
         ignored; any other unknown name, a wrong shape or a missing weight is a ValueError.
         """
-        targets = dict(self._targets())
+        targets = dict(self.named_weights())
         missing = set(targets)
         for name, tensor in weights:
             if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
@@ -179,4 +183,4 @@ class LlamaModel(nn.Module):
 
     def hf_state_dict(self) -> dict[str, Tensor]:
         """Weights under Hugging Face names, as contiguous copies (for safetensors)."""
-        return {name: t.detach().clone().contiguous() for name, t in self._targets()}
+        return {name: t.detach().clone().contiguous() for name, t in self.named_weights()}

@@ -17,16 +17,34 @@ _VOCAB = ByteTokenizer().vocab_size
 TINY_PRESETS: dict[str, ModelConfig] = {
     # GQA with 2 query heads per KV head, tied embeddings: the SmolLM2 shape, shrunk.
     "tiny": ModelConfig(
-        name="tiny", vocab_size=_VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
-        max_position_embeddings=4096, bos_token_id=ByteTokenizer.BOS,
+        name="tiny",
+        vocab_size=_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        bos_token_id=ByteTokenizer.BOS,
         eos_token_ids=[ByteTokenizer.EOS],
     ),
     # Qwen2-like: q/k/v bias, untied head, odd head count, q_size (48) != hidden (64).
     "tiny-bias": ModelConfig(
-        name="tiny-bias", vocab_size=_VOCAB, hidden_size=64, intermediate_size=96, num_layers=2,
-        num_heads=3, num_kv_heads=1, head_dim=16, rope_theta=10000.0, attention_bias=True,
-        tie_word_embeddings=False, max_position_embeddings=4096, bos_token_id=ByteTokenizer.BOS,
+        name="tiny-bias",
+        vocab_size=_VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=3,
+        num_kv_heads=1,
+        head_dim=16,
+        rope_theta=10000.0,
+        attention_bias=True,
+        tie_word_embeddings=False,
+        max_position_embeddings=4096,
+        bos_token_id=ByteTokenizer.BOS,
         eos_token_ids=[ByteTokenizer.EOS],
     ),
 }
@@ -45,7 +63,7 @@ def random_weights(model: LlamaModel, seed: int = 0) -> dict[str, Tensor]:
     """
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, Tensor] = {}
-    for name, dst in model._targets():
+    for name, dst in model.named_weights():
         shape = tuple(dst.shape)
         if name == "model.norm.weight":
             # Zero-mean on purpose: with a tied head the logit of the current token contains

@@ -33,8 +33,9 @@ class Tokenizer(Protocol):
         """Prompt ids for a conversation, ending with the assistant's turn to speak."""
         ...
 
-    def render_chat(self, messages: list[dict[str, str]],
-                    add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
         """The conversation as the model's chat template writes it (text, specials kept)."""
         ...
 
@@ -77,8 +78,9 @@ class ByteTokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         return self.encode(plain_chat_text(messages), add_bos=True)
 
-    def render_chat(self, messages: list[dict[str, str]],
-                    add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
         return plain_chat_text(messages, add_generation_prompt)
 
     def token_text(self, token_id: int) -> str:
@@ -177,13 +179,15 @@ class HFTokenizer:
         ids: list[int] = self.tok.encode(self.render_chat(messages), add_special_tokens=False)
         return ids
 
-    def render_chat(self, messages: list[dict[str, str]],
-                    add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
         if not getattr(self.tok, "chat_template", None):
             return plain_chat_text(messages, add_generation_prompt)
         # Render to text: the return type of tokenize=True changed across versions.
-        text = self.tok.apply_chat_template(messages, tokenize=False,
-                                            add_generation_prompt=add_generation_prompt)
+        text = self.tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
         assert isinstance(text, str), type(text)
         return text
 
