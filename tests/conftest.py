@@ -9,3 +9,35 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
+
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import harness.model as hm  # noqa: E402
+from harness.model import load_model  # noqa: E402
+
+# The default model is loaded once per session: our loader (~5 s) and transformers' (~10 s).
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> hm.LoadedModel:
+    try:
+        hm.default_gguf_path()
+    except ValueError as e:
+        pytest.skip(f"SmolLM2 GGUF not installed: {e}")
+    return load_model("smollm2", dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers() -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        path = hm.default_gguf_path()
+    except ValueError as e:
+        pytest.skip(f"SmolLM2 GGUF not installed: {e}")
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval()

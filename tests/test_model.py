@@ -211,7 +211,10 @@ def test_byte_tokenizer_round_trip_and_plain_chat() -> None:
     assert ids[0] == tok.bos_id and max(ids) < tok.vocab_size
     assert tok.decode(ids) == text and tok.encode(text, add_bos=False) == ids[1:]
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}])
-    assert tok.decode(chat) == "user: hi\nassistant:"
+    assert tok.decode(chat) == "user: hi\nassistant: "
+    assert tok.render_chat([{"role": "user", "content": "hi"}], add_generation_prompt=False) == (
+        "user: hi\n"
+    )
 
 
 def test_missing_default_model_says_how_to_fix(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -234,29 +237,6 @@ def test_unknown_source_lists_known_ones() -> None:
 
 
 # ---- the default model: SmolLM2-135M-Instruct GGUF -----------------------------------------
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> hm.LoadedModel:
-    try:
-        hm.default_gguf_path()
-    except ValueError as e:
-        pytest.skip(f"SmolLM2 GGUF not installed: {e}")
-    return load_model("smollm2", dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def smollm2_transformers() -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    try:
-        path = hm.default_gguf_path()
-    except ValueError as e:
-        pytest.skip(f"SmolLM2 GGUF not installed: {e}")
-    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    return model.eval()
 
 
 @pytest.mark.slow
