@@ -131,5 +131,5 @@ class KVBackend(ABC):
         Returns (T, num_heads, head_dim).
         """
 
-    def end_step(self, rec: StepRecord) -> None:
+    def end_step(self, rec: StepRecord) -> None:  # noqa: B027 (an optional hook)
         """Hook after the forward (eviction backends free blocks here)."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 from harness.backends.attention_ref import attend_chunk, attend_decode
 from harness.backends.base import KVLayout
 from harness.backends.paged_storage import PagedStorageBackend

@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime as dt
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness.backends import get_backend
 from harness.backends.base import KVLayout
-from harness.engine.engine import Engine
+from harness.engine.engine import Engine, ProgressFn
 from harness.engine.sampler import Sampler
 from harness.metrics.collector import MetricsCollector
 from harness.metrics.summary import request_rows, summarize
@@ -49,7 +48,7 @@ def _git_sha() -> str:
         return ""
 
 
-def _progress(enabled: bool):  # type: ignore[no-untyped-def]
+def _progress(enabled: bool) -> ProgressFn | None:
     if not (enabled and sys.stderr.isatty()):
         return None
 
@@ -73,7 +72,7 @@ def run(cfg: DictConfig | dict[str, Any]) -> RunResult:
     mc = loaded.config
     layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim,
                       next(loaded.model.parameters()).dtype)
-    bopts = {k: v for k, v in OmegaConf.to_container(cfg.backend).items()  # type: ignore[union-attr]
+    bopts = {str(k): v for k, v in OmegaConf.to_container(cfg.backend).items()  # type: ignore[union-attr]
              if k not in ("name", "block_size")}
     backend = get_backend(cfg.backend.name)(layout, device, **bopts)
     sizing = size_cache(backend, cfg.cache.kv_budget, cfg.cache.swap_space,

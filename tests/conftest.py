@@ -11,11 +11,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-import harness.model as hm  # noqa: E402
-from harness.model import load_model  # noqa: E402
+import harness.model as hm
+from harness.model import load_model
 
 # The default model is loaded once per session: our loader (~5 s) and transformers' (~10 s).
 

@@ -11,6 +11,7 @@ block, a lost copy and a block given to two owners; the others below say which r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -25,7 +26,7 @@ from hypothesis.stateful import (
 from harness.kv.base import Demand
 from harness.kv.contiguous import POLICIES, ContiguousKVManager
 from harness.kv.paged import PagedKVManager
-from harness.sched.sequence import Sequence, SeqStatus
+from harness.sched.sequence import SeqStatus, Sequence
 from tests.helpers import make_seq
 
 SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None)
@@ -100,12 +101,25 @@ class PagedMachine(RuleBasedStateMachine):
         assert n >= 1
         return Demand(seq, n, hits), start
 
-    def _allocate(self, d: Demand, start: int) -> None:
-        """``allocate`` plus what the engine does after it: copies, then the writes."""
+    def _allocate(self, d: Demand, start: int, fast: bool = False) -> None:
+        """``allocate`` (or, for a decode with ``fast``, the scheduler's ``append_slot``
+        fast path) plus what the engine does after it: the copies, then the writes."""
         m, pool, seq = self.m, self.m.pool, d.seq
         shared_before = {b: pool.fill[b] for b in range(NUM_BLOCKS) if pool.ref[b] > 1}
         hits_before = m.prefix_hit_tokens
-        m.allocate(d)
+        if fast:
+            assert d.num_tokens == 1 and not d.hit_blocks and start == seq.num_computed
+            table_before, used_before = list(seq.block_table), pool.num_used
+            slot = m.append_slot(seq)
+            if slot is None:
+                # Only when the token needs a block (a new one, or a private copy of a
+                # shared one) and none is free; nothing changed.
+                assert pool.num_free == 0
+                assert seq.block_table == table_before and pool.num_used == used_before
+                return
+            assert slot == m.slot(seq, start)
+        else:
+            m.allocate(d)
         assert m.prefix_hit_tokens - hits_before == len(d.hit_blocks) * BS
         for op in m.take_copies():
             # Copy-on-write copies the filled part of one block into a fresh one.
@@ -138,14 +152,17 @@ class PagedMachine(RuleBasedStateMachine):
             self.groups.append(Group([seq]))
 
     @precondition(lambda self: any(g.seqs for g in self._device_groups()))
-    @rule(i=pick, token=st.integers(0, 2), chunk=st.integers(1, 6))
-    def compute(self, i: int, token: int, chunk: int) -> None:
-        """One decode token, or the next prefill chunk of a sequence still in prefill."""
+    @rule(i=pick, token=st.integers(0, 2), chunk=st.integers(1, 6), fast=st.booleans())
+    def compute(self, i: int, token: int, chunk: int, fast: bool) -> None:
+        """One decode token (through ``append_slot`` when ``fast``), or the next prefill
+        chunk of a sequence still in prefill."""
         _, seq = self._pick_seq(i)
         if seq.num_uncomputed == 0:
             seq.token_ids.append(token)
         d, start = self._demand(seq, chunk)
-        if self.m.can_allocate([d], watermark=False):
+        if fast and seq.block_table and seq.num_uncomputed == 1:
+            self._allocate(d, start, fast=True)  # the scheduler asks no can_allocate first
+        elif self.m.can_allocate([d], watermark=False):
             self._allocate(d, start)
 
     @precondition(lambda self: any(g.seqs for g in self._device_groups()))
@@ -423,8 +440,8 @@ class ContiguousMachine(RuleBasedStateMachine):
             self.groups.append(g)
 
     @precondition(lambda self: any(g.seqs for g in self._active()))
-    @rule(i=pick, token=st.integers(0, 2), chunk=st.integers(1, 6))
-    def compute(self, i: int, token: int, chunk: int) -> None:
+    @rule(i=pick, token=st.integers(0, 2), chunk=st.integers(1, 6), fast=st.booleans())
+    def compute(self, i: int, token: int, chunk: int, fast: bool) -> None:
         _, seq = self._pick_seq(i)
         if seq.num_computed == seq.kv_capacity:
             # A range never grows: a full one refuses one more slot whatever is free.
@@ -440,7 +457,15 @@ class ContiguousMachine(RuleBasedStateMachine):
         fits = seq.num_computed + n <= seq.kv_capacity
         # A range never grows: the answer depends on the sequence's own range only.
         assert self.m.can_allocate([Demand(seq, n)], watermark=False) == fits
-        if fits:
+        if fast and n == 1:
+            # The scheduler's decode fast path: a slot, or None when the range is full.
+            slot = self.m.append_slot(seq)
+            assert (slot is not None) == fits
+            if slot is not None:
+                assert slot == seq.block_table[0] + seq.num_computed
+                self.dev[slot] = content(seq, seq.num_computed)
+                seq.num_computed += 1
+        elif fits:
             self._allocate(seq, n)
 
     @precondition(lambda self: any(g.seqs for g in self._active()))
@@ -532,7 +557,7 @@ class ContiguousMachine(RuleBasedStateMachine):
         holes = m.arena.holes()
         assert all(length > 0 for _, length in holes)
         # Coalesced: a hole never ends where the next one starts.
-        assert all(s1 + l1 < s2 for (s1, l1), (s2, _) in zip(holes, holes[1:], strict=False))
+        assert all(s1 + l1 < s2 for (s1, l1), (s2, _) in pairwise(holes))
         assert m.arena.free_slots == sum(length for _, length in holes)
         # Ranges and holes tile the arena: no overlap, no gap.
         pos = 0

@@ -10,7 +10,7 @@ import pytest
 
 from harness.kv.base import CopyOp, Demand
 from harness.kv.contiguous import ContiguousKVManager
-from harness.sched.sequence import Sequence, SeqStatus
+from harness.sched.sequence import SeqStatus, Sequence
 from tests.helpers import make_seq
 
 ARENA = 64

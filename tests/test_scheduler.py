@@ -8,7 +8,7 @@ import pytest
 from harness.kv.contiguous import ContiguousKVManager
 from harness.kv.paged import PagedKVManager
 from harness.sched.scheduler import Scheduler, SchedulerConfig
-from harness.sched.sequence import SequenceGroup, SeqStatus
+from harness.sched.sequence import SeqStatus, SequenceGroup
 from harness.sched.step import StepRecord
 from tests.helpers import make_group
 
@@ -78,7 +78,7 @@ def test_token_budget_and_decodes_first_with_chunked_prefill() -> None:
         assert chunk and chunk[0].num_tokens == 13 and not chunk[0].sample
         s.update(rec, [(x.seq, fake_next(x.seq.token_ids)) for x in rec.seqs if x.sample])
     rec = s.schedule()
-    chunk = [x for x in rec.seqs if x.seq.group is long][0]
+    chunk = next(x for x in rec.seqs if x.seq.group is long)
     assert chunk.num_tokens == 59 - 4 * 13 and chunk.sample  # the last chunk samples
 
 

@@ -19,7 +19,7 @@ import bisect
 
 from harness.kv.base import CopyOp, Demand, KVUsage
 from harness.kv.ledger import ReservationLedger
-from harness.sched.sequence import Sequence, SequenceGroup
+from harness.sched.sequence import Sequence
 
 POLICIES = ("max", "pow2", "exact")
 

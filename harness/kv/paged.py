@@ -143,9 +143,9 @@ class PagedKVManager:
                 table[i] = new
                 self.cow_copies += 1
         for _ in range(_cdiv(end, bs) - len(table)):
-            b = pool.allocate()
-            assert b is not None, "can_allocate must be called first"
-            table.append(b)
+            fresh = pool.allocate()
+            assert fresh is not None, "can_allocate must be called first"
+            table.append(fresh)
             self.logical_blocks += 1
         for i in range(start // bs, _cdiv(end, bs)):
             pool.set_fill(table[i], min(bs, end - i * bs))

@@ -57,7 +57,7 @@ def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: 
     ttft = [r["ttft_ms"] for r in done if r["ttft_ms"] is not None]
     e2e = [r["e2e_ms"] for r in done if r["e2e_ms"] is not None]
     itl: list[float] = []
-    for rid, t in col.requests.items():
+    for t in col.requests.values():
         itl += [(b - a) * 1e3 for a, b in zip(t.token_times, t.token_times[1:])]
     tot = kv.ledger.totals
     denom = tot.reserved + tot.external

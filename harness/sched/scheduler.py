@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from harness.kv.base import Demand, KVManager
-from harness.sched.sequence import Sequence, SequenceGroup, SeqStatus
+from harness.sched.sequence import SeqStatus, Sequence, SequenceGroup
 from harness.sched.step import ScheduledSeq, StepRecord
 
 PREEMPTION_MODES = ("recompute", "swap")

@@ -40,9 +40,18 @@ class Sequence:
     """
 
     __slots__ = (
-        "seq_id", "group", "token_ids", "num_prompt_tokens", "num_computed", "status",
-        "block_table", "block_hashes", "kv_capacity", "num_evicted_blocks", "cum_logprob",
+        "block_hashes",
+        "block_table",
+        "cum_logprob",
         "finish_reason",
+        "group",
+        "kv_capacity",
+        "num_computed",
+        "num_evicted_blocks",
+        "num_prompt_tokens",
+        "seq_id",
+        "status",
+        "token_ids",
     )
 
     def __init__(self, seq_id: int, group: SequenceGroup, token_ids: list[int]) -> None:
