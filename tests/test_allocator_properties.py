@@ -210,9 +210,10 @@ class PagedMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(g.seqs for g in self._device_groups()))
     @rule(i=pick, chunk=st.integers(1, 13))
     def preempt_recompute(self, i: int, chunk: int) -> None:
-        """Drop a group's K/V and prefill each sequence again, one at a time (its prefix
-        may still be cached). One at a time: see the note on stale hits in the report of
-        the scheduler's ``_admit``; a batch of hits can be invalidated by its own members."""
+        """Drop a group's K/V and prefill each sequence again (its prefix may still be
+        cached). Each sequence looks up its hits right before its own allocation: hits
+        looked up for the whole group first can be evicted by an earlier member's new
+        blocks before the later member touches them, which ``allocate`` cannot survive."""
         g, _ = self._pick_seq(i)
         for s in g.seqs:
             self.m.free(s)
@@ -302,9 +303,9 @@ class PagedMachine(RuleBasedStateMachine):
         for h, b in pool.hash_to_block.items():
             assert pool.block_hash[b] == h
         for b in range(NUM_BLOCKS):
-            h = pool.block_hash[b]
-            if h is not None:
-                assert pool.hash_to_block[h] == b and pool.fill[b] == BS
+            name = pool.block_hash[b]
+            if name is not None:
+                assert pool.hash_to_block[name] == b and pool.fill[b] == BS
         assert all(pool.block_hash[b] is None for b in free)
         assert all(pool.block_hash[b] is not None for b in lru)
         if not self.CACHING:
@@ -446,6 +447,7 @@ class ContiguousMachine(RuleBasedStateMachine):
         if seq.num_computed == seq.kv_capacity:
             # A range never grows: a full one refuses one more slot whatever is free.
             assert not self.m.can_allocate([Demand(seq, 1)], watermark=False)
+            assert self.m.append_slot(seq) is None
         if seq.num_uncomputed == 0:
             # The scheduler stops a sequence at prompt + max_tokens (or max_model_len), so
             # its tokens never outnumber its reservation; past that it can only finish.

@@ -237,6 +237,7 @@ def test_a_range_never_grows() -> None:
     # Full: one more token does not fit, though 50 slots are free elsewhere.
     s.token_ids.append(12)
     assert not m.can_allocate([Demand(s, 1)], watermark=False)
+    assert m.append_slot(s) is None  # the scheduler's decode fast path agrees
     assert m.arena.free_slots == 50
     # The refusal changed nothing.
     assert s.block_table == [0] and s.kv_capacity == 6 and m.arena.holes() == [(14, 50)]

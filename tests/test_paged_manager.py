@@ -210,3 +210,31 @@ def test_admission_error_names_the_fix() -> None:
     msg = m.admission_error(10, 10, 1)
     assert msg is not None and "cache.kv_budget" in msg
     assert m.admission_error(8, 8, 1) is None
+
+
+def test_group_hits_are_taken_before_new_blocks_evict_them() -> None:
+    # Two sequences of one group (readmitted after recompute preemption) hit different
+    # cached blocks. The first one's new block must not evict the second one's hit.
+    m = mgr()
+    a = make_seq([0, 1, 2, 3, 8, 9, 10, 11, 7])
+    admit(m, a)  # blocks 0 1 2
+    b = make_seq([0, 1, 2, 3, 20, 21, 22, 23, 7])
+    admit(m, b)  # blocks 0 3 4
+    other = make_seq(list(range(100, 113)))
+    admit(m, other, use_cache=False)  # 5 6 7 8
+    m.free(a)
+    m.free(b)
+    m.free(other)
+    filler = make_seq(list(range(200, 216)))
+    admit(m, filler, use_cache=False)  # takes the 4 plain-free blocks
+    assert m.pool.free_order() == [] and m.pool.lru_order()[:2] == [1, 3]
+    a2 = make_seq(list(a.token_ids))
+    b2 = make_seq(list(b.token_ids))
+    da = Demand(a2, 1, m.lookup_prefix(a2))
+    db = Demand(b2, 1, m.lookup_prefix(b2))
+    assert (da.hit_blocks, db.hit_blocks) == ([0, 1], [0, 3])
+    assert m.can_allocate([da, db], watermark=False)
+    m.allocate_group([da, db])
+    # Hits taken first leave LRU [7, 6, 5]: the new blocks evict 7 and 6, not block 3.
+    assert a2.block_table == [0, 1, 7] and b2.block_table == [0, 3, 6]
+    assert m.pool.ref[3] == 1 and m.pool.ref[0] == 2

@@ -76,6 +76,11 @@ class KVManager(Protocol):
         """Meet a demand that :meth:`can_allocate` accepted; advances nothing else."""
         ...
 
+    def allocate_group(self, demands: list[Demand]) -> None:
+        """Meet demands that :meth:`can_allocate` accepted together, safely for shared
+        prefix hits among them."""
+        ...
+
     def append_slot(self, seq: Sequence) -> int | None:
         """Decode fast path: a slot for token ``seq.num_computed`` (None: no room)."""
         ...

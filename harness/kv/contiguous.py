@@ -124,6 +124,8 @@ class ContiguousKVManager:
                 if seq.num_computed + d.num_tokens > seq.kv_capacity:
                     return False  # a range never grows
                 continue
+            if seq.num_computed + d.num_tokens > self._size_for(seq):
+                return False  # more than the range it would reserve
             g = seq.group
             if g.request_id in seen:
                 continue
@@ -153,6 +155,10 @@ class ContiguousKVManager:
         self._reserved += size
         self.ledger.open(start, size)
         return start
+
+    def allocate_group(self, demands: list[Demand]) -> None:
+        for d in demands:
+            self.allocate(d)
 
     def allocate(self, d: Demand) -> None:
         seq = d.seq

@@ -111,23 +111,40 @@ class PagedKVManager:
         return need <= limit
 
     def allocate(self, d: Demand) -> None:
-        seq, pool, bs = d.seq, self.pool, self.block_size
-        table = seq.block_table
-        if d.hit_blocks:
-            assert not table and seq.num_computed == 0, "prefix hits only on a fresh table"
-            for b in d.hit_blocks:
-                pool.touch(b)
-                table.append(b)
-                h = pool.block_hash[b]
-                assert h is not None
-                seq.block_hashes.append(h)
-            self.logical_blocks += len(d.hit_blocks)
-            start = len(d.hit_blocks) * bs
-            self.prefix_hit_tokens += start
-        else:
-            start = seq.num_computed
-        end = start + d.num_tokens
-        if start % bs and d.num_tokens:
+        self.allocate_group([d])
+
+    def allocate_group(self, demands: list[Demand]) -> None:
+        """Meet several demands accepted together by :meth:`can_allocate`.
+
+        Every demand's prefix hits are taken first: a later demand's new blocks may
+        otherwise evict a cached block that an earlier lookup promised to another
+        sequence of the group (a group readmitted after recompute preemption).
+        """
+        for d in demands:
+            if d.hit_blocks:
+                self._take_hits(d)
+        for d in demands:
+            start = len(d.hit_blocks) * self.block_size if d.hit_blocks else d.seq.num_computed
+            self._extend(d.seq, start, d.num_tokens)
+
+    def _take_hits(self, d: Demand) -> None:
+        seq, pool = d.seq, self.pool
+        assert not seq.block_table and seq.num_computed == 0, "hits only on a fresh table"
+        for b in d.hit_blocks:
+            pool.touch(b)
+            seq.block_table.append(b)
+            h = pool.block_hash[b]
+            assert h is not None, f"hit block {b} lost its hash before it was taken"
+            seq.block_hashes.append(h)
+        self.logical_blocks += len(d.hit_blocks)
+        self.prefix_hit_tokens += len(d.hit_blocks) * self.block_size
+
+    def _extend(self, seq: Sequence, start: int, num_tokens: int) -> None:
+        """Slots for tokens ``[start, start + num_tokens)``: copy-on-write, new blocks,
+        fill counts, and hashes of the blocks these tokens fill."""
+        pool, bs, table = self.pool, self.block_size, seq.block_table
+        end = start + num_tokens
+        if start % bs and num_tokens:
             i = start // bs
             last = table[i]
             if pool.ref[last] > 1:
@@ -169,7 +186,7 @@ class PagedKVManager:
                 return b * bs + off
         if pool.num_free == 0:
             return None
-        self.allocate(Demand(seq, 1))
+        self._extend(seq, pos, 1)
         return self.slot(seq, pos)
 
     def _register_full_blocks(self, seq: Sequence, end: int) -> None:

@@ -132,7 +132,8 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         # Tokens every running decode will need: prefills only get what is left of them.
         decoding = [self._is_decoding(g) for g in self.running]
-        pending_decode = sum(len(g.seqs) for g, d in zip(self.running, decoding) if d)
+        pending_decode = sum(len(g.live_seqs) if len(g.seqs) > 1 else 1
+                             for g, d in zip(self.running, decoding) if d)
 
         i = 0
         while i < len(self.running):
@@ -171,8 +172,7 @@ class Scheduler:
             demands = [Demand(s, n) for s, n in zip(live, n_tokens) if n]
             if not self._make_room(g, demands, rec):
                 break  # g itself was preempted (it was the last running group)
-            for d in demands:
-                self._commit(d, rec)
+            self._commit_all(demands, rec)
             used = sum(n_tokens)
             budget -= used
             if decoding[i]:
@@ -218,9 +218,15 @@ class Scheduler:
                 return False
         return True
 
-    def _commit(self, d: Demand, rec: StepRecord, hit_tokens: int = 0) -> None:
+    def _commit_all(self, demands: list[Demand], rec: StepRecord,
+                    hit_tokens: list[int] | None = None) -> None:
+        self.kv.allocate_group(demands)
+        for i, d in enumerate(demands):
+            self._record(d, rec, hit_tokens[i] if hit_tokens else 0)
+
+    def _record(self, d: Demand, rec: StepRecord, hit_tokens: int) -> None:
+        """Advance the sequence past its allocated tokens and add it to the step."""
         seq = d.seq
-        self.kv.allocate(d)
         seq.num_computed += hit_tokens
         start = seq.num_computed
         seq.num_computed += d.num_tokens
@@ -276,8 +282,7 @@ class Scheduler:
             n_tokens = self._chunks(live, budget)
             demands = [Demand(s, n) for s, n in zip(live, n_tokens) if n]
             if demands and kv.can_allocate(demands, watermark=False):
-                for d in demands:
-                    self._commit(d, rec)
+                self._commit_all(demands, rec)
                 budget -= sum(n_tokens)
 
     def _admit(self, rec: StepRecord, budget: int) -> None:
@@ -308,7 +313,7 @@ class Scheduler:
                 kv.prefix_query_tokens += d.seq.num_tokens
                 g.prefix_hit_tokens += hit
                 d.seq.status = SeqStatus.RUNNING
-                self._commit(d, rec, hit)
+            self._commit_all(demands, rec, hit_tokens)
             self.running.append(g)
             self.num_running_seqs += len(live)
             budget = left

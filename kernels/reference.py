@@ -1,0 +1,127 @@
+"""Plain torch references of every kernel in this package (no triton needed).
+
+Each mirrors one public kernel function's signature and semantics; the tests compare the
+two on random data. Attention is computed in float32 with an explicit softmax, one sequence
+at a time: slow, obviously correct.
+
+Cache layout (flash-attn's): ``(num_blocks, block_size, num_kv_heads, head_dim)``. A token
+at position ``p`` of a sequence lives in block ``table[p // block_size]``, slot
+``p % block_size``. 1-byte caches carry float32 scales shaped
+``(num_blocks, block_size, num_kv_heads)``: value = stored * scale.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Symmetric per-(token, KV head) quantization: scale = amax / QMAX[dtype].
+QMAX: dict[torch.dtype, float] = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+
+
+def quantize_ref(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: (..., D) -> (stored (..., D) of ``dtype``, float32 scale (...)).
+
+    fp8: round to nearest even onto e4m3; int8: round half to even. An all-zero vector gets
+    scale 0 and stores zeros.
+    """
+    qmax = QMAX[dtype]
+    xf = x.float()
+    scale = xf.abs().amax(-1) / qmax
+    y = (xf / torch.where(scale > 0, scale, 1.0).unsqueeze(-1)).clamp(-qmax, qmax)
+    if dtype == torch.int8:
+        y = torch.round(y)
+    return y.to(dtype), scale
+
+
+def dequantize_ref(stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """stored (..., D), scale (...) -> float32 (..., D)."""
+    return stored.float() * scale.unsqueeze(-1)
+
+
+def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write k, v (T, KV, D) into the caches at flat slots (T,) in place; slot < 0 skips."""
+    keep = slots >= 0
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        flat = cache.view(-1, *cache.shape[2:])
+        flat[slots[keep]] = x[keep].to(cache.dtype)
+
+
+def store_kv_quant_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                       slots: torch.Tensor) -> None:
+    """:func:`store_kv_ref` for 1-byte caches: quantize each (token, KV head) vector and
+    write its scale to ``k_scale`` / ``v_scale`` (num_blocks, block_size, KV)."""
+    keep = slots >= 0
+    for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        stored, scale = quantize_ref(x[keep], cache.dtype)
+        cache.view(-1, *cache.shape[2:])[slots[keep]] = stored
+        scales.view(-1, scales.shape[2])[slots[keep]] = scale
+
+
+def _sequence_kv(cache: torch.Tensor, scale: torch.Tensor | None, table: torch.Tensor,
+                 ctx: int) -> torch.Tensor:
+    """float32 (ctx, KV, D): a sequence's first ``ctx`` tokens through its block table."""
+    nb = -(-ctx // cache.shape[1])
+    x = cache[table[:nb]].flatten(0, 1)[:ctx]
+    if scale is None:
+        return x.float()
+    return dequantize_ref(x, scale[table[:nb]].flatten(0, 1)[:ctx])
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor,
+            window: int, sinks: int) -> torch.Tensor:
+    """q (n, H, D) at positions qpos (n,) over float32 k, v (ctx, KV, D) -> float32 (n, H, D)."""
+    g = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(g, dim=1)
+    v = v.repeat_interleave(g, dim=1)
+    kpos = torch.arange(k.shape[0], device=q.device)
+    mask = kpos[None, :] <= qpos[:, None]
+    if window > 0:
+        mask &= (kpos[None, :] > qpos[:, None] - window) | (kpos[None, :] < sinks)
+    s = torch.einsum("nhd,chd->hnc", q.float(), k) / q.shape[-1] ** 0.5
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.einsum("hnc,chd->nhd", p, v)
+
+
+def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     tables: torch.Tensor, lens: torch.Tensor, *, window: int = 0,
+                     sinks: int = 0, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token per sequence over its paged context.
+
+    q: (B, H, D), the token at position ``lens[b] - 1``; tables: int (B, max_blocks);
+    lens: int (B,) context lengths including the query token. ``window > 0``: attend only
+    to the last ``window`` positions plus the first ``sinks``. Returns (B, H, D) in q.dtype.
+    """
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        ctx = int(lens[b])
+        k = _sequence_kv(k_cache, k_scale, tables[b], ctx)
+        v = _sequence_kv(v_cache, v_scale, tables[b], ctx)
+        qpos = torch.tensor([ctx - 1], device=q.device)
+        out[b] = _attend(q[b:b + 1], k, v, qpos, window, sinks)[0].to(q.dtype)
+    return out
+
+
+def paged_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      cu_rows: torch.Tensor, starts: torch.Tensor, tables: torch.Tensor, *,
+                      window: int = 0, sinks: int = 0, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """Chunks of query tokens, each over its cached prefix and causally over itself.
+
+    q: (T, H, D); chunk c is rows ``[cu_rows[c], cu_rows[c+1])`` at positions
+    ``starts[c] ...``, its K/V (prefix and the chunk's own) already in the cache;
+    tables: int (C, max_blocks). Rows of ``out`` (default: zeros like q) outside every
+    chunk are left as they are. Returns out (T, H, D).
+    """
+    out = torch.zeros_like(q) if out is None else out
+    for c in range(tables.shape[0]):
+        r0, r1, start = int(cu_rows[c]), int(cu_rows[c + 1]), int(starts[c])
+        ctx = start + r1 - r0
+        k = _sequence_kv(k_cache, k_scale, tables[c], ctx)
+        v = _sequence_kv(v_cache, v_scale, tables[c], ctx)
+        qpos = torch.arange(start, ctx, device=q.device)
+        out[r0:r1] = _attend(q[r0:r1], k, v, qpos, window, sinks).to(q.dtype)
+    return out
