@@ -12,7 +12,11 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from harness.workloads.long_prompt import LongPromptConfig
 from harness.workloads.multiturn import MultiturnConfig
+from harness.workloads.random_lengths import RandomConfig
+from harness.workloads.sampling import SamplingWorkloadConfig
+from harness.workloads.shared_prefix import SharedPrefixConfig
 
 
 @dataclass
@@ -74,6 +78,31 @@ class MultiturnSpec(WorkloadSpec, MultiturnConfig):
 
 
 @dataclass
+class SharedPrefixSpec(WorkloadSpec, SharedPrefixConfig):
+    name: str = "shared_prefix"
+
+
+@dataclass
+class BeamSearchSpec(WorkloadSpec, SamplingWorkloadConfig):
+    name: str = "beam_search"
+
+
+@dataclass
+class ParallelSamplingSpec(WorkloadSpec, SamplingWorkloadConfig):
+    name: str = "parallel_sampling"
+
+
+@dataclass
+class LongPromptSpec(WorkloadSpec, LongPromptConfig):
+    name: str = "long_prompt"
+
+
+@dataclass
+class RandomSpec(WorkloadSpec, RandomConfig):
+    name: str = "random"
+
+
+@dataclass
 class RunConfig:
     # Any + MISSING: each option of the group brings its own schema (paged, contiguous...).
     backend: Any = MISSING
@@ -100,7 +129,9 @@ def register_configs() -> None:
     cs.store(name="run_schema", node=RunConfig)
     cs.store(group="backend", name="paged_schema", node=PagedConfig)
     cs.store(group="backend", name="contiguous_schema", node=ContiguousConfig)
-    cs.store(group="workload", name="multiturn_schema", node=MultiturnSpec)
+    for spec in (MultiturnSpec, SharedPrefixSpec, BeamSearchSpec, ParallelSamplingSpec,
+                 LongPromptSpec, RandomSpec):
+        cs.store(group="workload", name=f"{spec.name}_schema", node=spec)
     cs.store(group="model", name="model_schema", node=ModelSpec)
     cs.store(group="scheduler", name="scheduler_schema", node=SchedulerSpec)
     cs.store(group="cache", name="cache_schema", node=CacheSpec)

@@ -16,7 +16,7 @@ from harness.backends import get_backend
 from harness.backends.base import KVLayout
 from harness.engine.engine import Engine, ProgressFn
 from harness.engine.sampler import Sampler
-from harness.metrics.collector import MetricsCollector
+from harness.metrics.collector import MetricsCollector, StepRow
 from harness.metrics.summary import request_rows, summarize
 from harness.model import load_model
 from harness.results import write_results
@@ -31,7 +31,8 @@ class RunResult:
     metrics: dict[str, Any]
     requests: list[dict[str, Any]]
     out_dir: Path | None
-    outputs: dict[int, list[int]]  # request id -> output ids of its first sequence
+    outputs: dict[int, list[int]]  # request id -> output ids (the best beam for beams)
+    steps: list[StepRow]
 
 
 def _device(name: str) -> torch.device:
@@ -110,8 +111,9 @@ def run(cfg: DictConfig | dict[str, Any]) -> RunResult:
     if out_dir is not None:
         write_results(out_dir, OmegaConf.to_yaml(cfg, resolve=True), metrics,
                       collector.steps, rows)
-    outputs = {rid: g.seqs[0].output_ids for rid, g in collector.groups.items() if g.seqs}
-    return RunResult(metrics, rows, out_dir, outputs)
+    outputs = {rid: g.best_output if g.best_output is not None else g.seqs[0].output_ids
+               for rid, g in collector.groups.items() if g.seqs}
+    return RunResult(metrics, rows, out_dir, outputs, collector.steps)
 
 
 def _check_budget(requests: list[Any], kv: Any, backend: Any, sizing: Any,

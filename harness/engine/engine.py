@@ -10,6 +10,7 @@ import torch
 
 from harness.backends.base import KVBackend
 from harness.engine.batch import build_inputs
+from harness.engine.beam import advance_beams
 from harness.engine.sampler import Sampler
 from harness.metrics.collector import MetricsCollector
 from harness.model.llama import LlamaModel
@@ -78,9 +79,9 @@ class Engine:
             sch.update(rec, tokens)
             self.backend.end_step(rec)
             t_end = time.perf_counter()
-            col.on_tokens(rec, [seq.group for seq, _ in tokens], t_end - start)
+            col.on_tokens(rec, [s.seq.group for s in inputs.samplers], t_end - start)
             col.on_step(rec, t0, t_end, forward_s, start)
-            out_tokens += len(tokens)
+            out_tokens += len(inputs.samplers)
             for g in rec.finished:
                 done += 1
                 self._forget(g)
@@ -93,22 +94,31 @@ class Engine:
         return time.perf_counter() - start
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
-        """Next token per sampling sequence; a request with n > 1 forks its samples
-        right after its prompt (they share the prompt's blocks) and each draws its own."""
+        """Next token per sampling sequence. A request with n > 1 samples forks them right
+        after its prompt (they share the prompt's blocks) and each draws its own; a beam
+        search request advances all its beams together (harness.engine.beam)."""
         rows: list[int] = []
         owners: list[Sequence] = []
+        beams: dict[int, tuple[SequenceGroup, list[int], list[Sequence]]] = {}
         for i, seq in enumerate(seqs):
             g = seq.group
+            if g.params.use_beam_search:
+                entry = beams.setdefault(g.request_id, (g, [], []))
+                entry[1].append(i)
+                entry[2].append(seq)
+                continue
             rows.append(i)
             owners.append(seq)
             if g.params.n > 1 and len(g.seqs) == 1:
                 for _ in range(g.params.n - 1):
                     rows.append(i)
                     owners.append(self.scheduler.fork(seq))
-        if not owners:
-            return []
-        picked = self.sampler.sample(logits[rows], owners)
-        return list(zip(owners, picked))
+        out: list[tuple[Sequence, int]] = []
+        if owners:
+            out = list(zip(owners, self.sampler.sample(logits[rows], owners)))
+        for g, brows, bseqs in beams.values():
+            out += advance_beams(self.scheduler, g, bseqs, logits[brows])
+        return out
 
     def _forget(self, g: SequenceGroup) -> None:
         for s in g.seqs:

@@ -43,6 +43,7 @@ class KVUsage:
     cached_free_blocks: int  # paged: ref 0 but still hashed (evictable)
     shared_blocks: int  # blocks held by more than one table
     logical_blocks: int  # sum of table lengths: what would be held without sharing
+    held_blocks: int  # distinct device blocks held (paged; 0 for contiguous)
 
 
 class KVManager(Protocol):

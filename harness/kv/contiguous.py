@@ -253,6 +253,7 @@ class ContiguousKVManager:
             cached_free_blocks=0,
             shared_blocks=0,
             logical_blocks=0,
+            held_blocks=0,
         )
 
     def external_fragmentation(self, next_need: int | None) -> int:

@@ -275,6 +275,8 @@ class PagedKVManager:
                 s.block_table[i] = c
                 self.pool.release(b)
         self.swapped_out_blocks += len(mapping)
+        # Swapped tables hold CPU blocks: they are not device blocks "held without sharing".
+        self.logical_blocks -= sum(len(s.block_table) - s.num_evicted_blocks for s in seqs)
         return list(mapping.items())
 
     def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
@@ -297,6 +299,7 @@ class PagedKVManager:
                     del self._cpu_ref[c], self._cpu_fill[c]
                     self._cpu_free.append(c)
         self.swapped_in_blocks += len(mapping)
+        self.logical_blocks += sum(len(s.block_table) - s.num_evicted_blocks for s in seqs)
         return list(mapping.items())
 
     # -- accounting ----------------------------------------------------------------------
@@ -310,6 +313,7 @@ class PagedKVManager:
             cached_free_blocks=p.num_cached_free,
             shared_blocks=p.num_shared,
             logical_blocks=self.logical_blocks,
+            held_blocks=p.num_used,
         )
 
     def external_fragmentation(self, next_need: int | None) -> int:

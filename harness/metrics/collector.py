@@ -84,7 +84,6 @@ class MetricsCollector:
         u = kv.usage()
         ext = kv.external_fragmentation(sch.next_waiting_need())
         kv.ledger.add_external(ext)
-        held = u.reserved_slots // kv.block_size if kv.block_size > 1 else 0
         step_ms = (t_end - t_start) * 1e3
         self.steps.append(StepRow(
             step=rec.step, time_s=t_end - run_start, step_ms=step_ms,
@@ -94,7 +93,8 @@ class MetricsCollector:
             running=sch.num_running_seqs, waiting=len(sch.waiting), swapped=len(sch.swapped),
             reserved_bytes=u.reserved_slots * bps, used_bytes=u.used_slots * bps,
             free_blocks=u.free_blocks, cached_free_blocks=u.cached_free_blocks,
-            shared_blocks=u.shared_blocks, logical_blocks=u.logical_blocks, held_blocks=held,
+            shared_blocks=u.shared_blocks, logical_blocks=u.logical_blocks,
+            held_blocks=u.held_blocks,
             external_frag_bytes=ext * bps, preempted=len(rec.preempted),
             finished=len(rec.finished),
         ))

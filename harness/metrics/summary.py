@@ -18,11 +18,16 @@ def request_rows(col: MetricsCollector) -> list[dict[str, Any]]:
     rows = []
     for rid, t in col.requests.items():
         g = col.groups[rid]
-        out_tokens = sum(s.num_output_tokens for s in g.seqs)
+        # Beam search: the chosen beam's tokens (forks copy their parent's outputs, so a
+        # sum over beams would count shared history again). Samples: every sample's.
+        out_tokens = (len(g.best_output) if g.best_output is not None
+                      else sum(s.num_output_tokens for s in g.seqs))
         ttft = (t.token_times[0] - t.arrival) * 1e3 if t.token_times else None
         itls = [(b - a) * 1e3 for a, b in zip(t.token_times, t.token_times[1:])]
         e2e = (t.finished - t.arrival) * 1e3 if t.finished is not None else None
         best = g.seqs[0] if g.seqs else None
+        output = g.best_output if g.best_output is not None else (
+            best.output_ids if best else [])
         rows.append({
             "request_id": rid,
             "status": ("rejected" if g.rejected_reason else
@@ -41,7 +46,7 @@ def request_rows(col: MetricsCollector) -> list[dict[str, Any]]:
             "preemptions_swap": g.num_preemptions_swap,
             "recomputed_tokens": g.num_recomputed_tokens,
             "finish_reason": best.finish_reason if best else "",
-            "output_ids": " ".join(map(str, best.output_ids)) if best else "",
+            "output_ids": " ".join(map(str, output)),
         })
     return rows
 
@@ -62,6 +67,8 @@ def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: 
     tot = kv.ledger.totals
     denom = tot.reserved + tot.external
     steps = col.steps
+    saved = [s.logical_blocks - s.held_blocks for s in steps]
+    tpot = [r["tpot_ms"] for r in done if r["tpot_ms"] is not None]
     m: dict[str, Any] = {f"run.{k}": v for k, v in run_info.items()}
     m.update({
         "throughput.output_tokens_per_s": out_tokens / wall_s if wall_s else 0.0,
@@ -72,6 +79,7 @@ def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: 
         "latency.itl_ms.p50": _pct(itl, 50), "latency.itl_ms.p90": _pct(itl, 90),
         "latency.itl_ms.p99": _pct(itl, 99),
         "latency.e2e_ms.p50": _pct(e2e, 50), "latency.e2e_ms.p99": _pct(e2e, 99),
+        "latency.tpot_ms.p50": _pct(tpot, 50), "latency.tpot_ms.p99": _pct(tpot, 99),
         "memory.kv_budget_bytes": kv_budget_bytes,
         "memory.token_capacity": token_capacity,
         "memory.peak_reserved_bytes": max((s.reserved_bytes for s in steps), default=0),
@@ -87,6 +95,11 @@ def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: 
         "cache.prefill_tokens_computed": sum(s.prefill_tokens for s in steps),
         "cache.prefill_tokens_saved": kv.prefix_hit_tokens,
         "cache.cow_copies": kv.cow_copies,
+        # Blocks the live tables would hold without sharing, minus blocks held.
+        "cache.blocks_saved_by_sharing": (float(np.mean(saved)) if saved else 0.0),
+        "cache.blocks_saved_by_sharing_peak": max(saved, default=0),
+        "cache.sharing_saved_pct": (100.0 * sum(saved) / sum(s.logical_blocks for s in steps)
+                                    if steps and sum(s.logical_blocks for s in steps) else 0.0),
         "cache.evicted_tokens": kv.evicted_tokens,
         "sched.steps": len(steps),
         "sched.preemptions_recompute": sch.preemptions_recompute,

@@ -349,10 +349,11 @@ class Scheduler:
         toks = seq.token_ids
         toks.append(token)
         p = seq.group.params
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        n_out = len(toks) - seq.num_prompt_tokens
+        if ((token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+                or n_out == p.stop_after):
             self.finish_seq(seq, "stop")
-        elif (len(toks) - seq.num_prompt_tokens >= p.max_tokens
-              or len(toks) >= self.cfg.max_model_len):
+        elif n_out >= p.max_tokens or len(toks) >= self.cfg.max_model_len:
             self.finish_seq(seq, "length")
 
     def update(self, rec: StepRecord, tokens: list[tuple[Sequence, int]]) -> None:

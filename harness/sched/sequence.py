@@ -29,6 +29,11 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # A trace's output length: the sequence stops ("stop", as at EOS) after this many
+    # tokens. Length-distribution workloads use it so max_tokens stays an upper bound.
+    stop_after: int | None = None
+    use_beam_search: bool = False  # n beams instead of n samples
+    length_penalty: float = 1.0  # beam score = cum_logprob / len ** length_penalty
 
 
 class Sequence:
@@ -111,6 +116,9 @@ class SequenceGroup:
     num_recomputed_tokens: int = 0
     num_swapped_blocks: int = 0
     prefix_hit_tokens: int = 0
+    # Beam search: finished hypotheses (score, tokens) and the chosen output.
+    beam_finished: list[tuple[float, list[int]]] = field(default_factory=list)
+    best_output: list[int] | None = None
 
     @property
     def live_seqs(self) -> list[Sequence]:

@@ -1,34 +1,41 @@
-"""Workloads, registered by hand: name -> factory(cfg, tokenizer)."""
+"""Workloads, registered by hand: name -> (config dataclass, workload class)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from harness.model.tokenizer import Tokenizer
 from harness.workloads.base import Request, Workload
+from harness.workloads.long_prompt import LongPromptConfig, LongPromptWorkload
 from harness.workloads.multiturn import MultiturnConfig, MultiturnWorkload
+from harness.workloads.random_lengths import RandomConfig, RandomWorkload
+from harness.workloads.sampling import (
+    BeamSearchWorkload,
+    ParallelSamplingWorkload,
+    SamplingWorkloadConfig,
+)
+from harness.workloads.shared_prefix import SharedPrefixConfig, SharedPrefixWorkload
 
-
-def _fields(cls: type, cfg: dict[str, Any]) -> dict[str, Any]:
-    names = set(cls.__dataclass_fields__)  # type: ignore[attr-defined]
-    return {k: v for k, v in cfg.items() if k in names}
-
-
-def _multiturn(cfg: dict[str, Any], tok: Tokenizer) -> Workload:
-    return MultiturnWorkload(MultiturnConfig(**_fields(MultiturnConfig, cfg)), tok)
-
-
-WORKLOADS: dict[str, Callable[[dict[str, Any], Tokenizer], Workload]] = {
-    "multiturn": _multiturn,
+WORKLOADS: dict[str, tuple[type, type]] = {
+    "multiturn": (MultiturnConfig, MultiturnWorkload),
+    "shared_prefix": (SharedPrefixConfig, SharedPrefixWorkload),
+    "beam_search": (SamplingWorkloadConfig, BeamSearchWorkload),
+    "parallel_sampling": (SamplingWorkloadConfig, ParallelSamplingWorkload),
+    "long_prompt": (LongPromptConfig, LongPromptWorkload),
+    "random": (RandomConfig, RandomWorkload),
 }
 
 
 def make_workload(cfg: dict[str, Any], tok: Tokenizer) -> Workload:
+    """Build the workload named ``cfg["name"]`` from the rest of ``cfg``."""
     name = cfg.get("name", "")
     if name not in WORKLOADS:
         raise ValueError(f"workload {name!r} is not registered; known: {', '.join(WORKLOADS)}")
-    return WORKLOADS[name](cfg, tok)
+    config_cls, workload_cls = WORKLOADS[name]
+    fields = set(config_cls.__dataclass_fields__)
+    workload: Workload = workload_cls(
+        config_cls(**{k: v for k, v in cfg.items() if k in fields}), tok)
+    return workload
 
 
 __all__ = ["WORKLOADS", "Request", "Workload", "make_workload"]

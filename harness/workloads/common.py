@@ -1,0 +1,30 @@
+"""Pieces the workloads share: arrival processes and prompts of an exact token length."""
+
+from __future__ import annotations
+
+import random
+
+from harness.model.tokenizer import Tokenizer
+from harness.workloads.text import random_passage
+
+
+def arrival_times(n: int, rate: float, rng: random.Random) -> list[float]:
+    """``n`` arrival times in seconds: all at 0 when ``rate`` <= 0, else a Poisson process
+    of ``rate`` requests per second (exponential gaps)."""
+    if rate <= 0:
+        return [0.0] * n
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def token_prompt(tok: Tokenizer, rng: random.Random, num_tokens: int,
+                 add_bos: bool = True) -> list[int]:
+    """Exactly ``num_tokens`` ids of real text (BOS included when the model has one)."""
+    ids: list[int] = []
+    bos = [tok.bos_id] if add_bos and tok.bos_id is not None else []
+    while len(bos) + len(ids) < num_tokens:
+        ids += tok.encode(random_passage(rng, max(8, num_tokens)), add_bos=False)
+    return (bos + ids)[:max(1, num_tokens)]
