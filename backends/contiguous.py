@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from harness.backends.attention_ref import attend_chunk
 from harness.backends.base import CacheSizing, KVBackend, KVLayout
-
 from harness.kv.base import KVManager
 from harness.kv.contiguous import POLICIES, ContiguousKVManager
 from harness.sched.step import StepRecord

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from harness.backends.base import CacheSizing, KVBackend
 
+from harness.backends.base import CacheSizing, KVBackend
 from harness.kv.base import KVManager
 from harness.kv.paged import PagedKVManager
 from harness.sched.step import StepRecord

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness.backends.attention_ref import attend_chunk
 
+from harness.backends.attention_ref import attend_chunk
 from harness.engine.beam import beam_score, beam_step, is_beam_done
 from harness.model import load_model
 from harness.runner import run

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness.backends.base import KVLayout
-from harness.backends.paged import PagedBackend
 
 import harness.model as hm
+from harness.backends.base import KVLayout
+from harness.backends.paged import PagedBackend
 from harness.engine.engine import Engine
 from harness.engine.sampler import Sampler
 from harness.metrics.collector import MetricsCollector

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from harness.model.tokenizer import Tokenizer
@@ -32,7 +33,7 @@ def make_workload(cfg: dict[str, Any], tok: Tokenizer) -> Workload:
     if name not in WORKLOADS:
         raise ValueError(f"workload {name!r} is not registered; known: {', '.join(WORKLOADS)}")
     config_cls, workload_cls = WORKLOADS[name]
-    fields = set(config_cls.__dataclass_fields__)
+    fields = {f.name for f in dataclasses.fields(config_cls)}
     workload: Workload = workload_cls(
         config_cls(**{k: v for k, v in cfg.items() if k in fields}), tok)
     return workload
