@@ -1,9 +1,19 @@
-"""``python -m harness``: a thin Hydra entry point around :func:`harness.runner.run`."""
+"""``python -m harness``: a thin Hydra entry point around :func:`harness.runner.run`.
+
+A run that fails writes ``FAILED`` (the error) into its folder. In a multirun sweep the
+sweep goes on to the next job; a single run exits non-zero: 2 for a configuration or
+capacity error (the message says what to change), 1 for anything else.
+"""
 
 from __future__ import annotations
 
+import sys
+import traceback
+from pathlib import Path
+
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
 from harness.config import register_configs
@@ -13,11 +23,24 @@ register_configs()
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from harness.results import write_failure
     from harness.runner import print_summary, run
 
+    hc = HydraConfig.get()
+    out = Path(hc.runtime.output_dir)
     with open_dict(cfg):
-        cfg.out_dir = HydraConfig.get().runtime.output_dir
-    result = run(cfg)
+        cfg.out_dir = str(out)
+    try:
+        result = run(cfg)
+    except Exception as e:  # recorded in the run's folder, then reported
+        write_failure(out, e)
+        user_error = isinstance(e, ValueError)
+        if not user_error:
+            traceback.print_exc()
+        print(f"\nkvbench: run failed: {e}\n  (recorded in {out / 'FAILED'})", file=sys.stderr)
+        if hc.mode == RunMode.MULTIRUN:
+            return  # the sweep goes on
+        sys.exit(2 if user_error else 1)
     print_summary(result.metrics, result.out_dir)
 
 

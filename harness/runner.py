@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import subprocess
 import sys
@@ -83,7 +84,11 @@ def run(cfg: DictConfig | dict[str, Any]) -> RunResult:
     kv_opts: dict[str, Any] = ({"enable_prefix_caching": cfg.cache.enable_prefix_caching,
                                 "watermark": cfg.cache.watermark}
                                if backend.storage == "paged" else {"max_model_len": max_model_len})
-    kv = backend.make_manager(sizing, **kv_opts)
+    # A budget below one block still gets a 1-block manager, only so that _check_budget
+    # can say which budget the workload needs.
+    kv = backend.make_manager(dataclasses.replace(
+        sizing, num_blocks=max(1, sizing.num_blocks),
+        num_slots=max(sizing.block_size, sizing.num_slots)), **kv_opts)
     sched = Scheduler(SchedulerConfig(sc.max_num_seqs, sc.max_num_batched_tokens,
                                       sc.chunked_prefill, sc.preemption_mode, sc.policy,
                                       max_model_len), kv, tuple(loaded.tokenizer.eos_ids))

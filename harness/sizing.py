@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 from harness.backends.base import CacheSizing, KVBackend
-from harness.units import format_bytes, parse_bytes
+from harness.units import parse_bytes
 
 
 def size_cache(backend: KVBackend, kv_budget: str | int, swap_space: str | int,
                block_size: int) -> CacheSizing:
     """Token capacity = budget // bytes per token; paged backends round down to blocks."""
+    if parse_bytes(kv_budget) <= 0:
+        raise ValueError(f"cache.kv_budget must be positive, got {kv_budget!r}")
     budget = parse_bytes(kv_budget)
     bps = backend.bytes_per_slot()
     bs = block_size if backend.storage == "paged" else 1
     if bs < 1:
         raise ValueError(f"backend.block_size must be >= 1, got {block_size}")
+    # May be 0: the runner then reports the budget the workload needs (harness.runner).
     num_blocks = budget // (bps * bs)
-    if num_blocks < 1:
-        raise ValueError(f"cache.kv_budget={format_bytes(budget)} holds no {bs}-token block "
-                         f"({format_bytes(bps * bs)} each): raise cache.kv_budget")
     num_cpu_blocks = parse_bytes(swap_space) // (bps * bs)
     return CacheSizing(kv_budget_bytes=budget, bytes_per_slot=bps,
                        num_slots=num_blocks * bs, block_size=bs, num_blocks=num_blocks,
