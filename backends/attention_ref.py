@@ -30,13 +30,19 @@ def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
 
 
 def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  lens: torch.Tensor) -> torch.Tensor:
-    """One query per sequence over padded keys.
+                  lens: torch.Tensor, window: int | None = None,
+                  sinks: int = 0) -> torch.Tensor:
+    """One query per sequence (at position ``lens[b] - 1``) over padded keys.
 
-    q: (B, H, D); k, v: (B, L, KV, D) with sequence b valid in ``[0, lens[b])``.
+    q: (B, H, D); k, v: (B, L, KV, D) with sequence b valid in ``[0, lens[b])``. With
+    ``window``, only the last ``window`` positions and the first ``sinks`` are seen.
     Returns (B, H, D).
     """
-    mask = torch.arange(k.shape[1], device=q.device).unsqueeze(0) < lens.unsqueeze(1)
+    kpos = torch.arange(k.shape[1], device=q.device).unsqueeze(0)
+    last = lens.unsqueeze(1)
+    mask = kpos < last
+    if window is not None:
+        mask &= (kpos >= last - window) | (kpos < sinks)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
         attn_mask=mask[:, None, None, :], enable_gqa=True)

@@ -59,9 +59,11 @@ class AttentionBatch:
     decode_tables: int64 (num_decode, max_blocks) block tables padded with 0 (paged), or
         (num_decode, 1) range starts (contiguous).
     decode_lens: int64 (num_decode,) context length of each decode including its new token.
+    Evicted table entries (-1) appear as 0: backends that evict mask those positions.
     """
 
     slot_mapping: torch.Tensor
+    positions: torch.Tensor  # int64 (T,) position of each new token in its sequence
     num_decode: int
     decode_tables: torch.Tensor
     decode_lens: torch.Tensor
@@ -88,12 +90,25 @@ class KVBackend(ABC):
     name: str = ""
     storage: str = ""  # "paged" or "contiguous": which KV manager the run uses
     exact: bool = True  # False for lossy backends (quantized, evicting)
+    # False where a block's content stops being what its hash names (H2O rewrites slots).
+    supports_prefix_caching: bool = True
 
-    def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:
+    def __init__(self, layout: KVLayout, device: torch.device, *, block_size: int = 16,
+                 **options: Any) -> None:
+        if options:
+            raise ValueError(f"backend {self.name!r} has no option(s) "
+                             f"{', '.join(sorted(options))}")
+        if block_size < 1:
+            raise ValueError(f"backend.block_size must be >= 1, got {block_size}")
         self.layout = layout
         self.device = device
-        self.options = options
+        self.block_size = block_size  # paged storage; contiguous storage ignores it
         self.batch: AttentionBatch | None = None
+        self.kv: KVManager | None = None  # set by the runner: eviction backends free blocks
+
+    def bind(self, kv: KVManager) -> None:
+        """Give the backend the run's KV manager (eviction backends give blocks back)."""
+        self.kv = kv
 
     # -- sizing -------------------------------------------------------------------------
     def bytes_per_slot(self) -> int:

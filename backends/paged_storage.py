@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from harness.backends.attention_ref import attend_chunk, attend_decode
 from harness.backends.base import CacheSizing, KVBackend
 from harness.kv.base import KVManager
 from harness.kv.paged import PagedKVManager
@@ -64,6 +65,36 @@ class PagedStorageBackend(KVBackend):
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         kc.view(-1, *kc.shape[2:]).index_copy_(0, slots, k.to(kc.dtype))
         vc.view(-1, *vc.shape[2:]).index_copy_(0, slots, v.to(vc.dtype))
+
+    def read_blocks(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor,
+                                                                       torch.Tensor]:
+        """K and V of ``blocks`` (any int64 shape S) as (*S, block_size, KV, D) tensors in
+        the compute dtype. Lossy backends override it (dequantize, overlay sinks)."""
+        return self.k_cache[layer][blocks], self.v_cache[layer][blocks]
+
+    def torch_attend(self, layer: int, q: torch.Tensor, window: int | None = None,
+                     sinks: int = 0) -> torch.Tensor:
+        """The torch reference attention over this step's batch, reading K/V through
+        :meth:`read_blocks`: decodes as one padded SDPA call, prefill chunks one by one.
+        q: (T, H, D) -> (T, H, D)."""
+        b = self.batch
+        assert b is not None
+        out = torch.empty_like(q)
+        nd = b.num_decode
+        if nd:
+            kd, vd = self.read_blocks(layer, b.decode_tables)
+            out[:nd] = attend_decode(q[:nd], kd.flatten(1, 2).to(q.dtype),
+                                     vd.flatten(1, 2).to(q.dtype), b.decode_lens, window,
+                                     sinks)
+        bs = self.block_size
+        for c in b.prefills:
+            ctx = c.start + c.num_tokens
+            kk, vv = self.read_blocks(layer, c.table[:-(-ctx // bs)])
+            rows = slice(c.row, c.row + c.num_tokens)
+            out[rows] = attend_chunk(q[rows], kk.flatten(0, 1)[:ctx].to(q.dtype),
+                                     vv.flatten(0, 1)[:ctx].to(q.dtype), c.start, window,
+                                     sinks)
+        return out
 
     def gather(self, layer: int, table: torch.Tensor, ctx: int) -> tuple[torch.Tensor,
                                                                           torch.Tensor]:

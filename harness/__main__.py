@@ -1,8 +1,14 @@
 """``python -m harness``: a thin Hydra entry point around :func:`harness.runner.run`.
 
-A run that fails writes ``FAILED`` (the error) into its folder. In a multirun sweep the
-sweep goes on to the next job; a single run exits non-zero: 2 for a configuration or
-capacity error (the message says what to change), 1 for anything else.
+A run that fails writes ``FAILED`` (the error) into its folder. With ``logger=wandb`` the
+finished run is then logged to W&B; if that fails, the local results stay as they are and
+``WANDB_FAILED`` (the error and how to retry) joins them. In a multirun sweep the sweep
+goes on to the next job either way (exit status 0). A single run exits with:
+
+- 0: the run finished (and was logged, if a logger was chosen);
+- 1: the run crashed (a bug or an environment problem; the traceback is printed);
+- 2: a configuration or capacity error (the message says what to change);
+- 3: the run finished and its results are on disk, but logging to W&B failed.
 """
 
 from __future__ import annotations
@@ -42,6 +48,16 @@ def main(cfg: DictConfig) -> None:
             return  # the sweep goes on
         sys.exit(2 if user_error else 1)
     print_summary(result.metrics, result.out_dir)
+    if cfg.logger.name == "wandb":
+        from harness.sinks import log_run_to_wandb, record_wandb_failure
+
+        sweep = Path(hc.sweep.dir).name if hc.mode == RunMode.MULTIRUN else None
+        try:
+            log_run_to_wandb(cfg, result, cfg.logger, default_group=sweep)
+        except Exception as e:  # local results are complete: report, record, exit 3
+            print(f"\n{record_wandb_failure(out, e)}", file=sys.stderr)
+            if hc.mode != RunMode.MULTIRUN:
+                sys.exit(3)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ the config is composed, not halfway through a run. Groups mirror the plugin axes
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -38,6 +39,19 @@ class ContiguousConfig(BackendConfig):
 
 
 @dataclass
+class QuantizedConfig(BackendConfig):
+    name: str = "int8"
+    sink_tokens: int = 0  # first tokens of each sequence also kept in full precision
+
+
+@dataclass
+class SlidingWindowConfig(BackendConfig):
+    name: str = "sliding_window"
+    window: int = 256
+    sink_tokens: int = 4
+
+
+@dataclass
 class ModelSpec:
     source: str = "smollm2"  # smollm2 | gguf | hf | a tiny preset (tiny, tiny-bias, ...)
     path: str | None = None  # a .gguf file or an HF folder; overrides source when set
@@ -65,6 +79,24 @@ class CacheSpec:
 @dataclass
 class LoggerSpec:
     name: str = "none"
+
+
+class WandbMode(Enum):
+    offline = "offline"  # files under the run's folder, uploaded later with `wandb sync`
+    online = "online"  # needs an account (WANDB_API_KEY or `wandb login`) and the network
+    disabled = "disabled"  # nothing written, nothing sent
+
+
+@dataclass
+class WandbLoggerSpec(LoggerSpec):
+    name: str = "wandb"
+    mode: WandbMode = WandbMode.offline
+    project: str = "kvbench"
+    entity: str | None = None  # None: the account's default entity
+    group: str | None = None  # None: the sweep folder's name in a multirun, else no group
+    job_type: str = "benchmark"
+    tags: list[str] = field(default_factory=list)  # added to backend:..., workload:..., ...
+    dir: str | None = None  # None: the run's results folder (W&B adds wandb/ below it)
 
 
 @dataclass
@@ -129,6 +161,8 @@ def register_configs() -> None:
     cs.store(name="run_schema", node=RunConfig)
     cs.store(group="backend", name="paged_schema", node=PagedConfig)
     cs.store(group="backend", name="contiguous_schema", node=ContiguousConfig)
+    cs.store(group="backend", name="quantized_schema", node=QuantizedConfig)
+    cs.store(group="backend", name="sliding_window_schema", node=SlidingWindowConfig)
     for spec in (MultiturnSpec, SharedPrefixSpec, BeamSearchSpec, ParallelSamplingSpec,
                  LongPromptSpec, RandomSpec):
         cs.store(group="workload", name=f"{spec.name}_schema", node=spec)
@@ -136,3 +170,4 @@ def register_configs() -> None:
     cs.store(group="scheduler", name="scheduler_schema", node=SchedulerSpec)
     cs.store(group="cache", name="cache_schema", node=CacheSpec)
     cs.store(group="logger", name="logger_schema", node=LoggerSpec)
+    cs.store(group="logger", name="wandb_schema", node=WandbLoggerSpec)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import subprocess
 import sys
@@ -13,17 +12,13 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness.backends import get_backend
-from harness.backends.base import KVLayout
-from harness.engine.engine import Engine, ProgressFn
+from harness.engine.engine import ProgressFn
 from harness.engine.sampler import Sampler
-from harness.metrics.collector import MetricsCollector, StepRow
+from harness.metrics.collector import StepRow
 from harness.metrics.summary import request_rows, summarize
 from harness.model import load_model
 from harness.results import write_results
-from harness.sched.scheduler import Scheduler, SchedulerConfig
-from harness.sizing import min_budget_for, size_cache
-from harness.units import format_bytes
+from harness.stack import build_stack
 from harness.workloads import make_workload
 
 
@@ -71,34 +66,13 @@ def run(cfg: DictConfig | dict[str, Any]) -> RunResult:
     started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
     loaded = load_model(cfg.model.source, cfg.model.path, cfg.model.dtype, device)
-    mc = loaded.config
-    layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                      next(loaded.model.parameters()).dtype)
-    bopts = {str(k): v for k, v in OmegaConf.to_container(cfg.backend).items()  # type: ignore[union-attr]
-             if k not in ("name", "block_size")}
-    backend = get_backend(cfg.backend.name)(layout, device, **bopts)
-    sizing = size_cache(backend, cfg.cache.kv_budget, cfg.cache.swap_space,
-                        cfg.backend.get("block_size", 16))
-    sc = cfg.scheduler
-    max_model_len = min(sc.max_model_len, mc.max_position_embeddings)
-    kv_opts: dict[str, Any] = ({"enable_prefix_caching": cfg.cache.enable_prefix_caching,
-                                "watermark": cfg.cache.watermark}
-                               if backend.storage == "paged" else {"max_model_len": max_model_len})
-    # A budget below one block still gets a 1-block manager, only so that _check_budget
-    # can say which budget the workload needs.
-    kv = backend.make_manager(dataclasses.replace(
-        sizing, num_blocks=max(1, sizing.num_blocks),
-        num_slots=max(sizing.block_size, sizing.num_slots)), **kv_opts)
-    sched = Scheduler(SchedulerConfig(sc.max_num_seqs, sc.max_num_batched_tokens,
-                                      sc.chunked_prefill, sc.preemption_mode, sc.policy,
-                                      max_model_len), kv, tuple(loaded.tokenizer.eos_ids))
     workload = make_workload(OmegaConf.to_container(cfg.workload), loaded.tokenizer)  # type: ignore[arg-type]
-    _check_budget(workload.initial_requests(), kv, backend, sizing, cfg)
-    backend.allocate(sizing)
-
-    collector = MetricsCollector(kv, sched, sizing.bytes_per_slot)
-    engine = Engine(loaded.model, backend, sched, Sampler(cfg.seed), collector, device)
-    wall = engine.run(workload, _progress(cfg.get("progress", True)))
+    backend_cfg = OmegaConf.to_container(cfg.backend)
+    assert isinstance(backend_cfg, dict)
+    st = build_stack(loaded, device, {str(k): v for k, v in backend_cfg.items()}, cfg.cache,
+                     cfg.scheduler, Sampler(cfg.seed), workload.initial_requests())
+    backend, sizing, kv, collector = st.backend, st.sizing, st.kv, st.collector
+    wall = st.engine.run(workload, _progress(cfg.get("progress", True)))
     if sys.stderr.isatty() and cfg.get("progress", True):
         sys.stderr.write("\n")
     kv.ledger.finish()
@@ -107,8 +81,9 @@ def run(cfg: DictConfig | dict[str, Any]) -> RunResult:
         "backend": cfg.backend.name, "workload": cfg.workload.name,
         "model": loaded.description, "kernel": backend.kernel, "device": str(device),
         "seed": cfg.seed, "git_sha": _git_sha(), "started_at": started,
-        "dtype": str(layout.dtype).removeprefix("torch."),
+        "dtype": str(backend.layout.dtype).removeprefix("torch."),
         "block_size": sizing.block_size,
+        "prefix_caching": st.prefix_caching,
     }
     metrics = summarize(collector, run_info, sizing.kv_budget_bytes, sizing.num_slots, wall)
     rows = request_rows(collector)
@@ -119,23 +94,6 @@ def run(cfg: DictConfig | dict[str, Any]) -> RunResult:
     outputs = {rid: g.best_output if g.best_output is not None else g.seqs[0].output_ids
                for rid, g in collector.groups.items() if g.seqs}
     return RunResult(metrics, rows, out_dir, outputs, collector.steps)
-
-
-def _check_budget(requests: list[Any], kv: Any, backend: Any, sizing: Any,
-                  cfg: DictConfig) -> None:
-    """Fail at start, with the budget that would work, if no request can ever fit."""
-    if not requests:
-        return
-    needs = [kv.slots_needed(len(r.prompt_ids), r.params.max_tokens, r.params.n)
-             for r in requests]
-    if min(needs) <= sizing.num_slots * (1 - cfg.cache.watermark):
-        return
-    want = min_budget_for(backend, sizing, max(needs), cfg.cache.watermark)
-    raise ValueError(
-        f"cache.kv_budget={format_bytes(sizing.kv_budget_bytes)} holds "
-        f"{sizing.num_slots} tokens for backend {cfg.backend.name}, but the smallest "
-        f"request needs {min(needs)}: set cache.kv_budget={want} ({format_bytes(want)}) "
-        f"or more to run this workload")
 
 
 def print_summary(m: dict[str, Any], out_dir: Path | None) -> None:

@@ -6,16 +6,13 @@ from harness.backends.base import CacheSizing, KVBackend
 from harness.units import parse_bytes
 
 
-def size_cache(backend: KVBackend, kv_budget: str | int, swap_space: str | int,
-               block_size: int) -> CacheSizing:
+def size_cache(backend: KVBackend, kv_budget: str | int, swap_space: str | int) -> CacheSizing:
     """Token capacity = budget // bytes per token; paged backends round down to blocks."""
     if parse_bytes(kv_budget) <= 0:
         raise ValueError(f"cache.kv_budget must be positive, got {kv_budget!r}")
     budget = parse_bytes(kv_budget)
     bps = backend.bytes_per_slot()
-    bs = block_size if backend.storage == "paged" else 1
-    if bs < 1:
-        raise ValueError(f"backend.block_size must be >= 1, got {block_size}")
+    bs = backend.block_size if backend.storage == "paged" else 1
     # May be 0: the runner then reports the budget the workload needs (harness.runner).
     num_blocks = budget // (bps * bs)
     num_cpu_blocks = parse_bytes(swap_space) // (bps * bs)

@@ -53,7 +53,7 @@ def test_engine_logits_match_transformers(smollm2: hm.LoadedModel,
     c = lm.config
     backend = PagedBackend(KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32),
                            CPU, kernel="torch")
-    sizing = size_cache(backend, "8MiB", 0, 16)
+    sizing = size_cache(backend, "8MiB", 0)
     kv = backend.make_manager(sizing, enable_prefix_caching=True, watermark=0.0)
     backend.allocate(sizing)
     # A 16-token budget splits each ~20-token prompt into chunks that run beside decodes.

@@ -45,7 +45,8 @@ def build_inputs(rec: StepRecord, block_size: int, device: torch.device) -> Forw
         ids += s.seq.token_ids[s.start:s.start + s.num_tokens]
         pos += range(s.start, s.start + s.num_tokens)
         slots += s.slots
-        table = torch.tensor(s.seq.block_table, dtype=torch.int64, device=device)
+        # Evicted (-1) entries point at block 0: masked out by the window backends.
+        table = torch.tensor(s.seq.block_table, dtype=torch.int64).clamp_(min=0).to(device)
         chunks.append(PrefillChunk(row, s.num_tokens, s.start, table, s))
         if s.sample:
             rows.append(row + s.num_tokens - 1)
@@ -64,6 +65,7 @@ def build_inputs(rec: StepRecord, block_size: int, device: torch.device) -> Forw
         lens = torch.zeros(0, dtype=torch.int64)
     attn = AttentionBatch(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        positions=torch.tensor(pos, dtype=torch.int64, device=device),
         num_decode=nd,
         decode_tables=tables.to(device),
         decode_lens=lens.to(device),

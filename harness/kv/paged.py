@@ -214,6 +214,7 @@ class PagedKVManager:
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
         child.num_evicted_blocks = parent.num_evicted_blocks
+        child.evict_cursor = parent.evict_cursor
         self.logical_blocks += len(parent.block_table) - parent.num_evicted_blocks
 
     def free(self, seq: Sequence) -> None:
@@ -226,21 +227,26 @@ class PagedKVManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_evicted_blocks = 0
+        seq.evict_cursor = 0
 
-    def free_leading(self, seq: Sequence, num_tokens: int) -> int:
-        """Give back the blocks wholly inside tokens ``[0, num_tokens)``; the table keeps
-        their positions as -1 so logical indexing is unchanged. Returns blocks freed."""
-        first, upto = seq.num_evicted_blocks, num_tokens // self.block_size
+    def free_leading(self, seq: Sequence, num_tokens: int, keep_first: int = 0) -> int:
+        """Give back the blocks wholly inside tokens ``[0, num_tokens)`` except the first
+        ``keep_first`` (attention sinks); the table keeps their positions as -1 so logical
+        indexing is unchanged. O(blocks freed). Returns the number of blocks freed."""
+        first = max(keep_first, seq.evict_cursor)
+        upto = num_tokens // self.block_size
+        freed = 0
         for i in range(first, upto):
             b = seq.block_table[i]
-            assert b >= 0
-            self.pool.release(b)
-            seq.block_table[i] = -1
-        freed = max(0, upto - first)
-        if freed:
-            seq.num_evicted_blocks = upto
-            self.logical_blocks -= freed
-            self.evicted_tokens += freed * self.block_size
+            if b >= 0:
+                self.pool.release(b)
+                seq.block_table[i] = -1
+                freed += 1
+        if upto > seq.evict_cursor:
+            seq.evict_cursor = upto
+        seq.num_evicted_blocks += freed
+        self.logical_blocks -= freed
+        self.evicted_tokens += freed * self.block_size
         return freed
 
     def take_copies(self) -> list[CopyOp]:

@@ -48,6 +48,7 @@ class Sequence:
         "block_hashes",
         "block_table",
         "cum_logprob",
+        "evict_cursor",
         "finish_reason",
         "group",
         "kv_capacity",
@@ -72,7 +73,8 @@ class Sequence:
         # Chained hashes of this sequence's full blocks registered in the prefix cache.
         self.block_hashes: list[int] = []
         self.kv_capacity = 0  # contiguous: slots reserved; paged: unused
-        self.num_evicted_blocks = 0  # leading blocks given back by an eviction policy
+        self.num_evicted_blocks = 0  # table entries given back by an eviction policy (-1)
+        self.evict_cursor = 0  # blocks before it (past the kept sinks) were considered
         self.cum_logprob = 0.0
         self.finish_reason: str | None = None
 

@@ -1,0 +1,121 @@
+"""Shared base of the 1-byte backends: paged storage whose K and V are fp8 (e4m3) or int8
+with a float32 scale per (token, KV head), symmetric (scale = amax / qmax).
+
+The bytes a token takes include its scales, so under the same ``cache.kv_budget`` these
+backends hold about 2x the tokens of an fp16/bf16 cache and about 4x an fp32 one.
+``backend.sink_tokens=k`` keeps the first k tokens of every sequence in full precision as
+well (attention sinks are sensitive to quantization error): each block keeps a
+full-precision overlay of its first k slots, used where the block is a sequence's first,
+and the overlay's bytes are charged to every slot (k / block_size of a full-precision
+token), so the capacity shows what sinks cost.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from harness.backends.base import CacheSizing, KVLayout
+from harness.backends.paged_storage import PagedStorageBackend
+from harness.kernels.reference import QMAX, dequantize_ref, store_kv_quant_ref
+
+SCALE_BYTES = 4  # float32 scale per (token, KV head), for K and for V
+
+
+class QuantizedBackend(PagedStorageBackend):
+    """Paged, 1-byte K/V: quantized when stored, dequantized when read."""
+
+    cache_dtype: torch.dtype = torch.int8
+    exact = False
+
+    def __init__(self, layout: KVLayout, device: torch.device, *, sink_tokens: int = 0,
+                 **options: Any) -> None:
+        super().__init__(layout, device, **options)
+        if sink_tokens < 0:
+            raise ValueError(f"backend.sink_tokens must be >= 0, got {sink_tokens}")
+        self.sink_tokens = sink_tokens
+
+    def bytes_per_slot(self) -> int:
+        lay = self.layout
+        per_head = lay.head_dim * self.cache_dtype.itemsize + SCALE_BYTES
+        base = 2 * lay.num_layers * lay.num_kv_heads * per_head
+        return base + self._sink_bytes_per_slot()
+
+    def _sink_bytes_per_slot(self) -> int:
+        if not self.sink_tokens:
+            return 0
+        bs = self.block_size
+        full = super().bytes_per_slot()  # 2 x L x KV x D x compute dtype bytes
+        return -(-full * self.sink_tokens // bs)
+
+    def allocate(self, sizing: CacheSizing) -> None:
+        if self.sink_tokens > sizing.block_size:
+            raise ValueError(f"backend.sink_tokens={self.sink_tokens} must be <= "
+                             f"backend.block_size={sizing.block_size}")
+        lay = self.layout
+        self.block_size = sizing.block_size
+        shape = (sizing.num_blocks, sizing.block_size, lay.num_kv_heads, lay.head_dim)
+        dev = self.device
+        self.k_cache = [torch.zeros(shape, dtype=self.cache_dtype, device=dev)
+                        for _ in range(lay.num_layers)]
+        self.v_cache = [torch.zeros_like(t) for t in self.k_cache]
+        self.k_scale = [torch.zeros(shape[:3], dtype=torch.float32, device=dev)
+                        for _ in range(lay.num_layers)]
+        self.v_scale = [torch.zeros_like(t) for t in self.k_scale]
+        sink_shape = (sizing.num_blocks, self.sink_tokens, lay.num_kv_heads, lay.head_dim)
+        self.k_sink = [torch.zeros(sink_shape, dtype=lay.dtype, device=dev)
+                       for _ in range(lay.num_layers if self.sink_tokens else 0)]
+        self.v_sink = [torch.zeros_like(t) for t in self.k_sink]
+        if sizing.num_cpu_blocks:
+            raise ValueError(f"backend {self.name} does not swap: use "
+                             "scheduler.preemption_mode=recompute and cache.swap_space=0")
+        self.k_cpu: list[torch.Tensor] = []
+        self.v_cpu: list[torch.Tensor] = []
+
+    def apply_cache_ops(self, rec: Any) -> None:
+        assert not rec.swap_in and not rec.swap_out
+        for op in rec.copies:
+            # Copy-on-write copies a partly filled block: values, scales and any sinks.
+            for t in (*self.k_cache, *self.v_cache, *self.k_scale, *self.v_scale):
+                flat = t.view(-1, *t.shape[2:])
+                flat[op.dst:op.dst + op.num_slots] = flat[op.src:op.src + op.num_slots]
+            bs = self.block_size
+            for t in (*self.k_sink, *self.v_sink):
+                t[op.dst // bs] = t[op.src // bs]
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        b = self.batch
+        assert b is not None
+        store_kv_quant_ref(k, v, self.k_cache[layer], self.v_cache[layer],
+                           self.k_scale[layer], self.v_scale[layer], b.slot_mapping)
+        if self.sink_tokens:
+            sink = b.positions < self.sink_tokens
+            if bool(sink.any()):
+                slots = b.slot_mapping[sink]
+                blocks, offs = slots // self.block_size, slots % self.block_size
+                self.k_sink[layer][blocks, offs] = k[sink].to(self.layout.dtype)
+                self.v_sink[layer][blocks, offs] = v[sink].to(self.layout.dtype)
+
+    def read_blocks(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor,
+                                                                       torch.Tensor]:
+        dt = self.layout.dtype
+        k = dequantize_ref(self.k_cache[layer][blocks], self.k_scale[layer][blocks]).to(dt)
+        v = dequantize_ref(self.v_cache[layer][blocks], self.v_scale[layer][blocks]).to(dt)
+        if self.sink_tokens:
+            # The first block of every sequence (column 0 of a table) gets its sinks back
+            # in full precision.
+            first = blocks[..., 0]
+            s = self.sink_tokens
+            k[..., 0, :s, :, :] = self.k_sink[layer][first]
+            v[..., 0, :s, :, :] = self.v_sink[layer][first]
+        return k, v
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        self.store(layer, k, v)
+        return self.torch_attend(layer, q)
+
+
+def qmax(dtype: torch.dtype) -> float:
+    return QMAX[dtype]

@@ -1,0 +1,143 @@
+"""One Weights & Biases run per harness run, logged from a finished :class:`RunResult`.
+
+Called only after the run's local folder is complete (metrics.json written), so a W&B
+failure can never lose a run: the caller reports it and writes ``WANDB_FAILED`` (see
+:func:`record_wandb_failure`). What the W&B run holds:
+
+- config: the composed run config, flattened to dotted keys (``backend.name``, ...);
+- tags ``backend:<name>``, ``workload:``, ``model:``, ``kernel:``, ``device:`` plus
+  ``logger.tags``; the group (``logger.group``, else the sweep's folder name); the job type;
+- history: one row per engine step (StepRow's columns) on the ``step`` axis;
+- ``requests_table``: the per-request rows (requests.csv) as a wandb.Table; ``kv_bytes``:
+  a native line chart of reserved vs used KV bytes over steps (its data: ``kv_bytes_table``);
+- summary: metrics.json, key for key (step columns are kept out of it).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from harness.metrics.collector import StepRow
+
+if TYPE_CHECKING:
+    from harness.runner import RunResult
+
+FAILED_FILE = "WANDB_FAILED"
+TAG_KEYS = ("backend", "workload", "model", "kernel", "device")
+MAX_TAG_LEN = 64  # W&B rejects longer tags
+STEP_COLUMNS = tuple(f.name for f in fields(StepRow))
+
+
+class WandbLogError(RuntimeError):
+    """Logging to W&B failed; ``run_dir`` is the W&B run's local folder if one was made."""
+
+    def __init__(self, message: str, run_dir: Path | None) -> None:
+        super().__init__(message)
+        self.run_dir = run_dir
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}, "c": [1, 2]}`` -> ``{"a.b": 1, "c": [1, 2]}`` (lists kept whole)."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def run_tags(cfg: DictConfig, metrics: dict[str, Any], extra: list[str]) -> list[str]:
+    """``backend:paged``, ``workload:...``, ``model:...``, ``kernel:...``, ``device:...``,
+    then ``extra``. The model tag is the config's short name (``run.model`` is a sentence)."""
+    model = cfg.model.get("path")
+    values = {k: metrics.get(f"run.{k}") for k in TAG_KEYS}
+    values["model"] = Path(model).stem if model else cfg.model.get("source")
+    tags = [f"{k}:{v}" for k, v in values.items() if v]
+    return [t[:MAX_TAG_LEN] for t in [*tags, *extra]]
+
+
+def _writable_dir(path: Path) -> Path:
+    """Create ``path``; fail if it cannot hold files. W&B itself would fall back to the
+    system temp folder with only a warning, leaving the offline run where nobody looks."""
+    path.mkdir(parents=True, exist_ok=True)
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot write W&B files into {path}")
+    return path
+
+
+def log_run_to_wandb(cfg: DictConfig, result: RunResult, logger_cfg: DictConfig,
+                     default_group: str | None = None) -> str | None:
+    """Log one finished run to W&B; return the W&B run's local folder (None: disabled).
+
+    ``logger_cfg`` is a WandbLoggerSpec node; its ``mode`` is passed to ``wandb.init``
+    explicitly, so it wins over a WANDB_MODE in the environment. ``default_group`` names
+    the group when ``logger_cfg.group`` is unset (the CLI passes the sweep folder's name).
+    Raises :class:`WandbLogError` on any failure, after closing the W&B run.
+    """
+    mode = getattr(logger_cfg.mode, "value", logger_cfg.mode)
+    if mode == "disabled":
+        return None
+    run_dir: Path | None = None
+    try:
+        import wandb
+
+        base = logger_cfg.dir or result.out_dir or cfg.get("out_dir")
+        tree = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        assert isinstance(tree, dict)
+        config = flatten({str(k): v for k, v in tree.items()})
+        with wandb.init(
+            mode=mode, project=logger_cfg.project, entity=logger_cfg.entity,
+            group=logger_cfg.group or default_group, job_type=logger_cfg.job_type,
+            name=cfg.get("run_name") or (result.out_dir.name if result.out_dir else None),
+            tags=run_tags(cfg, result.metrics, list(logger_cfg.tags)), config=config,
+            dir=str(_writable_dir(Path(base))) if base else None,
+        ) as run:
+            run_dir = Path(run.settings.sync_dir)
+            _log_history(run, result)
+            run.summary.update(result.metrics)
+    except Exception as e:  # wandb raises many types (UsageError, CommError, OSError...)
+        raise WandbLogError(f"{type(e).__name__}: {e}", run_dir) from e
+    return str(run_dir)
+
+
+def _log_history(run: Any, result: RunResult) -> None:
+    import wandb
+
+    run.define_metric("step")
+    run.define_metric("*", step_metric="step")
+    # The summary is metrics.json: keep each step column's last value out of it.
+    for col in STEP_COLUMNS:
+        run.define_metric(col, step_metric="step", summary="none")
+    rows = [asdict(r) for r in result.steps]
+    steps = [r["step"] for r in rows]
+    extra: dict[str, Any] = {"kv_bytes": wandb.plot.line_series(
+        xs=steps, ys=[[r["reserved_bytes"] for r in rows], [r["used_bytes"] for r in rows]],
+        keys=["reserved", "used"], title="KV cache bytes: reserved vs used", xname="step")}
+    if result.requests:
+        cols = list(result.requests[0])
+        extra["requests_table"] = wandb.Table(
+            columns=cols, data=[[r[c] for c in cols] for r in result.requests])
+    # The table and chart ride on the last step's row: one history row per engine step.
+    for i, row in enumerate(rows):
+        run.log({**row, **extra} if i == len(rows) - 1 else row)
+    if not rows:
+        run.log(extra)
+
+
+def record_wandb_failure(out: Path, error: BaseException) -> str:
+    """Write ``WANDB_FAILED`` into the run folder; return the message for the terminal."""
+    run_dir = getattr(error, "run_dir", None)
+    retry = (f"W&B's files (complete or not) are in {run_dir}: `wandb sync {run_dir}`"
+             if run_dir is not None and Path(run_dir).is_dir() else
+             "fix the cause and log again, or run with logger=none")
+    msg = (f"kvbench: the run finished, but logging it to W&B failed: {error}\n"
+           f"  local results are safe in {out}\n  to retry: {retry}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / FAILED_FILE).write_text(msg.removeprefix("kvbench: ") + "\n")
+    return msg

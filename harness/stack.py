@@ -1,0 +1,96 @@
+"""Assemble one serving stack (backend + KV manager + scheduler + engine) for a model.
+
+The run builds one for its workload; quality evaluation builds more on the same model
+(the backend under test on the evaluation texts, and the exact reference).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from harness.backends import get_backend
+from harness.backends.base import CacheSizing, KVBackend, KVLayout
+from harness.engine.engine import Engine
+from harness.engine.sampler import Sampler
+from harness.kv.base import KVManager
+from harness.metrics.collector import MetricsCollector
+from harness.model import LoadedModel
+from harness.sched.scheduler import Scheduler, SchedulerConfig
+from harness.sizing import min_budget_for, size_cache
+from harness.units import format_bytes
+from harness.workloads.base import Request
+
+
+@dataclass
+class Stack:
+    backend: KVBackend
+    sizing: CacheSizing
+    kv: KVManager
+    scheduler: Scheduler
+    collector: MetricsCollector
+    engine: Engine
+    prefix_caching: bool
+
+
+def model_layout(loaded: LoadedModel) -> KVLayout:
+    mc = loaded.config
+    return KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                    next(loaded.model.parameters()).dtype)
+
+
+def build_stack(loaded: LoadedModel, device: torch.device, backend_cfg: dict[str, Any],
+                cache: Any, sched: Any, sampler: Sampler,
+                requests: list[Request] | None = None, quiet: bool = False) -> Stack:
+    """``backend_cfg``: the backend group as a dict (name + options); ``cache`` and
+    ``sched``: the cache and scheduler config nodes. With ``requests``, fail early (and say
+    which budget would do) when the budget cannot hold even the smallest of them."""
+    opts = {k: v for k, v in backend_cfg.items() if k != "name"}
+    backend = get_backend(backend_cfg["name"])(model_layout(loaded), device, **opts)
+    sizing = size_cache(backend, cache.kv_budget, cache.swap_space)
+    max_model_len = min(sched.max_model_len, loaded.config.max_position_embeddings)
+    prefix_caching = bool(cache.enable_prefix_caching and backend.supports_prefix_caching
+                          and backend.storage == "paged")
+    if cache.enable_prefix_caching and not backend.supports_prefix_caching and not quiet:
+        print(f"kvbench: backend {backend.name} rewrites cached blocks, so prefix caching "
+              "is off for this run (run.prefix_caching=false)", file=sys.stderr)
+    kv_opts: dict[str, Any] = ({"enable_prefix_caching": prefix_caching,
+                                "watermark": cache.watermark}
+                               if backend.storage == "paged" else {"max_model_len": max_model_len})
+    # A budget below one block still gets a 1-block manager, only so that check_budget
+    # can say which budget the workload needs.
+    kv = backend.make_manager(dataclasses.replace(
+        sizing, num_blocks=max(1, sizing.num_blocks),
+        num_slots=max(sizing.block_size, sizing.num_slots)), **kv_opts)
+    scheduler = Scheduler(SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens,
+                                          sched.chunked_prefill, sched.preemption_mode,
+                                          sched.policy, max_model_len),
+                          kv, tuple(loaded.tokenizer.eos_ids))
+    if requests is not None:
+        check_budget(requests, kv, backend, sizing, cache.watermark)
+    backend.allocate(sizing)
+    backend.bind(kv)
+    collector = MetricsCollector(kv, scheduler, sizing.bytes_per_slot)
+    engine = Engine(loaded.model, backend, scheduler, sampler, collector, device)
+    return Stack(backend, sizing, kv, scheduler, collector, engine, prefix_caching)
+
+
+def check_budget(requests: list[Request], kv: KVManager, backend: KVBackend,
+                 sizing: CacheSizing, watermark: float) -> None:
+    """Fail at start, with the budget that would work, if no request can ever fit."""
+    if not requests:
+        return
+    needs = [kv.slots_needed(len(r.prompt_ids), r.params.max_tokens, r.params.n)
+             for r in requests]
+    if min(needs) <= sizing.num_slots * (1 - watermark):
+        return
+    want = min_budget_for(backend, sizing, max(needs), watermark)
+    raise ValueError(
+        f"cache.kv_budget={format_bytes(sizing.kv_budget_bytes)} holds "
+        f"{sizing.num_slots} tokens for backend {backend.name}, but the smallest "
+        f"request needs {min(needs)}: set cache.kv_budget={want} ({format_bytes(want)}) "
+        f"or more to run this workload")
