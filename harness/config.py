@@ -13,6 +13,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from harness.quality import QualityConfig
 from harness.workloads.long_prompt import LongPromptConfig
 from harness.workloads.multiturn import MultiturnConfig
 from harness.workloads.random_lengths import RandomConfig
@@ -143,6 +144,7 @@ class RunConfig:
     scheduler: SchedulerSpec = field(default_factory=SchedulerSpec)
     cache: CacheSpec = field(default_factory=CacheSpec)
     logger: LoggerSpec = field(default_factory=LoggerSpec)
+    quality: QualityConfig = field(default_factory=QualityConfig)
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     # torch's intra-op threads on CPU (0 = torch's default). 1 by default: on a shared

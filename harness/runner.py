@@ -17,6 +17,7 @@ from harness.engine.sampler import Sampler
 from harness.metrics.collector import StepRow
 from harness.metrics.summary import request_rows, summarize
 from harness.model import load_model
+from harness.quality import agreement, evaluate_quality, fp32_bytes_per_token, reference_model
 from harness.results import write_results
 from harness.stack import build_stack
 from harness.workloads import make_workload
@@ -67,9 +68,10 @@ def run(cfg: DictConfig | dict[str, Any]) -> RunResult:
 
     loaded = load_model(cfg.model.source, cfg.model.path, cfg.model.dtype, device)
     workload = make_workload(OmegaConf.to_container(cfg.workload), loaded.tokenizer)  # type: ignore[arg-type]
-    backend_cfg = OmegaConf.to_container(cfg.backend)
-    assert isinstance(backend_cfg, dict)
-    st = build_stack(loaded, device, {str(k): v for k, v in backend_cfg.items()}, cfg.cache,
+    container = OmegaConf.to_container(cfg.backend)
+    assert isinstance(container, dict)
+    backend_cfg = {str(k): v for k, v in container.items()}
+    st = build_stack(loaded, device, backend_cfg, cfg.cache,
                      cfg.scheduler, Sampler(cfg.seed), workload.initial_requests())
     backend, sizing, kv, collector = st.backend, st.sizing, st.kv, st.collector
     wall = st.engine.run(workload, _progress(cfg.get("progress", True)))
@@ -87,13 +89,38 @@ def run(cfg: DictConfig | dict[str, Any]) -> RunResult:
     }
     metrics = summarize(collector, run_info, sizing.kv_budget_bytes, sizing.num_slots, wall)
     rows = request_rows(collector)
+    outputs = {rid: g.best_output if g.best_output is not None else g.seqs[0].output_ids
+               for rid, g in collector.groups.items() if g.seqs}
+    if cfg.quality.enabled:
+        metrics.update(evaluate_quality(loaded, device, cfg, backend_cfg))
+        if cfg.quality.generation_agreement:
+            agree = _generation_agreement(cfg, loaded, device, outputs, sizing.num_slots)
+            for r in rows:
+                r["agree_tokens"] = agree.get(r["request_id"])
+            metrics["quality.gen_agree_tokens_mean"] = (
+                sum(agree.values()) / len(agree) if agree else 0.0)
+            metrics["quality.gen_exact_match_rate"] = (
+                sum(agree[r] == len(outputs[r]) for r in agree) / len(agree) if agree else 0.0)
     out_dir = Path(cfg.out_dir) if cfg.get("out_dir") else None
     if out_dir is not None:
         write_results(out_dir, OmegaConf.to_yaml(cfg, resolve=True), metrics,
                       collector.steps, rows)
-    outputs = {rid: g.best_output if g.best_output is not None else g.seqs[0].output_ids
-               for rid, g in collector.groups.items() if g.seqs}
     return RunResult(metrics, rows, out_dir, outputs, collector.steps)
+
+
+def _generation_agreement(cfg: DictConfig, loaded: Any, device: torch.device,
+                          outputs: dict[int, list[int]], capacity: int) -> dict[int, int]:
+    """Rerun the workload on the exact reference (contiguous, fp32) and count, per request,
+    the generated tokens equal to the reference's before the first difference."""
+    ref_model = reference_model(loaded, cfg, device)
+    workload = make_workload(OmegaConf.to_container(cfg.workload), ref_model.tokenizer)  # type: ignore[arg-type]
+    budget = fp32_bytes_per_token(ref_model) * max(2 * capacity, 4096)
+    st = build_stack(ref_model, device, {"name": "contiguous", "reserve": "exact"}, cfg.cache,
+                     cfg.scheduler, Sampler(cfg.seed), quiet=True, kv_budget=budget)
+    st.engine.run(workload)
+    ref = {rid: g.best_output if g.best_output is not None else g.seqs[0].output_ids
+           for rid, g in st.collector.groups.items() if g.seqs}
+    return agreement(outputs, ref)
 
 
 def print_summary(m: dict[str, Any], out_dir: Path | None) -> None:
@@ -118,6 +145,11 @@ def print_summary(m: dict[str, Any], out_dir: Path | None) -> None:
         ("preemptions (recompute / swap)",
          f"{m['sched.preemptions_recompute']} / {m['sched.preemptions_swap']}"),
         ("engine overhead % of step", f("engine.overhead_pct")),
+        ("quality: ppl / ref (delta %)",
+         f"{f('quality.ppl', '{:.3f}')} / {f('quality.ppl_ref', '{:.3f}')} "
+         f"({f('quality.ppl_delta_pct', '{:+.2f}')})"),
+        ("quality: KL mean / top-1 agreement",
+         f"{f('quality.kl_mean', '{:.5f}')} / {f('quality.top1_agreement', '{:.4f}')}"),
         ("wall time (s)", f("engine.wall_s")),
     ]
     width = max(len(k) for k, _ in lines)

@@ -45,13 +45,16 @@ def model_layout(loaded: LoadedModel) -> KVLayout:
 
 def build_stack(loaded: LoadedModel, device: torch.device, backend_cfg: dict[str, Any],
                 cache: Any, sched: Any, sampler: Sampler,
-                requests: list[Request] | None = None, quiet: bool = False) -> Stack:
+                requests: list[Request] | None = None, quiet: bool = False,
+                kv_budget: str | int | None = None) -> Stack:
     """``backend_cfg``: the backend group as a dict (name + options); ``cache`` and
     ``sched``: the cache and scheduler config nodes. With ``requests``, fail early (and say
-    which budget would do) when the budget cannot hold even the smallest of them."""
+    which budget would do) when the budget cannot hold even the smallest of them.
+    ``kv_budget`` overrides ``cache.kv_budget`` (quality evaluation's reference)."""
     opts = {k: v for k, v in backend_cfg.items() if k != "name"}
     backend = get_backend(backend_cfg["name"])(model_layout(loaded), device, **opts)
-    sizing = size_cache(backend, cache.kv_budget, cache.swap_space)
+    sizing = size_cache(backend, cache.kv_budget if kv_budget is None else kv_budget,
+                        cache.swap_space)
     max_model_len = min(sched.max_model_len, loaded.config.max_position_embeddings)
     prefix_caching = bool(cache.enable_prefix_caching and backend.supports_prefix_caching
                           and backend.storage == "paged")

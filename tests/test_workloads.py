@@ -100,3 +100,10 @@ def test_parallel_samples_share_the_prompt_and_differ() -> None:
     assert r.metrics["cache.blocks_saved_by_sharing_peak"] >= 2 * 3  # 2 prompt blocks x 3 forks
     rows = {x["request_id"]: x for x in r.requests}
     assert all(rows[i]["num_seqs"] == 4 and rows[i]["output_tokens"] == 24 for i in rows)
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_initial_requests_are_the_same_on_every_call(name: str) -> None:
+    wl = make_workload(cfg_for(name), ByteTokenizer())
+    first = [(r.request_id, r.prompt_ids) for r in wl.initial_requests()]
+    assert first == [(r.request_id, r.prompt_ids) for r in wl.initial_requests()]

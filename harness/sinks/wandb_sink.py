@@ -97,32 +97,40 @@ def log_run_to_wandb(cfg: DictConfig, result: RunResult, logger_cfg: DictConfig,
             name=cfg.get("run_name") or (result.out_dir.name if result.out_dir else None),
             tags=run_tags(cfg, result.metrics, list(logger_cfg.tags)), config=config,
             dir=str(_writable_dir(Path(base))) if base else None,
+            # quiet: no sparklines per run (a sweep prints one block per job); the line
+            # below says where the run went.
+            settings=wandb.Settings(quiet=True),
         ) as run:
             run_dir = Path(run.settings.sync_dir)
+            url = run.url
             _log_history(run, result)
             run.summary.update(result.metrics)
     except Exception as e:  # wandb raises many types (UsageError, CommError, OSError...)
         raise WandbLogError(f"{type(e).__name__}: {e}", run_dir) from e
+    print(f"  W&B run: {url}" if url else
+          f"  W&B run (offline): {run_dir}\n  upload it with: wandb sync {run_dir}")
     return str(run_dir)
 
 
 def _log_history(run: Any, result: RunResult) -> None:
     import wandb
 
-    run.define_metric("step")
+    run.define_metric("step", summary="none")
     run.define_metric("*", step_metric="step")
-    # The summary is metrics.json: keep each step column's last value out of it.
+    # The summary is metrics.json: keep each step column's last value out of it (not "*":
+    # the chart reads its table from the summary).
     for col in STEP_COLUMNS:
-        run.define_metric(col, step_metric="step", summary="none")
+        if col != "step":
+            run.define_metric(col, step_metric="step", summary="none")
     rows = [asdict(r) for r in result.steps]
     steps = [r["step"] for r in rows]
     extra: dict[str, Any] = {"kv_bytes": wandb.plot.line_series(
         xs=steps, ys=[[r["reserved_bytes"] for r in rows], [r["used_bytes"] for r in rows]],
         keys=["reserved", "used"], title="KV cache bytes: reserved vs used", xname="step")}
     if result.requests:
-        cols = list(result.requests[0])
+        cols: list[str | int] = list(result.requests[0])  # every row has the same keys
         extra["requests_table"] = wandb.Table(
-            columns=cols, data=[[r[c] for c in cols] for r in result.requests])
+            columns=cols, data=[list(r.values()) for r in result.requests])
     # The table and chart ride on the last step's row: one history row per engine step.
     for i, row in enumerate(rows):
         run.log({**row, **extra} if i == len(rows) - 1 else row)
@@ -135,7 +143,7 @@ def record_wandb_failure(out: Path, error: BaseException) -> str:
     run_dir = getattr(error, "run_dir", None)
     retry = (f"W&B's files (complete or not) are in {run_dir}: `wandb sync {run_dir}`"
              if run_dir is not None and Path(run_dir).is_dir() else
-             "fix the cause and log again, or run with logger=none")
+             "fix the cause and run again (or use logger.mode=offline, no network needed)")
     msg = (f"kvbench: the run finished, but logging it to W&B failed: {error}\n"
            f"  local results are safe in {out}\n  to retry: {retry}")
     out.mkdir(parents=True, exist_ok=True)

@@ -50,13 +50,14 @@ class MultiturnWorkload:
         self._ids = itertools.count()
         self._history: dict[int, list[dict[str, str]]] = {}
         self._meta: dict[int, tuple[int, int]] = {}  # request id -> (conversation, turn)
+        self._first = self._first_turns()
 
     def _params(self) -> SamplingParams:
         c = self.cfg
         return SamplingParams(max_tokens=c.answer_tokens, temperature=c.temperature,
                               top_p=c.top_p, ignore_eos=c.ignore_eos, seed=c.seed)
 
-    def initial_requests(self) -> list[Request]:
+    def _first_turns(self) -> list[Request]:
         out = []
         for conv in range(self.cfg.conversations):
             msgs = [{"role": "system", "content": self.system},
@@ -68,6 +69,10 @@ class MultiturnWorkload:
                                arrival_s=conv * self.cfg.arrival_interval_s,
                                meta={"conversation": conv, "turn": 0}))
         return out
+
+    def initial_requests(self) -> list[Request]:
+        """The first turn of every conversation (the same list on every call)."""
+        return list(self._first)
 
     def on_finished(self, group: SequenceGroup) -> list[Request]:
         conv, turn = self._meta.pop(group.request_id)

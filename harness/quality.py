@@ -1,0 +1,176 @@
+"""Quality of a backend against the exact reference, on real text, through the engine.
+
+Teacher-forced streaming evaluation: each text's first ``prefill_tokens`` are prefilled,
+then every following true token is fed one at a time through the engine's decode path
+with the backend under test, so quantization and eviction act as they do while
+generating. The same texts run through the exact reference (contiguous storage, fp32).
+Reported: perplexity of both and its delta, mean KL(reference || backend) of the
+next-token distributions, and top-1 agreement. Several texts run as concurrent sequences.
+
+Also, for workload runs, greedy-generation agreement: per request, how many generated
+tokens match the reference backend's before the first divergence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness.engine.sampler import Sampler
+from harness.model import LoadedModel, load_model
+from harness.sched.sequence import SamplingParams, Sequence, SequenceGroup
+from harness.stack import build_stack
+from harness.workloads.base import Request
+from harness.workloads.text import corpus_text
+
+
+@dataclass
+class QualityConfig:
+    enabled: bool = False
+    text_file: str | None = None  # default: Python's own help texts (pydoc_data.topics)
+    num_texts: int = 2
+    text_tokens: int = 512
+    prefill_tokens: int = 32
+    generation_agreement: bool = True  # also rerun the workload on the reference
+
+
+def load_texts(cfg: QualityConfig, loaded: LoadedModel) -> list[list[int]]:
+    """``num_texts`` consecutive, disjoint windows of ``text_tokens`` tokens (no BOS)."""
+    if cfg.text_tokens <= cfg.prefill_tokens or cfg.prefill_tokens < 1:
+        raise ValueError(f"need 1 <= quality.prefill_tokens < quality.text_tokens, got "
+                         f"{cfg.prefill_tokens} and {cfg.text_tokens}")
+    if cfg.text_file:
+        path = Path(cfg.text_file)
+        if not path.is_file():
+            raise ValueError(f"quality.text_file={cfg.text_file} does not exist")
+        text = path.read_text(encoding="utf-8", errors="replace")
+    else:
+        text = corpus_text()
+    want = cfg.num_texts * cfg.text_tokens
+    ids = loaded.tokenizer.encode(text[: want * 8], add_bos=False)
+    if len(ids) < want:
+        raise ValueError(f"the text has {len(ids)} tokens; quality.num_texts x "
+                         f"quality.text_tokens needs {want}: use a longer quality.text_file "
+                         "or smaller lengths")
+    return [ids[i * cfg.text_tokens:(i + 1) * cfg.text_tokens] for i in range(cfg.num_texts)]
+
+
+class _TextsWorkload:
+    name = "quality"
+
+    def __init__(self, texts: list[list[int]], prefill: int) -> None:
+        self.texts, self.prefill = texts, prefill
+
+    def initial_requests(self) -> list[Request]:
+        params = SamplingParams(max_tokens=len(self.texts[0]) - self.prefill, ignore_eos=True)
+        return [Request(i, t[:self.prefill], params) for i, t in enumerate(self.texts)]
+
+    def on_finished(self, group: SequenceGroup) -> list[Request]:
+        return []
+
+
+class ForcedSampler(Sampler):
+    """Feeds the true next token and scores the distribution the model gave for it.
+
+    Reference mode keeps every log-prob row; compare mode computes, against those rows,
+    KL(reference || backend) and top-1 agreement as it goes."""
+
+    def __init__(self, texts: list[list[int]], prefill: int,
+                 reference: torch.Tensor | None = None) -> None:
+        super().__init__(0)
+        self.texts, self.prefill = texts, prefill
+        self.reference = reference
+        self.kept: dict[tuple[int, int], torch.Tensor] = {}
+        self.nll = 0.0
+        self.kl = 0.0
+        self.agree = 0
+        self.count = 0
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        out = []
+        for row, seq in zip(lp, seqs):
+            text = self.texts[seq.group.request_id]
+            pos = len(seq.token_ids)  # the row predicts token `pos`
+            true = text[pos]
+            self.nll -= float(row[true])
+            self.count += 1
+            i = pos - self.prefill
+            if self.reference is None:
+                self.kept[(seq.group.request_id, i)] = row
+            else:
+                ref = self.reference[seq.group.request_id, i]
+                self.kl += float((ref.exp() * (ref - row)).sum())
+                self.agree += int(int(ref.argmax()) == int(row.argmax()))
+            out.append(true)
+        return out
+
+    def stacked(self) -> torch.Tensor:
+        n, steps = len(self.texts), len(self.texts[0]) - self.prefill
+        return torch.stack([torch.stack([self.kept[(t, i)] for i in range(steps)])
+                            for t in range(n)])
+
+
+def _stream(loaded: LoadedModel, device: torch.device, backend_cfg: dict[str, Any],
+            run_cfg: Any, sampler: ForcedSampler, texts: list[list[int]],
+            prefill: int, budget: str | int) -> None:
+    st = build_stack(loaded, device, backend_cfg, run_cfg.cache, run_cfg.scheduler, sampler,
+                     quiet=True, kv_budget=budget)
+    st.engine.run(_TextsWorkload(texts, prefill))
+
+
+def fp32_bytes_per_token(loaded: LoadedModel) -> int:
+    c = loaded.config
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+
+
+def reference_model(loaded: LoadedModel, cfg: Any, device: torch.device) -> LoadedModel:
+    """The exact reference runs in fp32: the run's own model if it is fp32."""
+    if next(loaded.model.parameters()).dtype == torch.float32:
+        return loaded
+    return load_model(cfg.model.source, cfg.model.path, torch.float32, device)
+
+
+def evaluate_quality(loaded: LoadedModel, device: torch.device, run_cfg: Any,
+                     backend_cfg: dict[str, Any]) -> dict[str, float]:
+    """quality.* metrics of ``backend_cfg`` (the run's backend) on the evaluation texts."""
+    qc = QualityConfig(**{k: v for k, v in dict(run_cfg.quality).items()
+                          if k in QualityConfig.__dataclass_fields__})
+    texts = load_texts(qc, loaded)
+    ref_model = reference_model(loaded, run_cfg, device)
+    # Budgets: the reference holds every text whole; the backend gets the run's budget.
+    ref_budget = fp32_bytes_per_token(ref_model) * (qc.text_tokens + 16) * len(texts) * 2
+    ref = ForcedSampler(texts, qc.prefill_tokens)
+    _stream(ref_model, device, {"name": "contiguous", "reserve": "exact"}, run_cfg, ref,
+            texts, qc.prefill_tokens, ref_budget)
+    test = ForcedSampler(texts, qc.prefill_tokens, reference=ref.stacked())
+    _stream(loaded, device, backend_cfg, run_cfg, test, texts, qc.prefill_tokens,
+            run_cfg.cache.kv_budget)
+    ppl_ref = math.exp(ref.nll / ref.count)
+    ppl = math.exp(test.nll / test.count)
+    return {
+        "quality.ppl": ppl,
+        "quality.ppl_ref": ppl_ref,
+        "quality.ppl_delta_pct": 100.0 * (ppl - ppl_ref) / ppl_ref,
+        "quality.kl_mean": test.kl / test.count,
+        "quality.top1_agreement": test.agree / test.count,
+        "quality.tokens": float(test.count),
+    }
+
+
+def agreement(outputs: dict[int, list[int]], ref: dict[int, list[int]]) -> dict[int, int]:
+    """Per request: generated tokens equal to the reference's before the first difference."""
+    out = {}
+    for rid, toks in outputs.items():
+        other = ref.get(rid, [])
+        n = 0
+        for a, b in zip(toks, other):
+            if a != b:
+                break
+            n += 1
+        out[rid] = n
+    return out

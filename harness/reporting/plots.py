@@ -1,0 +1,191 @@
+"""The report's figures, as PNG files.
+
+Figures are drawn on matplotlib's Agg canvas directly (no pyplot): no display is needed
+and no global figure state is left behind in the caller's process. One colour per backend
+in every figure, so the figures read together.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from harness.reporting.runs import Run, label
+from harness.reporting.table import Comparison
+
+MIB = 2**20
+QUALITY = [("quality.ppl_delta_pct", "perplexity delta %"), ("quality.kl_mean", "mean KL")]
+
+
+def _colors(backends: list[str]) -> dict[str, Any]:
+    palette = [f"C{i}" for i in range(10)]
+    return {b: palette[i % 10] for i, b in enumerate(sorted(set(backends)))}
+
+
+def _grid(n: int, ncols: int, w: float, h: float) -> tuple[Figure, list[Axes]]:
+    ncols = max(1, min(ncols, n))
+    nrows = math.ceil(n / ncols)
+    fig = Figure(figsize=(w * ncols, h * nrows), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel().tolist()
+    for ax in axes[n:]:
+        ax.set_visible(False)
+    return fig, axes[:n]
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _backend_legend(ax: Axes, colors: dict[str, Any]) -> None:
+    for b, c in colors.items():
+        ax.scatter([], [], color=c, label=b)
+    ax.legend(fontsize=8, loc="best")
+
+
+def throughput_vs_waste(cmp: Comparison, path: Path) -> Path | None:
+    """Output tokens/s against memory waste %, one panel per workload (up and left is good)."""
+    f = cmp.frame
+    need = {"throughput.output_tokens_per_s", "memory.waste_pct"}
+    if f.empty or not need <= set(f.columns):
+        return None
+    colors = _colors(f["backend"].tolist())
+    workloads = list(dict.fromkeys(f["workload"]))
+    fig, axes = _grid(len(workloads), 3, 4.6, 3.6)
+    for ax, wl in zip(axes, workloads):
+        part = f[f["workload"] == wl]
+        for _, row in part.iterrows():
+            x, y = row["memory.waste_pct"], row["throughput.output_tokens_per_s"]
+            ax.scatter([x], [y], color=colors[row["backend"]], s=40, zorder=3)
+            tail = row["label"].removeprefix(row["backend"]).strip()
+            if tail:
+                ax.annotate(tail, (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        ax.set(title=f"workload: {wl}", xlabel="memory waste % (lower is better)",
+               ylabel="output tokens/s (higher is better)")
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        _backend_legend(ax, {b: colors[b] for b in dict.fromkeys(part["backend"])})
+    fig.suptitle("Throughput vs KV memory waste")
+    return _save(fig, path)
+
+
+def held_per_seq_bytes(run: Run) -> float | None:
+    """KV bytes a running sequence holds, averaged over steps (sum reserved / sum running)."""
+    s = run.steps()
+    if s.empty or not {"reserved_bytes", "running"} <= set(s.columns):
+        return None
+    busy = s[s["running"] > 0]
+    return float(busy["reserved_bytes"].sum() / busy["running"].sum()) if len(busy) else None
+
+
+def quality_vs_memory(cmp: Comparison, runs: list[Run], path: Path) -> Path | None:
+    """Quality loss against KV bytes held per sequence: the lossy backends' trade-off."""
+    present = [(k, t) for k, t in QUALITY if k in cmp.frame and cmp.frame[k].notna().any()]
+    if not present:
+        return None
+    by_path = {str(r.path): r for r in runs}
+    colors = _colors(cmp.frame["backend"].tolist())
+    markers = dict(zip(dict.fromkeys(cmp.frame["workload"]), "osD^vP*X"))
+    fig, axes = _grid(len(present), 2, 4.8, 3.8)
+    for ax, (key, title) in zip(axes, present):
+        for _, row in cmp.frame.iterrows():
+            held = held_per_seq_bytes(by_path[row["path"]])
+            if held is None or row[key] is None or np.isnan(row[key]):
+                continue
+            ax.scatter([held / 1024], [row[key]], color=colors[row["backend"]],
+                       marker=markers.get(row["workload"], "o"), s=40, zorder=3)
+            ax.annotate(row["label"], (held / 1024, row[key]), fontsize=7, xytext=(4, 3),
+                        textcoords="offset points")
+        ax.set(title=title, xlabel="KV KiB held per running sequence (mean over steps)",
+               ylabel=f"{title} (lower is better)")
+        ax.grid(alpha=0.3)
+        for wl, mk in markers.items():
+            ax.scatter([], [], color="grey", marker=mk, label=wl)
+        _backend_legend(ax, colors)
+    fig.suptitle("Quality vs memory held per sequence")
+    return _save(fig, path)
+
+
+def kv_over_time(runs: list[Run], keys: list[str], path: Path) -> Path | None:
+    """Reserved and used KV bytes over each run's time, one small panel per run."""
+    series = [(r, r.steps()) for r in runs if r.metrics is not None]
+    series = [(r, s) for r, s in series if not s.empty and "reserved_bytes" in s]
+    order = list(dict.fromkeys(r.workload for r, _ in series))
+    series.sort(key=lambda rs: order.index(rs[0].workload))  # stable: path order within
+    if not series:
+        return None
+    colors = _colors([r.backend for r, _ in series])
+    fig, axes = _grid(len(series), 4, 3.6, 2.7)
+    for ax, (r, s) in zip(axes, series):
+        t, res, used = s["time_s"], s["reserved_bytes"] / MIB, s["used_bytes"] / MIB
+        c = colors[r.backend]
+        ax.fill_between(t, 0, used, step="post", color=c, alpha=0.45, label="used")
+        ax.step(t, res, where="post", color=c, lw=1.2, label="reserved")
+        ext = s.get("external_frag_bytes")
+        if ext is not None and ext.any():
+            ax.step(t, res + ext / MIB, where="post", color="k", lw=0.8, ls=":",
+                    label="reserved + external")
+        ax.set_title(f"{label(r, keys)}\n{r.workload}", fontsize=8)
+        ax.set_xlabel("time (s)", fontsize=8)
+        ax.set_ylabel("KV MiB", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, loc="upper left")
+    fig.suptitle("KV cache reserved vs used over time (the gap is waste)")
+    return _save(fig, path)
+
+
+def latency_cdfs(runs: list[Run], keys: list[str], path: Path) -> Path | None:
+    """CDFs of TTFT and end-to-end latency of finished requests; one row per workload."""
+    done = [r for r in runs if r.metrics is not None]
+    frames = {str(r.path): r.requests() for r in done}
+    done = [r for r in done if {"ttft_ms", "e2e_ms"} <= set(frames[str(r.path)].columns)]
+    if not done:
+        return None
+    workloads = list(dict.fromkeys(r.workload for r in done))
+    colors = _colors([r.backend for r in done])
+    fig = Figure(figsize=(10, 3.4 * len(workloads)), layout="constrained")
+    FigureCanvasAgg(fig)
+    grid = fig.subplots(len(workloads), 2, squeeze=False)
+    styles = ["-", "--", ":", "-."]
+    for row, wl in zip(grid, workloads):
+        mine = [r for r in done if r.workload == wl]
+        for col, (ax, key, name) in enumerate(zip(row, ["ttft_ms", "e2e_ms"],
+                                                  ["TTFT", "end-to-end latency"])):
+            seen: dict[str, int] = {}
+            for r in mine:
+                q = frames[str(r.path)]
+                x = np.sort(q.loc[q["status"] == "finished", key].dropna().to_numpy(float))
+                if not len(x):
+                    continue
+                y = np.arange(1, len(x) + 1) / len(x)
+                ls = styles[seen.get(r.backend, 0) % len(styles)]
+                seen[r.backend] = seen.get(r.backend, 0) + 1
+                ax.step(x, y, where="post", color=colors[r.backend], ls=ls, label=label(r, keys))
+            ax.set(title=f"{name} / {wl}", xlabel=f"{name} (ms)", ylabel="share of requests",
+                   ylim=(0, 1.02))
+            ax.grid(alpha=0.3)
+            if col == 0 and ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle("Latency CDFs (finished requests)")
+    return _save(fig, path)
+
+
+def write_plots(cmp: Comparison, runs: list[Run], out: Path) -> list[Path]:
+    """Every figure that the runs have data for; returns the files written."""
+    made = [
+        throughput_vs_waste(cmp, out / "throughput_vs_waste.png"),
+        quality_vs_memory(cmp, runs, out / "quality_vs_memory.png"),
+        kv_over_time(runs, cmp.variant_keys, out / "kv_memory_over_time.png"),
+        latency_cdfs(runs, cmp.variant_keys, out / "latency_cdf.png"),
+    ]
+    return [p for p in made if p is not None]

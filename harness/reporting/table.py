@@ -1,0 +1,168 @@
+"""The comparison table: key metrics per backend x workload (x variant), each with its ratio
+to the baseline backend's run on the same workload.
+
+The baseline of a run is a finished run of the baseline backend on the same workload with
+the same values of every variant key outside ``backend.*`` (the same budget, the same n...).
+When several qualify (a sweep over the baseline's own block sizes), the one that agrees
+with the run on the most config values wins, ties to the first in path order; ``--where``
+pins it (``backend.block_size=16``). The table names the baseline it used.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from harness.reporting.runs import Run, fmt_value, label, run_key, variant, variant_keys
+
+# (metrics.json key, table header, format). "bytes" prints MiB. Order = column order.
+KEY_METRICS: list[tuple[str, str, str]] = [
+    ("throughput.output_tokens_per_s", "out tok/s", "{:.1f}"),
+    ("latency.ttft_ms.p50", "TTFT p50 ms", "{:.1f}"),
+    ("latency.ttft_ms.p99", "TTFT p99 ms", "{:.1f}"),
+    ("latency.itl_ms.p50", "ITL p50 ms", "{:.2f}"),
+    ("latency.e2e_ms.p50", "e2e p50 ms", "{:.1f}"),
+    ("memory.waste_pct", "waste %", "{:.1f}"),
+    ("memory.max_running_seqs", "max seqs", "{:.0f}"),
+    ("memory.peak_reserved_bytes", "peak reserved MiB", "bytes"),
+    ("cache.prefix_hit_rate", "prefix hit", "{:.3f}"),
+    ("sched.preemptions_recompute", "preempt recompute", "{:.0f}"),
+    ("sched.preemptions_swap", "preempt swap", "{:.0f}"),
+    ("requests.finished", "finished", "{:.0f}"),
+    ("requests.rejected", "rejected", "{:.0f}"),
+    ("quality.ppl_delta_pct", "ppl delta %", "{:.2f}"),
+    ("quality.kl_mean", "KL mean", "{:.2e}"),
+    ("quality.top1_agreement", "top-1 agree", "{:.3f}"),
+]
+RATIO = ".vs_baseline"  # suffix of a ratio column in the CSV
+
+
+@dataclass(slots=True)
+class Comparison:
+    frame: pd.DataFrame  # one row per finished run; see compare()
+    variant_keys: list[str]
+    metrics: list[str]  # the KEY_METRICS some run has
+    baseline_backend: str
+    failed: list[Run]
+
+
+def resolve_baseline(runs: list[Run], requested: str | None) -> str:
+    """The baseline backend: ``requested``, else paged, else the first present."""
+    present = sorted({r.backend for r in runs if r.metrics is not None})
+    if not present:
+        raise ValueError("every run failed: nothing to compare")
+    if requested is None:
+        return "paged" if "paged" in present else present[0]
+    if requested not in present:
+        raise ValueError(f"baseline backend {requested!r} has no finished run here; "
+                         f"backends present: {', '.join(present)}")
+    return requested
+
+
+def _pick(run: Run, candidates: list[Run], keys: list[str]) -> Run | None:
+    shared = [k for k in keys if not k.startswith("backend.")]
+    mine = variant(run, keys)
+    same = [c for c in candidates
+            if all(variant(c, shared).get(k) == mine.get(k) for k in shared)]
+    if not same:
+        return None
+    return max(same, key=lambda c: sum(variant(c, keys).get(k) == v for k, v in mine.items()))
+
+
+def _ratio(value: Any, base: Any) -> float:
+    if value is None or base is None or _nan(value) or _nan(base):
+        return math.nan
+    if base == 0:
+        return 1.0 if value == 0 else math.nan
+    return float(value) / float(base)
+
+
+def _nan(x: Any) -> bool:
+    return isinstance(x, float) and math.isnan(x)
+
+
+def compare(runs: list[Run], baseline: str | None = None,
+            where: dict[str, str] | None = None) -> Comparison:
+    """Rows: path, key, label, backend, workload, the variant keys, baseline (the baseline
+    run's key), then each key metric followed by ``<metric>.vs_baseline``."""
+    backend = resolve_baseline(runs, baseline)
+    keys = variant_keys(runs)
+    done = [r for r in runs if r.metrics is not None]
+    where = where or {}
+    known = set().union(*(r.config for r in runs))
+    for k in where:
+        if k not in known:
+            raise ValueError(f"--where {k}: no run has this config key; variant keys here: "
+                             f"{', '.join(keys) or '(none)'}")
+    base_runs = [r for r in done if r.backend == backend
+                 and all(fmt_value(r.config.get(k)) == v for k, v in where.items())]
+    metrics = [m for m, _, _ in KEY_METRICS if any(m in (r.metrics or {}) for r in done)]
+    rows = []
+    for r in done:
+        m = r.metrics or {}
+        b = _pick(r, [c for c in base_runs if c.workload == r.workload], keys)
+        bm = (b.metrics or {}) if b else {}
+        row: dict[str, Any] = {"path": str(r.path), "key": run_key(r, keys),
+                               "label": label(r, keys), "backend": r.backend,
+                               "workload": r.workload, **variant(r, keys),
+                               "baseline": run_key(b, keys) if b else None}
+        for k in metrics:
+            row[k] = m.get(k)
+            row[k + RATIO] = _ratio(m.get(k), bm.get(k)) if b else math.nan
+        rows.append(row)
+    frame = pd.DataFrame(rows)
+    for k in keys:  # a key only some backends have (backend.reserve) is blank elsewhere
+        if k not in frame:
+            frame[k] = None
+    return Comparison(frame, keys, metrics, backend, [r for r in runs if r.metrics is None])
+
+
+def _cell(value: Any, fmt: str) -> str:
+    if value is None or _nan(value):
+        return "-"
+    if fmt == "bytes":
+        return f"{float(value) / 2**20:.2f}"
+    return fmt.format(value)
+
+
+def to_markdown(cmp: Comparison, sources: list[str], images: list[str]) -> str:
+    """The report page: one table per workload, failed runs, the plots."""
+    f = cmp.frame
+    n_ok, n_fail = len(f), len(cmp.failed)
+    out = ["# kvbench report", "",
+           f"{n_ok} finished run(s), {n_fail} failed, from {', '.join(sources)}.", "",
+           f"Each cell is the value and, in parentheses, its ratio to the `{cmp.baseline_backend}`"
+           " run on the same workload (same variant values outside `backend.*`). Lower is"
+           " better for latency, waste, preemptions and quality deltas.", ""]
+    headers = {m: h for m, h, _ in KEY_METRICS}
+    fmts = {m: fm for m, _, fm in KEY_METRICS}
+    for wl, part in (f.groupby("workload", sort=False) if n_ok else []):
+        vkeys = [k for k in cmp.variant_keys if part[k].notna().any()]
+        show_base = part["baseline"].nunique() > 1
+        mets = [m for m in cmp.metrics if part[m].notna().any()]
+        head = ["run", *vkeys, *(["baseline"] if show_base else []), *(headers[m] for m in mets)]
+        out += [f"## workload: {wl}", ""]
+        if part["baseline"].isna().all():
+            out += [f"No `{cmp.baseline_backend}` run on this workload: no ratios.", ""]
+        out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for _, row in part.iterrows():
+            cells = [row["backend"], *(row[k] if isinstance(row[k], str) else "-"
+                                       for k in vkeys)]
+            if show_base:
+                cells.append(row["baseline"] if isinstance(row["baseline"], str) else "-")
+            for m in mets:
+                ratio = row[m + RATIO]
+                tail = "" if _nan(ratio) else f" ({ratio:.2f}x)"
+                cells.append(_cell(row[m], fmts[m]) + tail)
+            out.append("| " + " | ".join(str(c) for c in cells) + " |")
+        out.append("")
+    if cmp.failed:
+        out += ["## Failed runs", ""]
+        out += [f"- `{r.path}` ({r.backend} / {r.workload}): {r.failure}" for r in cmp.failed]
+        out.append("")
+    if images:
+        out += ["## Plots", ""] + [f"![{i}]({i})" for i in images] + [""]
+    return "\n".join(out)
