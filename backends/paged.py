@@ -2,20 +2,38 @@
 
 Attention reads K/V through the block table. ``backend.kernel``: ``torch`` is the plain
 reference (gather each decode's blocks into a padded batch, one SDPA call; one call per
-prefill chunk); ``triton`` the kernels of harness.kernels (see README); ``auto`` picks
-triton on CUDA when it is importable and torch otherwise, and records the choice.
+prefill chunk); ``triton`` the kernels of harness.kernels (one store, one decode and one
+prefill launch per layer, reading the cache in place; on CPU under Triton's interpreter);
+``auto`` picks triton on CUDA when it is importable and torch otherwise, and records the
+choice in :attr:`PagedBackend.kernel`.
 """
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from harness.backends.attention_ref import attend_chunk, attend_decode
-from harness.backends.base import KVLayout
+from harness.backends.base import AttentionBatch, KVLayout
 from harness.backends.paged_storage import PagedStorageBackend
+from harness.kernels.runtime import triton_for
 
 KERNELS = ("auto", "torch", "triton")
+
+
+@dataclass(slots=True)
+class PrefillTables:
+    """The step's prefill chunks as the Triton prefill kernel takes them, built once per
+    step (not per layer). cu_rows: int64 (C+1,) batch rows; starts: int64 (C,) cached
+    prefix lengths; tables: int64 (C, max_blocks) block tables padded with 0."""
+
+    cu_rows: torch.Tensor
+    starts: torch.Tensor
+    tables: torch.Tensor
+    max_tokens: int
 
 
 class PagedBackend(PagedStorageBackend):
@@ -26,17 +44,34 @@ class PagedBackend(PagedStorageBackend):
         super().__init__(layout, device, **options)
         if kernel not in KERNELS:
             raise ValueError(f"unknown backend.kernel {kernel!r}; known: {', '.join(KERNELS)}")
-        if kernel == "triton":
-            raise ValueError("backend.kernel=triton: the Triton kernels are not built yet "
-                             "(use backend.kernel=torch or auto)")
-        self._kernel = "torch"
+        use_triton = kernel != "torch" and triton_for(device, required=kernel == "triton")
+        self._kernel = "triton" if use_triton else "torch"
+        self._prefill: PrefillTables | None = None
 
     @property
     def kernel(self) -> str:
         return self._kernel
 
+    def begin_step(self, batch: AttentionBatch) -> None:
+        super().begin_step(batch)
+        self._prefill = None
+        if self._kernel != "triton" or not batch.prefills:
+            return
+        chunks = batch.prefills
+        assert all(a.row + a.num_tokens == b.row for a, b in itertools.pairwise(chunks))
+        rows = [c.row for c in chunks] + [chunks[-1].row + chunks[-1].num_tokens]
+        tables = torch.nn.utils.rnn.pad_sequence([c.table for c in chunks], batch_first=True)
+        self._prefill = PrefillTables(
+            cu_rows=torch.tensor(rows, dtype=torch.int64, device=self.device),
+            starts=torch.tensor([c.start for c in chunks], dtype=torch.int64,
+                                device=self.device),
+            tables=tables.clamp_(min=0),
+            max_tokens=max(c.num_tokens for c in chunks))
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
+        if self._kernel == "triton":
+            return self._attend_triton(layer, q, k, v)
         b = self.batch
         assert b is not None
         self.store(layer, k, v)
@@ -53,4 +88,25 @@ class PagedBackend(PagedStorageBackend):
             kk, vv = self.gather(layer, c.table, c.start + c.num_tokens)
             out[c.row:c.row + c.num_tokens] = attend_chunk(
                 q[c.row:c.row + c.num_tokens], kk, vv, c.start)
+        return out
+
+    def _attend_triton(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor) -> torch.Tensor:
+        # Imported here: importing triton fixes the interpreter switch for the process,
+        # which triton_for() had to decide first.
+        from harness.kernels.decode import paged_decode
+        from harness.kernels.prefill import paged_prefill
+        from harness.kernels.store import store_kv
+
+        b = self.batch
+        assert b is not None
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        store_kv(k, v, kc, vc, b.slot_mapping)
+        out = torch.empty_like(q)
+        nd = b.num_decode
+        if nd:
+            paged_decode(q[:nd], kc, vc, b.decode_tables, b.decode_lens, out=out[:nd])
+        if self._prefill is not None:
+            p = self._prefill
+            paged_prefill(q, kc, vc, p.cu_rows, p.starts, p.tables, p.max_tokens, out=out)
         return out

@@ -1,1 +1,19 @@
-"""Triton kernels and their torch references (installed as ``harness.kernels``)."""
+"""Triton kernels and their torch references (installed as ``harness.kernels``).
+
+Importing this package imports neither triton nor any kernel: :mod:`.runtime` decides
+first whether triton compiles or interprets (TRITON_INTERPRET must be set before triton's
+first import). Each kernel module has the same three layers: private ``@triton.jit``
+kernels, a launcher that asserts shapes and strides, allocates and computes the grid, and a
+public function.
+
+- :mod:`.store`: ``store_kv`` (full precision), ``store_kv_quant`` (fp8 e4m3 / int8 with
+  per-(token, KV head) scales) — new K/V into the paged cache through the slot mapping.
+- :mod:`.decode`: ``paged_decode`` — one query per sequence, GQA-grouped, plain or split-K,
+  windows + sinks, 1-byte caches.
+- :mod:`.prefill`: ``paged_prefill`` — query chunks over cached prefix + themselves.
+- :mod:`.reference`: the plain torch version of each (no triton needed).
+- :mod:`.cases`: random paged caches for tests and benchmarks.
+- :mod:`.bench`: the GPU check (``python -m harness.kernels.bench``).
+
+Block copies stay in torch (``backends.paged_storage``).
+"""

@@ -25,6 +25,8 @@ tile is dequantized with two vector multiplies instead of two tile multiplies.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -202,13 +204,19 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         )
 
 
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def default_splits(batch: int, num_kv_heads: int, max_context: int,
                    device: torch.device) -> int:
     """Splits per sequence so that about 4 programs per SM are in flight; each split keeps
-    at least 4 tiles. 1 off the GPU (the interpreter runs programs one by one)."""
+    at least 4 tiles. 1 off the GPU (the interpreter runs programs one by one).
+    ``max_context`` is a host-side bound (table width * block size): no device sync."""
     if device.type != "cuda" or interpreting():
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     want = triton.cdiv(4 * sms, max(1, batch * num_kv_heads))
     return max(1, min(want, triton.cdiv(max_context, 4 * BLOCK_N), 64))
 

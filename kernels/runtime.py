@@ -35,10 +35,7 @@ def triton_for(device: torch.device, *, required: bool) -> bool:
         return False
     if device.type == "cuda":
         if interpreting():
-            if required:
-                return True  # correct, only slow: the user asked for it
-            return False
-        import triton  # noqa: F401  (compile on first use)
+            return required  # correct, only slow: only when asked for
         return True
     if not required:
         return False
@@ -49,7 +46,7 @@ def triton_for(device: torch.device, *, required: bool) -> bool:
                 "interpreter, but triton was already imported without it: set "
                 "TRITON_INTERPRET=1 in the environment before starting Python")
         os.environ["TRITON_INTERPRET"] = "1"
-    import triton  # noqa: F401
+    import triton  # noqa: F401  (the switch is read at this first import)
     return True
 
 
