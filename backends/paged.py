@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from harness.backends.attention_ref import attend_chunk, attend_decode
 from harness.backends.base import AttentionBatch, KVLayout
 from harness.backends.paged_storage import PagedStorageBackend
 from harness.kernels.runtime import triton_for
@@ -68,27 +67,27 @@ class PagedBackend(PagedStorageBackend):
             tables=tables.clamp_(min=0),
             max_tokens=max(c.num_tokens for c in chunks))
 
+    # Attention shape knobs the subclasses set: a window (0 = none) with its sink tokens.
+    window: int = 0
+    window_sinks: int = 0
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
         if self._kernel == "triton":
             return self._attend_triton(layer, q, k, v)
+        self.store(layer, k, v)
+        return self.torch_attend(layer, q, self.window or None, self.window_sinks)
+
+    def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Per-(token, KV head) scales of a 1-byte cache (None for full precision)."""
+        return None, None
+
+    def store_triton(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        from harness.kernels.store import store_kv
+
         b = self.batch
         assert b is not None
-        self.store(layer, k, v)
-        out = torch.empty_like(q)
-        nd = b.num_decode
-        if nd:
-            kc, vc = self.k_cache[layer], self.v_cache[layer]
-            # (B, max_blocks, bs, KV, D) -> (B, max_blocks * bs, KV, D): the reference's
-            # one gather; masked by each sequence's length.
-            kd = kc[b.decode_tables].flatten(1, 2)
-            vd = vc[b.decode_tables].flatten(1, 2)
-            out[:nd] = attend_decode(q[:nd], kd, vd, b.decode_lens)
-        for c in b.prefills:
-            kk, vv = self.gather(layer, c.table, c.start + c.num_tokens)
-            out[c.row:c.row + c.num_tokens] = attend_chunk(
-                q[c.row:c.row + c.num_tokens], kk, vv, c.start)
-        return out
+        store_kv(k, v, self.k_cache[layer], self.v_cache[layer], b.slot_mapping)
 
     def _attend_triton(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor) -> torch.Tensor:
@@ -96,17 +95,21 @@ class PagedBackend(PagedStorageBackend):
         # which triton_for() had to decide first.
         from harness.kernels.decode import paged_decode
         from harness.kernels.prefill import paged_prefill
-        from harness.kernels.store import store_kv
 
         b = self.batch
         assert b is not None
+        self.store_triton(layer, k, v)
         kc, vc = self.k_cache[layer], self.v_cache[layer]
-        store_kv(k, v, kc, vc, b.slot_mapping)
+        ks, vs = self.scales(layer)
+        shape = {"window": self.window, "sinks": self.window_sinks, "k_scale": ks,
+                 "v_scale": vs}
         out = torch.empty_like(q)
         nd = b.num_decode
         if nd:
-            paged_decode(q[:nd], kc, vc, b.decode_tables, b.decode_lens, out=out[:nd])
+            paged_decode(q[:nd], kc, vc, b.decode_tables, b.decode_lens, out=out[:nd],
+                         **shape)
         if self._prefill is not None:
             p = self._prefill
-            paged_prefill(q, kc, vc, p.cu_rows, p.starts, p.tables, p.max_tokens, out=out)
+            paged_prefill(q, kc, vc, p.cu_rows, p.starts, p.tables, p.max_tokens, out=out,
+                          **shape)
         return out

@@ -95,12 +95,3 @@ class PagedStorageBackend(KVBackend):
                                      vv.flatten(0, 1)[:ctx].to(q.dtype), c.start, window,
                                      sinks)
         return out
-
-    def gather(self, layer: int, table: torch.Tensor, ctx: int) -> tuple[torch.Tensor,
-                                                                          torch.Tensor]:
-        """K/V of one sequence's first ``ctx`` tokens through its block table.
-        table: int64 (num_blocks,). Returns two (ctx, KV, D) tensors."""
-        nb = -(-ctx // self.block_size)
-        k = self.k_cache[layer][table[:nb]].flatten(0, 1)[:ctx]
-        v = self.v_cache[layer][table[:nb]].flatten(0, 1)[:ctx]
-        return k, v

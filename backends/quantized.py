@@ -17,23 +17,29 @@ from typing import Any
 import torch
 
 from harness.backends.base import CacheSizing, KVLayout
-from harness.backends.paged_storage import PagedStorageBackend
-from harness.kernels.reference import QMAX, dequantize_ref, store_kv_quant_ref
+from harness.backends.paged import PagedBackend
+from harness.kernels.reference import dequantize_ref, store_kv_quant_ref
 
 SCALE_BYTES = 4  # float32 scale per (token, KV head), for K and for V
 
 
-class QuantizedBackend(PagedStorageBackend):
+class QuantizedBackend(PagedBackend):
     """Paged, 1-byte K/V: quantized when stored, dequantized when read."""
 
     cache_dtype: torch.dtype = torch.int8
     exact = False
 
     def __init__(self, layout: KVLayout, device: torch.device, *, sink_tokens: int = 0,
-                 **options: Any) -> None:
-        super().__init__(layout, device, **options)
+                 kernel: str = "auto", **options: Any) -> None:
         if sink_tokens < 0:
             raise ValueError(f"backend.sink_tokens must be >= 0, got {sink_tokens}")
+        if sink_tokens and kernel == "triton":
+            raise ValueError("backend.sink_tokens > 0 (full-precision sinks) runs on the torch "
+                             "path only: use backend.kernel=torch or sink_tokens=0")
+        # Full-precision sinks are a torch-path feature: auto then means torch (recorded
+        # in run.kernel, never a silent switch).
+        super().__init__(layout, device, kernel="torch" if sink_tokens else kernel,
+                         **options)
         self.sink_tokens = sink_tokens
 
     def bytes_per_slot(self) -> int:
@@ -111,11 +117,13 @@ class QuantizedBackend(PagedStorageBackend):
             v[..., 0, :s, :, :] = self.v_sink[layer][first]
         return k, v
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> torch.Tensor:
-        self.store(layer, k, v)
-        return self.torch_attend(layer, q)
+    def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.k_scale[layer], self.v_scale[layer]
 
+    def store_triton(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        from harness.kernels.store import store_kv_quant
 
-def qmax(dtype: torch.dtype) -> float:
-    return QMAX[dtype]
+        b = self.batch
+        assert b is not None
+        store_kv_quant(k, v, self.k_cache[layer], self.v_cache[layer], self.k_scale[layer],
+                       self.v_scale[layer], b.slot_mapping)

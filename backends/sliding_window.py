@@ -1,8 +1,10 @@
 """`sliding_window`: attend to the last ``backend.window`` tokens plus the first
 ``backend.sink_tokens`` (StreamingLLM's attention sinks; default 4, 0 allowed).
 
-Blocks that fall wholly outside both are given back to the allocator after every step
-(counted in ``cache.evicted_tokens``; steps.csv shows reserved bytes falling), so a long
+Attention is `paged`'s (torch reference or the Triton kernels' window bound, per
+``backend.kernel``). Blocks that fall wholly outside both are given back to the allocator
+after every step (counted in ``cache.evicted_tokens``; steps.csv shows reserved bytes
+falling), so a long
 sequence holds at most ``window + block_size`` tokens plus its sink blocks. The stored
 K/V are exact: a block's content still matches its hash, so prefix caching stays on.
 """
@@ -14,13 +16,13 @@ from typing import Any
 import torch
 
 from harness.backends.base import KVLayout
-from harness.backends.paged_storage import PagedStorageBackend
+from harness.backends.paged import PagedBackend
 from harness.kv.paged import PagedKVManager
 from harness.sched.sequence import SeqStatus
 from harness.sched.step import StepRecord
 
 
-class SlidingWindowBackend(PagedStorageBackend):
+class SlidingWindowBackend(PagedBackend):
     name = "sliding_window"
     exact = False
 
@@ -31,12 +33,7 @@ class SlidingWindowBackend(PagedStorageBackend):
             raise ValueError(f"need backend.window >= 1 and backend.sink_tokens >= 0, got "
                              f"{window} and {sink_tokens}")
         self.window = window
-        self.sink_tokens = sink_tokens
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> torch.Tensor:
-        self.store(layer, k, v)
-        return self.torch_attend(layer, q, self.window, self.sink_tokens)
+        self.window_sinks = self.sink_tokens = sink_tokens
 
     def end_step(self, rec: StepRecord) -> None:
         """Free every block no later query can see: the next query of a sequence sits at

@@ -40,13 +40,13 @@ class ContiguousConfig(BackendConfig):
 
 
 @dataclass
-class QuantizedConfig(BackendConfig):
+class QuantizedConfig(PagedConfig):
     name: str = "int8"
     sink_tokens: int = 0  # first tokens of each sequence also kept in full precision
 
 
 @dataclass
-class SlidingWindowConfig(BackendConfig):
+class SlidingWindowConfig(PagedConfig):
     name: str = "sliding_window"
     window: int = 256
     sink_tokens: int = 4

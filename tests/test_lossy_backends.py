@@ -167,3 +167,14 @@ def test_lossy_backend_quality_is_measured_not_assumed() -> None:
                  "quality.enabled=true", "quality.text_tokens=96",
                  "quality.prefill_tokens=16", "quality.generation_agreement=false")).metrics
     assert m["quality.kl_mean"] > 0.01 and m["quality.top1_agreement"] < 1.0
+
+
+@pytest.mark.parametrize("backend", ["int8", "sliding_window"])
+def test_triton_path_gives_the_torch_path_tokens(backend: str) -> None:
+    # Under TRITON_INTERPRET (tests/conftest.py): the kernels' scales and window bound.
+    extra = ["backend.window=48"] if backend == "sliding_window" else []
+    common = (f"backend={backend}", *extra, "workload.conversations=2")
+    torch_run = run(tiny(*common, "backend.kernel=torch"))
+    triton_run = run(tiny(*common, "backend.kernel=triton"))
+    assert triton_run.metrics["run.kernel"] == "triton"
+    assert triton_run.outputs == torch_run.outputs

@@ -36,6 +36,7 @@ KEY_METRICS: list[tuple[str, str, str]] = [
     ("quality.ppl_delta_pct", "ppl delta %", "{:.2f}"),
     ("quality.kl_mean", "KL mean", "{:.2e}"),
     ("quality.top1_agreement", "top-1 agree", "{:.3f}"),
+    ("quality.gen_exact_match_rate", "gen exact", "{:.3f}"),
 ]
 RATIO = ".vs_baseline"  # suffix of a ratio column in the CSV
 

@@ -102,7 +102,7 @@ def log_run_to_wandb(cfg: DictConfig, result: RunResult, logger_cfg: DictConfig,
             settings=wandb.Settings(quiet=True),
         ) as run:
             run_dir = Path(run.settings.sync_dir)
-            url = run.url
+            url = run.url if mode == "online" else None
             _log_history(run, result)
             run.summary.update(result.metrics)
     except Exception as e:  # wandb raises many types (UsageError, CommError, OSError...)
