@@ -6,6 +6,7 @@ from __future__ import annotations
 from harness.backends.base import AttentionBatch, CacheSizing, KVBackend, KVLayout, PrefillChunk
 from harness.backends.contiguous import ContiguousBackend
 from harness.backends.fp8 import Fp8Backend
+from harness.backends.h2o import H2OBackend
 from harness.backends.int8 import Int8Backend
 from harness.backends.paged import PagedBackend
 from harness.backends.sliding_window import SlidingWindowBackend
@@ -16,6 +17,7 @@ BACKENDS: dict[str, type[KVBackend]] = {
     "fp8": Fp8Backend,
     "int8": Int8Backend,
     "sliding_window": SlidingWindowBackend,
+    "h2o": H2OBackend,
 }
 
 

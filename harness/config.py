@@ -53,6 +53,14 @@ class SlidingWindowConfig(PagedConfig):
 
 
 @dataclass
+class H2OConfig(BackendConfig):
+    name: str = "h2o"
+    budget: int = 0  # tokens per sequence; or
+    budget_ratio: float = 0.0  # share of prompt + max_tokens (set exactly one)
+    heavy_ratio: float = 0.5  # heavy hitters' share of the budget; the rest is recent
+
+
+@dataclass
 class ModelSpec:
     source: str = "smollm2"  # smollm2 | gguf | hf | a tiny preset (tiny, tiny-bias, ...)
     path: str | None = None  # a .gguf file or an HF folder; overrides source when set
@@ -165,6 +173,7 @@ def register_configs() -> None:
     cs.store(group="backend", name="contiguous_schema", node=ContiguousConfig)
     cs.store(group="backend", name="quantized_schema", node=QuantizedConfig)
     cs.store(group="backend", name="sliding_window_schema", node=SlidingWindowConfig)
+    cs.store(group="backend", name="h2o_schema", node=H2OConfig)
     for spec in (MultiturnSpec, SharedPrefixSpec, BeamSearchSpec, ParallelSamplingSpec,
                  LongPromptSpec, RandomSpec):
         cs.store(group="workload", name=f"{spec.name}_schema", node=spec)

@@ -86,6 +86,11 @@ class KVManager(Protocol):
         """Decode fast path: a slot for token ``seq.num_computed`` (None: no room)."""
         ...
 
+    def max_chunk(self, seq: Sequence) -> int | None:
+        """Most tokens one step may add to ``seq`` (eviction managers bound it; the
+        scheduler splits prefills accordingly, with or without chunked prefill)."""
+        ...
+
     def slot(self, seq: Sequence, pos: int) -> int:
         """Physical slot of token ``pos`` of ``seq``."""
         ...

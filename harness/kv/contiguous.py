@@ -194,6 +194,9 @@ class ContiguousKVManager:
         self._fills[start] = fill
         self.ledger.fill(start, fill)
 
+    def max_chunk(self, seq: Sequence) -> int | None:
+        return None
+
     def slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[0] + pos
 

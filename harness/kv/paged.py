@@ -200,6 +200,10 @@ class PagedKVManager:
             hashes.append(h)
             self.pool.register(seq.block_table[i], h)
 
+    def max_chunk(self, seq: Sequence) -> int | None:
+        """Most tokens one step may add to ``seq`` (None: no limit beyond the budget)."""
+        return None
+
     # -- per-token queries -------------------------------------------------------------
     def slot(self, seq: Sequence, pos: int) -> int:
         bs = self.block_size

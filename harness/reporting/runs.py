@@ -120,7 +120,8 @@ def fmt_value(v: Any) -> str:
 
 
 def variant_keys(runs: list[Run]) -> list[str]:
-    """Config keys whose values differ between runs of the same backend and workload."""
+    """Config keys whose values differ between runs of the same backend and workload (runs
+    without the key, written before it existed, do not count)."""
     groups: dict[tuple[str, str], list[Run]] = defaultdict(list)
     for r in runs:
         groups[(r.backend, r.workload)].append(r)
@@ -130,7 +131,7 @@ def variant_keys(runs: list[Run]) -> list[str]:
         for k in names:
             if k.startswith(IGNORED_CONFIG_PREFIXES) or k in ("backend.name", "workload.name"):
                 continue
-            if len({fmt_value(r.config.get(k, "<unset>")) for r in members}) > 1:
+            if len({fmt_value(r.config[k]) for r in members if k in r.config}) > 1:
                 keys.add(k)
     return sorted(keys)
 

@@ -200,7 +200,10 @@ class Scheduler:
         out = []
         for s in seqs:
             n = s.num_uncomputed
-            if self.cfg.chunked_prefill:
+            cap = self.kv.max_chunk(s)
+            if cap is not None:
+                n = min(n, cap, max(0, budget))
+            elif self.cfg.chunked_prefill:
                 n = min(n, max(0, budget))
             elif n > budget:
                 n = 0
@@ -297,7 +300,10 @@ class Scheduler:
                 hits = kv.lookup_prefix(s)
                 hit = len(hits) * kv.block_size
                 n = s.num_tokens - hit
-                if self.cfg.chunked_prefill:
+                cap = kv.max_chunk(s)
+                if cap is not None:
+                    n = min(n, cap, left)
+                elif self.cfg.chunked_prefill:
                     n = min(n, left)
                 elif n > left:
                     return  # a whole prompt must fit the budget: wait for a later step
