@@ -117,10 +117,13 @@ class ForcedSampler(Sampler):
 
 def _stream(loaded: LoadedModel, device: torch.device, backend_cfg: dict[str, Any],
             run_cfg: Any, sampler: ForcedSampler, texts: list[list[int]],
-            prefill: int, budget: str | int) -> None:
+            prefill: int, budget: str | int) -> tuple[float, float]:
+    """Stream the texts; returns KV bytes held per sequence (mean over steps, peak)."""
     st = build_stack(loaded, device, backend_cfg, run_cfg.cache, run_cfg.scheduler, sampler,
                      quiet=True, kv_budget=budget)
     st.engine.run(_TextsWorkload(texts, prefill))
+    per_seq = [s.reserved_bytes / s.num_seqs for s in st.collector.steps if s.num_seqs]
+    return (sum(per_seq) / len(per_seq), max(per_seq)) if per_seq else (0.0, 0.0)
 
 
 def fp32_bytes_per_token(loaded: LoadedModel) -> int:
@@ -135,12 +138,20 @@ def reference_model(loaded: LoadedModel, cfg: Any, device: torch.device) -> Load
     return load_model(cfg.model.source, cfg.model.path, torch.float32, device)
 
 
+def quality_config(run_cfg: Any) -> QualityConfig:
+    return QualityConfig(**{k: v for k, v in dict(run_cfg.quality).items()
+                            if k in QualityConfig.__dataclass_fields__})
+
+
 def evaluate_quality(loaded: LoadedModel, device: torch.device, run_cfg: Any,
-                     backend_cfg: dict[str, Any]) -> dict[str, float]:
-    """quality.* metrics of ``backend_cfg`` (the run's backend) on the evaluation texts."""
-    qc = QualityConfig(**{k: v for k, v in dict(run_cfg.quality).items()
-                          if k in QualityConfig.__dataclass_fields__})
-    texts = load_texts(qc, loaded)
+                     backend_cfg: dict[str, Any],
+                     texts: list[list[int]] | None = None) -> dict[str, float]:
+    """quality.* metrics of ``backend_cfg`` (the run's backend) on the evaluation texts
+    (``texts``: from :func:`load_texts`, loaded up front by the runner so that a bad
+    quality.* setting fails before the workload runs)."""
+    qc = quality_config(run_cfg)
+    if texts is None:
+        texts = load_texts(qc, loaded)
     ref_model = reference_model(loaded, run_cfg, device)
     # Budgets: the reference holds every text whole; the backend gets the run's budget.
     ref_budget = fp32_bytes_per_token(ref_model) * (qc.text_tokens + 16) * len(texts) * 2
@@ -148,8 +159,8 @@ def evaluate_quality(loaded: LoadedModel, device: torch.device, run_cfg: Any,
     _stream(ref_model, device, {"name": "contiguous", "reserve": "exact"}, run_cfg, ref,
             texts, qc.prefill_tokens, ref_budget)
     test = ForcedSampler(texts, qc.prefill_tokens, reference=ref.stacked())
-    _stream(loaded, device, backend_cfg, run_cfg, test, texts, qc.prefill_tokens,
-            run_cfg.cache.kv_budget)
+    held_mean, held_peak = _stream(loaded, device, backend_cfg, run_cfg, test, texts,
+                                   qc.prefill_tokens, run_cfg.cache.kv_budget)
     ppl_ref = math.exp(ref.nll / ref.count)
     ppl = math.exp(test.nll / test.count)
     return {
@@ -159,6 +170,9 @@ def evaluate_quality(loaded: LoadedModel, device: torch.device, run_cfg: Any,
         "quality.kl_mean": test.kl / test.count,
         "quality.top1_agreement": test.agree / test.count,
         "quality.tokens": float(test.count),
+        # KV memory one streamed sequence held (all its blocks): what the backend buys.
+        "quality.kv_bytes_per_seq_mean": held_mean,
+        "quality.kv_bytes_per_seq_peak": held_peak,
     }
 
 

@@ -17,7 +17,14 @@ from harness.engine.sampler import Sampler
 from harness.metrics.collector import StepRow
 from harness.metrics.summary import request_rows, summarize
 from harness.model import load_model
-from harness.quality import agreement, evaluate_quality, fp32_bytes_per_token, reference_model
+from harness.quality import (
+    agreement,
+    evaluate_quality,
+    fp32_bytes_per_token,
+    load_texts,
+    quality_config,
+    reference_model,
+)
 from harness.results import write_results
 from harness.stack import build_stack
 from harness.workloads import make_workload
@@ -68,6 +75,7 @@ def run(cfg: DictConfig | dict[str, Any]) -> RunResult:
 
     loaded = load_model(cfg.model.source, cfg.model.path, cfg.model.dtype, device)
     workload = make_workload(OmegaConf.to_container(cfg.workload), loaded.tokenizer)  # type: ignore[arg-type]
+    texts = load_texts(quality_config(cfg), loaded) if cfg.quality.enabled else None
     container = OmegaConf.to_container(cfg.backend)
     assert isinstance(container, dict)
     backend_cfg = {str(k): v for k, v in container.items()}
@@ -92,7 +100,7 @@ def run(cfg: DictConfig | dict[str, Any]) -> RunResult:
     outputs = {rid: g.best_output if g.best_output is not None else g.seqs[0].output_ids
                for rid, g in collector.groups.items() if g.seqs}
     if cfg.quality.enabled:
-        metrics.update(evaluate_quality(loaded, device, cfg, backend_cfg))
+        metrics.update(evaluate_quality(loaded, device, cfg, backend_cfg, texts))
         if cfg.quality.generation_agreement:
             agree = _generation_agreement(cfg, loaded, device, outputs, sizing.num_slots)
             for r in rows:

@@ -107,7 +107,7 @@ def quality_vs_memory(cmp: Comparison, runs: list[Run], path: Path) -> Path | No
         ax.set(title=title, xlabel="KV KiB held per running sequence (mean over steps)",
                ylabel=f"{title} (lower is better)")
         ax.grid(alpha=0.3)
-        for wl, mk in markers.items():
+        for wl, mk in markers.items() if len(markers) > 1 else ():
             ax.scatter([], [], color="grey", marker=mk, label=wl)
         _backend_legend(ax, colors)
     fig.suptitle("Quality vs memory held per sequence")

@@ -38,6 +38,9 @@ KEY_METRICS: list[tuple[str, str, str]] = [
     ("quality.top1_agreement", "top-1 agree", "{:.3f}"),
     ("quality.gen_exact_match_rate", "gen exact", "{:.3f}"),
 ]
+# Already a comparison with the exact reference, ~0 for exact backends: a ratio to the
+# baseline's ~0 would read 10^6x. Shown as values only.
+NO_RATIO = {"quality.ppl_delta_pct", "quality.kl_mean"}
 RATIO = ".vs_baseline"  # suffix of a ratio column in the CSV
 
 
@@ -88,7 +91,8 @@ def _nan(x: Any) -> bool:
 def compare(runs: list[Run], baseline: str | None = None,
             where: dict[str, str] | None = None) -> Comparison:
     """Rows: path, key, label, backend, workload, the variant keys, baseline (the baseline
-    run's key), then each key metric followed by ``<metric>.vs_baseline``."""
+    run's key), then each key metric followed by ``<metric>.vs_baseline`` (not for
+    NO_RATIO)."""
     backend = resolve_baseline(runs, baseline)
     keys = variant_keys(runs)
     done = [r for r in runs if r.metrics is not None]
@@ -112,7 +116,8 @@ def compare(runs: list[Run], baseline: str | None = None,
                                "baseline": run_key(b, keys) if b else None}
         for k in metrics:
             row[k] = m.get(k)
-            row[k + RATIO] = _ratio(m.get(k), bm.get(k)) if b else math.nan
+            if k not in NO_RATIO:
+                row[k + RATIO] = _ratio(m.get(k), bm.get(k)) if b else math.nan
         rows.append(row)
     frame = pd.DataFrame(rows)
     for k in keys:  # a key only some backends have (backend.reserve) is blank elsewhere
@@ -137,7 +142,8 @@ def to_markdown(cmp: Comparison, sources: list[str], images: list[str]) -> str:
            f"{n_ok} finished run(s), {n_fail} failed, from {', '.join(sources)}.", "",
            f"Each cell is the value and, in parentheses, its ratio to the `{cmp.baseline_backend}`"
            " run on the same workload (same variant values outside `backend.*`). Lower is"
-           " better for latency, waste, preemptions and quality deltas.", ""]
+           " better for latency, waste, preemptions and quality deltas (ppl delta and KL are"
+           " already relative to the exact reference: no ratio).", ""]
     headers = {m: h for m, h, _ in KEY_METRICS}
     fmts = {m: fm for m, _, fm in KEY_METRICS}
     for wl, part in (f.groupby("workload", sort=False) if n_ok else []):
@@ -155,7 +161,7 @@ def to_markdown(cmp: Comparison, sources: list[str], images: list[str]) -> str:
             if show_base:
                 cells.append(row["baseline"] if isinstance(row["baseline"], str) else "-")
             for m in mets:
-                ratio = row[m + RATIO]
+                ratio = row.get(m + RATIO, math.nan)
                 tail = "" if _nan(ratio) else f" ({ratio:.2f}x)"
                 cells.append(_cell(row[m], fmts[m]) + tail)
             out.append("| " + " | ".join(str(c) for c in cells) + " |")
