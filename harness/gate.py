@@ -13,8 +13,8 @@ improvement, which passes. A run whose config differs from the baseline's is gat
 same, and the differences are printed above the table.
 
 Exit status: 0 pass; 1 a regression, a gated metric missing from a run (it is part of the
-results contract), or a baseline run missing or failed; 2 a usage error (no runs, an
-unreadable baseline, runs that match none of its keys, bad options).
+results contract), or a baseline run failed or missing (unless ``--partial``); 2 a usage
+error (no runs, an unreadable baseline, runs that match none of its keys, bad options).
 ``--write-baseline`` writes or refreshes a file from finished runs; it keeps the spec
 already in the file unless ``--metrics`` is given, and starts from :data:`DEFAULT_SPEC`
 otherwise.
@@ -74,6 +74,8 @@ DEFAULT_SPEC: dict[str, MetricSpec] = {
     # Greedy generation against the reference's (quality.generation_agreement).
     "quality.gen_exact_match_rate": MetricSpec("higher", 0.0, 0.05),
     "quality.gen_agree_tokens_mean": MetricSpec("higher", 0.05, 1.0),
+    # What the scored quality cost in memory (bytes one evaluated sequence held).
+    "quality.kv_bytes_per_seq_mean": MetricSpec("lower", 0.02, 0.0),
 }
 
 
@@ -117,8 +119,9 @@ def judge(spec: MetricSpec, base: float, cur: float) -> str:
     return "REGRESSED" if worse > tol else "improved" if -worse > tol else "ok"
 
 
-def check(base: Baseline, runs: list[Run]) -> list[Row]:
-    """One row per (baseline run, gated metric), plus rows for runs missing or new."""
+def check(base: Baseline, runs: list[Run], partial: bool = False) -> list[Row]:
+    """One row per (baseline run, gated metric), plus rows for runs missing or new;
+    ``partial``: a baseline run absent here is skipped, not failed."""
     current = keyed(runs, base.key_fields)
     if not set(current) & set(base.runs):
         raise ValueError(f"no run here matches the baseline: runs {sorted(current)}, "
@@ -126,6 +129,8 @@ def check(base: Baseline, runs: list[Run]) -> list[Row]:
     rows: list[Row] = []
     for key, values in base.runs.items():
         r = current.get(key)
+        if r is None and partial:
+            continue
         if r is None or r.metrics is None:
             why = "NOT RUN" if r is None else f"FAILED: {r.failure}"
             rows.append(Row(key, "(run)", None, None, None, why, True))
@@ -172,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--metrics", nargs="+", default=None, metavar="NAME[:DIR[:REL[:ABS]]]",
                     help="with --write-baseline: the metrics to gate (default: the spec "
                          "already in the file, else DEFAULT_SPEC)")
+    ap.add_argument("--partial", action="store_true",
+                    help="gate only the runs given (e.g. one run of a sweep): baseline runs "
+                         "absent here are skipped instead of failing as NOT RUN")
     args = ap.parse_args(argv)
     try:
         runs = find_runs(args.folders)
@@ -181,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--metrics goes with --write-baseline (a gate uses the spec in "
                              "the baseline file)")
         base = Baseline.load(args.baseline)
-        rows = check(base, runs)
+        rows = check(base, runs, args.partial)
     except ValueError as e:
         print(f"kvbench gate: {e}", file=sys.stderr)
         return 2
@@ -201,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
               f"python -m harness.gate --write-baseline {args.baseline} <runs>")
         return 1
     improved = sum(1 for r in rows if r.verdict == "improved")
-    print(f"kvbench gate: PASS ({gated} checks over {len(base.runs)} runs"
+    n_runs = len({r.run for r in rows if r.metric != "(run)"})
+    print(f"kvbench gate: PASS ({gated} checks over {n_runs} runs"
           + (f"; {improved} improved: refresh the baseline to keep them" if improved else "")
           + ")")
     return 0

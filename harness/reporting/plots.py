@@ -78,7 +78,12 @@ def throughput_vs_waste(cmp: Comparison, path: Path) -> Path | None:
 
 
 def held_per_seq_bytes(run: Run) -> float | None:
-    """KV bytes a running sequence holds, averaged over steps (sum reserved / sum running)."""
+    """KV bytes a sequence holds: the quality evaluation's own measure when the run has it
+    (quality.kv_bytes_per_seq_mean: the texts the quality is scored on), else the workload's
+    steps.csv (sum of reserved bytes / sum of running sequences over steps)."""
+    q = (run.metrics or {}).get("quality.kv_bytes_per_seq_mean")
+    if q is not None:
+        return float(q)
     s = run.steps()
     if s.empty or not {"reserved_bytes", "running"} <= set(s.columns):
         return None
@@ -104,7 +109,7 @@ def quality_vs_memory(cmp: Comparison, runs: list[Run], path: Path) -> Path | No
                        marker=markers.get(row["workload"], "o"), s=40, zorder=3)
             ax.annotate(row["label"], (held / 1024, row[key]), fontsize=7, xytext=(4, 3),
                         textcoords="offset points")
-        ax.set(title=title, xlabel="KV KiB held per running sequence (mean over steps)",
+        ax.set(title=title, xlabel="KV KiB held per sequence (mean over steps)",
                ylabel=f"{title} (lower is better)")
         ax.grid(alpha=0.3)
         for wl, mk in markers.items() if len(markers) > 1 else ():

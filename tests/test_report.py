@@ -1,0 +1,190 @@
+"""``python -m harness.report``: the tables, their ratios, the plots, and clear errors.
+
+A real tiny sweep (paged/contiguous x multiturn/shared_prefix, in-process, ~2 s) checks
+the files and that ratios are value / baseline value; hand-written run folders with known
+numbers check the variant columns and which baseline run is picked.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+import yaml
+
+from harness.report import build_report, main
+from harness.reporting.runs import find_runs, run_key, variant_keys
+from harness.reporting.table import RATIO, compare
+from harness.runner import run
+from tests.compose import compose_cfg
+
+PNG = b"\x89PNG\r\n\x1a\n"
+SIZES = {
+    "multiturn": ["workload.conversations=3", "workload.turns=2", "workload.system_words=20",
+                  "workload.user_words=6", "workload.answer_tokens=8"],
+    "shared_prefix": ["workload.num_requests=4", "workload.prefix_tokens=48",
+                      "workload.suffix_tokens=8", "workload.output_tokens=8"],
+}
+
+
+def make_sweep(root: Path) -> Path:
+    """A 2x2 sweep of tiny runs laid out as Hydra lays out a multirun."""
+    job = 0
+    for backend in ("paged", "contiguous"):
+        for wl, sizes in SIZES.items():
+            cfg = compose_cfg(["model=tiny", f"backend={backend}", f"workload={wl}", *sizes,
+                               "cache.kv_budget=2MiB", "scheduler.max_model_len=256",
+                               "device=cpu"], root / f"{job}-{backend}-{wl}")
+            run(cfg)
+            job += 1
+    return root
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_sweep(tmp_path_factory.mktemp("sweep"))
+
+
+def test_report_writes_tables_and_plots_with_ratios_to_the_baseline(
+        sweep: Path, tmp_path: Path) -> None:
+    files = build_report([sweep], out=tmp_path / "rep")
+    names = sorted(p.name for p in (tmp_path / "rep").iterdir())
+    assert names == ["comparison.csv", "kv_memory_over_time.png", "latency_cdf.png",
+                     "report.md", "runs.csv", "throughput_vs_waste.png"]
+    for p in files.plots:
+        assert p.read_bytes()[:8] == PNG and p.stat().st_size > 10_000
+    md = files.markdown.read_text()
+    assert "## workload: multiturn" in md and "## workload: shared_prefix" in md
+    assert "![latency_cdf.png](latency_cdf.png)" in md
+    assert "(1.00x)" in md
+
+    table = pd.read_csv(files.comparison_csv)
+    assert len(table) == 4
+    metrics = {r.path.name: r.metrics for r in find_runs([sweep])}
+    for _, row in table.iterrows():
+        mine = metrics[Path(row["path"]).name]
+        base = metrics[f"{0 if row['workload'] == 'multiturn' else 1}-paged-{row['workload']}"]
+        assert mine is not None and base is not None
+        assert row["baseline"] == f"paged/{row['workload']}"
+        for m in ("throughput.output_tokens_per_s", "memory.waste_pct",
+                  "memory.peak_reserved_bytes", "latency.ttft_ms.p50"):
+            want = 1.0 if row["backend"] == "paged" else mine[m] / base[m]
+            assert row[m + RATIO] == pytest.approx(want, rel=1e-12), (row["key"], m)
+    # Contiguous reserves max_model_len per sequence: more bytes, more waste than paged.
+    cont = table[table["backend"] == "contiguous"]
+    assert (cont["memory.waste_pct" + RATIO] > 1).all()
+    runs_csv = pd.read_csv(files.runs_csv)
+    assert set(runs_csv["status"]) == {"finished"} and "engine.wall_s" in runs_csv
+
+
+def test_cli_writes_under_the_first_folder_by_default(sweep: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    copy = tmp_path / "s"
+    shutil.copytree(sweep, copy)
+    assert main([str(copy), "--baseline-backend", "contiguous"]) == 0
+    out = capsys.readouterr().out
+    assert f"written to {copy / 'report'}/" in out and "ratios to contiguous" in out
+    table = pd.read_csv(copy / "report" / "comparison.csv")
+    assert (table[table["backend"] == "contiguous"]["requests.finished" + RATIO] == 1.0).all()
+
+
+def test_failed_runs_are_listed_apart(sweep: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "s"
+    shutil.copytree(sweep, copy)
+    # A failed run has no config.yaml; its config is Hydra's .hydra/config.yaml.
+    bad = copy / "4-paged-multiturn"
+    cfg = yaml.safe_load((copy / "0-paged-multiturn" / "config.yaml").read_text())
+    del cfg["out_dir"]
+    cfg["cache"]["kv_budget"] = "1KiB"
+    (bad / ".hydra").mkdir(parents=True)
+    (bad / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (bad / "FAILED").write_text("ValueError: cache.kv_budget=1KiB holds 0 tokens\n")
+    files = build_report([copy])
+    assert len(pd.read_csv(files.comparison_csv)) == 4
+    md = files.markdown.read_text()
+    assert "## Failed runs" in md and "4-paged-multiturn" in md and "holds 0 tokens" in md
+    assert "1 failed" in md
+
+
+def test_unknown_baseline_backend_lists_those_present(
+        sweep: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(sweep), "--baseline-backend", "fp9", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "'fp9'" in err and "backends present: contiguous, paged" in err
+
+
+def test_no_runs_names_the_folders_searched(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "empty" / "deeper").mkdir(parents=True)
+    assert main([str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err
+    assert "no runs found" in err and str(tmp_path / "empty") in err
+
+
+# Hand-written runs: a block-size sweep of paged and a reserve sweep of contiguous.
+
+def write_run(folder: Path, backend: dict[str, Any], metrics: dict[str, Any],
+              workload: str = "random") -> None:
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(yaml.safe_dump(
+        {"backend": backend, "workload": {"name": workload, "num_requests": 4},
+         "cache": {"kv_budget": "1MiB"}, "out_dir": str(folder)}))
+    full = {"run.backend": backend["name"], "run.workload": workload, **metrics}
+    (folder / "metrics.json").write_text(json.dumps(full))
+    pd.DataFrame({"time_s": [0.1, 0.2, 0.3], "reserved_bytes": [100, 300, 200],
+                  "used_bytes": [50, 250, 200], "running": [1, 2, 1],
+                  "external_frag_bytes": [0, 10, 0]}).to_csv(folder / "steps.csv", index=False)
+    pd.DataFrame({"status": ["finished"] * 3, "ttft_ms": [1.0, 2.0, 4.0],
+                  "e2e_ms": [5.0, 9.0, 7.0]}).to_csv(folder / "requests.csv", index=False)
+
+
+@pytest.fixture
+def block_sweep(tmp_path: Path) -> Path:
+    def m(tps: float, waste: float, kl: float) -> dict[str, Any]:
+        return {"throughput.output_tokens_per_s": tps, "memory.waste_pct": waste,
+                "quality.kl_mean": kl, "requests.finished": 4, "sched.preemptions_recompute": 0}
+
+    write_run(tmp_path / "0", {"name": "paged", "block_size": 8}, m(100.0, 2.0, 0.0))
+    write_run(tmp_path / "1", {"name": "paged", "block_size": 16}, m(200.0, 4.0, 0.0))
+    write_run(tmp_path / "2", {"name": "contiguous", "block_size": 16, "reserve": "max"},
+              m(50.0, 40.0, 0.0))
+    write_run(tmp_path / "3", {"name": "contiguous", "block_size": 16, "reserve": "exact"},
+              m(100.0, 20.0, 0.0))
+    return tmp_path
+
+
+def test_variant_columns_and_the_baseline_run_they_pick(block_sweep: Path) -> None:
+    runs = find_runs([block_sweep])
+    keys = variant_keys(runs)
+    # block_size differs among paged runs, reserve among contiguous; out_dir never counts.
+    assert keys == ["backend.block_size", "backend.reserve"]
+    assert run_key(runs[2], keys) == "contiguous/random/backend.block_size=16,backend.reserve=max"
+    files = build_report([block_sweep])
+    t = pd.read_csv(files.comparison_csv).set_index("path")
+    tps = "throughput.output_tokens_per_s" + RATIO
+    # The paged run that agrees most with a contiguous run: block_size=16 (200 tok/s).
+    assert t.loc[str(block_sweep / "2"), tps] == 0.25
+    assert t.loc[str(block_sweep / "3"), "memory.waste_pct" + RATIO] == 5.0
+    assert t.loc[str(block_sweep / "0"), tps] == 1.0  # a baseline-backend run is its own
+    assert t.loc[str(block_sweep / "2"), "baseline"] == "paged/random/backend.block_size=16"
+    md = files.markdown.read_text()
+    assert "| run | backend.block_size | backend.reserve | baseline |" in md
+    # quality.kl_mean is present: the quality plot is drawn. KL already compares with the
+    # reference: no ratio. 0 preemptions against 0 is a ratio of 1.
+    assert (files.out / "quality_vs_memory.png").read_bytes()[:8] == PNG
+    assert "quality.kl_mean" in t and "quality.kl_mean" + RATIO not in t
+    assert t.loc[str(block_sweep / "3"), "sched.preemptions_recompute" + RATIO] == 1.0
+
+
+def test_where_pins_the_baseline_run(block_sweep: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    t = compare(find_runs([block_sweep]), where={"backend.block_size": "8"}).frame
+    t = t.set_index("path")
+    assert t.loc[str(block_sweep / "2"), "throughput.output_tokens_per_s" + RATIO] == 0.5
+    assert t.loc[str(block_sweep / "1"), "throughput.output_tokens_per_s" + RATIO] == 2.0
+    assert main([str(block_sweep), "--where", "backend.nope=1"]) == 2
+    assert "variant keys here: backend.block_size, backend.reserve" in capsys.readouterr().err
