@@ -8,3 +8,6 @@ py="$root/.venv/bin/python"
 "$py" -m ruff check .
 "$py" -m mypy harness backends kernels
 "$py" -m pytest -q "$@"
+# The CPU smoke sweep, gated against the committed baseline (results/baselines/cpu-tiny.json):
+# token counts, memory accounting, prefix hits, quality; never wall-clock.
+bash "$root/scripts/ci_smoke.sh"
