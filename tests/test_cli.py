@@ -37,3 +37,12 @@ def test_sweep_goes_on_past_a_failed_job(tmp_path: Path) -> None:
     assert len(jobs) == 2
     assert (jobs[0] / "FAILED").is_file() and not (jobs[0] / "metrics.json").exists()
     assert (jobs[1] / "metrics.json").is_file()
+
+
+def test_sweep_through_separate_processes(tmp_path: Path) -> None:
+    # submitit's local mode: the Slurm launcher's code path, each run its own process.
+    p = harness("-m", "hydra/launcher=slurm_local", *SMALL, "backend=paged,contiguous",
+                f"hydra.sweep.dir={tmp_path}", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    runs = sorted(m.parent.name for m in tmp_path.rglob("metrics.json"))
+    assert runs == ["0-paged-multiturn", "1-contiguous-multiturn"]
