@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from harness.backends.base import AttentionBatch, CacheSizing, KVBackend, KVLayout, PrefillChunk
 from harness.backends.contiguous import ContiguousBackend
+from harness.backends.flash_attn import FlashAttnBackend
+from harness.backends.flex import FlexBackend
 from harness.backends.fp8 import Fp8Backend
 from harness.backends.h2o import H2OBackend
 from harness.backends.int8 import Int8Backend
@@ -14,6 +16,8 @@ from harness.backends.sliding_window import SlidingWindowBackend
 BACKENDS: dict[str, type[KVBackend]] = {
     "contiguous": ContiguousBackend,
     "paged": PagedBackend,
+    "flex": FlexBackend,
+    "flash_attn": FlashAttnBackend,
     "fp8": Fp8Backend,
     "int8": Int8Backend,
     "sliding_window": SlidingWindowBackend,

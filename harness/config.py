@@ -61,6 +61,17 @@ class H2OConfig(BackendConfig):
 
 
 @dataclass
+class FlashAttnConfig(BackendConfig):
+    name: str = "flash_attn"
+    block_size: int = 256  # flash-attn 2's paged kernels need a multiple of 256
+
+
+@dataclass
+class FlexConfig(BackendConfig):
+    name: str = "flex"
+
+
+@dataclass
 class ModelSpec:
     source: str = "smollm2"  # smollm2 | gguf | hf | a tiny preset (tiny, tiny-bias, ...)
     path: str | None = None  # a .gguf file or an HF folder; overrides source when set
@@ -174,6 +185,8 @@ def register_configs() -> None:
     cs.store(group="backend", name="quantized_schema", node=QuantizedConfig)
     cs.store(group="backend", name="sliding_window_schema", node=SlidingWindowConfig)
     cs.store(group="backend", name="h2o_schema", node=H2OConfig)
+    cs.store(group="backend", name="flash_attn_schema", node=FlashAttnConfig)
+    cs.store(group="backend", name="flex_schema", node=FlexConfig)
     for spec in (MultiturnSpec, SharedPrefixSpec, BeamSearchSpec, ParallelSamplingSpec,
                  LongPromptSpec, RandomSpec):
         cs.store(group="workload", name=f"{spec.name}_schema", node=spec)

@@ -49,5 +49,5 @@ def test_text_file_and_length_errors(tmp_path) -> None:  # type: ignore[no-untyp
         run(tiny("quality.enabled=true", "quality.text_file=/nope.txt"))
     short = tmp_path / "short.txt"
     short.write_text("only a few words")
-    with pytest.raises(ValueError, match="quality.text_file"):
+    with pytest.raises(ValueError, match=r"quality\.text_file"):
         run(tiny("quality.enabled=true", f"quality.text_file={short}"))
