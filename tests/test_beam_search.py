@@ -95,3 +95,26 @@ def test_beams_share_blocks(engine_run) -> None:  # type: ignore[no-untyped-def]
     m = engine_run.metrics
     assert m["cache.blocks_saved_by_sharing_peak"] > 0
     assert m["cache.sharing_saved_pct"] > 20
+
+
+BEAM = ["model=tiny", "workload=beam_search", "workload.n=3", "workload.prompt_tokens=40",
+        "workload.output_tokens=24", "workload.num_requests=4", "backend.block_size=8"]
+
+
+def test_preempted_beams_give_the_same_best_beams() -> None:
+    roomy = run(compose_cfg([*BEAM, "cache.kv_budget=2MiB"]))
+    # Recompute, with chunks so small that the beams' prefills end in different steps.
+    recompute = run(compose_cfg([*BEAM, "cache.kv_budget=128KiB",
+                                 "scheduler.max_num_batched_tokens=16"]))
+    swap = run(compose_cfg([*BEAM, "cache.kv_budget=64KiB", "scheduler.preemption_mode=swap",
+                            "cache.swap_space=1MiB"]))
+    assert recompute.metrics["sched.preemptions_recompute"] > 0
+    assert swap.metrics["sched.preemptions_swap"] > 0
+    assert recompute.outputs == roomy.outputs == swap.outputs
+
+
+def test_group_too_big_to_recompute_is_rejected_and_the_run_goes_on() -> None:
+    r = run(compose_cfg([*BEAM, "cache.kv_budget=64KiB"]))
+    rejected = [x for x in r.requests if x["status"] == "rejected"]
+    assert rejected and r.metrics["requests.finished"] == 4 - len(rejected)
+    assert all("preemption_mode=swap" in x["rejected_reason"] for x in rejected)

@@ -32,6 +32,7 @@ class Engine:
         self.sampler = sampler
         self.metrics = metrics
         self.device = device
+        self._beam_rows: dict[int, dict[int, torch.Tensor]] = {}  # beam logits held back
 
     def run(self, workload: Workload, progress: ProgressFn | None = None) -> float:
         """Serve every request of ``workload``; returns the wall time in seconds.
@@ -61,11 +62,8 @@ class Engine:
             rec = sch.schedule()
             self.backend.apply_cache_ops(rec)
             if rec.is_empty:
-                if not (rec.preempted or sch.running or sch.swapped):
-                    raise RuntimeError(
-                        "the scheduler cannot admit any waiting request although nothing "
-                        "runs: the KV budget is below one request's need plus the watermark; "
-                        "raise cache.kv_budget")
+                if not rec.preempted and sch.reject_stuck_head() is not None:
+                    done += 1
                 continue
             inputs = build_inputs(rec, sch.kv.block_size, self.device)
             self.backend.begin_step(inputs.attn)
@@ -117,7 +115,16 @@ class Engine:
         if owners:
             out = list(zip(owners, self.sampler.sample(logits[rows], owners)))
         for g, brows, bseqs in beams.values():
-            out += advance_beams(self.scheduler, g, bseqs, logits[brows])
+            # All live beams advance together. After a recompute preemption the beams'
+            # prefills may end in different steps: keep each row until the last arrives.
+            pending = self._beam_rows.setdefault(g.request_id, {})
+            for r, seq in zip(brows, bseqs):
+                pending[seq.seq_id] = logits[r]
+            live = g.live_seqs
+            if all(q.seq_id in pending for q in live):
+                rows = torch.stack([pending[q.seq_id] for q in live])
+                del self._beam_rows[g.request_id]
+                out += advance_beams(self.scheduler, g, live, rows)
         return out
 
     def _forget(self, g: SequenceGroup) -> None:

@@ -110,6 +110,27 @@ class Scheduler:
         for s in group.live_seqs:
             s.status = SeqStatus.WAITING
 
+    def reject_stuck_head(self) -> SequenceGroup | None:
+        """Reject the head of the waiting queue when nothing runs or is swapped and it still
+        cannot be admitted: the pool is then as free as it will ever be (only evictable
+        cached blocks are held), so it never will be. This happens to a group of several
+        sequences preempted by recompute whose sequences, recomputed without the blocks
+        they shared, need more than the pool. The run goes on without it."""
+        if self.running or self.swapped or not self.waiting:
+            return None
+        g = self.waiting.pop(0)
+        del self._waiting_keys[0]
+        need = sum(s.num_tokens for s in g.live_seqs)
+        g.rejected_reason = (
+            f"cannot be readmitted: its {len(g.live_seqs)} sequences hold {need} tokens "
+            "unshared after recompute preemption, more than the KV pool can take; raise "
+            "cache.kv_budget, or use scheduler.preemption_mode=swap with cache.swap_space")
+        for s in g.live_seqs:
+            s.status = SeqStatus.FINISHED
+            s.finish_reason = "rejected"
+        self.rejected.append(g)
+        return g
+
     def _new_seq_id(self) -> int:
         self._next_seq_id += 1
         return self._next_seq_id - 1
