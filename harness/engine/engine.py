@@ -45,7 +45,7 @@ class Engine:
         pending: list[tuple[float, int, Request]] = []
         for r in workload.initial_requests():
             heapq.heappush(pending, (r.arrival_s, r.request_id, r))
-        total, done, out_tokens = len(pending), 0, 0
+        total, done, out_tokens, idle = len(pending), 0, 0, 0
         while pending or sch.has_unfinished:
             now = time.perf_counter() - start
             while pending and pending[0][0] <= now:
@@ -64,7 +64,11 @@ class Engine:
             if rec.is_empty:
                 if not rec.preempted and sch.reject_stuck_head() is not None:
                     done += 1
+                idle += 1
+                # An invariant, not a user error: something runs yet nothing is schedulable.
+                assert idle < 10_000, f"no progress: running={sch.running} waiting={sch.waiting}"
                 continue
+            idle = 0
             inputs = build_inputs(rec, sch.kv.block_size, self.device)
             self.backend.begin_step(inputs.attn)
             tf = time.perf_counter()
