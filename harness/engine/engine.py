@@ -126,9 +126,9 @@ class Engine:
                 pending[seq.seq_id] = logits[r]
             live = g.live_seqs
             if all(q.seq_id in pending for q in live):
-                rows = torch.stack([pending[q.seq_id] for q in live])
+                beam_logits = torch.stack([pending[q.seq_id] for q in live])
                 del self._beam_rows[g.request_id]
-                out += advance_beams(self.scheduler, g, live, rows)
+                out += advance_beams(self.scheduler, g, live, beam_logits)
         return out
 
     def _forget(self, g: SequenceGroup) -> None:
