@@ -275,7 +275,8 @@ class PagedMachine(RuleBasedStateMachine):
         for g in self.groups:
             for s in g.seqs:
                 entries = [b for b in s.block_table if b >= 0]
-                logical += len(entries)
+                if not g.swapped:
+                    logical += len(entries)
                 for b in entries:
                     if g.swapped:
                         cpu_holders[b] = cpu_holders.get(b, 0) + 1
@@ -284,7 +285,8 @@ class PagedMachine(RuleBasedStateMachine):
         assert pool.ref == holders
         assert m._cpu_ref == cpu_holders
         assert m.num_cpu_blocks_used == len(cpu_holders)
-        # Counts every live table, swapped ones included (swap does not change it).
+        # Counts the device-resident tables: what would be held on the device without
+        # sharing (swapped tables hold CPU blocks).
         assert m.logical_blocks == logical >= 0
 
         used = {b for b in range(NUM_BLOCKS) if pool.ref[b] > 0}
