@@ -153,13 +153,16 @@ def print_summary(m: dict[str, Any], out_dir: Path | None) -> None:
         ("preemptions (recompute / swap)",
          f"{m['sched.preemptions_recompute']} / {m['sched.preemptions_swap']}"),
         ("engine overhead % of step", f("engine.overhead_pct")),
-        ("quality: ppl / ref (delta %)",
-         f"{f('quality.ppl', '{:.3f}')} / {f('quality.ppl_ref', '{:.3f}')} "
-         f"({f('quality.ppl_delta_pct', '{:+.2f}')})"),
-        ("quality: KL mean / top-1 agreement",
-         f"{f('quality.kl_mean', '{:.5f}')} / {f('quality.top1_agreement', '{:.4f}')}"),
         ("wall time (s)", f("engine.wall_s")),
     ]
+    if "quality.ppl" in m:
+        lines[-1:-1] = [
+            ("quality: ppl / ref (delta %)",
+             f"{f('quality.ppl', '{:.3f}')} / {f('quality.ppl_ref', '{:.3f}')} "
+             f"({f('quality.ppl_delta_pct', '{:+.2f}')})"),
+            ("quality: KL mean / top-1 agreement",
+             f"{f('quality.kl_mean', '{:.5f}')} / {f('quality.top1_agreement', '{:.4f}')}"),
+        ]
     width = max(len(k) for k, _ in lines)
     print()
     for k, v in lines:

@@ -10,7 +10,17 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0
 fi
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+log="$venv/setup.log"
+echo "kvbench: setting up $venv (first run, or pyproject.toml changed; log: $log)" >&2
+: > "$log"
+# pip's chatter (build-backend warnings) goes to the log; on failure its tail is shown.
+pip() {
+    if ! "$venv/bin/python" -m pip --disable-pip-version-check -q "$@" >> "$log" 2>&1; then
+        tail -n 40 "$log" >&2
+        echo "kvbench: set-up failed (pip $*); full log: $log" >&2
+        return 1
+    fi
+}
 # The CPU build of torch lies on local disk on our machines; on a CUDA box set
 # KVBENCH_TORCH_SPEC (e.g. "torch==2.13.0 --index-url ...") to choose another build.
 pip install ${KVBENCH_TORCH_SPEC:-torch==2.13.0} numpy
