@@ -122,7 +122,7 @@ def _stream(loaded: LoadedModel, device: torch.device, backend_cfg: dict[str, An
     st = build_stack(loaded, device, backend_cfg, run_cfg.cache, run_cfg.scheduler, sampler,
                      quiet=True, kv_budget=budget)
     st.engine.run(_TextsWorkload(texts, prefill))
-    per_seq = [s.reserved_bytes / s.num_seqs for s in st.collector.steps if s.num_seqs]
+    per_seq = [s.reserved_bytes / s.running for s in st.collector.steps if s.running]
     return (sum(per_seq) / len(per_seq), max(per_seq)) if per_seq else (0.0, 0.0)
 
 
