@@ -73,6 +73,12 @@ def build_stack(loaded: LoadedModel, device: torch.device, backend_cfg: dict[str
                                           sched.chunked_prefill, sched.preemption_mode,
                                           sched.policy, max_model_len),
                           kv, tuple(loaded.tokenizer.eos_ids))
+    if sched.preemption_mode == "swap" and not (kv.supports_swap and sizing.num_cpu_blocks):
+        raise ValueError(
+            "scheduler.preemption_mode=swap needs CPU swap blocks and a backend that swaps: "
+            "set cache.swap_space (e.g. 1GiB)" if kv.supports_swap else
+            f"scheduler.preemption_mode=swap: backend {backend.name} does not swap; use "
+            f"scheduler.preemption_mode=recompute")
     if requests is not None:
         check_budget(requests, kv, backend, sizing, cache.watermark)
     backend.allocate(sizing)

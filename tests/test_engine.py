@@ -90,3 +90,11 @@ def test_unknown_backend_from_registry() -> None:
 
     with pytest.raises(ValueError, match="known: contiguous, paged"):
         get_backend("pagd")
+
+
+def test_swap_without_swap_space_is_an_error_not_a_silent_recompute() -> None:
+    with pytest.raises(ValueError, match=r"cache\.swap_space"):
+        run(tiny("scheduler.preemption_mode=swap"))
+    with pytest.raises(ValueError, match="does not swap"):
+        run(tiny("backend=contiguous", "scheduler.preemption_mode=swap",
+                 "cache.swap_space=1MiB"))
