@@ -57,6 +57,12 @@ def test_preemption_gives_the_same_tokens(mode: str) -> None:
                    "workload.ignore_eos=true"))
     key = f"sched.preemptions_{mode}"
     assert tight.metrics[key] > 0
+    # Per request too: the counts add up to the run's.
+    per_request = sum(r[f"preemptions_{mode}"] for r in tight.requests)
+    assert per_request == tight.metrics[key]
+    if mode == "swap":
+        assert sum(r["swapped_out_bytes"] for r in tight.requests) \
+            == tight.metrics["sched.swapped_bytes"] > 0
     assert tight.outputs == ref.outputs
 
 

@@ -45,6 +45,8 @@ def request_rows(col: MetricsCollector) -> list[dict[str, Any]]:
             "preemptions_recompute": g.num_preemptions_recompute,
             "preemptions_swap": g.num_preemptions_swap,
             "recomputed_tokens": g.num_recomputed_tokens,
+            "swapped_out_bytes": g.num_swapped_blocks * col.kv.block_size
+            * col.bytes_per_slot,
             "finish_reason": best.finish_reason if best else "",
             "output_ids": " ".join(map(str, output)),
         })

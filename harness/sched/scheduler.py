@@ -271,7 +271,9 @@ class Scheduler:
         kv = self.kv
         if (self.cfg.preemption_mode == "swap" and kv.supports_swap
                 and kv.can_swap_out(live)):  # type: ignore[attr-defined]
-            rec.swap_out += kv.swap_out(live)  # type: ignore[attr-defined]
+            ops = kv.swap_out(live)  # type: ignore[attr-defined]
+            rec.swap_out += ops
+            g.num_swapped_blocks += len(ops)
             for s in live:
                 s.status = SeqStatus.SWAPPED
             self.swapped.append(g)
