@@ -35,7 +35,9 @@ class Sampler:
             if p.temperature <= 0:
                 out.append(greedy[i])
                 continue
-            probs = torch.softmax(logits[i] / p.temperature, dim=-1)
+            # On the CPU: the per-sequence generators are CPU generators (and one row is
+            # cheap to move), so a run samples the same tokens on any device.
+            probs = torch.softmax(logits[i].float().cpu() / p.temperature, dim=-1)
             if p.top_p < 1.0:
                 sp, si = probs.sort(descending=True)
                 keep = sp.cumsum(0) - sp < p.top_p  # always keeps the top token
