@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from harness.kv.base import Demand, KVManager
 from harness.sched.sequence import SamplingParams, Sequence, SequenceGroup
 
 _next = [0]
@@ -22,3 +23,13 @@ def make_group(rid: int, prompt: list[int], *, max_tokens: int = 8, n: int = 1,
                arrival: float = 0.0, priority: int = 0, **kw: object) -> SequenceGroup:
     return SequenceGroup(rid, list(prompt), SamplingParams(max_tokens=max_tokens, n=n, **kw),  # type: ignore[arg-type]
                          arrival_time=arrival, priority=priority)
+
+
+def decode(m: KVManager, seq: Sequence, token: int) -> None:
+    """Append one token and give it a slot, as a decode step does (the engine writes its
+    K/V this step)."""
+    seq.token_ids.append(token)
+    d = Demand(seq, 1)
+    assert m.can_allocate([d], watermark=False)
+    m.allocate(d)
+    seq.num_computed += 1

@@ -11,7 +11,7 @@ import pytest
 from harness.kv.base import CopyOp, Demand
 from harness.kv.contiguous import ContiguousKVManager
 from harness.sched.sequence import SeqStatus, Sequence
-from tests.helpers import make_seq
+from tests.helpers import decode, make_seq
 
 ARENA = 64
 MAX_LEN = 32
@@ -28,14 +28,6 @@ def admit(m: ContiguousKVManager, seq: Sequence) -> int:
     m.allocate(d)
     seq.num_computed = seq.num_tokens
     return seq.block_table[0]
-
-
-def decode(m: ContiguousKVManager, seq: Sequence, token: int) -> None:
-    seq.token_ids.append(token)
-    d = Demand(seq, 1)
-    assert m.can_allocate([d], watermark=False)
-    m.allocate(d)
-    seq.num_computed += 1
 
 
 def req(prompt_len: int, max_tokens: int, n: int = 1) -> Sequence:

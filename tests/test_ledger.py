@@ -10,7 +10,7 @@ from harness.kv.base import Demand
 from harness.kv.ledger import LedgerTotals, ReservationLedger
 from harness.kv.paged import PagedKVManager
 from harness.sched.sequence import Sequence
-from tests.helpers import make_seq
+from tests.helpers import decode, make_seq
 
 
 def split(t: LedgerTotals) -> tuple[int, int, int, int]:
@@ -106,14 +106,6 @@ def admit(m: PagedKVManager, seq: Sequence) -> None:
     assert m.can_allocate([d], watermark=False)
     m.allocate(d)
     seq.num_computed = seq.num_tokens
-
-
-def decode(m: PagedKVManager, seq: Sequence, token: int) -> None:
-    seq.token_ids.append(token)
-    d = Demand(seq, 1)
-    assert m.can_allocate([d], watermark=False)
-    m.allocate(d)
-    seq.num_computed += 1
 
 
 def test_paged_partial_last_block_is_internal_fragmentation() -> None:

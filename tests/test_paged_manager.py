@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from harness.kv.base import CopyOp, Demand
 from harness.kv.paged import PagedKVManager
-from tests.helpers import make_seq
+from tests.helpers import decode, make_seq
 
 BS = 4
 
@@ -25,15 +25,6 @@ def admit(m: PagedKVManager, seq, use_cache: bool = True) -> int:  # type: ignor
     m.allocate(d)
     seq.num_computed = seq.num_tokens
     return len(hits) * BS
-
-
-def decode(m: PagedKVManager, seq, token: int) -> None:  # type: ignore[no-untyped-def]
-    """Append one token and give it a slot (the engine writes its K/V this step)."""
-    seq.token_ids.append(token)
-    d = Demand(seq, 1)
-    assert m.can_allocate([d], watermark=False)
-    m.allocate(d)
-    seq.num_computed += 1
 
 
 def test_prefix_hit_and_miss_and_lru_eviction() -> None:
