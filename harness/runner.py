@@ -97,8 +97,7 @@ def run(cfg: DictConfig | dict[str, Any]) -> RunResult:
     }
     metrics = summarize(collector, run_info, sizing.kv_budget_bytes, sizing.num_slots, wall)
     rows = request_rows(collector)
-    outputs = {rid: g.best_output if g.best_output is not None else g.seqs[0].output_ids
-               for rid, g in collector.groups.items() if g.seqs}
+    outputs = collector.outputs()
     if cfg.quality.enabled:
         metrics.update(evaluate_quality(loaded, device, cfg, backend_cfg, texts))
         if cfg.quality.generation_agreement:
@@ -126,9 +125,7 @@ def _generation_agreement(cfg: DictConfig, loaded: Any, device: torch.device,
     st = build_stack(ref_model, device, {"name": "contiguous", "reserve": "exact"}, cfg.cache,
                      cfg.scheduler, Sampler(cfg.seed), quiet=True, kv_budget=budget)
     st.engine.run(workload)
-    ref = {rid: g.best_output if g.best_output is not None else g.seqs[0].output_ids
-           for rid, g in st.collector.groups.items() if g.seqs}
-    return agreement(outputs, ref)
+    return agreement(outputs, st.collector.outputs())
 
 
 def print_summary(m: dict[str, Any], out_dir: Path | None) -> None:

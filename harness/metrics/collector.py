@@ -59,6 +59,10 @@ class MetricsCollector:
         self.requests: dict[int, RequestTimes] = {}
         self.groups: dict[int, SequenceGroup] = {}
 
+    def outputs(self) -> dict[int, list[int]]:
+        """Request id -> its output ids, for every request that got a sequence."""
+        return {rid: g.output_ids for rid, g in self.groups.items() if g.seqs}
+
     def on_arrival(self, group: SequenceGroup, now: float) -> None:
         self.requests[group.request_id] = RequestTimes(arrival=now)
         self.groups[group.request_id] = group

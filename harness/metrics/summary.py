@@ -26,8 +26,6 @@ def request_rows(col: MetricsCollector) -> list[dict[str, Any]]:
         itls = [(b - a) * 1e3 for a, b in zip(t.token_times, t.token_times[1:])]
         e2e = (t.finished - t.arrival) * 1e3 if t.finished is not None else None
         best = g.seqs[0] if g.seqs else None
-        output = g.best_output if g.best_output is not None else (
-            best.output_ids if best else [])
         rows.append({
             "request_id": rid,
             "status": ("rejected" if g.rejected_reason else
@@ -48,7 +46,7 @@ def request_rows(col: MetricsCollector) -> list[dict[str, Any]]:
             "swapped_out_bytes": g.num_swapped_blocks * col.kv.block_size
             * col.bytes_per_slot,
             "finish_reason": best.finish_reason if best else "",
-            "output_ids": " ".join(map(str, output)),
+            "output_ids": " ".join(map(str, g.output_ids)),
         })
     return rows
 

@@ -127,6 +127,14 @@ class SequenceGroup:
         return [s for s in self.seqs if s.status is not SeqStatus.FINISHED]
 
     @property
+    def output_ids(self) -> list[int]:
+        """The request's output: the chosen beam for beam search, else its first
+        sequence's generated tokens."""
+        if self.best_output is not None:
+            return self.best_output
+        return self.seqs[0].output_ids if self.seqs else []
+
+    @property
     def is_finished(self) -> bool:
         return all(s.status is SeqStatus.FINISHED for s in self.seqs)
 
