@@ -165,14 +165,9 @@ class ContiguousKVManager:
         assert not d.hit_blocks
         if not seq.kv_capacity:
             g = seq.group
-            parked = self._parked.setdefault(g.request_id, [])
-            if parked:
-                start, size = parked.pop()
-            else:
-                size = self._size_for(seq)
-                start = self._reserve(size)
-            seq.block_table = [start]
-            seq.kv_capacity = size
+            self._claim(seq, self._size_for(seq))
+            size = seq.kv_capacity
+            parked = self._parked[g.request_id]
             live_reserved = sum(1 for s in g.live_seqs if s.kv_capacity)
             for _ in range(g.params.n - live_reserved - len(parked)):
                 parked.append((self._reserve(size), size))
@@ -202,24 +197,29 @@ class ContiguousKVManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         assert not child.kv_capacity
-        parked = self._parked.setdefault(parent.group.request_id, [])
-        if parked:
-            start, size = parked.pop()
-        else:
-            size = parent.kv_capacity
-            if self.arena.first_fit(size) is None:
-                raise RuntimeError("contiguous fork found no hole; group under-reserved")
-            start = self._reserve(size)
-        child.block_table = [start]
-        child.kv_capacity = size
+        if (not self._parked.get(parent.group.request_id)
+                and self.arena.first_fit(parent.kv_capacity) is None):
+            raise RuntimeError("contiguous fork found no hole; group under-reserved")
+        self._claim(child, parent.kv_capacity)
         n = parent.num_computed
         if n:
-            self._copies.append(CopyOp(parent.block_table[0], start, n))
+            self._copies.append(CopyOp(parent.block_table[0], child.block_table[0], n))
         self._set_fill(child, n)
 
-    def _release_range(self, start: int, size: int) -> None:
+    def _claim(self, seq: Sequence, size: int) -> None:
+        """Give ``seq`` a range its group parked, or reserve a new one of ``size``."""
+        parked = self._parked.setdefault(seq.group.request_id, [])
+        start, size = parked.pop() if parked else (self._reserve(size), size)
+        seq.block_table = [start]
+        seq.kv_capacity = size
+
+    def _close(self, start: int) -> None:
+        """End the range's ledger epoch and forget its fill (it holds no tokens now)."""
         self.ledger.close(start)
         self._used -= self._fills.pop(start, 0)
+
+    def _release_range(self, start: int, size: int) -> None:
+        self._close(start)
         self._reserved -= size
         self.arena.give(start, size)
 
@@ -233,8 +233,7 @@ class ContiguousKVManager:
         rid = g.request_id
         if any(s.kv_capacity for s in g.seqs if s is not seq):
             # Siblings live on: keep the range for the group's next fork, emptied.
-            self.ledger.close(start)
-            self._used -= self._fills.pop(start, 0)
+            self._close(start)
             self.ledger.open(start, size)
             self._parked.setdefault(rid, []).append((start, size))
             return
