@@ -220,17 +220,23 @@ class Scheduler:
         """Prefill tokens per sequence: whole remainders, or chunks of the budget."""
         out = []
         for s in seqs:
-            n = s.num_uncomputed
-            cap = self.kv.max_chunk(s)
-            if cap is not None:
-                n = min(n, cap, max(0, budget))
-            elif self.cfg.chunked_prefill:
-                n = min(n, max(0, budget))
-            elif n > budget:
-                n = 0
+            n = self._chunk_len(s, s.num_uncomputed, budget)
             budget -= n
             out.append(n)
         return out
+
+    def _chunk_len(self, seq: Sequence, n: int, budget: int) -> int:
+        """How many of the ``n`` tokens ``seq`` still has to prefill this step takes: at
+        most the manager's bound (eviction backends), a chunk of the budget with chunked
+        prefill, or else all of them if they fit and 0 if they do not (the whole prompt
+        waits for a step it fits)."""
+        budget = max(0, budget)
+        cap = self.kv.max_chunk(seq)
+        if cap is not None:
+            return min(n, cap, budget)
+        if self.cfg.chunked_prefill:
+            return min(n, budget)
+        return n if n <= budget else 0
 
     def _make_room(self, g: SequenceGroup, demands: list[Demand], rec: StepRecord) -> bool:
         """Preempt from the back of ``running`` until ``demands`` fit. False if ``g`` was
@@ -322,16 +328,9 @@ class Scheduler:
             for s in live:
                 hits = kv.lookup_prefix(s)
                 hit = len(hits) * kv.block_size
-                n = s.num_tokens - hit
-                cap = kv.max_chunk(s)
-                if cap is not None:
-                    n = min(n, cap, left)
-                elif self.cfg.chunked_prefill:
-                    n = min(n, left)
-                elif n > left:
-                    return  # a whole prompt must fit the budget: wait for a later step
+                n = self._chunk_len(s, s.num_tokens - hit, left)
                 if n <= 0:
-                    return
+                    return  # no room this step: later requests wait behind this one
                 left -= n
                 demands.append(Demand(s, n, hits))
                 hit_tokens.append(hit)
