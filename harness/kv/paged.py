@@ -219,7 +219,7 @@ class PagedKVManager:
         child.block_hashes = list(parent.block_hashes)
         child.num_evicted_blocks = parent.num_evicted_blocks
         child.evict_cursor = parent.evict_cursor
-        self.logical_blocks += len(parent.block_table) - parent.num_evicted_blocks
+        self.logical_blocks += parent.num_table_blocks
 
     def free(self, seq: Sequence) -> None:
         # Reverse order: the tail (least likely to be shared) enters the LRU first and is
@@ -227,7 +227,7 @@ class PagedKVManager:
         for b in reversed(seq.block_table):
             if b >= 0:
                 self.pool.release(b)
-        self.logical_blocks -= len(seq.block_table) - seq.num_evicted_blocks
+        self.logical_blocks -= seq.num_table_blocks
         seq.block_table = []
         seq.block_hashes = []
         seq.num_evicted_blocks = 0
@@ -286,7 +286,7 @@ class PagedKVManager:
                 self.pool.release(b)
         self.swapped_out_blocks += len(mapping)
         # Swapped tables hold CPU blocks: they are not device blocks "held without sharing".
-        self.logical_blocks -= sum(len(s.block_table) - s.num_evicted_blocks for s in seqs)
+        self.logical_blocks -= sum(s.num_table_blocks for s in seqs)
         return list(mapping.items())
 
     def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
@@ -309,7 +309,7 @@ class PagedKVManager:
                     del self._cpu_ref[c], self._cpu_fill[c]
                     self._cpu_free.append(c)
         self.swapped_in_blocks += len(mapping)
-        self.logical_blocks += sum(len(s.block_table) - s.num_evicted_blocks for s in seqs)
+        self.logical_blocks += sum(s.num_table_blocks for s in seqs)
         return list(mapping.items())
 
     # -- accounting ----------------------------------------------------------------------

@@ -83,6 +83,11 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def num_table_blocks(self) -> int:
+        """Table entries that still hold a block (given-back ones, -1, excluded)."""
+        return len(self.block_table) - self.num_evicted_blocks
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
