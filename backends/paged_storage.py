@@ -54,9 +54,13 @@ class PagedStorageBackend(KVBackend):
                 for t, c in zip(caches, cpus):
                     t[dev] = c[cpu].to(self.device)
         for op in rec.copies:
-            for t in (*self.k_cache, *self.v_cache):
+            for t in self.slot_tensors():
                 flat = t.view(-1, *t.shape[2:])
                 flat[op.dst:op.dst + op.num_slots] = flat[op.src:op.src + op.num_slots]
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """Every tensor indexed (num_blocks, block_size, ...): what a copy copies."""
+        return [*self.k_cache, *self.v_cache]
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the step's new K/V through the slot mapping. k, v: (T, KV, D)."""

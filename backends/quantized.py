@@ -79,14 +79,15 @@ class QuantizedBackend(PagedBackend):
         self.k_cpu: list[torch.Tensor] = []
         self.v_cpu: list[torch.Tensor] = []
 
+    def slot_tensors(self) -> list[torch.Tensor]:
+        # Copy-on-write copies a partly filled block's values and their scales.
+        return [*super().slot_tensors(), *self.k_scale, *self.v_scale]
+
     def apply_cache_ops(self, rec: Any) -> None:
         assert not rec.swap_in and not rec.swap_out
-        for op in rec.copies:
-            # Copy-on-write copies a partly filled block: values, scales and any sinks.
-            for t in (*self.k_cache, *self.v_cache, *self.k_scale, *self.v_scale):
-                flat = t.view(-1, *t.shape[2:])
-                flat[op.dst:op.dst + op.num_slots] = flat[op.src:op.src + op.num_slots]
-            bs = self.block_size
+        super().apply_cache_ops(rec)
+        bs = self.block_size
+        for op in rec.copies:  # ... and the block's full-precision sinks, if any
             for t in (*self.k_sink, *self.v_sink):
                 t[op.dst // bs] = t[op.src // bs]
 
