@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from harness.kv.base import KVManager
+from harness.kv.base import KVManager, StepScores
 from harness.sched.step import ScheduledSeq, StepRecord
 
 
@@ -56,10 +56,11 @@ class AttentionBatch:
     """The tensors of one step, as every backend needs them.
 
     slot_mapping: int64 (T,) cache slot of each new token.
-    decode_tables: int64 (num_decode, max_blocks) block tables padded with 0 (paged), or
-        (num_decode, 1) range starts (contiguous).
+    decode_tables: int64 (num_decode, max_blocks) the KV manager's tables (``tables()``:
+        paged block ids, rows padded with 0 past ``decode_num_blocks``; contiguous: one
+        column, the range's first slot).
     decode_lens: int64 (num_decode,) context length of each decode including its new token.
-    Evicted table entries (-1) appear as 0: backends that evict mask those positions.
+    decode_num_blocks: int64 (num_decode,) table entries of each row before the padding.
     """
 
     slot_mapping: torch.Tensor
@@ -67,6 +68,7 @@ class AttentionBatch:
     num_decode: int
     decode_tables: torch.Tensor
     decode_lens: torch.Tensor
+    decode_num_blocks: torch.Tensor
     decode_seqs: list[ScheduledSeq] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
@@ -104,11 +106,6 @@ class KVBackend(ABC):
         self.device = device
         self.block_size = block_size  # paged storage; contiguous storage ignores it
         self.batch: AttentionBatch | None = None
-        self.kv: KVManager | None = None  # set by the runner: eviction backends free blocks
-
-    def bind(self, kv: KVManager) -> None:
-        """Give the backend the run's KV manager (eviction backends give blocks back)."""
-        self.kv = kv
 
     # -- sizing -------------------------------------------------------------------------
     def bytes_per_slot(self) -> int:
@@ -132,7 +129,8 @@ class KVBackend(ABC):
     # -- per step ------------------------------------------------------------------------
     @abstractmethod
     def apply_cache_ops(self, rec: StepRecord) -> None:
-        """Perform the step's swaps and copies, in the order StepRecord documents."""
+        """Perform the step's swaps, invalidations and copies, in the order StepRecord
+        documents."""
 
     def begin_step(self, batch: AttentionBatch) -> None:
         self.batch = batch
@@ -146,5 +144,7 @@ class KVBackend(ABC):
         Returns (T, num_heads, head_dim).
         """
 
-    def end_step(self, rec: StepRecord) -> None:  # noqa: B027 (an optional hook)
-        """Hook after the forward (eviction backends free blocks here)."""
+    def take_scores(self) -> StepScores | None:
+        """After the forward: the scores the KV manager's eviction policy asked for, in one
+        device-to-host transfer (None: the policy needs none)."""
+        return None

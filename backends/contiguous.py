@@ -2,7 +2,10 @@
 
 The way serving systems held the cache before paging; kept to measure what paging
 removes. ``backend.reserve`` = ``max`` | ``pow2`` | ``exact`` (harness.kv.contiguous).
-Attention is dense over a view of the sequence's range: no gather, no indirection.
+Attention is the paged torch path's, so that a throughput ratio compares the memory
+designs and not two loops: the step's decodes gather their ranges into one padded batch
+and run one SDPA call (a range is one block as long as its sequence); prefill chunks run
+one call each over a view of their range, as the paged path does.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from typing import Any
 
 import torch
 
-from harness.backends.attention_ref import attend_chunk
+from harness.backends.attention_ref import attend_chunk, attend_decode
 from harness.backends.base import CacheSizing, KVBackend, KVLayout
 from harness.kv.base import KVManager
 from harness.kv.contiguous import POLICIES, ContiguousKVManager
@@ -38,8 +41,7 @@ class ContiguousBackend(KVBackend):
         self.v_cache = [torch.zeros_like(t) for t in self.k_cache]
 
     def make_manager(self, sizing: CacheSizing, **options: Any) -> KVManager:
-        return ContiguousKVManager(sizing.num_slots, policy=self.reserve,
-                                   max_model_len=options["max_model_len"])
+        return ContiguousKVManager(sizing.num_slots, policy=self.reserve, **options)
 
     def apply_cache_ops(self, rec: StepRecord) -> None:
         assert not rec.swap_in and not rec.swap_out, "contiguous storage never swaps"
@@ -55,12 +57,18 @@ class ContiguousBackend(KVBackend):
         kc.index_copy_(0, b.slot_mapping, k.to(kc.dtype))
         vc.index_copy_(0, b.slot_mapping, v.to(vc.dtype))
         out = torch.empty_like(q)
-        starts = b.decode_tables[:, 0].tolist()
-        lens = b.decode_lens.tolist()
-        for i, (s, n) in enumerate(zip(starts, lens)):
-            out[i:i + 1] = attend_chunk(q[i:i + 1], kc[s:s + n], vc[s:s + n], n - 1)
+        nd = b.num_decode
+        if nd:
+            # Host-side lengths: no device sync to size the gather.
+            width = max(d.start + 1 for d in b.decode_seqs)
+            idx = b.decode_tables[:, :1] + torch.arange(width, device=q.device)
+            idx = idx.clamp_(max=kc.shape[0] - 1)  # past a row's length: masked, any slot
+            out[:nd] = attend_decode(q[:nd], kc[idx].to(q.dtype), vc[idx].to(q.dtype),
+                                     b.decode_lens)
         for c in b.prefills:
-            s, n = int(c.table[0]), c.start + c.num_tokens
+            n = c.start + c.num_tokens
+            first = c.sched.slots[0] - c.start  # the range's first slot, known on the host
             out[c.row:c.row + c.num_tokens] = attend_chunk(
-                q[c.row:c.row + c.num_tokens], kc[s:s + n], vc[s:s + n], c.start)
+                q[c.row:c.row + c.num_tokens], kc[first:first + n].to(q.dtype),
+                vc[first:first + n].to(q.dtype), c.start)
         return out

@@ -18,6 +18,7 @@ from harness.backends.base import CacheSizing, KVBackend, KVLayout
 from harness.engine.engine import Engine
 from harness.engine.sampler import Sampler
 from harness.kv.base import KVManager
+from harness.kv.paged import PagedKVManager
 from harness.metrics.collector import MetricsCollector
 from harness.model import LoadedModel
 from harness.sched.scheduler import Scheduler, SchedulerConfig
@@ -63,26 +64,29 @@ def build_stack(loaded: LoadedModel, device: torch.device, backend_cfg: dict[str
               "is off for this run (run.prefix_caching=false)", file=sys.stderr)
     kv_opts: dict[str, Any] = ({"enable_prefix_caching": prefix_caching,
                                 "watermark": cache.watermark}
-                               if backend.storage == "paged" else {"max_model_len": max_model_len})
+                               if backend.storage == "paged" else
+                               {"max_model_len": max_model_len, "watermark": cache.watermark,
+                                "granule": sizing.block_size})
     # A budget below one block still gets a 1-block manager, only so that check_budget
     # can say which budget the workload needs.
     kv = backend.make_manager(dataclasses.replace(
         sizing, num_blocks=max(1, sizing.num_blocks),
         num_slots=max(sizing.block_size, sizing.num_slots)), **kv_opts)
+    swap = kv if sched.preemption_mode == "swap" and isinstance(kv, PagedKVManager) \
+        and kv.supports_swap else None
     scheduler = Scheduler(SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens,
                                           sched.chunked_prefill, sched.preemption_mode,
                                           sched.policy, max_model_len),
-                          kv, tuple(loaded.tokenizer.eos_ids))
-    if sched.preemption_mode == "swap" and not (kv.supports_swap and sizing.num_cpu_blocks):
+                          kv, tuple(loaded.tokenizer.eos_ids), swap=swap)
+    if sched.preemption_mode == "swap" and not (swap is not None and sizing.num_cpu_blocks):
         raise ValueError(
             "scheduler.preemption_mode=swap needs CPU swap blocks and a backend that swaps: "
-            "set cache.swap_space (e.g. 1GiB)" if kv.supports_swap else
+            "set cache.swap_space (e.g. 1GiB)" if swap is not None else
             f"scheduler.preemption_mode=swap: backend {backend.name} does not swap; use "
             f"scheduler.preemption_mode=recompute")
     if requests is not None:
         check_budget(requests, kv, backend, sizing, cache.watermark)
     backend.allocate(sizing)
-    backend.bind(kv)
     collector = MetricsCollector(kv, scheduler, sizing.bytes_per_slot)
     engine = Engine(loaded.model, backend, scheduler, sampler, collector, device)
     return Stack(backend, sizing, kv, scheduler, collector, engine, prefix_caching)

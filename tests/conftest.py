@@ -9,6 +9,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
+# Every engine step asserts its invariants (harness.sched.step): e.g. no two new tokens of
+# a step share a slot.
+os.environ.setdefault("KVBENCH_CHECK", "1")
 
 
 import pytest

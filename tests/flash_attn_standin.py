@@ -197,6 +197,16 @@ def make_scenario(lens: list[int], steps: list[list[tuple[int, int, int]]], bloc
     return PagedScenario(block_size, num_blocks, tables, k, v, q, steps)
 
 
+class FixedTables:
+    """The scenario's block tables, served as a KV manager serves them (by seq id)."""
+
+    def __init__(self, tables: list[list[int]]) -> None:
+        self._tables = tables
+
+    def tables(self, seqs: list[Sequence]) -> list[list[int]]:
+        return [list(self._tables[s.seq_id]) for s in seqs]
+
+
 def run_scenario(be: KVBackend, sc: PagedScenario,
                  dtype: torch.dtype) -> list[list[torch.Tensor]]:
     """Run every step through ``be`` (layer 0; already allocated with ``sc.num_blocks``
@@ -204,11 +214,12 @@ def run_scenario(be: KVBackend, sc: PagedScenario,
     item, the output rows (num_tokens, H, D)."""
     bs, dev = sc.block_size, be.device
     seqs = []
-    for i, table in enumerate(sc.tables):
+    for i in range(len(sc.tables)):
         grp = SequenceGroup(i, [1], SamplingParams())
         s = Sequence(i, grp, [1] * len(sc.k[i]))
-        s.status, s.block_table = SeqStatus.RUNNING, list(table)
+        s.status = SeqStatus.RUNNING
         seqs.append(s)
+    fixed = FixedTables(sc.tables)
     outs = []
     for items, qs in zip(sc.steps, sc.q):
         rec = StepRecord(0)
@@ -216,7 +227,7 @@ def run_scenario(be: KVBackend, sc: PagedScenario,
             t = sc.tables[i]
             slots = [t[p // bs] * bs + p % bs for p in range(start, start + n)]
             rec.seqs.append(ScheduledSeq(seqs[i], start, n, slots, True))
-        inputs = build_inputs(rec, bs, dev)
+        inputs = build_inputs(rec, fixed, dev)
         # build_inputs puts one-token items (decodes) first, then the chunks, in order.
         order = ([j for j, it in enumerate(items) if it[2] == 1]
                  + [j for j, it in enumerate(items) if it[2] != 1])

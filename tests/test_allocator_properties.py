@@ -25,7 +25,10 @@ from hypothesis.stateful import (
 
 from harness.kv.base import Demand
 from harness.kv.contiguous import POLICIES, ContiguousKVManager
+from harness.kv.evicting import EvictingKVManager
 from harness.kv.paged import PagedKVManager
+from harness.kv.policies.base import Eviction
+from harness.kv.policies.window import WindowPolicy
 from harness.sched.sequence import SeqStatus, Sequence
 from tests.helpers import make_seq
 
@@ -75,8 +78,7 @@ class PagedMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.m = PagedKVManager(NUM_BLOCKS, BS, num_cpu_blocks=NUM_CPU_BLOCKS,
-                                enable_prefix_caching=self.CACHING, watermark=0.0)
+        self.m = self._manager()
         self.groups: list[Group] = []
         self.dev: dict[int, Content | None] = {}
         self.cpu: dict[int, Content | None] = {}
@@ -84,6 +86,10 @@ class PagedMachine(RuleBasedStateMachine):
         # Slot-steps measured from the pool at every tick, to check the ledger against.
         self.expect_reserved = 0
         self.expect_used = 0
+
+    def _manager(self) -> PagedKVManager:
+        return PagedKVManager(NUM_BLOCKS, BS, num_cpu_blocks=NUM_CPU_BLOCKS,
+                              enable_prefix_caching=self.CACHING, watermark=0.0)
 
     # -- helpers -------------------------------------------------------------------------
     def _device_groups(self) -> list[Group]:
@@ -95,7 +101,7 @@ class PagedMachine(RuleBasedStateMachine):
 
     def _demand(self, seq: Sequence, chunk: int) -> tuple[Demand, int]:
         """The next demand of ``seq`` (with prefix hits on a fresh table) and its start."""
-        hits = self.m.lookup_prefix(seq) if not seq.block_table else []
+        hits = self.m.lookup_prefix(seq) if not self.m.holds(seq) else []
         start = len(hits) * BS if hits else seq.num_computed
         n = min(chunk, seq.num_tokens - start)
         assert n >= 1
@@ -106,27 +112,29 @@ class PagedMachine(RuleBasedStateMachine):
         fast path) plus what the engine does after it: the copies, then the writes."""
         m, pool, seq = self.m, self.m.pool, d.seq
         shared_before = {b: pool.fill[b] for b in range(NUM_BLOCKS) if pool.ref[b] > 1}
-        hits_before = m.prefix_hit_tokens
+        hits_before = m.stats.prefix_hit_tokens + m.stats.self_hit_tokens
         if fast:
             assert d.num_tokens == 1 and not d.hit_blocks and start == seq.num_computed
-            table_before, used_before = list(seq.block_table), pool.num_used
+            table_before, used_before = m.table_of(seq), pool.num_used
             slot = m.append_slot(seq)
             if slot is None:
                 # Only when the token needs a block (a new one, or a private copy of a
                 # shared one) and none is free; nothing changed.
                 assert pool.num_free == 0
-                assert seq.block_table == table_before and pool.num_used == used_before
+                assert m.table_of(seq) == table_before and pool.num_used == used_before
                 return
             assert slot == m.slot(seq, start)
         else:
-            m.allocate(d)
-        assert m.prefix_hit_tokens - hits_before == len(d.hit_blocks) * BS
-        for op in m.take_copies():
+            slots = m.allocate(d)
+            assert slots == [m.slot(seq, p) for p in range(start, start + d.num_tokens)]
+        hits_now = m.stats.prefix_hit_tokens + m.stats.self_hit_tokens
+        assert hits_now - hits_before == len(d.hit_blocks) * BS
+        for op in m.take_cache_ops().copies:
             # Copy-on-write copies the filled part of one block into a fresh one.
             assert op.src % BS == 0 and op.dst % BS == 0
             assert op.num_slots == start % BS and 0 < op.num_slots < BS
             assert op.src // BS in shared_before
-            assert op.dst // BS == seq.block_table[start // BS]
+            assert op.dst // BS == m.table_of(seq)[start // BS]
             for k in range(op.num_slots):
                 self.dev[op.dst + k] = self.dev[op.src + k]
         # The CoW rule: a block that was shared is never written, by anyone.
@@ -160,7 +168,7 @@ class PagedMachine(RuleBasedStateMachine):
         if seq.num_uncomputed == 0:
             seq.token_ids.append(token)
         d, start = self._demand(seq, chunk)
-        if fast and seq.block_table and seq.num_uncomputed == 1:
+        if fast and self.m.holds(seq) and seq.num_uncomputed == 1:
             self._allocate(d, start, fast=True)  # the scheduler asks no can_allocate first
         elif self.m.can_allocate([d], watermark=False):
             self._allocate(d, start)
@@ -171,7 +179,7 @@ class PagedMachine(RuleBasedStateMachine):
         """A running group's step: every sequence with a table decodes under one check, as
         the scheduler asks for a whole group at once."""
         g, _ = self._pick_seq(i)
-        seqs = [s for s in g.seqs if s.block_table]
+        seqs = [s for s in g.seqs if self.m.holds(s)]
         for s in seqs:
             if s.num_uncomputed == 0:
                 s.token_ids.append(token)
@@ -193,8 +201,8 @@ class PagedMachine(RuleBasedStateMachine):
         parent.group.seqs.append(child)
         g.seqs.append(child)
         # Forking shares every block: nothing is allocated, nothing copied.
-        assert self.m.pool.num_used == used_before and self.m.take_copies() == []
-        assert child.block_table == parent.block_table
+        assert self.m.pool.num_used == used_before and self.m.take_cache_ops().copies == []
+        assert self.m.table_of(child) == self.m.table_of(parent)
 
     @precondition(lambda self: any(g.seqs for g in self._device_groups()))
     @rule(i=pick)
@@ -202,7 +210,7 @@ class PagedMachine(RuleBasedStateMachine):
         g, seq = self._pick_seq(i)
         seq.status = SeqStatus.FINISHED
         self.m.free(seq)
-        assert seq.block_table == [] and seq.block_hashes == []
+        assert not self.m.holds(seq) and seq.seq_id not in self.m._seqs
         g.seqs.remove(seq)
         if not g.seqs:
             self.groups.remove(g)
@@ -228,7 +236,7 @@ class PagedMachine(RuleBasedStateMachine):
     def swap_out(self, i: int) -> None:
         g, _ = self._pick_seq(i)
         m = self.m
-        distinct = {b for s in g.seqs for b in s.block_table if b >= 0}
+        distinct = {b for s in g.seqs for b in m.table_of(s) if b >= 0}
         if not m.can_swap_out(g.seqs):
             assert len(distinct) > NUM_CPU_BLOCKS - m.num_cpu_blocks_used
             return
@@ -263,7 +271,7 @@ class PagedMachine(RuleBasedStateMachine):
         pool = self.m.pool
         self.expect_reserved += pool.num_used * BS
         self.expect_used += pool.used_slots
-        self.m.ledger.now += 1
+        self.m.end_forward()
 
     # -- invariants ----------------------------------------------------------------------
     @invariant()
@@ -274,7 +282,7 @@ class PagedMachine(RuleBasedStateMachine):
         logical = 0
         for g in self.groups:
             for s in g.seqs:
-                entries = [b for b in s.block_table if b >= 0]
+                entries = [b for b in m.table_of(s) if b >= 0]
                 if not g.swapped:
                     logical += len(entries)
                 for b in entries:
@@ -302,16 +310,16 @@ class PagedMachine(RuleBasedStateMachine):
 
         # Hash index: both directions agree; only full blocks are named; a plain free block
         # has no name and an LRU block always has one.
-        for h, b in pool.hash_to_block.items():
-            assert pool.block_hash[b] == h
+        for h, copies in pool.hash_to_blocks.items():
+            assert copies and all(pool.block_hash[b] == h for b in copies)
         for b in range(NUM_BLOCKS):
             name = pool.block_hash[b]
             if name is not None:
-                assert pool.hash_to_block[name] == b and pool.fill[b] == BS
+                assert b in pool.hash_to_blocks[name] and pool.fill[b] == BS
         assert all(pool.block_hash[b] is None for b in free)
         assert all(pool.block_hash[b] is not None for b in lru)
         if not self.CACHING:
-            assert not pool.hash_to_block
+            assert not pool.hash_to_blocks
 
         # The ledger has exactly the held blocks open, each at its current fill.
         opened = m.ledger._open
@@ -323,11 +331,14 @@ class PagedMachine(RuleBasedStateMachine):
         m, pool = self.m, self.m.pool
         for g in self.groups:
             for s in g.seqs:
-                table, ev = s.block_table, s.num_evicted_blocks
+                st_ = m._seqs.get(s.seq_id)
+                table = st_.table if st_ else []
+                ev = st_.given_back if st_ else 0
+                hashes = st_.hashes if st_ else []
                 assert len(table) == _cdiv(s.num_computed, BS)
                 assert all(b < 0 for b in table[:ev]) and all(b >= 0 for b in table[ev:])
                 if self.CACHING:
-                    assert len(s.block_hashes) == s.num_computed // BS
+                    assert len(hashes) == s.num_computed // BS
                 shadow = self.cpu if g.swapped else self.dev
                 for i in range(ev, len(table)):
                     b, filled = table[i], min(BS, s.num_computed - i * BS)
@@ -335,9 +346,9 @@ class PagedMachine(RuleBasedStateMachine):
                     assert fill == filled, (s, i, b, fill, filled)
                     for k in range(filled):
                         assert shadow.get(b * BS + k) == content(s, i * BS + k), (s, i, b, k)
-                    if not g.swapped and i < len(s.block_hashes):
+                    if not g.swapped and i < len(hashes):
                         h = pool.block_hash[b]
-                        assert h is None or h == s.block_hashes[i]
+                        assert h is None or h == hashes[i]
 
     def teardown(self) -> None:
         m, pool = self.m, self.m.pool
@@ -361,22 +372,30 @@ class PagedMachine(RuleBasedStateMachine):
 
 
 class PagedEvictionMachine(PagedMachine):
-    """Prefix caching off, as eviction policies run: adds ``free_leading`` (a window)."""
+    """Prefix caching off, as a window runs: adds giving back leading blocks through the
+    evicting manager's one path (``evict``), as the window policy does."""
 
     CACHING = False
 
+    def _manager(self) -> PagedKVManager:
+        return EvictingKVManager(NUM_BLOCKS, BS, WindowPolicy(window=1, sinks=0),
+                                 num_cpu_blocks=NUM_CPU_BLOCKS, enable_prefix_caching=False,
+                                 watermark=0.0)
+
     @precondition(lambda self: any(g.seqs for g in self._device_groups()))
     @rule(i=pick, upto=st.integers(0, 16))
-    def free_leading(self, i: int, upto: int) -> None:
+    def give_back_leading(self, i: int, upto: int) -> None:
         _, seq = self._pick_seq(i)
         m = self.m
-        upto = min(upto, seq.num_computed)  # a window never reaches past computed tokens
-        before = seq.num_evicted_blocks
-        used_before, evicted_before = m.pool.num_used, m.evicted_tokens
-        freed = m.free_leading(seq, upto)
-        assert freed == max(0, upto // BS - before)
-        assert seq.num_evicted_blocks == max(before, upto // BS)
-        assert m.evicted_tokens - evicted_before == freed * BS
+        assert isinstance(m, EvictingKVManager)
+        upto = min(upto, seq.num_computed) // BS  # a window never reaches past computed
+        table = m.table_of(seq)
+        blocks = [j for j in range(upto) if table[j] >= 0]
+        used_before, evicted_before = m.pool.num_used, m.stats.evicted_tokens
+        m.evict(seq, Eviction(blocks=blocks))
+        after = m.table_of(seq)
+        assert all(b < 0 for b in after[:upto]) and after[upto:] == table[upto:]
+        assert m.stats.evicted_tokens - evicted_before == len(blocks) * BS
         assert m.pool.num_used <= used_before
 
 
@@ -396,7 +415,8 @@ class ContiguousMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.m = ContiguousKVManager(ARENA, policy="exact", max_model_len=MAX_LEN)
+        self.m = ContiguousKVManager(ARENA, policy="exact", max_model_len=MAX_LEN,
+                                     watermark=0.0)
         self.groups: list[Group] = []
         self.dev: dict[int, Content] = {}
         self.next_id = 200_000
@@ -405,7 +425,8 @@ class ContiguousMachine(RuleBasedStateMachine):
 
     @initialize(policy=st.sampled_from(POLICIES))
     def choose_policy(self, policy: str) -> None:
-        self.m = ContiguousKVManager(ARENA, policy=policy, max_model_len=MAX_LEN)
+        self.m = ContiguousKVManager(ARENA, policy=policy, max_model_len=MAX_LEN,
+                                     watermark=0.0)
 
     def _active(self) -> list[Group]:
         return [g for g in self.groups if not g.waiting]
@@ -417,7 +438,7 @@ class ContiguousMachine(RuleBasedStateMachine):
     def _allocate(self, seq: Sequence, n: int) -> None:
         start = seq.num_computed
         self.m.allocate(Demand(seq, n))
-        assert self.m.take_copies() == []
+        assert self.m.take_cache_ops().copies == []
         for pos in range(start, start + n):
             self.dev[self.m.slot(seq, pos)] = content(seq, pos)
         seq.num_computed = start + n
@@ -446,7 +467,7 @@ class ContiguousMachine(RuleBasedStateMachine):
     @rule(i=pick, token=st.integers(0, 2), chunk=st.integers(1, 6), fast=st.booleans())
     def compute(self, i: int, token: int, chunk: int, fast: bool) -> None:
         _, seq = self._pick_seq(i)
-        if seq.num_computed == seq.kv_capacity:
+        if seq.num_computed == self.m.range_of(seq)[1]:
             # A range never grows: a full one refuses one more slot whatever is free.
             assert not self.m.can_allocate([Demand(seq, 1)], watermark=False)
             assert self.m.append_slot(seq) is None
@@ -458,7 +479,7 @@ class ContiguousMachine(RuleBasedStateMachine):
                 return
             seq.token_ids.append(token)
         n = min(chunk, seq.num_uncomputed)
-        fits = seq.num_computed + n <= seq.kv_capacity
+        fits = seq.num_computed + n <= self.m.range_of(seq)[1]
         # A range never grows: the answer depends on the sequence's own range only.
         assert self.m.can_allocate([Demand(seq, n)], watermark=False) == fits
         if fast and n == 1:
@@ -466,7 +487,7 @@ class ContiguousMachine(RuleBasedStateMachine):
             slot = self.m.append_slot(seq)
             assert (slot is not None) == fits
             if slot is not None:
-                assert slot == seq.block_table[0] + seq.num_computed
+                assert slot == self.m.range_of(seq)[0] + seq.num_computed
                 self.dev[slot] = content(seq, seq.num_computed)
                 seq.num_computed += 1
         elif fits:
@@ -486,12 +507,12 @@ class ContiguousMachine(RuleBasedStateMachine):
         g.seqs.append(child)
         assert self.m.arena.holes() == holes_before  # it took a parked range
         n = parent.num_computed
-        copies = self.m.take_copies()
+        copies = self.m.take_cache_ops().copies
         if n:
             assert [(c.src, c.dst, c.num_slots) for c in copies] == [
-                (parent.block_table[0], child.block_table[0], n)]
+                (self.m.range_of(parent)[0], self.m.range_of(child)[0], n)]
             for k in range(n):
-                self.dev[child.block_table[0] + k] = self.dev[parent.block_table[0] + k]
+                self.dev[self.m.range_of(child)[0] + k] = self.dev[self.m.range_of(parent)[0] + k]
         else:
             assert copies == []
 
@@ -501,7 +522,7 @@ class ContiguousMachine(RuleBasedStateMachine):
         g, seq = self._pick_seq(i)
         seq.status = SeqStatus.FINISHED
         self.m.free(seq)
-        assert seq.block_table == [] and seq.kv_capacity == 0
+        assert not self.m.holds(seq) and self.m.range_of(seq)[1] == 0
         g.seqs.remove(seq)
         if not g.seqs:
             self.groups.remove(g)
@@ -529,7 +550,7 @@ class ContiguousMachine(RuleBasedStateMachine):
         u = self.m.usage()
         self.expect_reserved += u.reserved_slots
         self.expect_used += u.used_slots
-        self.m.ledger.now += 1
+        self.m.end_forward()
 
     # -- invariants ----------------------------------------------------------------------
     @invariant()
@@ -541,18 +562,19 @@ class ContiguousMachine(RuleBasedStateMachine):
             rid = g.seqs[0].group.request_id
             parked = m._parked.get(rid, [])
             if g.waiting:
-                assert not parked and all(not s.kv_capacity for s in g.seqs)
+                assert not parked and all(not self.m.range_of(s)[1] for s in g.seqs)
                 continue
-            own = [(s.block_table[0], s.kv_capacity) for s in g.seqs]
+            own = [(self.m.range_of(s)[0], self.m.range_of(s)[1]) for s in g.seqs]
             # A group holds n ranges from admission: its live sequences' plus the parked.
             assert len(own) + len(parked) == g.seqs[0].group.params.n
             ranges += own + parked
             for s in g.seqs:
                 p = s.group.params
-                assert s.kv_capacity == m.reservation_size(s.num_prompt_tokens, p.max_tokens)
-                assert s.num_computed <= s.kv_capacity
+                cap = self.m.range_of(s)[1]
+                assert cap == m.reservation_size(s.num_prompt_tokens, p.max_tokens)
+                assert s.num_computed <= self.m.range_of(s)[1]
                 used += s.num_computed
-                start = s.block_table[0]
+                start = self.m.range_of(s)[0]
                 for pos in range(s.num_computed):
                     assert self.dev[start + pos] == content(s, pos), (s, pos)
         live_rids = {g.seqs[0].group.request_id for g in self._active()}

@@ -18,7 +18,7 @@ MAX_LEN = 32
 
 
 def mgr(policy: str = "exact", slots: int = ARENA) -> ContiguousKVManager:
-    return ContiguousKVManager(slots, policy=policy, max_model_len=MAX_LEN)
+    return ContiguousKVManager(slots, policy=policy, max_model_len=MAX_LEN, watermark=0.0)
 
 
 def admit(m: ContiguousKVManager, seq: Sequence) -> int:
@@ -27,7 +27,7 @@ def admit(m: ContiguousKVManager, seq: Sequence) -> int:
     assert m.can_allocate([d], watermark=True)
     m.allocate(d)
     seq.num_computed = seq.num_tokens
-    return seq.block_table[0]
+    return m.range_of(seq)[0]
 
 
 def req(prompt_len: int, max_tokens: int, n: int = 1) -> Sequence:
@@ -64,7 +64,7 @@ def test_policy_reservation_sizes_and_starts(policy: str, size: int, starts: lis
     assert m.reservation_size(5, 6) == size
     seqs = [req(5, 6) for _ in starts]
     assert [admit(m, s) for s in seqs] == starts
-    assert all(s.kv_capacity == size for s in seqs)
+    assert all(m.range_of(s)[1] == size for s in seqs)
     assert m.arena.holes() == holes
     u = m.usage()
     assert u.reserved_slots == size * len(starts) and u.used_slots == 5 * len(starts)
@@ -159,11 +159,11 @@ def test_group_of_three_parks_ranges_and_forks_into_them() -> None:
     # Forks pop the parked ranges last-parked first: 16, then 8. Each copies the parent's
     # 5 filled slots into the child's range.
     c1 = fork(m, p, 901)
-    assert c1.block_table == [16] and c1.kv_capacity == 8
-    assert m.take_copies() == [CopyOp(src=0, dst=16, num_slots=5)]
+    assert m.range_of(c1)[0] == 16 and m.range_of(c1)[1] == 8
+    assert m.take_cache_ops().copies == [CopyOp(src=0, dst=16, num_slots=5)]
     c2 = fork(m, p, 902)
-    assert c2.block_table == [8]
-    assert m.take_copies() == [CopyOp(src=0, dst=8, num_slots=5)]
+    assert m.range_of(c2)[0] == 8
+    assert m.take_cache_ops().copies == [CopyOp(src=0, dst=8, num_slots=5)]
     assert m.arena.holes() == [(24, 40)]  # no new range was reserved
     assert m.usage().used_slots == 15
     decode(m, c1, 60)
@@ -171,12 +171,12 @@ def test_group_of_three_parks_ranges_and_forks_into_them() -> None:
 
     # A pruned beam: its range stays with the group, emptied, for the next fork.
     finish(m, c1)
-    assert c1.block_table == [] and c1.kv_capacity == 0
+    assert not m.holds(c1) and m.range_of(c1)[1] == 0
     assert m.arena.holes() == [(24, 40)]
     assert (m.usage().reserved_slots, m.usage().used_slots) == (24, 10)
     c3 = fork(m, p, 903)
-    assert c3.block_table == [16]
-    assert m.take_copies() == [CopyOp(src=0, dst=16, num_slots=5)]
+    assert m.range_of(c3)[0] == 16
+    assert m.take_cache_ops().copies == [CopyOp(src=0, dst=16, num_slots=5)]
 
     # The parent finishing parks its range too: two siblings still live.
     finish(m, p)
@@ -218,7 +218,7 @@ def test_a_range_never_grows() -> None:
     assert m.can_allocate([d], watermark=False)
     m.allocate(d)
     s.num_computed = 3
-    assert s.block_table == [0] and m.usage().used_slots == 3
+    assert m.range_of(s)[0] == 0 and m.usage().used_slots == 3
     m.allocate(Demand(s, 1))
     s.num_computed = 4
     neighbour = req(4, 4)
@@ -232,4 +232,4 @@ def test_a_range_never_grows() -> None:
     assert m.append_slot(s) is None  # the scheduler's decode fast path agrees
     assert m.arena.free_slots == 50
     # The refusal changed nothing.
-    assert s.block_table == [0] and s.kv_capacity == 6 and m.arena.holes() == [(14, 50)]
+    assert m.range_of(s)[0] == 0 and m.range_of(s)[1] == 6 and m.arena.holes() == [(14, 50)]

@@ -115,7 +115,7 @@ def test_paged_partial_last_block_is_internal_fragmentation() -> None:
     led.now = 0
     a = make_seq([1, 2, 3, 4, 5, 6])  # block 0 full, block 1 holds 2 of 4
     admit(m, a)
-    assert a.block_table == [0, 1]
+    assert m.table_of(a) == [0, 1]
     led.now = 1
     decode(m, a, 7)  # block 1: 3 of 4
     led.now = 3
@@ -130,7 +130,7 @@ def test_paged_partial_last_block_is_internal_fragmentation() -> None:
     led.now = 4
     b = make_seq([1, 2, 3, 4, 9, 9, 9, 9, 9])  # hit block 0, then blocks 2 (full), 3 (1 of 4)
     admit(m, b)
-    assert b.block_table == [0, 2, 3]
+    assert m.table_of(b) == [0, 2, 3]
     led.now = 6
     m.free(b)
     # 3 blocks x 2 steps = 24; used 4 + 4 + 1 per step = 18; block 3's 3 empty slots x 2
@@ -152,7 +152,7 @@ def test_paged_shared_block_is_counted_once() -> None:
     # c writes into the shared partial block: it gets a copy (block 2) holding 1 slot, then
     # its new token makes 2. The parent keeps block 1.
     decode(m, c, 6)
-    assert c.block_table == [0, 2]
+    assert m.table_of(c) == [0, 2]
     led.now = 5
     m.free(c)
     m.free(p)

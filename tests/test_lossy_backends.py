@@ -46,7 +46,6 @@ def _backend(name: str, num_blocks: int = 32, **opts: object):  # type: ignore[n
                          num_cpu_blocks=0)
     kv = be.make_manager(sizing, enable_prefix_caching=False, watermark=0.0)
     be.allocate(sizing)
-    be.bind(kv)
     return be, kv
 
 
@@ -67,10 +66,9 @@ def _prefill_then_decode(name: str, lens: list[int], **opts: object):  # type: i
     # Prefill: one chunk per sequence.
     rec = StepRecord(0)
     for s, n in zip(seqs, lens):
-        kv.allocate(Demand(s, n))
-        rec.seqs.append(ScheduledSeq(s, 0, n, [kv.slot(s, p) for p in range(n)], True))
+        rec.seqs.append(ScheduledSeq(s, 0, n, kv.allocate_group([Demand(s, n)])[0], True))
         s.num_computed = n
-    inputs = build_inputs(rec, BS, CPU)
+    inputs = build_inputs(rec, kv, CPU)
     be.begin_step(inputs.attn)
     k = torch.cat([full_k[s.seq_id][:n] for s, n in zip(seqs, lens)])
     v = torch.cat([full_v[s.seq_id][:n] for s, n in zip(seqs, lens)])
@@ -78,16 +76,15 @@ def _prefill_then_decode(name: str, lens: list[int], **opts: object):  # type: i
     # Decode: token n of every sequence.
     rec = StepRecord(1)
     for s, n in zip(seqs, lens):
-        kv.allocate(Demand(s, 1))
-        rec.seqs.append(ScheduledSeq(s, n, 1, [kv.slot(s, n)], True))
+        rec.seqs.append(ScheduledSeq(s, n, 1, kv.allocate_group([Demand(s, 1)])[0], True))
         s.num_computed = n + 1
-    inputs = build_inputs(rec, BS, CPU)
+    inputs = build_inputs(rec, kv, CPU)
     be.begin_step(inputs.attn)
     q = torch.randn(len(seqs), 4, 32)
     k = torch.stack([full_k[s.seq_id][n] for s, n in zip(seqs, lens)])
     v = torch.stack([full_v[s.seq_id][n] for s, n in zip(seqs, lens)])
     out = be.attend(0, q, k, v)
-    return be, q, out, seqs, full_k, full_v
+    return be, kv, q, out, seqs, full_k, full_v
 
 
 @pytest.mark.parametrize("name", ["int8", "fp8"])
@@ -95,7 +92,7 @@ def _prefill_then_decode(name: str, lens: list[int], **opts: object):  # type: i
 def test_quantized_attention_equals_attention_over_dequantized_cache(name: str,
                                                                      sinks: int) -> None:
     lens = [1, 7, 8, 20]  # one token, mid-block, on a boundary, several blocks
-    be, q, out, seqs, fk, fv = _prefill_then_decode(name, lens, sink_tokens=sinks)
+    be, _, q, out, seqs, fk, fv = _prefill_then_decode(name, lens, sink_tokens=sinks)
     dt = be.cache_dtype
     for i, (s, n) in enumerate(zip(seqs, lens)):
         k = dequantize_ref(*quantize_ref(fk[s.seq_id][:n + 1], dt))
@@ -112,18 +109,19 @@ def test_quantized_attention_equals_attention_over_dequantized_cache(name: str,
 def test_sliding_window_equals_dense_window_attention_and_frees_blocks(window: int,
                                                                        sinks: int) -> None:
     lens = [3, 12, 30]
-    be, q, out, seqs, fk, fv = _prefill_then_decode("sliding_window", lens, window=window,
-                                                    sink_tokens=sinks)
+    _, kv, q, out, seqs, fk, fv = _prefill_then_decode("sliding_window", lens,
+                                                        window=window, sink_tokens=sinks)
     for i, (s, n) in enumerate(zip(seqs, lens)):
         ref = attend_chunk(q[i:i + 1], fk[s.seq_id][:n + 1], fv[s.seq_id][:n + 1], n,
                            window=window, sinks=sinks)
         torch.testing.assert_close(out[i:i + 1], ref, atol=1e-5, rtol=1e-5)
-    be.end_step(StepRecord(1, seqs=[ScheduledSeq(s, 0, 1, [], True) for s in seqs]))
+    kv.observe(seqs, None)
     keep_first = -(-sinks // BS)
     for s in seqs:
         # Blocks whose last token is before the next query's window are gone, sinks stay.
-        gone = [i for i, b in enumerate(s.block_table) if b < 0]
-        dead = [i for i in range(len(s.block_table))
+        table = kv.table_of(s)
+        gone = [i for i, b in enumerate(table) if b < 0]
+        dead = [i for i in range(len(table))
                 if i >= keep_first and (i + 1) * BS <= s.num_computed + 1 - window]
         assert gone == dead
 

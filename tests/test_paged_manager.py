@@ -7,7 +7,9 @@ and queue orders after each step, saying why that order is the right one.
 from __future__ import annotations
 
 from harness.kv.base import CopyOp, Demand
+from harness.kv.evicting import EvictingKVManager
 from harness.kv.paged import PagedKVManager
+from harness.kv.policies.window import WindowPolicy
 from tests.helpers import decode, make_seq
 
 BS = 4
@@ -31,7 +33,7 @@ def test_prefix_hit_and_miss_and_lru_eviction() -> None:
     m = mgr()
     a = make_seq(list(range(10)))  # blocks: [0..3] [4..7] [8 9 _ _]
     admit(m, a)
-    assert a.block_table == [0, 1, 2]
+    assert m.table_of(a) == [0, 1, 2]
     assert m.pool.fill[2] == 2
     # Two full blocks are named; the partial third is not cacheable.
     assert m.pool.block_hash[0] is not None and m.pool.block_hash[2] is None
@@ -39,7 +41,7 @@ def test_prefix_hit_and_miss_and_lru_eviction() -> None:
     # Same first block, different second: hits exactly one block.
     b = make_seq([0, 1, 2, 3, 99, 98, 97, 96, 95])
     assert admit(m, b) == 4
-    assert b.block_table == [0, 3, 4]
+    assert m.table_of(b) == [0, 3, 4]
     assert m.pool.ref[0] == 2 and m.pool.num_shared == 1
 
     # Free a: reverse order puts its tail first into the LRU. Block 0 is still held by b.
@@ -53,11 +55,11 @@ def test_prefix_hit_and_miss_and_lru_eviction() -> None:
     # A fresh allocation takes plain free blocks before evicting any cached one.
     c = make_seq(list(range(100, 120)))  # 5 blocks, all new
     admit(m, c, use_cache=False)
-    assert c.block_table == [5, 6, 7, 8, 9]
+    assert m.table_of(c) == [5, 6, 7, 8, 9]
     assert m.pool.num_evictions == 0
     d = make_seq(list(range(200, 212)))  # 3 blocks: free list holds 2 and 4, then evict LRU
     admit(m, d, use_cache=False)
-    assert d.block_table == [2, 4, 1]
+    assert m.table_of(d) == [2, 4, 1]
     assert m.pool.num_evictions == 1 and m.pool.lru_order() == [3, 0]
 
     # c finishes: its full blocks were named too, so they join the LRU, tail first.
@@ -67,7 +69,7 @@ def test_prefix_hit_and_miss_and_lru_eviction() -> None:
     # reviving it out of the LRU; its two new blocks evict the two oldest entries.
     e = make_seq(list(range(10)))
     assert admit(m, e) == 4
-    assert e.block_table == [0, 3, 9]
+    assert m.table_of(e) == [0, 3, 9]
     assert m.pool.lru_order() == [8, 7, 6, 5]
 
 
@@ -92,7 +94,7 @@ def test_decode_filled_block_becomes_cacheable_for_next_turn() -> None:
     # The next turn re-sends the history plus a user message: both blocks hit.
     nxt = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
     assert admit(m, nxt) == 8
-    assert nxt.block_table[:2] == [0, 1]
+    assert m.table_of(nxt)[:2] == [0, 1]
 
 
 def test_extra_key_separates_prefixes() -> None:
@@ -110,17 +112,17 @@ def test_fork_and_copy_on_write() -> None:
     c.token_ids = list(p.token_ids)
     m.fork(p, c)
     c.num_computed = p.num_computed
-    assert c.block_table == [0, 1] and m.pool.ref[0] == 2 and m.pool.ref[1] == 2
+    assert m.table_of(c) == [0, 1] and m.pool.ref[0] == 2 and m.pool.ref[1] == 2
     assert m.logical_blocks == 4 and m.pool.num_used == 2
 
     # The first writer into the shared partial block gets a private copy of its 2 slots.
     decode(m, c, 50)
-    assert c.block_table == [0, 2]
-    assert m.take_copies() == [CopyOp(src=1 * BS, dst=2 * BS, num_slots=2)]
-    assert m.pool.ref[1] == 1 and m.cow_copies == 1
+    assert m.table_of(c) == [0, 2]
+    assert m.take_cache_ops().copies == [CopyOp(src=1 * BS, dst=2 * BS, num_slots=2)]
+    assert m.pool.ref[1] == 1 and m.stats.cow_copies == 1
     # The parent is now the only holder of block 1: it writes in place, no copy.
     decode(m, p, 60)
-    assert p.block_table == [0, 1] and m.take_copies() == []
+    assert m.table_of(p) == [0, 1] and m.take_cache_ops().copies == []
     # Full shared blocks are never copied: block 0 stays shared.
     assert m.pool.ref[0] == 2
     m.free(c)
@@ -138,7 +140,7 @@ def test_fork_on_block_boundary_needs_no_copy() -> None:
     c.num_computed = 4
     decode(m, c, 9)
     decode(m, p, 8)
-    assert m.take_copies() == [] and c.block_table == [0, 1] and p.block_table == [0, 2]
+    assert m.take_cache_ops().copies == [] and m.table_of(c) == [0, 1] and m.table_of(p) == [0, 2]
 
 
 def test_swap_out_and_in_round_trip() -> None:
@@ -152,7 +154,7 @@ def test_swap_out_and_in_round_trip() -> None:
     out = m.swap_out([p, c])
     # Shared blocks move once: 2 device blocks -> 2 CPU blocks, both tables point at them.
     assert out == [(0, 0), (1, 1)]
-    assert p.block_table == [0, 1] and c.block_table == [0, 1]  # now CPU ids
+    assert m.table_of(p) == [0, 1] and m.table_of(c) == [0, 1]  # now CPU ids
     assert m.pool.num_used == 0 and m.num_cpu_blocks_used == 2
     # Hashed block 0 stays in the prefix cache; unhashed block 1 is plain free.
     assert m.pool.lru_order() == [0]
@@ -160,23 +162,74 @@ def test_swap_out_and_in_round_trip() -> None:
     back = m.swap_in([p, c])
     assert [cpu for cpu, _ in back] == [0, 1]
     new0, new1 = (dev for _, dev in back)
-    assert p.block_table == [new0, new1] == c.block_table
+    assert m.table_of(p) == [new0, new1] == m.table_of(c)
     assert m.pool.ref[new0] == 2 and m.pool.fill[new1] == 1
     assert m.num_cpu_blocks_used == 0
 
 
-def test_sliding_window_partial_free() -> None:
-    m = mgr(enable_prefix_caching=False)
-    s = make_seq(list(range(14)))  # blocks 0..3, last holds 2 tokens
-    admit(m, s)
-    # A window of 6 over 14 tokens keeps tokens 8..13: blocks 0 and 1 are wholly outside.
-    assert m.free_leading(s, 14 - 6) == 2
-    assert s.block_table == [-1, -1, 2, 3]
-    assert m.pool.num_used == 2 and m.evicted_tokens == 8
-    assert m.free_leading(s, 8) == 0  # idempotent
-    assert m.slot(s, 13) == 3 * BS + 1
+def test_window_policy_gives_back_whole_blocks_outside_the_window() -> None:
+    pol = WindowPolicy(window=6, sinks=0)
+    m = EvictingKVManager(10, BS, pol, watermark=0.0, enable_prefix_caching=False)
+    s = make_seq([*range(13), 99])  # 13 computed, the 14th sampled
+    d = Demand(s, 13)
+    m.allocate(d)
+    s.num_computed = 13
+    # The next query (position 13) sees positions 8..13: blocks 0 and 1 are wholly outside.
+    m.observe([s], None)
+    assert m.table_of(s) == [-1, -1, 2, 3]
+    assert m.pool.num_used == 2 and m.stats.evicted_tokens == 8
+    m.observe([s], None)  # idempotent: the cursor remembers what was considered
+    assert m.stats.evicted_tokens == 8
+    # Attention reads a given-back entry as block 0 (masked by the window).
+    assert m.tables([s]) == [[0, 0, 2, 3]]
+    assert m.slot(s, 12) == 3 * BS
     m.free(s)
     assert m.pool.num_used == 0 and m.logical_blocks == 0
+
+
+def test_window_keeps_the_sink_blocks() -> None:
+    pol = WindowPolicy(window=4, sinks=5)  # sinks span blocks 0 and 1
+    m = EvictingKVManager(10, BS, pol, watermark=0.0, enable_prefix_caching=False)
+    s = make_seq(list(range(21)))
+    m.allocate(Demand(s, 20))
+    s.num_computed = 20
+    m.observe([s], None)
+    # Next query at 20 sees 17..20 and the sinks 0..4: blocks 2 and 3 (8..15) go.
+    assert m.table_of(s) == [0, 1, -1, -1, 4]
+
+
+def test_duplicate_content_stays_findable_after_one_copy_is_evicted() -> None:
+    # Two identical prompts admitted in one step compute the same first block twice
+    # (blocks 0 and 2). vLLM keeps both under the hash; so do we.
+    m = mgr(4)
+    a, b = make_seq(list(range(5))), make_seq(list(range(5)))
+    m.allocate_group([Demand(a, 5), Demand(b, 5)])
+    a.num_computed = b.num_computed = 5
+    assert m.table_of(a) == [0, 1] and m.table_of(b) == [2, 3]
+    h = m.pool.block_hash[0]
+    assert h is not None and m.pool.block_hash[2] == h
+    m.free(a)  # partial block 1 goes to the free list, named block 0 to the LRU
+    # A new 2-block prompt takes free block 1, then evicts cached block 0.
+    c = make_seq(list(range(50, 58)))
+    admit(m, c, use_cache=False)
+    assert m.table_of(c) == [1, 0] and m.pool.block_hash[0] != h
+    # The held copy (block 2) still answers the hash: a later prompt hits it.
+    later = make_seq([*range(5), 7])
+    assert m.lookup_prefix(later) == [2]
+
+
+def test_a_recomputed_request_hitting_its_own_blocks_is_not_a_prefix_hit() -> None:
+    m = mgr()
+    s = make_seq(list(range(9)))
+    assert admit(m, s) == 0
+    m.free(s)  # recompute preemption: its full blocks stay cached
+    s.num_computed = 0
+    assert admit(m, s) == 8  # the cache saves the recompute...
+    # ...but it is the request's own work, not another request's prefix.
+    assert m.stats.self_hit_tokens == 8 and m.stats.prefix_hit_tokens == 0
+    other = make_seq(list(range(9)))
+    admit(m, other)
+    assert m.stats.prefix_hit_tokens == 8
 
 
 def test_allocation_fails_cleanly_when_full() -> None:
@@ -227,5 +280,5 @@ def test_group_hits_are_taken_before_new_blocks_evict_them() -> None:
     assert m.can_allocate([da, db], watermark=False)
     m.allocate_group([da, db])
     # Hits taken first leave LRU [7, 6, 5]: the new blocks evict 7 and 6, not block 3.
-    assert a2.block_table == [0, 1, 7] and b2.block_table == [0, 3, 6]
+    assert m.table_of(a2) == [0, 1, 7] and m.table_of(b2) == [0, 3, 6]
     assert m.pool.ref[3] == 1 and m.pool.ref[0] == 2

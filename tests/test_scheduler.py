@@ -111,7 +111,8 @@ def test_preemption_restores_exact_tokens(mode: str) -> None:
     ps = prompts(6, 6)
     ref = [expected_output(p, 12) for p in ps]
     cfg = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64, preemption_mode=mode)
-    s = Scheduler(cfg, paged(14, num_cpu_blocks=40, enable_prefix_caching=False))
+    kv = paged(14, num_cpu_blocks=40, enable_prefix_caching=False)
+    s = Scheduler(cfg, kv, swap=kv if mode == "swap" else None)
     groups = [make_group(i, p, max_tokens=12) for i, p in enumerate(ps)]
     run(s, groups)
     assert [g.seqs[0].output_ids for g in groups] == ref
@@ -119,8 +120,8 @@ def test_preemption_restores_exact_tokens(mode: str) -> None:
         assert s.preemptions_recompute > 0 and s.recomputed_tokens > 0
         assert s.preemptions_swap == 0
     else:
-        assert s.preemptions_swap > 0 and s.kv.swapped_out_blocks > 0  # type: ignore[attr-defined]
-    assert s.kv.pool.num_used == 0  # type: ignore[attr-defined]
+        assert s.preemptions_swap > 0 and kv.stats.swapped_out_blocks > 0
+    assert kv.pool.num_used == 0
 
 
 def test_preemption_victim_is_most_recent() -> None:
@@ -182,7 +183,8 @@ def test_contiguous_runs_same_tokens_as_paged() -> None:
     ps = prompts(5, 7)
     cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
     outs = []
-    for kv in (paged(40), ContiguousKVManager(120, policy="exact", max_model_len=64)):
+    contiguous = ContiguousKVManager(120, policy="exact", max_model_len=64, watermark=0.0)
+    for kv in (paged(40), contiguous):
         s = Scheduler(cfg, kv)  # type: ignore[arg-type]
         groups = [make_group(i, p, max_tokens=9) for i, p in enumerate(ps)]
         run(s, groups)
@@ -195,7 +197,8 @@ def test_contiguous_max_policy_admits_fewer_at_once() -> None:
     peak = {}
     for policy in ("max", "exact"):
         cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
-        s = Scheduler(cfg, ContiguousKVManager(128, policy=policy, max_model_len=64))
+        s = Scheduler(cfg, ContiguousKVManager(128, policy=policy, max_model_len=64,
+                                                    watermark=0.0))
         for i, p in enumerate(ps):
             s.add(make_group(i, p, max_tokens=8))
         best = 0

@@ -1,17 +1,25 @@
 """What the scheduler needs from a KV manager, and the records they exchange.
 
-Two managers implement it: :class:`~harness.kv.paged.PagedKVManager` (blocks, prefix
-caching, copy-on-write, swap) and :class:`~harness.kv.contiguous.ContiguousKVManager`
-(one first-fit range per sequence). The scheduler is written against this Protocol only.
+Two managers implement :class:`KVManager`: :class:`~harness.kv.paged.PagedKVManager`
+(blocks, prefix caching, copy-on-write; with an eviction policy,
+:class:`~harness.kv.evicting.EvictingKVManager`) and
+:class:`~harness.kv.contiguous.ContiguousKVManager` (one first-fit range per sequence).
+The scheduler is written against these Protocols only. A manager owns where every
+sequence's K/V lives (its block table); a :class:`~harness.sched.sequence.Sequence` holds
+only tokens, the computed count and a status. Managers never touch tensors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from harness.kv.ledger import ReservationLedger
-from harness.sched.sequence import Sequence
+
+if TYPE_CHECKING:  # only for annotations: kv never imports the scheduler at run time
+    import numpy as np
+
+    from harness.sched.sequence import Sequence
 
 
 @dataclass(slots=True, frozen=True)
@@ -46,19 +54,49 @@ class KVUsage:
     held_blocks: int  # distinct device blocks held (paged; 0 for contiguous)
 
 
+@dataclass(slots=True)
+class KVStats:
+    """Counters of a run, written by the manager only (collectors read them)."""
+
+    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of those, found in blocks other requests computed
+    self_hit_tokens: int = 0  # found in blocks the request itself computed (recompute)
+    cow_copies: int = 0
+    evicted_tokens: int = 0  # tokens an eviction policy gave back
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+
+
+@dataclass(slots=True)
+class CacheOps:
+    """What the backend must do to its tensors before the next forward, in this order:
+    ``invalidated`` slots hold nothing any more (a backend that keeps per-slot metadata,
+    as h2o's positions, clears it), then ``copies``."""
+
+    copies: list[CopyOp] = field(default_factory=list)
+    invalidated: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepScores:
+    """What an eviction policy needs from one forward, in one device-to-host transfer:
+    ``values[i]`` is the score slot ``slots[i]`` earned this step (its meaning is the
+    policy's: e.g. attention received, summed over layers, heads and queries).
+    slots: int64 (N,) distinct; values: float64 (N,)."""
+
+    slots: np.ndarray
+    values: np.ndarray
+
+
 class KVManager(Protocol):
     """Owns where each sequence's K/V lives. Pure bookkeeping: no tensors."""
 
     block_size: int
     ledger: ReservationLedger
-    supports_swap: bool
-    prefix_hit_tokens: int
-    prefix_query_tokens: int
-    cow_copies: int
-    evicted_tokens: int
+    stats: KVStats
 
     def slots_needed(self, prompt_len: int, max_tokens: int, n: int) -> int:
-        """Slots a request of this shape holds when it has generated ``max_tokens``."""
+        """Slots a request of this shape holds at most (all its tokens, or its budget)."""
         ...
 
     def admission_error(self, prompt_len: int, max_tokens: int, n: int) -> str | None:
@@ -70,16 +108,14 @@ class KVManager(Protocol):
         ...
 
     def can_allocate(self, demands: list[Demand], watermark: bool) -> bool:
-        """Whether every demand can be met at once (keeping the watermark if asked)."""
+        """Whether every demand can be met at once (keeping the watermark if asked: an
+        admission must leave that much free, so it does not preempt at once)."""
         ...
 
-    def allocate(self, demand: Demand) -> None:
-        """Meet a demand that :meth:`can_allocate` accepted; advances nothing else."""
-        ...
-
-    def allocate_group(self, demands: list[Demand]) -> None:
-        """Meet demands that :meth:`can_allocate` accepted together, safely for shared
-        prefix hits among them."""
+    def allocate_group(self, demands: list[Demand]) -> list[list[int]]:
+        """Meet demands that :meth:`can_allocate` accepted together (prefix hits first, so
+        a later demand cannot evict a block promised to an earlier one). Returns, per
+        demand, the slots of its ``num_tokens`` new tokens (after its hit blocks)."""
         ...
 
     def append_slot(self, seq: Sequence) -> int | None:
@@ -91,24 +127,55 @@ class KVManager(Protocol):
         scheduler splits prefills accordingly, with or without chunked prefill)."""
         ...
 
-    def slot(self, seq: Sequence, pos: int) -> int:
-        """Physical slot of token ``pos`` of ``seq``."""
-        ...
-
     def fork(self, parent: Sequence, child: Sequence) -> None: ...
 
     def free(self, seq: Sequence) -> None: ...
 
-    def take_copies(self) -> list[CopyOp]:
-        """Copies queued since the last call (copy-on-write, fork of a contiguous range)."""
+    def holds(self, seq: Sequence) -> bool:
+        """Whether ``seq`` holds any K/V here."""
+        ...
+
+    def tables(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Each sequence's table in the form attention reads it (see the manager)."""
+        ...
+
+    def take_cache_ops(self) -> CacheOps:
+        """Copies and invalidations queued since the last call."""
+        ...
+
+    def end_forward(self) -> None:
+        """The step's forward is done: advance the ledger's clock (blocks freed from now
+        on were held during this step)."""
+        ...
+
+    def observe(self, seqs: list[Sequence], scores: StepScores | None) -> None:
+        """After the step's tokens are appended: an eviction policy decides what the step's
+        still-running ``seqs`` give back, and frees it."""
+        ...
+
+    def record_external(self, next_need: int | None) -> int:
+        """Account this step's external fragmentation (free slots that cannot serve a next
+        request needing ``next_need`` slots); returns it."""
         ...
 
     def usage(self) -> KVUsage: ...
 
-    def external_fragmentation(self, next_need: int | None) -> int:
-        """Free slots that cannot serve a next request needing ``next_need`` slots."""
-        ...
-
     def reservation_size(self, prompt_len: int, max_tokens: int) -> int:
         """Slots a new sequence of this shape takes at admission (for external frag)."""
+        ...
+
+
+class SwapManager(Protocol):
+    """A KV manager that can move a group's blocks to CPU and back (paged, exact)."""
+
+    def can_swap_out(self, seqs: list[Sequence]) -> bool: ...
+
+    def can_swap_in(self, seqs: list[Sequence]) -> bool: ...
+
+    def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """(device block, cpu block) copies."""
+        ...
+
+    def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """(cpu block, device block) copies."""
         ...

@@ -9,6 +9,12 @@ Free blocks live in one of two queues:
 
 Both are O(1) for every operation: a deque and an insertion-ordered dict (removal from the
 middle, which a hit on a cached block needs, is a dict delete). No per-step scan of the pool.
+
+The same content can be computed twice (two identical prompts admitted in one step,
+overlapping chunked prefills, a group readmitted after recompute): every copy stays
+findable under its hash, as vLLM keeps them, so evicting one copy leaves the others as hits.
+Each named block also remembers the request that computed it, so a hit on a request's own
+earlier work (a recompute after preemption) is told apart from a hit on another request's.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ class BlockPool:
         self.ref = [0] * num_blocks
         self.fill = [0] * num_blocks  # slots of the block holding a token's K/V
         self.block_hash: list[int | None] = [None] * num_blocks
-        self.hash_to_block: dict[int, int] = {}
+        self.owner: list[int] = [-1] * num_blocks  # request that computed a named block
+        # hash -> every block carrying it (insertion order: the oldest copy is served first)
+        self.hash_to_blocks: dict[int, dict[int, None]] = {}
         self._free: deque[int] = deque(range(num_blocks))
         self._cached: OrderedDict[int, None] = OrderedDict()
         self.num_used = 0  # blocks with ref > 0
@@ -58,7 +66,15 @@ class BlockPool:
         return list(self._free)
 
     def lookup(self, block_hash: int) -> int | None:
-        return self.hash_to_block.get(block_hash)
+        """A block holding this content: a held copy if any (taking it shares memory), else
+        the oldest cached one."""
+        copies = self.hash_to_blocks.get(block_hash)
+        if not copies:
+            return None
+        for b in copies:
+            if self.ref[b] > 0:
+                return b
+        return next(iter(copies))
 
     # -- state changes ---------------------------------------------------------------
     def allocate(self) -> int | None:
@@ -67,10 +83,7 @@ class BlockPool:
             b = self._free.popleft()
         elif self._cached:
             b, _ = self._cached.popitem(last=False)
-            h = self.block_hash[b]
-            assert h is not None
-            del self.hash_to_block[h]
-            self.block_hash[b] = None
+            self._unname(b)
             self.num_evictions += 1
         else:
             return None
@@ -118,16 +131,38 @@ class BlockPool:
         if self.ledger is not None:
             self.ledger.fill(b, fill)
 
-    def register(self, b: int, block_hash: int) -> bool:
-        """Name full block ``b`` by its chained hash so later prompts can hit it.
+    def unfill(self, b: int, n: int) -> None:
+        """``n`` of block ``b``'s tokens were evicted (their slots hold nothing now).
 
-        Returns False when another block already carries the hash (same content computed
-        twice, e.g. two identical prompts admitted in one step): the first one stays the
-        cached copy and ``b`` stays anonymous.
-        """
+        The ledger's epoch of ``b`` closes and a new one opens at the lower fill: the slots
+        it filled until now were *used*, and whether the emptied ones are filled again is
+        known only at the next close, as for any reservation."""
+        assert self.ref[b] > 0 and 0 < n <= self.fill[b]
+        self.used_slots -= n
+        self.fill[b] -= n
+        if self.ledger is not None:
+            self.ledger.close(b)
+            self.ledger.open(b, self.block_size, self.fill[b])
+
+    def register(self, b: int, block_hash: int, owner: int = -1) -> bool:
+        """Name full block ``b`` by its chained hash so later prompts can hit it;
+        ``owner`` is the request that computed it. Returns False if ``b`` is named already.
+        A hash may name several blocks (the same content computed twice): all stay
+        findable until each is evicted."""
         assert self.fill[b] == self.block_size, "only full blocks are cacheable"
-        if block_hash in self.hash_to_block or self.block_hash[b] is not None:
+        if self.block_hash[b] is not None:
             return False
-        self.hash_to_block[block_hash] = b
+        self.hash_to_blocks.setdefault(block_hash, {})[b] = None
         self.block_hash[b] = block_hash
+        self.owner[b] = owner
         return True
+
+    def _unname(self, b: int) -> None:
+        h = self.block_hash[b]
+        assert h is not None
+        copies = self.hash_to_blocks[h]
+        del copies[b]
+        if not copies:
+            del self.hash_to_blocks[h]
+        self.block_hash[b] = None
+        self.owner[b] = -1

@@ -16,10 +16,13 @@ a sequence are *parked* (reserved, empty), so a fork never fails for lack of a h
 from __future__ import annotations
 
 import bisect
+from typing import TYPE_CHECKING
 
-from harness.kv.base import CopyOp, Demand, KVUsage
+from harness.kv.base import CacheOps, CopyOp, Demand, KVStats, KVUsage, StepScores
 from harness.kv.ledger import ReservationLedger
-from harness.sched.sequence import Sequence
+
+if TYPE_CHECKING:
+    from harness.sched.sequence import Sequence
 
 POLICIES = ("max", "pow2", "exact")
 
@@ -71,22 +74,38 @@ class ContiguousKVManager:
     supports_swap = False
     block_size = 1  # slots are addressed one by one
 
-    def __init__(self, num_slots: int, *, policy: str, max_model_len: int) -> None:
+    def __init__(self, num_slots: int, *, policy: str, max_model_len: int,
+                 watermark: float = 0.01, granule: int = 16) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown reserve policy {policy!r}; known: {', '.join(POLICIES)}")
         self.policy = policy
         self.max_model_len = max_model_len
         self.arena = _Arena(num_slots)
         self.ledger = ReservationLedger()
+        # The paged manager's rule (a share of the capacity, at least one block: here
+        # ``granule`` slots, the run's block size), so compared backends admit alike.
+        self.watermark_slots = (max(granule, int(watermark * num_slots)) if watermark > 0
+                                else 0)
         self._parked: dict[int, list[tuple[int, int]]] = {}  # request id -> (start, size)
+        self._range: dict[int, tuple[int, int]] = {}  # seq id -> (start, capacity)
         self._reserved = 0
         self._used = 0
         self._fills: dict[int, int] = {}  # range start -> slots filled
         self._copies: list[CopyOp] = []
-        self.prefix_hit_tokens = 0
-        self.prefix_query_tokens = 0
-        self.cow_copies = 0
-        self.evicted_tokens = 0
+        self.stats = KVStats()
+
+    # -- per-sequence state --------------------------------------------------------------
+    def range_of(self, seq: Sequence) -> tuple[int, int]:
+        """(first slot, capacity) of ``seq``'s range; (0, 0) when it holds none."""
+        return self._range.get(seq.seq_id, (0, 0))
+
+    def holds(self, seq: Sequence) -> bool:
+        return seq.seq_id in self._range
+
+    def tables(self, seqs: list[Sequence]) -> list[list[int]]:
+        """One entry per sequence: the first slot of its range (a single block as long as
+        the range; attention reads slots ``start + j``)."""
+        return [[self._range[s.seq_id][0]] for s in seqs]
 
     # -- sizes -----------------------------------------------------------------------
     def reservation_size(self, prompt_len: int, max_tokens: int) -> int:
@@ -120,8 +139,9 @@ class ContiguousKVManager:
         seen: set[int] = set()
         for d in demands:
             seq = d.seq
-            if seq.kv_capacity:
-                if seq.num_computed + d.num_tokens > seq.kv_capacity:
+            cap = self.range_of(seq)[1]
+            if cap:
+                if seq.num_computed + d.num_tokens > cap:
                     return False  # a range never grows
                 continue
             if seq.num_computed + d.num_tokens > self._size_for(seq):
@@ -131,12 +151,14 @@ class ContiguousKVManager:
                 continue
             seen.add(g.request_id)
             parked = len(self._parked.get(g.request_id, ()))
-            live_reserved = sum(1 for s in g.live_seqs if s.kv_capacity)
-            unreserved = sum(1 for s in g.live_seqs if not s.kv_capacity)
+            live_reserved = sum(1 for s in g.live_seqs if self.holds(s))
+            unreserved = sum(1 for s in g.live_seqs if not self.holds(s))
             want = max(g.params.n - live_reserved, unreserved) - parked
             sizes += [self._size_for(seq)] * max(0, want)
         if not sizes:
             return True
+        if watermark and self.arena.free_slots - sum(sizes) < self.watermark_slots:
+            return False
         # First-fit the new ranges on a scratch copy of the holes.
         holes = [length for _, length in self.arena.holes()]
         for n in sizes:
@@ -156,35 +178,37 @@ class ContiguousKVManager:
         self.ledger.open(start, size)
         return start
 
-    def allocate_group(self, demands: list[Demand]) -> None:
-        for d in demands:
-            self.allocate(d)
+    def allocate_group(self, demands: list[Demand]) -> list[list[int]]:
+        return [self.allocate(d) for d in demands]
 
-    def allocate(self, d: Demand) -> None:
+    def allocate(self, d: Demand) -> list[int]:
         seq = d.seq
         assert not d.hit_blocks
-        if not seq.kv_capacity:
+        if not self.holds(seq):
             g = seq.group
             self._claim(seq, self._size_for(seq))
-            size = seq.kv_capacity
+            size = self.range_of(seq)[1]
             parked = self._parked[g.request_id]
-            live_reserved = sum(1 for s in g.live_seqs if s.kv_capacity)
+            live_reserved = sum(1 for s in g.live_seqs if self.holds(s))
             for _ in range(g.params.n - live_reserved - len(parked)):
                 parked.append((self._reserve(size), size))
+        start, cap = self.range_of(seq)
         end = seq.num_computed + d.num_tokens
-        assert end <= seq.kv_capacity, "a contiguous range never grows"
+        assert end <= cap, "a contiguous range never grows"
         self._set_fill(seq, end)
+        return list(range(start + seq.num_computed, start + end))
 
     def append_slot(self, seq: Sequence) -> int | None:
         """Fast path of ``allocate(Demand(seq, 1))``: None when the range is full."""
         pos = seq.num_computed
-        if not seq.kv_capacity or pos >= seq.kv_capacity:
+        start, cap = self.range_of(seq)
+        if pos >= cap:
             return None
         self._set_fill(seq, pos + 1)
-        return seq.block_table[0] + pos
+        return start + pos
 
     def _set_fill(self, seq: Sequence, fill: int) -> None:
-        start = seq.block_table[0]
+        start = self._range[seq.seq_id][0]
         self._used += fill - self._fills.get(start, 0)
         self._fills[start] = fill
         self.ledger.fill(start, fill)
@@ -193,25 +217,26 @@ class ContiguousKVManager:
         return None
 
     def slot(self, seq: Sequence, pos: int) -> int:
-        return seq.block_table[0] + pos
+        """Physical slot of token ``pos`` of ``seq`` (tests and debugging)."""
+        return self._range[seq.seq_id][0] + pos
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        assert not child.kv_capacity
+        assert not self.holds(child)
+        p_start, p_cap = self._range[parent.seq_id]
         if (not self._parked.get(parent.group.request_id)
-                and self.arena.first_fit(parent.kv_capacity) is None):
+                and self.arena.first_fit(p_cap) is None):
             raise RuntimeError("contiguous fork found no hole; group under-reserved")
-        self._claim(child, parent.kv_capacity)
+        self._claim(child, p_cap)
         n = parent.num_computed
         if n:
-            self._copies.append(CopyOp(parent.block_table[0], child.block_table[0], n))
+            self._copies.append(CopyOp(p_start, self._range[child.seq_id][0], n))
         self._set_fill(child, n)
 
     def _claim(self, seq: Sequence, size: int) -> None:
         """Give ``seq`` a range its group parked, or reserve a new one of ``size``."""
         parked = self._parked.setdefault(seq.group.request_id, [])
         start, size = parked.pop() if parked else (self._reserve(size), size)
-        seq.block_table = [start]
-        seq.kv_capacity = size
+        self._range[seq.seq_id] = (start, size)
 
     def _close(self, start: int) -> None:
         """End the range's ledger epoch and forget its fill (it holds no tokens now)."""
@@ -224,14 +249,12 @@ class ContiguousKVManager:
         self.arena.give(start, size)
 
     def free(self, seq: Sequence) -> None:
-        if not seq.kv_capacity:
+        if not self.holds(seq):
             return
-        start, size = seq.block_table[0], seq.kv_capacity
-        seq.block_table = []
-        seq.kv_capacity = 0
+        start, size = self._range.pop(seq.seq_id)
         g = seq.group
         rid = g.request_id
-        if any(s.kv_capacity for s in g.seqs if s is not seq):
+        if any(self.holds(s) for s in g.seqs if s is not seq):
             # Siblings live on: keep the range for the group's next fork, emptied.
             self._close(start)
             self.ledger.open(start, size)
@@ -241,9 +264,15 @@ class ContiguousKVManager:
         for p_start, p_size in self._parked.pop(rid, []):
             self._release_range(p_start, p_size)
 
-    def take_copies(self) -> list[CopyOp]:
+    def take_cache_ops(self) -> CacheOps:
         copies, self._copies = self._copies, []
-        return copies
+        return CacheOps(copies=copies)
+
+    def end_forward(self) -> None:
+        self.ledger.now += 1
+
+    def observe(self, seqs: list[Sequence], scores: StepScores | None) -> None:
+        return None  # nothing is ever evicted from a reserved range
 
     # -- accounting ----------------------------------------------------------------------
     def usage(self) -> KVUsage:
@@ -259,6 +288,12 @@ class ContiguousKVManager:
         )
 
     def external_fragmentation(self, next_need: int | None) -> int:
+        """Free slots in holes too small for a next request needing ``next_need``."""
         if next_need is None:
             return 0
         return sum(length for _, length in self.arena.holes() if length < next_need)
+
+    def record_external(self, next_need: int | None) -> int:
+        ext = self.external_fragmentation(next_need)
+        self.ledger.add_external(ext)
+        return ext

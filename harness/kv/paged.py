@@ -1,5 +1,6 @@
-"""Paged KV manager: block tables, automatic prefix caching, copy-on-write, swap, eviction.
+"""Paged KV manager: block tables, automatic prefix caching, copy-on-write, swap.
 
+The manager owns every sequence's block table (as vLLM v1 keeps ``req_to_blocks``).
 Slot of token ``j`` of a sequence: ``table[j // bs] * bs + j % bs``. A full block is named
 by a chained hash ``hash((parent_hash, tokens, extra_key))`` so that equal prefixes map to
 equal blocks; a new prompt reuses every leading block whose hash is known. Every method
@@ -9,17 +10,22 @@ costs O(blocks it touches); nothing scans the pool.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from harness.kv.base import CopyOp, Demand, KVUsage
+from harness.kv.base import CacheOps, CopyOp, Demand, KVStats, KVUsage, StepScores
 from harness.kv.block_pool import BlockPool
 from harness.kv.ledger import ReservationLedger
-from harness.sched.sequence import Sequence
+
+if TYPE_CHECKING:
+    from harness.sched.sequence import Sequence
 
 # Parent hash of a sequence's first block. Any constant works; it only has to be fixed.
 _ROOT_HASH = 0x6B76_6265_6E63_68
+GIVEN_BACK = -1  # a table entry whose block an eviction policy gave back
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
@@ -28,6 +34,23 @@ def block_hash(parent: int, tokens: list[int], extra_key: int | str | None) -> i
     (PYTHONHASHSEED only salts str/bytes), 64-bit, and fast; a collision would alias two
     prefixes, which at 2^-64 per pair we accept, as vLLM's default builtin hash does."""
     return hash((parent, tuple(tokens), extra_key))
+
+
+@dataclass(slots=True)
+class SeqBlocks:
+    """Where one sequence's K/V lives. ``table[i]``: the physical block of logical block
+    ``i`` (GIVEN_BACK once evicted); ``hashes``: chained hashes of its leading full blocks;
+    ``given_back``: how many entries are GIVEN_BACK; ``cursor``: a window policy has
+    considered the blocks before it."""
+
+    table: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
+    given_back: int = 0
+    cursor: int = 0
+
+    @property
+    def num_held(self) -> int:
+        return len(self.table) - self.given_back
 
 
 class PagedKVManager:
@@ -41,26 +64,49 @@ class PagedKVManager:
         self.ledger = ReservationLedger()
         self.pool = BlockPool(num_blocks, block_size, self.ledger)
         self.enable_prefix_caching = enable_prefix_caching
-        self.watermark_blocks = int(watermark * num_blocks)
+        # At least one block whenever a watermark is asked for: int(0.01 * 45) would be 0,
+        # and an admission that fills the pool to the last block preempts at once.
+        self.watermark_blocks = max(1, int(watermark * num_blocks)) if watermark > 0 else 0
         self.num_cpu_blocks = num_cpu_blocks
         self._cpu_free: deque[int] = deque(range(num_cpu_blocks))
         self._cpu_ref: dict[int, int] = {}
         self._cpu_fill: dict[int, int] = {}
-        self._copies: list[CopyOp] = []
+        self._seqs: dict[int, SeqBlocks] = {}  # seq id -> its blocks
+        self._ops = CacheOps()
         self.logical_blocks = 0
-        # Counters for the run's metrics.
-        self.prefix_hit_tokens = 0
-        self.prefix_query_tokens = 0
-        self.cow_copies = 0
-        self.evicted_tokens = 0
-        self.swapped_out_blocks = 0
-        self.swapped_in_blocks = 0
+        self.stats = KVStats()
+
+    # -- per-sequence state --------------------------------------------------------------
+    def blocks_of(self, seq: Sequence) -> SeqBlocks:
+        st = self._seqs.get(seq.seq_id)
+        if st is None:
+            st = self._seqs[seq.seq_id] = SeqBlocks()
+        return st
+
+    def table_of(self, seq: Sequence) -> list[int]:
+        """``seq``'s block table as held (GIVEN_BACK entries included); a copy."""
+        st = self._seqs.get(seq.seq_id)
+        return list(st.table) if st is not None else []
+
+    def holds(self, seq: Sequence) -> bool:
+        st = self._seqs.get(seq.seq_id)
+        return st is not None and bool(st.table)
+
+    def tables(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Block tables as attention reads them: a given-back entry reads as block 0. The
+        policy that gave it back guarantees no query of the sequence reads those
+        positions (a window masks them), so any valid block id serves as padding."""
+        out = []
+        for s in seqs:
+            st = self._seqs[s.seq_id]
+            out.append([max(b, 0) for b in st.table] if st.given_back else st.table)
+        return out
 
     # -- admission -------------------------------------------------------------------
     def slots_needed(self, prompt_len: int, max_tokens: int, n: int) -> int:
         bs = self.block_size
         # n samples share the prompt's full blocks and each needs its own tail.
-        return (prompt_len // bs + n * _cdiv(prompt_len % bs + max_tokens, bs)) * bs
+        return (prompt_len // bs + n * cdiv(prompt_len % bs + max_tokens, bs)) * bs
 
     def admission_error(self, prompt_len: int, max_tokens: int, n: int) -> str | None:
         bs = self.block_size
@@ -75,7 +121,7 @@ class PagedKVManager:
         return self.block_size
 
     def lookup_prefix(self, seq: Sequence) -> list[int]:
-        if not self.enable_prefix_caching or seq.block_table:
+        if not self.enable_prefix_caching or self.holds(seq):
             return []
         bs, toks, extra = self.block_size, seq.token_ids, seq.group.extra_key
         hits: list[int] = []
@@ -91,13 +137,15 @@ class PagedKVManager:
         return hits
 
     def _new_blocks(self, d: Demand) -> int:
-        seq, bs = d.seq, self.block_size
+        st = self._seqs.get(d.seq.seq_id)
+        bs = self.block_size
         if d.hit_blocks:
             start, have = len(d.hit_blocks) * bs, len(d.hit_blocks)
         else:
-            start, have = seq.num_computed, len(seq.block_table)
-        need = max(0, _cdiv(start + d.num_tokens, bs) - have)
-        if start % bs and d.num_tokens and self.pool.ref[seq.block_table[start // bs]] > 1:
+            start, have = d.seq.num_computed, len(st.table) if st else 0
+        need = max(0, cdiv(start + d.num_tokens, bs) - have)
+        if (start % bs and d.num_tokens and st is not None
+                and self.pool.ref[st.table[start // bs]] > 1):
             need += 1  # copy-on-write of the shared, partially filled last block
         return need
 
@@ -110,39 +158,45 @@ class PagedKVManager:
         limit = self.pool.num_free - (self.watermark_blocks if watermark else 0)
         return need <= limit
 
-    def allocate(self, d: Demand) -> None:
-        self.allocate_group([d])
+    def allocate(self, d: Demand) -> list[int]:
+        return self.allocate_group([d])[0]
 
-    def allocate_group(self, demands: list[Demand]) -> None:
-        """Meet several demands accepted together by :meth:`can_allocate`.
-
-        Every demand's prefix hits are taken first: a later demand's new blocks may
-        otherwise evict a cached block that an earlier lookup promised to another
-        sequence of the group (a group readmitted after recompute preemption).
-        """
+    def allocate_group(self, demands: list[Demand]) -> list[list[int]]:
         for d in demands:
+            if self.enable_prefix_caching and not self.holds(d.seq):
+                self.stats.prefix_query_tokens += d.seq.num_tokens
             if d.hit_blocks:
                 self._take_hits(d)
+        out = []
         for d in demands:
             start = len(d.hit_blocks) * self.block_size if d.hit_blocks else d.seq.num_computed
-            self._extend(d.seq, start, d.num_tokens)
+            out.append(self._extend(d.seq, start, d.num_tokens))
+        return out
 
     def _take_hits(self, d: Demand) -> None:
         seq, pool = d.seq, self.pool
-        assert not seq.block_table and seq.num_computed == 0, "hits only on a fresh table"
+        st = self.blocks_of(seq)
+        assert not st.table and seq.num_computed == 0, "hits only on a fresh table"
+        rid = seq.group.request_id
         for b in d.hit_blocks:
-            pool.touch(b)
-            seq.block_table.append(b)
             h = pool.block_hash[b]
             assert h is not None, f"hit block {b} lost its hash before it was taken"
-            seq.block_hashes.append(h)
+            if pool.owner[b] == rid:
+                self.stats.self_hit_tokens += self.block_size
+            else:
+                self.stats.prefix_hit_tokens += self.block_size
+                seq.group.prefix_hit_tokens += self.block_size
+            pool.touch(b)
+            st.table.append(b)
+            st.hashes.append(h)
         self.logical_blocks += len(d.hit_blocks)
-        self.prefix_hit_tokens += len(d.hit_blocks) * self.block_size
 
-    def _extend(self, seq: Sequence, start: int, num_tokens: int) -> None:
+    def _extend(self, seq: Sequence, start: int, num_tokens: int) -> list[int]:
         """Slots for tokens ``[start, start + num_tokens)``: copy-on-write, new blocks,
         fill counts, and hashes of the blocks these tokens fill."""
-        pool, bs, table = self.pool, self.block_size, seq.block_table
+        pool, bs = self.pool, self.block_size
+        st = self.blocks_of(seq)
+        table = st.table
         end = start + num_tokens
         if start % bs and num_tokens:
             i = start // bs
@@ -154,20 +208,21 @@ class PagedKVManager:
                 assert new is not None, "can_allocate must be called first"
                 filled = start % bs
                 assert pool.fill[last] == filled, (pool.fill[last], filled)
-                self._copies.append(CopyOp(last * bs, new * bs, filled))
+                self._ops.copies.append(CopyOp(last * bs, new * bs, filled))
                 pool.set_fill(new, filled)
                 pool.release(last)
                 table[i] = new
-                self.cow_copies += 1
-        for _ in range(_cdiv(end, bs) - len(table)):
+                self.stats.cow_copies += 1
+        for _ in range(cdiv(end, bs) - len(table)):
             fresh = pool.allocate()
             assert fresh is not None, "can_allocate must be called first"
             table.append(fresh)
             self.logical_blocks += 1
-        for i in range(start // bs, _cdiv(end, bs)):
+        for i in range(start // bs, cdiv(end, bs)):
             pool.set_fill(table[i], min(bs, end - i * bs))
         if self.enable_prefix_caching:
-            self._register_full_blocks(seq, end)
+            self._register_full_blocks(seq, st, end)
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def append_slot(self, seq: Sequence) -> int | None:
         """Fast path of ``allocate(Demand(seq, 1))`` for a decode: the slot of token
@@ -175,92 +230,84 @@ class PagedKVManager:
         pos, bs, pool = seq.num_computed, self.block_size, self.pool
         off = pos % bs
         if off:
-            b = seq.block_table[pos // bs]
+            st = self._seqs[seq.seq_id]
+            b = st.table[pos // bs]
             if pool.ref[b] == 1:  # the common case: write in place into our own block
                 pool.used_slots += 1
                 pool.fill[b] = off + 1
                 if pool.ledger is not None:
                     pool.ledger.fill(b, off + 1)
                 if off + 1 == bs and self.enable_prefix_caching:
-                    self._register_full_blocks(seq, pos + 1)
+                    self._register_full_blocks(seq, st, pos + 1)
                 return b * bs + off
         if pool.num_free == 0:
             return None
-        self._extend(seq, pos, 1)
-        return self.slot(seq, pos)
+        return self._extend(seq, pos, 1)[0]
 
-    def _register_full_blocks(self, seq: Sequence, end: int) -> None:
+    def _register_full_blocks(self, seq: Sequence, st: SeqBlocks, end: int) -> None:
         """Name the blocks that ``end`` tokens fill, so a later prompt (the next turn of a
         conversation re-sending this answer) can hit them."""
         bs, toks, extra = self.block_size, seq.token_ids, seq.group.extra_key
-        hashes = seq.block_hashes
+        hashes, rid = st.hashes, seq.group.request_id
         for i in range(len(hashes), end // bs):
             h = block_hash(hashes[-1] if hashes else _ROOT_HASH, toks[i * bs:(i + 1) * bs],
                            extra)
             hashes.append(h)
-            self.pool.register(seq.block_table[i], h)
+            self.pool.register(st.table[i], h, rid)
 
     def max_chunk(self, seq: Sequence) -> int | None:
         """Most tokens one step may add to ``seq`` (None: no limit beyond the budget)."""
         return None
 
-    # -- per-token queries -------------------------------------------------------------
     def slot(self, seq: Sequence, pos: int) -> int:
+        """Physical slot of token ``pos`` of ``seq`` (tests and debugging)."""
         bs = self.block_size
-        return seq.block_table[pos // bs] * bs + pos % bs
+        return self._seqs[seq.seq_id].table[pos // bs] * bs + pos % bs
 
     # -- sharing and release -----------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        assert not child.block_table
-        for b in parent.block_table:
+        assert not self.holds(child)
+        src = self._seqs.get(parent.seq_id)
+        if src is None:
+            return  # the parent holds nothing yet: neither does the child
+        for b in src.table:
             if b >= 0:
                 self.pool.touch(b)
-        child.block_table = list(parent.block_table)
-        child.block_hashes = list(parent.block_hashes)
-        child.num_evicted_blocks = parent.num_evicted_blocks
-        child.evict_cursor = parent.evict_cursor
-        self.logical_blocks += parent.num_table_blocks
+        self._seqs[child.seq_id] = SeqBlocks(list(src.table), list(src.hashes),
+                                             src.given_back, src.cursor)
+        self.logical_blocks += src.num_held
 
     def free(self, seq: Sequence) -> None:
+        st = self._seqs.pop(seq.seq_id, None)
+        if st is None:
+            return
         # Reverse order: the tail (least likely to be shared) enters the LRU first and is
         # evicted first, keeping the common prefix cached longest.
-        for b in reversed(seq.block_table):
+        for b in reversed(st.table):
             if b >= 0:
                 self.pool.release(b)
-        self.logical_blocks -= seq.num_table_blocks
-        seq.block_table = []
-        seq.block_hashes = []
-        seq.num_evicted_blocks = 0
-        seq.evict_cursor = 0
+        self.logical_blocks -= st.num_held
 
-    def free_leading(self, seq: Sequence, num_tokens: int, keep_first: int = 0) -> int:
-        """Give back the blocks wholly inside tokens ``[0, num_tokens)`` except the first
-        ``keep_first`` (attention sinks); the table keeps their positions as -1 so logical
-        indexing is unchanged. O(blocks freed). Returns the number of blocks freed."""
-        first = max(keep_first, seq.evict_cursor)
-        upto = num_tokens // self.block_size
-        freed = 0
-        for i in range(first, upto):
-            b = seq.block_table[i]
-            if b >= 0:
-                self.pool.release(b)
-                seq.block_table[i] = -1
-                freed += 1
-        if upto > seq.evict_cursor:
-            seq.evict_cursor = upto
-        seq.num_evicted_blocks += freed
-        self.logical_blocks -= freed
-        self.evicted_tokens += freed * self.block_size
-        return freed
+    def take_cache_ops(self) -> CacheOps:
+        ops, self._ops = self._ops, CacheOps()
+        return ops
 
-    def take_copies(self) -> list[CopyOp]:
-        copies, self._copies = self._copies, []
-        return copies
+    # -- the step's clock and eviction (none here: see harness.kv.evicting) ---------------
+    def end_forward(self) -> None:
+        self.ledger.now += 1
+
+    def observe(self, seqs: list[Sequence], scores: StepScores | None) -> None:
+        return None
+
+    def record_external(self, next_need: int | None) -> int:
+        return 0  # any free block serves any request: paging has no external fragmentation
 
     # -- swap ---------------------------------------------------------------------------
-    @staticmethod
-    def _distinct(seqs: list[Sequence]) -> set[int]:
-        return {b for s in seqs for b in s.block_table if b >= 0}
+    def _held(self, seqs: list[Sequence]) -> list[SeqBlocks]:
+        return [st for s in seqs if (st := self._seqs.get(s.seq_id)) is not None]
+
+    def _distinct(self, seqs: list[Sequence]) -> set[int]:
+        return {b for st in self._held(seqs) for b in st.table if b >= 0}
 
     def can_swap_out(self, seqs: list[Sequence]) -> bool:
         return len(self._distinct(seqs)) <= len(self._cpu_free)
@@ -271,8 +318,10 @@ class PagedKVManager:
     def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
         """Move the group's blocks to CPU; returns (device block, cpu block) copies."""
         mapping: dict[int, int] = {}
-        for s in seqs:
-            for i, b in enumerate(s.block_table):
+        held = self._held(seqs)
+        for st in held:
+            table = st.table
+            for i, b in enumerate(table):
                 if b < 0:
                     continue
                 if b not in mapping:
@@ -282,18 +331,20 @@ class PagedKVManager:
                     self._cpu_fill[c] = self.pool.fill[b]
                 c = mapping[b]
                 self._cpu_ref[c] += 1
-                s.block_table[i] = c
+                table[i] = c
                 self.pool.release(b)
-        self.swapped_out_blocks += len(mapping)
+        self.stats.swapped_out_blocks += len(mapping)
         # Swapped tables hold CPU blocks: they are not device blocks "held without sharing".
-        self.logical_blocks -= sum(s.num_table_blocks for s in seqs)
+        self.logical_blocks -= sum(st.num_held for st in held)
         return list(mapping.items())
 
     def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
         """Bring a swapped group back; returns (cpu block, device block) copies."""
         mapping: dict[int, int] = {}
-        for s in seqs:
-            for i, c in enumerate(s.block_table):
+        held = self._held(seqs)
+        for st in held:
+            table = st.table
+            for i, c in enumerate(table):
                 if c < 0:
                     continue
                 if c not in mapping:
@@ -303,13 +354,13 @@ class PagedKVManager:
                     mapping[c] = b
                 else:
                     self.pool.touch(mapping[c])
-                s.block_table[i] = mapping[c]
+                table[i] = mapping[c]
                 self._cpu_ref[c] -= 1
                 if self._cpu_ref[c] == 0:
                     del self._cpu_ref[c], self._cpu_fill[c]
                     self._cpu_free.append(c)
-        self.swapped_in_blocks += len(mapping)
-        self.logical_blocks += sum(s.num_table_blocks for s in seqs)
+        self.stats.swapped_in_blocks += len(mapping)
+        self.logical_blocks += sum(st.num_held for st in held)
         return list(mapping.items())
 
     # -- accounting ----------------------------------------------------------------------
@@ -325,9 +376,6 @@ class PagedKVManager:
             logical_blocks=self.logical_blocks,
             held_blocks=p.num_used,
         )
-
-    def external_fragmentation(self, next_need: int | None) -> int:
-        return 0  # any free block serves any request: paging has no external fragmentation
 
     @property
     def num_cpu_blocks_used(self) -> int:

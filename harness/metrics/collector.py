@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from harness.kv.base import KVManager
+from harness.kv.base import KVManager, KVUsage
 from harness.sched.scheduler import Scheduler
 from harness.sched.sequence import SequenceGroup
 from harness.sched.step import StepRecord
@@ -28,7 +28,7 @@ class StepRow:
     running: int
     waiting: int
     swapped: int
-    reserved_bytes: int
+    reserved_bytes: int  # held while the step's forward ran (after scheduling)
     used_bytes: int
     free_blocks: int
     cached_free_blocks: int
@@ -49,7 +49,8 @@ class RequestTimes:
 
 
 class MetricsCollector:
-    """Collects rows; knows the byte size of a slot to report bytes."""
+    """Collects rows; knows the byte size of a slot to report bytes. It only reads: the
+    KV manager and the scheduler keep their own counters and the ledger."""
 
     def __init__(self, kv: KVManager, scheduler: Scheduler, bytes_per_slot: int) -> None:
         self.kv = kv
@@ -82,12 +83,11 @@ class MetricsCollector:
         for g in rec.finished:
             self.requests[g.request_id].finished = now
 
-    def on_step(self, rec: StepRecord, t_start: float, t_end: float, forward_s: float,
-                run_start: float) -> None:
-        kv, sch, bps = self.kv, self.scheduler, self.bytes_per_slot
-        u = kv.usage()
-        ext = kv.external_fragmentation(sch.next_waiting_need())
-        kv.ledger.add_external(ext)
+    def on_step(self, rec: StepRecord, u: KVUsage, t_start: float, t_end: float,
+                forward_s: float, run_start: float) -> None:
+        """``u``: the KV usage while the step's forward ran (the ledger integrates the same
+        state, so summing rows reproduces its reserved and used slot-steps)."""
+        sch, bps = self.scheduler, self.bytes_per_slot
         step_ms = (t_end - t_start) * 1e3
         self.steps.append(StepRow(
             step=rec.step, time_s=t_end - run_start, step_ms=step_ms,
@@ -99,6 +99,6 @@ class MetricsCollector:
             free_blocks=u.free_blocks, cached_free_blocks=u.cached_free_blocks,
             shared_blocks=u.shared_blocks, logical_blocks=u.logical_blocks,
             held_blocks=u.held_blocks,
-            external_frag_bytes=ext * bps, preempted=len(rec.preempted),
+            external_frag_bytes=rec.external_slots * bps, preempted=len(rec.preempted),
             finished=len(rec.finished),
         ))

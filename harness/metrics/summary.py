@@ -65,6 +65,7 @@ def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: 
     for t in col.requests.values():
         itl += [(b - a) * 1e3 for a, b in zip(t.token_times, t.token_times[1:])]
     tot = kv.ledger.totals
+    st = kv.stats
     denom = tot.reserved + tot.external
     steps = col.steps
     saved = [s.logical_blocks - s.held_blocks for s in steps]
@@ -90,23 +91,26 @@ def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: 
         "memory.internal_frag_pct": 100.0 * tot.internal / denom if denom else 0.0,
         "memory.external_frag_pct": 100.0 * tot.external / denom if denom else 0.0,
         "memory.max_running_seqs": max((s.running for s in steps), default=0),
-        "cache.prefix_hit_rate": (kv.prefix_hit_tokens / kv.prefix_query_tokens
-                                  if kv.prefix_query_tokens else 0.0),
+        # Hits on blocks other requests computed, over every prompt token looked up. A
+        # request re-finding its own blocks after a recompute preemption is not a prefix
+        # hit (it rises with memory pressure): cache.self_hit_tokens counts those.
+        "cache.prefix_hit_rate": (st.prefix_hit_tokens / st.prefix_query_tokens
+                                  if st.prefix_query_tokens else 0.0),
         "cache.prefill_tokens_computed": sum(s.prefill_tokens for s in steps),
-        "cache.prefill_tokens_saved": kv.prefix_hit_tokens,
-        "cache.cow_copies": kv.cow_copies,
+        "cache.prefill_tokens_saved": st.prefix_hit_tokens + st.self_hit_tokens,
+        "cache.self_hit_tokens": st.self_hit_tokens,
+        "cache.cow_copies": st.cow_copies,
         # Blocks the live tables would hold without sharing, minus blocks held.
         "cache.blocks_saved_by_sharing": (float(np.mean(saved)) if saved else 0.0),
         "cache.blocks_saved_by_sharing_peak": max(saved, default=0),
         "cache.sharing_saved_pct": (100.0 * sum(saved) / sum(s.logical_blocks for s in steps)
                                     if steps and sum(s.logical_blocks for s in steps) else 0.0),
-        "cache.evicted_tokens": kv.evicted_tokens,
+        "cache.evicted_tokens": st.evicted_tokens,
         "sched.steps": len(steps),
         "sched.preemptions_recompute": sch.preemptions_recompute,
         "sched.preemptions_swap": sch.preemptions_swap,
         "sched.recomputed_tokens": sch.recomputed_tokens,
-        "sched.swapped_bytes": getattr(kv, "swapped_out_blocks", 0) * kv.block_size
-        * col.bytes_per_slot,
+        "sched.swapped_bytes": st.swapped_out_blocks * kv.block_size * col.bytes_per_slot,
         "requests.finished": len(done),
         "requests.rejected": sum(1 for r in reqs if r["status"] == "rejected"),
         "engine.step_ms_mean": float(np.mean([s.step_ms for s in steps])) if steps else 0.0,

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from harness.kv.base import Demand, KVManager
+from harness.errors import UserError
+from harness.kv.base import Demand, KVManager, StepScores, SwapManager
 from harness.sched.sequence import SeqStatus, Sequence, SequenceGroup
-from harness.sched.step import ScheduledSeq, StepRecord
+from harness.sched.step import CHECKS, ScheduledSeq, StepRecord, check_distinct_slots
 
 PREEMPTION_MODES = ("recompute", "swap")
 POLICIES = ("fcfs", "priority")
@@ -32,31 +34,40 @@ POLICIES = ("fcfs", "priority")
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    """The ``scheduler`` config group (its Hydra schema): the one place for its defaults."""
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 1024
     chunked_prefill: bool = True
-    preemption_mode: str = "recompute"
-    policy: str = "fcfs"
+    preemption_mode: str = "recompute"  # recompute | swap
+    policy: str = "fcfs"  # fcfs | priority
     max_model_len: int = 2048
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"unknown scheduler.preemption_mode {self.preemption_mode!r}; "
-                             f"known: {', '.join(PREEMPTION_MODES)}")
+            raise UserError(f"unknown scheduler.preemption_mode {self.preemption_mode!r}; "
+                            f"known: {', '.join(PREEMPTION_MODES)}")
         if self.policy not in POLICIES:
-            raise ValueError(f"unknown scheduler.policy {self.policy!r}; known: "
-                             f"{', '.join(POLICIES)}")
+            raise UserError(f"unknown scheduler.policy {self.policy!r}; known: "
+                            f"{', '.join(POLICIES)}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("scheduler.max_num_seqs and max_num_batched_tokens must be >= 1")
+            raise UserError("scheduler.max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_model_len < 2:
+            raise UserError(f"scheduler.max_model_len must be >= 2, got {self.max_model_len}")
 
 
 class Scheduler:
-    """Decides what runs each step; owns the queues, never touches tensors."""
+    """Decides what runs each step; owns the queues, never touches tensors.
+
+    ``swap``: the KV manager's swap interface when preemption by swap is on (checked once
+    when the stack is built), else None.
+    """
 
     def __init__(self, cfg: SchedulerConfig, kv: KVManager,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (), swap: SwapManager | None = None) -> None:
         self.cfg = cfg
         self.kv = kv
+        self.swap = swap
         self.eos_token_ids = frozenset(eos_token_ids)
         self._by_priority = cfg.policy == "priority"
         self.waiting: list[SequenceGroup] = []  # sorted by sort_key
@@ -72,7 +83,6 @@ class Scheduler:
         self.preemptions_recompute = 0
         self.preemptions_swap = 0
         self.recomputed_tokens = 0
-        self.swapped_out_blocks = 0
 
     # -- queue management --------------------------------------------------------------
     def add(self, group: SequenceGroup) -> bool:
@@ -152,9 +162,16 @@ class Scheduler:
         self._step += 1
         budget = self.cfg.max_num_batched_tokens
         # Tokens every running decode will need: prefills only get what is left of them.
+        # Keyed by group, so a decoding group preempted before its turn gives its share back.
         decoding = [self._is_decoding(g) for g in self.running]
-        pending_decode = sum(len(g.live_seqs) if len(g.seqs) > 1 else 1
-                             for g, d in zip(self.running, decoding) if d)
+        pending = {id(g): len(g.live_seqs) if len(g.seqs) > 1 else 1
+                   for g, d in zip(self.running, decoding) if d}
+        pending_decode = sum(pending.values())
+
+        def preempt(victim: SequenceGroup) -> None:
+            nonlocal pending_decode
+            self._preempt(victim, rec)
+            pending_decode -= pending.pop(id(victim), 0)
 
         i = 0
         while i < len(self.running):
@@ -167,7 +184,7 @@ class Scheduler:
                 slot = self.kv.append_slot(seq)
                 while slot is None:
                     victim = self.running[-1]
-                    self._preempt(victim, rec)
+                    preempt(victim)
                     if victim is g:
                         break
                     slot = self.kv.append_slot(seq)
@@ -177,7 +194,7 @@ class Scheduler:
                 seq.num_computed += 1
                 rec.num_decode_tokens += 1
                 budget -= 1
-                pending_decode -= 1
+                pending_decode -= pending.pop(id(g))
                 i += 1
                 continue
             live = g.live_seqs
@@ -191,13 +208,12 @@ class Scheduler:
                     i += 1
                     continue
             demands = [Demand(s, n) for s, n in zip(live, n_tokens) if n]
-            if not self._make_room(g, demands, rec):
+            if not self._make_room(g, demands, preempt):
                 break  # g itself was preempted (it was the last running group)
             self._commit_all(demands, rec)
-            used = sum(n_tokens)
-            budget -= used
+            budget -= sum(n_tokens)
             if decoding[i]:
-                pending_decode -= used
+                pending_decode -= pending.pop(id(g))
             i += 1
 
         if not rec.preempted:
@@ -205,16 +221,23 @@ class Scheduler:
             budget = self.cfg.max_num_batched_tokens - rec.num_tokens
         if not rec.preempted and not self.swapped:
             self._admit(rec, budget)
-        rec.copies = self.kv.take_copies()
+        ops = self.kv.take_cache_ops()
+        rec.copies, rec.invalidated = ops.copies, ops.invalidated
+        if CHECKS:
+            check_distinct_slots(rec)
         return rec
 
     @staticmethod
     def _is_decoding(g: SequenceGroup) -> bool:
-        """Every live sequence has exactly its last sampled token left to compute."""
+        """Every live sequence has exactly its last sampled token left to compute. (A
+        prompt with one token left is a prefill: its last token is not an output.)"""
         seqs = g.seqs
         if len(seqs) == 1:  # fast path: no generator for the common single-sequence group
-            return len(seqs[0].token_ids) - seqs[0].num_computed == 1
-        return all(s.num_uncomputed == 1 for s in seqs if s.status is SeqStatus.RUNNING)
+            s = seqs[0]
+            return (len(s.token_ids) - s.num_computed == 1
+                    and s.num_computed >= s.num_prompt_tokens)
+        return all(s.num_uncomputed == 1 and s.num_computed >= s.num_prompt_tokens
+                   for s in seqs if s.status is SeqStatus.RUNNING)
 
     def _chunks(self, seqs: list[Sequence], budget: int) -> list[int]:
         """Prefill tokens per sequence: whole remainders, or chunks of the budget."""
@@ -238,46 +261,42 @@ class Scheduler:
             return min(n, budget)
         return n if n <= budget else 0
 
-    def _make_room(self, g: SequenceGroup, demands: list[Demand], rec: StepRecord) -> bool:
+    def _make_room(self, g: SequenceGroup, demands: list[Demand],
+                   preempt: Callable[[SequenceGroup], None]) -> bool:
         """Preempt from the back of ``running`` until ``demands`` fit. False if ``g`` was
         the one preempted."""
         while not self.kv.can_allocate(demands, watermark=False):
             victim = self.running[-1]
-            self._preempt(victim, rec)
+            preempt(victim)
             if victim is g:
                 return False
         return True
 
-    def _commit_all(self, demands: list[Demand], rec: StepRecord,
-                    hit_tokens: list[int] | None = None) -> None:
-        self.kv.allocate_group(demands)
-        for i, d in enumerate(demands):
-            self._record(d, rec, hit_tokens[i] if hit_tokens else 0)
-
-    def _record(self, d: Demand, rec: StepRecord, hit_tokens: int) -> None:
-        """Advance the sequence past its allocated tokens and add it to the step."""
-        seq = d.seq
-        seq.num_computed += hit_tokens
-        start = seq.num_computed
-        seq.num_computed += d.num_tokens
-        slot = self.kv.slot
-        slots = [slot(seq, p) for p in range(start, seq.num_computed)]
-        sample = seq.num_computed == seq.num_tokens
-        rec.seqs.append(ScheduledSeq(seq, start, d.num_tokens, slots, sample))
-        if d.num_tokens == 1 and sample and seq.num_output_tokens:
-            rec.num_decode_tokens += 1
-        else:
-            rec.num_prefill_tokens += d.num_tokens
+    def _commit_all(self, demands: list[Demand], rec: StepRecord) -> None:
+        slots = self.kv.allocate_group(demands)
+        bs = self.kv.block_size
+        for d, sl in zip(demands, slots):
+            seq = d.seq
+            seq.num_computed += len(d.hit_blocks) * bs
+            start = seq.num_computed
+            seq.num_computed += d.num_tokens
+            sample = seq.num_computed == seq.num_tokens
+            rec.seqs.append(ScheduledSeq(seq, start, d.num_tokens, sl, sample))
+            # An output token computed for the first time is a decode; prompt tokens and
+            # recomputed outputs are prefill.
+            if d.num_tokens == 1 and sample and start >= seq.num_prompt_tokens:
+                rec.num_decode_tokens += 1
+            else:
+                rec.num_prefill_tokens += d.num_tokens
 
     def _preempt(self, g: SequenceGroup, rec: StepRecord) -> None:
         self.running.remove(g)
         live = g.live_seqs
         self.num_running_seqs -= len(live)
         rec.preempted.append(g)
-        kv = self.kv
-        if (self.cfg.preemption_mode == "swap" and kv.supports_swap
-                and kv.can_swap_out(live)):  # type: ignore[attr-defined]
-            ops = kv.swap_out(live)  # type: ignore[attr-defined]
+        kv, swap = self.kv, self.swap
+        if swap is not None and swap.can_swap_out(live):
+            ops = swap.swap_out(live)
             rec.swap_out += ops
             g.num_swapped_blocks += len(ops)
             for s in live:
@@ -298,15 +317,16 @@ class Scheduler:
         self._enqueue(g)
 
     def _swap_in(self, rec: StepRecord, budget: int) -> None:
-        kv = self.kv
+        kv, swap = self.kv, self.swap
         while self.swapped:
+            assert swap is not None, "only a swapping manager swaps out"
             g = self.swapped[0]
             live = g.live_seqs
             if (self.num_running_seqs + len(live) > self.cfg.max_num_seqs
-                    or not kv.can_swap_in(live)):  # type: ignore[attr-defined]
+                    or not swap.can_swap_in(live)):
                 return
             self.swapped.popleft()
-            rec.swap_in += kv.swap_in(live)  # type: ignore[attr-defined]
+            rec.swap_in += swap.swap_in(live)
             for s in live:
                 s.status = SeqStatus.RUNNING
             self.running.append(g)
@@ -324,24 +344,20 @@ class Scheduler:
             live = g.live_seqs
             if self.num_running_seqs + len(live) > self.cfg.max_num_seqs:
                 return
-            demands, hit_tokens, left = [], [], budget
+            demands, left = [], budget
             for s in live:
                 hits = kv.lookup_prefix(s)
-                hit = len(hits) * kv.block_size
-                n = self._chunk_len(s, s.num_tokens - hit, left)
+                n = self._chunk_len(s, s.num_tokens - len(hits) * kv.block_size, left)
                 if n <= 0:
                     return  # no room this step: later requests wait behind this one
                 left -= n
                 demands.append(Demand(s, n, hits))
-                hit_tokens.append(hit)
             if not kv.can_allocate(demands, watermark=True):
                 return  # head-of-line: later requests wait behind this one
             del self.waiting[0], self._waiting_keys[0]
-            for d, hit in zip(demands, hit_tokens):
-                kv.prefix_query_tokens += d.seq.num_tokens
-                g.prefix_hit_tokens += hit
+            for d in demands:
                 d.seq.status = SeqStatus.RUNNING
-            self._commit_all(demands, rec, hit_tokens)
+            self._commit_all(demands, rec)
             self.running.append(g)
             self.num_running_seqs += len(live)
             budget = left
@@ -384,11 +400,19 @@ class Scheduler:
         elif n_out >= p.max_tokens or len(toks) >= self.cfg.max_model_len:
             self.finish_seq(seq, "length")
 
-    def update(self, rec: StepRecord, tokens: list[tuple[Sequence, int]]) -> None:
-        """Append the step's sampled tokens; retire finished groups into ``rec.finished``."""
+    def update(self, rec: StepRecord, tokens: list[tuple[Sequence, int]],
+               scores: StepScores | None = None) -> None:
+        """After the forward: close the step on the KV manager's clock, append the sampled
+        tokens (stopping and freeing finished sequences), retire finished groups into
+        ``rec.finished``, let the manager's eviction policy act on the step's running
+        sequences (with the backend's ``scores``), and account external fragmentation."""
+        kv = self.kv
+        kv.end_forward()  # blocks freed from here on were held during this step
         for seq, tok in tokens:
             self.append_token(seq, tok)
         self.retire_finished(rec)
+        kv.observe([s.seq for s in rec.seqs if s.seq.status is SeqStatus.RUNNING], scores)
+        rec.external_slots = kv.record_external(self.next_waiting_need())
 
     def retire_finished(self, rec: StepRecord) -> None:
         """Move groups whose last sequence finished out of ``running``."""

@@ -37,23 +37,18 @@ class SamplingParams:
 
 
 class Sequence:
-    """One stream of tokens and where its K/V lives.
+    """One stream of tokens: what it holds, how far it is computed, and its status.
 
     Invariants: ``num_computed <= len(token_ids)``; tokens ``[0, num_computed)`` have their
-    K/V in the cache (or are being written by the current step); the allocator's table
-    covers at least ``num_computed`` tokens.
+    K/V in the cache (or are being written by the current step). Where that K/V lives is
+    the KV manager's business (it owns the block tables, keyed by ``seq_id``).
     """
 
     __slots__ = (
-        "block_hashes",
-        "block_table",
         "cum_logprob",
-        "evict_cursor",
         "finish_reason",
         "group",
-        "kv_capacity",
         "num_computed",
-        "num_evicted_blocks",
         "num_prompt_tokens",
         "seq_id",
         "status",
@@ -67,25 +62,12 @@ class Sequence:
         self.num_prompt_tokens = len(token_ids)
         self.num_computed = 0
         self.status = SeqStatus.WAITING
-        # Paged: physical block ids, logical block i -> table[i]; -1 = given back (eviction).
-        # Contiguous: one entry, the first slot of the reserved range.
-        self.block_table: list[int] = []
-        # Chained hashes of this sequence's full blocks registered in the prefix cache.
-        self.block_hashes: list[int] = []
-        self.kv_capacity = 0  # contiguous: slots reserved; paged: unused
-        self.num_evicted_blocks = 0  # table entries given back by an eviction policy (-1)
-        self.evict_cursor = 0  # blocks before it (past the kept sinks) were considered
         self.cum_logprob = 0.0
         self.finish_reason: str | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def num_table_blocks(self) -> int:
-        """Table entries that still hold a block (given-back ones, -1, excluded)."""
-        return len(self.block_table) - self.num_evicted_blocks
 
     @property
     def num_output_tokens(self) -> int:

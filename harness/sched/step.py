@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from harness.kv.base import CopyOp
@@ -29,19 +30,22 @@ class StepRecord:
     """What runs this step and the cache operations to perform before the forward.
 
     Order for the backend: ``swap_out`` (device block, cpu block), then ``swap_in``
-    (cpu block, device block), then ``copies`` (slot ranges), then the forward, whose
-    layers each store the step's new K/V before attending.
+    (cpu block, device block), then ``invalidated`` (slots that stopped holding a token:
+    backends with per-slot metadata clear it), then ``copies`` (slot ranges), then the
+    forward, whose layers each store the step's new K/V before attending.
     """
 
     step: int
     seqs: list[ScheduledSeq] = field(default_factory=list)
     copies: list[CopyOp] = field(default_factory=list)
+    invalidated: list[int] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[SequenceGroup] = field(default_factory=list)
     finished: list[SequenceGroup] = field(default_factory=list)  # filled by update()
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    external_slots: int = 0  # free slots no waiting request could use (filled by update())
 
     @property
     def num_tokens(self) -> int:
@@ -50,3 +54,21 @@ class StepRecord:
     @property
     def is_empty(self) -> bool:
         return not self.seqs
+
+
+# KVBENCH_CHECK=1 (the test suite sets it): every step asserts its invariants, e.g. that no
+# two new tokens of one step share a slot. Cheap, but off for benchmarks.
+CHECKS = os.environ.get("KVBENCH_CHECK", "") not in ("", "0")
+
+
+def check_distinct_slots(rec: StepRecord) -> None:
+    """No two new tokens of one step write the same slot (h2o once did)."""
+    slots = [x for s in rec.seqs for x in s.slots]
+    if len(set(slots)) != len(slots):
+        seen: dict[int, tuple[int, int]] = {}
+        for s in rec.seqs:
+            for i, x in enumerate(s.slots):
+                assert x not in seen, (f"step {rec.step}: slot {x} written twice: seq "
+                                       f"{seen[x][0]} pos {seen[x][1]} and seq "
+                                       f"{s.seq.seq_id} pos {s.start + i}")
+                seen[x] = (s.seq.seq_id, s.start + i)

@@ -1,0 +1,299 @@
+"""A paged KV manager with an eviction policy: one seam for every lossy method.
+
+The policy (harness.kv.policies) decides; this manager keeps the books and frees through
+one path, :meth:`EvictingKVManager.evict`, called from :meth:`observe` after each step's
+forward (and, as a safety net, when a sequence would otherwise exceed its budget at
+allocation). Costs per step are O(tokens the step touches): a policy scores a sequence's
+held slots with numpy over arrays indexed by slot, never a Python loop over the budget.
+
+Token-granular policies (``positional = False``): a sequence's slots need not follow
+position order. Each sequence keeps a stack of free slots inside the blocks it holds
+(a new block's slots, then the slots its evictions emptied); a new token takes the top
+one, copying the block first if it is shared (a fork). ``_pos[slot]`` is the position of
+the live token in ``slot`` (-1: none), and a block whose last token goes is released.
+The backend learns which slots stopped holding a token through
+:attr:`~harness.kv.base.CacheOps.invalidated` in the next step record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from harness.kv.base import CopyOp, Demand, StepScores
+from harness.kv.paged import GIVEN_BACK, PagedKVManager, SeqBlocks, cdiv
+from harness.kv.policies.base import Eviction, EvictionPolicy
+
+if TYPE_CHECKING:
+    from harness.sched.sequence import Sequence
+
+
+@dataclass(slots=True)
+class BudgetBlocks(SeqBlocks):
+    """SeqBlocks of a token-granular policy: ``free`` is the stack of empty slots inside
+    the held blocks (the next token takes ``free[-1]``); ``live`` the tokens held;
+    ``cap`` the blocks its budget fills; ``owed`` the blocks it may still take to get
+    there (promised at admission, see :meth:`EvictingKVManager.can_allocate`)."""
+
+    free: list[int] = field(default_factory=list)
+    live: int = 0
+    cap: int = 0
+    owed: int = 0
+
+
+class EvictingKVManager(PagedKVManager):
+    """Paged bookkeeping + an :class:`EvictionPolicy` (sliding window, h2o, ...)."""
+
+    def __init__(self, num_blocks: int, block_size: int, policy: EvictionPolicy,
+                 **options: object) -> None:
+        if not policy.positional:
+            # Token-granular policies keep per-slot state (scores, positions) beside the
+            # cache: their blocks do not swap, and rewritten blocks are not cacheable.
+            options["enable_prefix_caching"] = False
+            options["num_cpu_blocks"] = 0
+        super().__init__(num_blocks, block_size, **options)  # type: ignore[arg-type]
+        self.supports_swap = policy.positional
+        self.policy = policy
+        self.positional = policy.positional
+        policy.reset(num_blocks * block_size)
+        self._pos = np.full(num_blocks * block_size, -1, dtype=np.int64)
+        # Blocks promised to admitted budgeted sequences that they do not hold yet: an
+        # admission must leave them free, or it over-admits and then thrashes (20 admitted
+        # and 65 preemptions recomputing 93% of the prompts, before this was counted).
+        self._owed = 0
+
+    # -- budgets -----------------------------------------------------------------------
+    def budget_of(self, seq: Sequence) -> int | None:
+        """A function of the request's shape: forks and a recomputed sequence get the same."""
+        return self.policy.budget(seq.num_prompt_tokens, seq.group.params.max_tokens)
+
+    def max_chunk(self, seq: Sequence) -> int | None:
+        return self.policy.max_chunk(self.budget_of(seq))
+
+    def slots_needed(self, prompt_len: int, max_tokens: int, n: int) -> int:
+        b = self.policy.budget(prompt_len, max_tokens)
+        if b is None:
+            return super().slots_needed(prompt_len, max_tokens, n)
+        return n * cdiv(min(b, prompt_len + max_tokens), self.block_size) * self.block_size
+
+    def held_tokens(self, seq: Sequence) -> int:
+        """Tokens ``seq`` holds now (its budget's count, not a mask)."""
+        st = self._seqs.get(seq.seq_id)
+        if st is None:
+            return 0
+        if isinstance(st, BudgetBlocks):
+            return st.live
+        return seq.num_computed - st.given_back * self.block_size
+
+    def live_slots(self, seq: Sequence) -> tuple[np.ndarray, np.ndarray]:
+        """(slots, positions) of the tokens ``seq`` holds: int64 (held,) each."""
+        st = self._seqs[seq.seq_id]
+        bs = self.block_size
+        slots = (np.asarray(st.table, dtype=np.int64)[:, None] * bs
+                 + np.arange(bs, dtype=np.int64)).ravel()
+        pos = self._pos[slots]
+        keep = pos >= 0
+        return slots[keep], pos[keep]
+
+    # -- allocation (token-granular) -----------------------------------------------------
+    def blocks_of(self, seq: Sequence) -> SeqBlocks:
+        st = self._seqs.get(seq.seq_id)
+        if st is None:
+            st = self._seqs[seq.seq_id] = SeqBlocks() if self.positional else BudgetBlocks()
+        return st
+
+    def _over(self, seq: Sequence, n: int) -> int:
+        """Tokens ``seq`` must give back before ``n`` more fit its budget."""
+        b = self.budget_of(seq)
+        return 0 if b is None else max(0, self.held_tokens(seq) + n - b)
+
+    def _cap_blocks(self, seq: Sequence) -> int:
+        """Blocks ``seq`` holds once its budget is full (all its tokens, if fewer)."""
+        b = self.budget_of(seq)
+        total = seq.num_prompt_tokens + seq.group.params.max_tokens
+        return cdiv(min(total, b if b is not None else total), self.block_size)
+
+    def _set_owed(self, seq: Sequence, st: BudgetBlocks) -> None:
+        if not st.cap:
+            st.cap = self._cap_blocks(seq)
+        owed = max(0, st.cap - len(st.table))
+        self._owed += owed - st.owed
+        st.owed = owed
+
+    def can_allocate(self, demands: list[Demand], watermark: bool) -> bool:
+        if self.positional:
+            return super().can_allocate(demands, watermark)
+        need = sum(self._new_blocks(d) for d in demands)
+        limit = self.pool.num_free - self._owed - (self.watermark_blocks if watermark else 0)
+        return need <= limit
+
+    def _new_blocks(self, d: Demand) -> int:
+        """Blocks beyond what is promised to ``d.seq``: for an admission, all it will hold
+        (its budget, not just its first chunk); for a running sequence, new blocks past
+        its promise, plus copies of shared blocks it must write."""
+        if self.positional:
+            return super()._new_blocks(d)
+        seq, bs = d.seq, self.block_size
+        st = self._seqs.get(seq.seq_id)
+        if not isinstance(st, BudgetBlocks) or not st.table:
+            return max(cdiv(d.num_tokens, bs), self._cap_blocks(seq))
+        take = min(d.num_tokens, len(st.free))
+        need = max(0, cdiv(d.num_tokens - take, bs) - st.owed)
+        pool = self.pool
+        need += len({s // bs for s in st.free[len(st.free) - take:] if pool.ref[s // bs] > 1})
+        if pool.num_shared:
+            need += self._over(seq, d.num_tokens)  # a victim may sit in a shared block
+        return need
+
+    def allocate_group(self, demands: list[Demand]) -> list[list[int]]:
+        if self.positional:
+            return super().allocate_group(demands)
+        return [self._take_slots(d.seq, d.num_tokens) for d in demands]
+
+    def append_slot(self, seq: Sequence) -> int | None:
+        if self.positional:
+            return super().append_slot(seq)
+        if not self.can_allocate([Demand(seq, 1)], watermark=False):
+            return None
+        return self._take_slots(seq, 1)[0]
+
+    def _take_slots(self, seq: Sequence, n: int) -> list[int]:
+        st = self.blocks_of(seq)
+        assert isinstance(st, BudgetBlocks)
+        over = self._over(seq, n)
+        if over:  # a step's eviction could not keep the budget (a victim's copy failed)
+            self.evict(seq, self._select(seq, over))
+        pool, bs, pos0 = self.pool, self.block_size, seq.num_computed
+        out = []
+        for i in range(n):
+            if not st.free:
+                b = pool.allocate()
+                assert b is not None, "can_allocate must be called first"
+                st.table.append(b)
+                self.logical_blocks += 1
+                self._set_owed(seq, st)
+                st.free.extend(range(b * bs + bs - 1, b * bs - 1, -1))  # pop: ascending
+            slot = st.free.pop()
+            blk = slot // bs
+            if pool.ref[blk] > 1:
+                new = self._private(st, blk)
+                assert new is not None, "can_allocate counted this copy"
+                slot = new * bs + slot % bs
+                blk = new
+            pool.set_fill(blk, pool.fill[blk] + 1)
+            self._pos[slot] = pos0 + i
+            out.append(slot)
+        st.live += n
+        self.policy.on_write(out)
+        return out
+
+    def _private(self, st: BudgetBlocks, blk: int) -> int | None:
+        """Copy shared block ``blk`` into a fresh block of this sequence (copy-on-write of
+        the whole block); None when the pool has none left."""
+        pool, bs = self.pool, self.block_size
+        new = pool.allocate()
+        if new is None:
+            return None
+        self._ops.copies.append(CopyOp(blk * bs, new * bs, bs))
+        self.policy.on_copy(blk * bs, new * bs, bs)
+        self._pos[new * bs:(new + 1) * bs] = self._pos[blk * bs:(blk + 1) * bs]
+        pool.set_fill(new, pool.fill[blk])
+        pool.release(blk)
+        st.table[st.table.index(blk)] = new
+        lo, d = blk * bs, (new - blk) * bs
+        st.free = [s + d if lo <= s < lo + bs else s for s in st.free]
+        self.stats.cow_copies += 1
+        return new
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        super().fork(parent, child)
+        src = self._seqs.get(parent.seq_id)
+        if isinstance(src, BudgetBlocks):
+            dst = self._seqs[child.seq_id]
+            child_st = BudgetBlocks(dst.table, dst.hashes, dst.given_back, dst.cursor,
+                                    list(src.free), src.live, src.cap)
+            self._seqs[child.seq_id] = child_st
+            self._set_owed(child, child_st)
+
+    def free(self, seq: Sequence) -> None:
+        st = self._seqs.get(seq.seq_id)
+        if isinstance(st, BudgetBlocks):
+            pool = self.pool
+            for b in st.table:
+                if pool.ref[b] == 1:  # the last holder: its slots hold nothing any more
+                    self._clear_block(b)
+            self._owed -= st.owed
+        super().free(seq)
+
+    def _clear_block(self, b: int) -> None:
+        bs = self.block_size
+        live = np.flatnonzero(self._pos[b * bs:(b + 1) * bs] >= 0) + b * bs
+        self._pos[b * bs:(b + 1) * bs] = -1
+        self._ops.invalidated += live.tolist()
+
+    # -- eviction --------------------------------------------------------------------------
+    def observe(self, seqs: list[Sequence], scores: StepScores | None) -> None:
+        if scores is not None:
+            self.policy.on_scores(scores)
+        for seq in seqs:
+            if seq.seq_id in self._seqs:
+                ev = self.policy.select(seq, self, self._over(seq, self._next_tokens(seq)))
+                if ev:
+                    self.evict(seq, ev)
+
+    def _next_tokens(self, seq: Sequence) -> int:
+        """Tokens ``seq``'s next step adds: its sampled token, or its next prefill chunk."""
+        left = seq.num_uncomputed
+        cap = self.max_chunk(seq)
+        return left if cap is None else min(left, cap)
+
+    def _select(self, seq: Sequence, need: int) -> Eviction:
+        ev = self.policy.select(seq, self, need)
+        assert len(ev.slots) >= need, f"policy {self.policy.name} freed too little"
+        return ev
+
+    def evict(self, seq: Sequence, ev: Eviction) -> None:
+        """Give back ``ev``'s blocks or slots of ``seq``: the one path every policy frees
+        through. O(tokens given back)."""
+        if not ev:
+            return
+        st = self._seqs[seq.seq_id]
+        pool, bs = self.pool, self.block_size
+        for i in ev.blocks:
+            b = st.table[i]
+            assert self.positional and b >= 0, "blocks are given back once, positionally"
+            pool.release(b)
+            st.table[i] = GIVEN_BACK
+            st.given_back += 1
+            self.logical_blocks -= 1
+            self.stats.evicted_tokens += bs
+        if not ev.slots:
+            return
+        assert isinstance(st, BudgetBlocks), "single tokens are given back by budget policies"
+        by_block: dict[int, list[int]] = {}
+        for slot in ev.slots:
+            by_block.setdefault(slot // bs, []).append(slot)
+        for blk, slots in by_block.items():
+            if pool.ref[blk] > 1:
+                new = self._private(st, blk)
+                if new is None:
+                    continue  # no room for the copy now: _take_slots catches up later
+                slots = [s + (new - blk) * bs for s in slots]
+                blk = new
+            assert (self._pos[slots] >= 0).all(), "evicting a slot that holds nothing"
+            self._pos[slots] = -1
+            self._ops.invalidated += slots
+            st.live -= len(slots)
+            self.stats.evicted_tokens += len(slots)
+            if pool.fill[blk] == len(slots):  # its last tokens: the block goes back
+                pool.release(blk)
+                st.table.remove(blk)
+                self.logical_blocks -= 1
+                self._set_owed(seq, st)
+                lo = blk * bs
+                st.free = [s for s in st.free if not lo <= s < lo + bs]
+            else:
+                pool.unfill(blk, len(slots))
+                st.free += slots

@@ -1,0 +1,76 @@
+"""The eviction-policy seam: what a policy decides, and what it is told.
+
+A policy lives with the KV manager (:class:`~harness.kv.evicting.EvictingKVManager`), as
+vLLM v1 frees sliding-window blocks inside its manager. After every step's forward the
+backend hands the manager the scores the policy asked for (one batched device-to-host
+transfer, :class:`~harness.kv.base.StepScores`); the manager calls :meth:`select` for
+every running sequence of the step and frees what it returns through one path,
+:meth:`EvictingKVManager.evict`. No policy touches tensors; no backend calls the manager.
+
+Two granularities, because one slot holds a token's K/V for every layer and head:
+
+* ``positional`` policies (a window) keep tokens at their positional slots and give back
+  whole blocks (logical indices); the stored K/V stay what their hashes name, so prefix
+  caching stays on;
+* the others (h2o, ...) give back single tokens (slots). The manager reuses those slots
+  for later tokens of the same sequence, so a sequence never holds more than its budget;
+  a block whose tokens are all gone returns to the pool. Prefix caching is off: a block
+  whose slots were rewritten is no longer the block its hash names.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from harness.kv.base import StepScores
+    from harness.kv.evicting import EvictingKVManager
+    from harness.sched.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Eviction:
+    """What to give back: logical ``blocks`` (positional policies) or token ``slots``."""
+
+    blocks: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.blocks or self.slots)
+
+
+class EvictionPolicy(ABC):
+    """Decides which tokens of a sequence go. Subclasses set the class flags and
+    implement :meth:`select`; the hooks keep whatever per-slot state they score with."""
+
+    name: str = ""
+    positional: bool = False  # whole blocks at positional slots (window) vs single tokens
+    needs_scores: bool = False  # the backend must return StepScores after each forward
+
+    def budget(self, prompt_len: int, max_tokens: int) -> int | None:
+        """Tokens a sequence of this shape may hold at once (None: no bound)."""
+        return None
+
+    def max_chunk(self, budget: int | None) -> int | None:
+        """Most tokens one step may add to a sequence with this budget."""
+        return None
+
+    def reset(self, num_slots: int) -> None:  # noqa: B027 (an optional hook)
+        """Size per-slot state for a pool of ``num_slots`` slots."""
+
+    def on_scores(self, scores: StepScores) -> None:  # noqa: B027
+        """This step's scores, before any :meth:`select` of the step."""
+
+    def on_write(self, slots: list[int]) -> None:  # noqa: B027
+        """New tokens now occupy ``slots``: whatever was scored there belongs to nobody."""
+
+    def on_copy(self, src: int, dst: int, num_slots: int) -> None:  # noqa: B027
+        """Slots ``[src, src + n)`` were copied to ``[dst, dst + n)`` (copy-on-write)."""
+
+    @abstractmethod
+    def select(self, seq: Sequence, kv: EvictingKVManager, need: int) -> Eviction:
+        """What ``seq`` gives back now. ``need``: tokens it must give back to keep within
+        its budget before its next step (0 when unbounded or within it); a policy may give
+        back more (a window returns every block it no longer sees), never fewer."""
