@@ -3,6 +3,7 @@ end to end through the paged manager as an engine drives it (one ``now`` per ste
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -160,3 +161,25 @@ def test_paged_shared_block_is_counted_once() -> None:
     # Block 1: 5 steps x 4 = 20, 1 slot used all along, 3 empty for good: internal 15.
     # Block 2: steps 2..5 = 12, 2 slots used from the start, internal 2 x 3 = 6.
     assert split(led.finish()) == (20 + 20 + 12, 20 + 5 + 6, 0, 15 + 6)
+
+
+def test_one_sequence_split_matches_a_hand_count() -> None:
+    # One request, P prompt tokens, exactly M answers, contiguous exact reservation of
+    # R = P + M slots. Step k (0..M-1) holds P + k tokens; the M-th answer is never fed
+    # back, so one slot stays empty for all M steps. By hand: used = M*P + M(M-1)/2,
+    # reservation = M(M-1)/2 (slots filled later), internal = M (the never-filled one).
+    from harness.runner import run
+    from tests.compose import tiny
+
+    M = 9
+    r = run(tiny("backend=contiguous", "backend.reserve=exact", "workload.conversations=1",
+                 "workload.turns=1", f"workload.answer_tokens={M}",
+                 "workload.ignore_eos=true", "cache.kv_budget=1MiB"))
+    P = r.requests[0]["prompt_tokens"]
+    R = P + M
+    m = r.metrics
+    assert m["sched.steps"] == M
+    assert m["memory.reservation_pct"] == pytest.approx(100 * (M * (M - 1) / 2) / (R * M))
+    assert m["memory.internal_frag_pct"] == pytest.approx(100 * M / (R * M))
+    assert m["memory.waste_pct"] == pytest.approx(
+        100 * (1 - (M * P + M * (M - 1) / 2) / (R * M)))

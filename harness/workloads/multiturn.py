@@ -7,7 +7,6 @@ conversation's own history, so only the new user message needs a prefill.
 
 from __future__ import annotations
 
-import itertools
 import random
 from dataclasses import dataclass
 
@@ -47,10 +46,15 @@ class MultiturnWorkload:
         self.user_msgs = [[random_passage(rng, cfg.user_words) for _ in range(cfg.turns)]
                           for _ in range(cfg.conversations)]
         self.system = system
-        self._ids = itertools.count()
         self._history: dict[int, list[dict[str, str]]] = {}
         self._meta: dict[int, tuple[int, int]] = {}  # request id -> (conversation, turn)
         self._first = self._first_turns()
+
+    def request_id(self, conv: int, turn: int) -> int:
+        """A request's identity is its place in the workload, never the order in which
+        turns happen to finish: the same seed gives the same ids on any backend, so a
+        run and its reference pair the same requests."""
+        return conv * self.cfg.turns + turn
 
     def _params(self) -> SamplingParams:
         c = self.cfg
@@ -62,7 +66,7 @@ class MultiturnWorkload:
         for conv in range(self.cfg.conversations):
             msgs = [{"role": "system", "content": self.system},
                     {"role": "user", "content": self.user_msgs[conv][0]}]
-            rid = next(self._ids)
+            rid = self.request_id(conv, 0)
             self._history[conv] = msgs
             self._meta[rid] = (conv, 0)
             out.append(Request(rid, self.tok.apply_chat_template(msgs), self._params(),
@@ -85,7 +89,7 @@ class MultiturnWorkload:
         answer = self.tok.decode([t for t in seq.output_ids if t not in self.tok.eos_ids])
         self._history[conv] = [*msgs, {"role": "assistant", "content": answer},
                                {"role": "user", "content": user}]
-        rid = next(self._ids)
+        rid = self.request_id(conv, turn + 1)
         self._meta[rid] = (conv, turn + 1)
         return [Request(rid, ids, self._params(), arrival_s=self.cfg.think_time_s,
                         meta={"conversation": conv, "turn": turn + 1})]
