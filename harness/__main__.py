@@ -1,64 +1,237 @@
 """``python -m harness``: a thin Hydra entry point around :func:`harness.runner.run`.
 
-A run that fails writes ``FAILED`` (the error) into its folder. With ``logger=wandb`` the
-finished run is then logged to W&B; if that fails, the local results stay as they are and
-``WANDB_FAILED`` (the error and how to retry) joins them. In a multirun sweep the sweep
-goes on to the next job either way (exit status 0). A single run exits with:
+Every run folder ends complete (metrics.json) or marked: ``FAILED`` (the error),
+``INTERRUPTED`` (Ctrl-C or SIGTERM, with what was done); with ``logger=wandb`` a finished
+run is then logged to W&B, and ``WANDB_FAILED`` joins the results if that fails. In a
+multirun each job runs in a process of its own (harness/supervisor.py), so a job that
+fails, or whose process is killed, never stops the sweep (it is marked ``FAILED``). A run
+exits with (the full list, and what each marker holds: docs/errors.md):
 
 - 0: the run finished (and was logged, if a logger was chosen);
 - 1: the run crashed (a bug or an environment problem; the traceback is printed);
-- 2: a configuration or capacity error (the message says what to change);
-- 3: the run finished and its results are on disk, but logging to W&B failed.
+- 2: a configuration or capacity error, or a results folder that holds another run (the
+  message says what to change);
+- 3: the run finished and its results are on disk, but logging to W&B failed;
+- 4: the run finished but its results could not be written (the summary is printed, and
+  the message names the file and the error);
+- 130 / 143: interrupted by SIGINT (Ctrl-C) / SIGTERM.
+
+A sweep exits 0 once every job ran (whatever each one's outcome), 2 for a configuration
+error before it starts, 130 / 143 when it was interrupted (jobs not started yet are listed
+by ``python -m harness.report <sweep>``).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from harness.config import register_configs
 
+if TYPE_CHECKING:
+    from harness.results import ResultsWriteError
+    from harness.runner import RunResult
+    from harness.supervisor import Interrupted
+
 register_configs()
+
+EXIT_CRASH, EXIT_USER, EXIT_WANDB, EXIT_WRITE = 1, 2, 3, 4
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from harness.results import write_failure
-    from harness.runner import print_summary, run
+    from harness.supervisor import run_supervised
 
     hc = HydraConfig.get()
     out = Path(hc.runtime.output_dir)
     with open_dict(cfg):
         cfg.out_dir = str(out)
+    if hc.mode != RunMode.MULTIRUN:
+        if code := run_job(cfg, out, multirun=False):
+            sys.exit(code)
+        return
+    end = run_supervised(lambda: run_job(cfg, out, multirun=True), out)
+    # Asked to stop, the process that launches the jobs (the basic launcher's) stops the
+    # sweep; a launcher's worker (joblib) leaves that to its launcher.
+    if end.stop is not None and _launches(Path(hc.sweep.dir)):
+        print(f"kvbench: sweep stopped by {end.stop} in job {out.name}; the jobs not started "
+              f"are listed by: python -m harness.report {out.parent}", file=sys.stderr)
+        sys.exit(end.stop.exit_code)
+
+
+def _launches(sweep: Path) -> bool:
+    from harness.results import SWEEP_CLAIM, read_claim
+
+    return (read_claim(sweep, SWEEP_CLAIM) or {}).get("pid") == os.getpid()
+
+
+def run_job(cfg: DictConfig, out: Path, multirun: bool) -> int:
+    """One run into ``out``: claim the folder, run, write results or a marker, log to W&B.
+    Returns the exit code (module docstring); prints what went wrong, never raises."""
+    from harness import progress
+    from harness.errors import UserError
+    from harness.hydra_callbacks import refuse_schema_choices
+    from harness.results import FolderTaken, ResultsWriteError, claim_folder, write_config
+    from harness.runner import print_summary, run
+    from harness.supervisor import as_interrupted
+
     try:
+        refuse_schema_choices(HydraConfig.get().runtime.choices)
+        claim_folder(out)  # done already by the FolderGuard callback for a single run
+    except UserError as e:  # never mark a folder that is not ours
+        print(f"kvbench: {e}", file=sys.stderr)
+        return EXIT_USER
+    progress.configure(out.name if multirun else "")
+    try:
+        try:
+            write_config(out, OmegaConf.to_yaml(cfg, resolve=True))
+        except OSError as e:
+            raise ResultsWriteError(out / "config.yaml", e, None, []) from e
         result = run(cfg)
+    except KeyboardInterrupt as e:
+        return _interrupted(out, as_interrupted(e))
+    except ResultsWriteError as e:
+        return _write_failed(out, e)
+    except FolderTaken as e:
+        print(f"\nkvbench: {e}", file=sys.stderr)
+        return EXIT_USER
     except Exception as e:  # recorded in the run's folder, then reported
-        write_failure(out, e)
-        user_error = isinstance(e, ValueError)
+        user_error = isinstance(e, ValueError)  # UserError, and library ValueErrors
         if not user_error:
             traceback.print_exc()
-        print(f"\nkvbench: run failed: {e}\n  (recorded in {out / 'FAILED'})", file=sys.stderr)
-        if hc.mode == RunMode.MULTIRUN:
-            return  # the sweep goes on
-        sys.exit(2 if user_error else 1)
+        print(f"\nkvbench: run failed: {e}\n  ({_mark_failed(out, e)})", file=sys.stderr)
+        return EXIT_USER if user_error else EXIT_CRASH
     print_summary(result.metrics, result.out_dir)
-    if cfg.logger.name == "wandb":
-        from harness.sinks import log_run_to_wandb, record_wandb_failure
+    return _log_to_wandb(cfg, result, out, multirun)
 
-        sweep = Path(hc.sweep.dir).name if hc.mode == RunMode.MULTIRUN else None
-        try:
-            log_run_to_wandb(cfg, result, cfg.logger, default_group=sweep)
-        except Exception as e:  # local results are complete: report, record, exit 3
-            print(f"\n{record_wandb_failure(out, e)}", file=sys.stderr)
-            if hc.mode != RunMode.MULTIRUN:
-                sys.exit(3)
+
+def _mark_failed(out: Path, error: BaseException | str) -> str:
+    from harness.results import write_failure
+
+    try:
+        return f"recorded in {write_failure(out, error)}"
+    except OSError as e:
+        return f"even the FAILED marker could not be written into {out}: {e.strerror or e}"
+
+
+def _interrupted(out: Path, e: Interrupted) -> int:
+    from harness import progress
+    from harness.results import write_interrupted
+    from harness.supervisor import parent_died
+
+    done = progress.describe(snap.snapshot() if (snap := progress.current()) else None)
+    if parent_died():  # PR_SET_PDEATHSIG: the process that launched this job is gone
+        done += "; the process that launched this job had died"
+    text = (f"interrupted by {e}: {done}\nno results were written (a run writes them at "
+            "its end); rerun it into a new folder")
+    try:
+        where = f"recorded in {write_interrupted(out, text)}"
+    except OSError as err:
+        where = f"even the INTERRUPTED marker could not be written: {err.strerror or err}"
+    print(f"\nkvbench: interrupted by {e}: {done}; {where}", file=sys.stderr)
+    return e.exit_code
+
+
+def _write_failed(out: Path, e: ResultsWriteError) -> int:
+    from harness.runner import print_summary
+
+    if e.metrics is not None:  # the run finished: its summary is not lost with the files
+        print_summary(e.metrics, None)
+    written = f" ({', '.join(e.written)} had been written)" if e.written else ""
+    print(f"\nkvbench: the run's results could not be written: {e}{written}\n"
+          f"  {_mark_failed(out, f'ResultsWriteError: {e}{written}')}", file=sys.stderr)
+    return EXIT_WRITE
+
+
+def _log_to_wandb(cfg: DictConfig, result: RunResult, out: Path, multirun: bool) -> int:
+    if cfg.logger.name != "wandb":
+        return 0
+    from harness.sinks import log_run_to_wandb, record_wandb_failure
+
+    sweep = Path(HydraConfig.get().sweep.dir).name if multirun else None
+    try:
+        log_run_to_wandb(cfg, result, cfg.logger, default_group=sweep)
+    except Exception as e:  # local results are complete: report, record, exit 3
+        print(f"\n{record_wandb_failure(out, e)}", file=sys.stderr)
+        return EXIT_WANDB
+    return 0
+
+
+def _is_config_error(e: BaseException) -> bool:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    # Hydra's composition and override errors, OmegaConf's type checks, the CLI's own
+    # ValueErrors ("Only one of --run, --multirun..."): all the user's to fix.
+    return isinstance(e, HydraException | OmegaConfBaseException | ValueError)
+
+
+def _end_sweep(why: str, interrupted: bool) -> None:
+    """The sweep this process launches ends abnormally: stop its running jobs (each writes
+    INTERRUPTED) and mark those already gone without a word."""
+    import signal
+
+    from harness.supervisor import mark_abandoned, stop_jobs, sweep_in_progress
+
+    if (sweep := sweep_in_progress()) is None:
+        return
+    stop_jobs(sweep, signal.SIGTERM)  # a no-op once a stop signal has done it
+    if n := mark_abandoned(sweep, why, interrupted):
+        print(f"kvbench: {n} job(s) of {sweep} ended with the sweep: marked "
+              f"{'INTERRUPTED' if interrupted else 'FAILED'}", file=sys.stderr)
+
+
+def cli() -> None:
+    """``python -m harness``: Hydra's main, with kvbench's exit codes and signals."""
+    from harness.hydra_callbacks import hide_schemas
+    from harness.supervisor import as_interrupted, install_handlers
+
+    install_handlers()
+    hide_schemas()
+    full_error = bool(os.environ.get("HYDRA_FULL_ERROR"))
+    # Hydra prints its errors and exits 1; asked for full errors it raises them instead,
+    # and they are sorted here: configuration errors exit 2, as documented.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        main()
+    except KeyboardInterrupt as e:
+        stop = as_interrupted(e)
+        _end_sweep(str(stop), interrupted=True)
+        print(f"\nkvbench: stopped by {stop}", file=sys.stderr)
+        sys.exit(stop.exit_code)
+    except Exception as e:
+        _fail(e, full_error)
+
+
+def _fail(e: Exception, full_error: bool) -> None:
+    """Report an error that reached the top (Hydra's, or a launcher's) and exit."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    first_line = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    # A launcher that failed (a joblib worker killed outright: TerminatedWorkerError) took
+    # its running jobs with it: they are marked, so that no folder is left unexplained.
+    _end_sweep(first_line[:300], interrupted=False)
+    if type(e).__name__ == "TerminatedWorkerError" and not full_error:
+        print(f"kvbench: the sweep stopped: {first_line}\n  (a worker process of the "
+              "launcher was killed; every job folder is complete or marked)", file=sys.stderr)
+        sys.exit(EXIT_CRASH)
+    if full_error or not _is_config_error(e):
+        traceback.print_exc()
+        sys.exit(EXIT_USER if _is_config_error(e) else EXIT_CRASH)
+    cause = e.__cause__
+    extra = f"\n{cause}" if isinstance(cause, OmegaConfBaseException) else ""
+    print(f"{e}{extra}\n\nkvbench: configuration error (python -m harness --help lists the "
+          "options)", file=sys.stderr)
+    sys.exit(EXIT_USER)
 
 
 if __name__ == "__main__":
-    main()
+    cli()

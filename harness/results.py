@@ -1,30 +1,97 @@
-"""The results folder of one run: config.yaml, metrics.json, steps.csv, requests.csv.
+"""The results folder of one run: its files, its markers, and who owns it.
 
-Every file is written to a temporary name and renamed into place, so a crash never
-leaves a half-written file (metrics.json is written last: its presence means done).
+A finished run holds config.yaml, steps.csv, requests.csv and metrics.json (written last:
+its presence means done). A run that did not finish holds a marker instead: ``FAILED``
+(the error) or ``INTERRUPTED`` (the signal and what was done). ``.kvbench-run`` says which
+process owns the folder; a run never writes into a folder owned by another run or holding
+another run's results (:func:`claim_folder` refuses, atomically). docs/errors.md lists
+what each file means.
+
+Every file is written to a fresh temporary name in the same folder and renamed into place,
+so a crash or a full disk never leaves a half-written file under a real name, two writers
+never share a temporary file, and a failed write leaves no temporary file behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 import os
+import secrets
+import socket
+import tempfile
+import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from harness.metrics.collector import StepRow
+from harness.errors import UserError
+
+if TYPE_CHECKING:
+    from harness.metrics.collector import StepRow
+
+METRICS, FAILED, INTERRUPTED = "metrics.json", "FAILED", "INTERRUPTED"
+OUTCOMES = (METRICS, FAILED, INTERRUPTED)  # a folder with one of these holds a run's end
+CLAIM = ".kvbench-run"  # JSON: the owning process (token, pid, host, start time)
+SWEEP_CLAIM = ".kvbench-sweep"  # the same for a sweep folder
+
+# Who "we" are. A forked job process draws a new token (new_owner_token), so a job never
+# mistakes its parent's claim for its own.
+_token = secrets.token_hex(8)
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def new_owner_token() -> None:
+    """Start a new identity for claims (called in a freshly forked job process)."""
+    global _token
+    _token = secrets.token_hex(8)
+
+
+def _file_mode() -> int:
+    # mkstemp creates 0600 files; results are shared (a cluster's results folder), so give
+    # them the mode a plain open() would: 0666 minus the umask.
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+_MODE = _file_mode()
+
+
+class ResultsWriteError(Exception):
+    """A results file could not be written. The run itself finished: ``metrics`` holds its
+    summary (for the terminal), ``path`` the file that failed, ``written`` the files that
+    were complete before it."""
+
+    def __init__(self, path: Path, cause: OSError, metrics: dict[str, Any] | None,
+                 written: list[str]) -> None:
+        super().__init__(f"could not write {path}: {cause.strerror or cause}")
+        self.path, self.cause, self.metrics, self.written = path, cause, metrics, written
+
+
+class FolderTaken(UserError):
+    """The results folder belongs to another run: kvbench refuses to write into it."""
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a unique temporary file in the same folder, then
+    rename. On any failure the temporary file is removed and the error re-raised."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())  # the rename must not publish a file still in the cache
+        os.chmod(tmp, _MODE)
+        os.replace(tmp, path)
+    except BaseException:  # disk full, Ctrl-C mid-write: never leave the temp behind
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _csv_text(rows: list[dict[str, Any]]) -> str:
-    import io
-
     buf = io.StringIO()
     if rows:
         w = csv.DictWriter(buf, fieldnames=list(rows[0]))
@@ -33,16 +100,135 @@ def _csv_text(rows: list[dict[str, Any]]) -> str:
     return buf.getvalue()
 
 
+# --- ownership ---------------------------------------------------------------------------
+
+def read_claim(folder: Path, name: str = CLAIM) -> dict[str, Any] | None:
+    """The claim in ``folder`` (None if none; ``{}`` if unreadable)."""
+    try:
+        d = json.loads((folder / name).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def _describe(owner: dict[str, Any]) -> str:
+    who = ", ".join(f"{k} {owner[k]}" for k in ("pid", "host", "started_at") if k in owner)
+    return f" ({who})" if who else ""
+
+
+def _outcomes(folder: Path) -> list[str]:
+    return [n for n in OUTCOMES if (folder / n).exists()]
+
+
+def check_not_taken(folder: Path) -> None:
+    """Raise :class:`FolderTaken` if ``folder`` holds another run (a claim that is not ours,
+    or a finished or marked run)."""
+    owner = read_claim(folder)
+    if owner is not None and owner.get("token") == _token:
+        return
+    if owner is not None or (found := _outcomes(folder)):
+        what = (f"is owned by another run{_describe(owner)}" if owner is not None
+                else f"already holds another run's results ({', '.join(found)})")
+        raise FolderTaken(
+            f"results folder {folder} {what}; kvbench never writes into another run's "
+            "folder: choose a new one (hydra.run.dir=..., or leave it to the default, which "
+            "is unique per run) or remove that folder")
+
+
+def _create_claim(folder: Path, name: str, kind: str) -> None:
+    owner = {"token": _token, "pid": os.getpid(), "host": socket.gethostname(),
+             "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    try:  # O_EXCL: of two processes creating it, exactly one succeeds
+        fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _MODE)
+    except FileExistsError:
+        current = read_claim(folder, name) or {}
+        if current.get("token") == _token:
+            return
+        raise FolderTaken(
+            f"folder {folder} is owned by another {kind}{_describe(current)}; kvbench never "
+            f"writes into another {kind}'s folder: choose a new one or remove it") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(owner) + "\n")
+
+
+def claim_folder(folder: Path) -> None:
+    """Make ``folder`` this run's: create it and, atomically, its claim file.
+
+    Idempotent within one process; raises :class:`FolderTaken` when another run owns or
+    used the folder, so of two runs racing for one folder exactly one goes on.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    check_not_taken(folder)
+    _create_claim(folder, CLAIM, "run")
+
+
+def claim_sweep(folder: Path) -> None:
+    """Make ``folder`` this sweep's. Refuses a folder that already holds runs (a reused
+    sweep folder would mix stale jobs into this sweep's, and reuse their folder names)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    owner = read_claim(folder, SWEEP_CLAIM)
+    if owner is None or owner.get("token") != _token:
+        runs = sorted({f.parent for n in (*OUTCOMES, CLAIM) for f in folder.rglob(n)})
+        if owner is not None or runs:
+            what = (f"is owned by another sweep{_describe(owner)}" if owner is not None else
+                    f"already holds {len(runs)} run(s) (e.g. {runs[0]})")
+            raise FolderTaken(
+                f"sweep folder {folder} {what}; kvbench never writes into another run's "
+                "folder: choose a new hydra.sweep.dir (the default is unique per sweep) or "
+                "remove that folder")
+    _create_claim(folder, SWEEP_CLAIM, "sweep")
+
+
+# --- writing a run's files -----------------------------------------------------------------
+
 def write_results(out: Path, config_yaml: str, metrics: dict[str, Any],
                   steps: list[StepRow], requests: list[dict[str, Any]]) -> None:
+    """Write the four result files, metrics.json last.
+
+    Raises :class:`FolderTaken` if the folder holds another run, and
+    :class:`ResultsWriteError` (carrying ``metrics``) if a file cannot be written.
+    """
     out.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out / "config.yaml", config_yaml)
-    _atomic_write(out / "steps.csv", _csv_text([asdict(s) for s in steps]))
-    _atomic_write(out / "requests.csv", _csv_text(requests))
-    _atomic_write(out / "metrics.json", json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    check_not_taken(out)
+    written: list[str] = []
+    files = [("config.yaml", lambda: config_yaml),
+             ("steps.csv", lambda: _csv_text([asdict(s) for s in steps])),
+             ("requests.csv", lambda: _csv_text(requests)),
+             (METRICS, lambda: json.dumps(metrics, indent=2, sort_keys=True) + "\n")]
+    for name, text in files:
+        try:
+            atomic_write(out / name, text())
+        except OSError as e:
+            raise ResultsWriteError(out / name, e, metrics, written) from e
+        written.append(name)
 
 
-def write_failure(out: Path, error: BaseException) -> None:
-    """Mark a run folder as failed (a sweep goes on past it)."""
+def write_config(out: Path, config_yaml: str) -> None:
+    """config.yaml at the start of a run, so a run that never finishes still says what it
+    was (Hydra's .hydra/ copy is Hydra's, and the report should not depend on it)."""
+    atomic_write(out / "config.yaml", config_yaml)
+
+
+def write_failure(out: Path, error: BaseException | str) -> Path:
+    """Mark a run folder as failed (a sweep goes on past it); returns the marker's path.
+    Raises OSError when even the marker cannot be written."""
     out.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out / "FAILED", f"{type(error).__name__}: {error}\n")
+    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    atomic_write(out / FAILED, text.rstrip("\n") + "\n")
+    return out / FAILED
+
+
+def write_interrupted(out: Path, text: str) -> Path:
+    """Mark a run folder as interrupted (``text``: the signal and what was done)."""
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / INTERRUPTED, text.rstrip("\n") + "\n")
+    return out / INTERRUPTED
+
+
+def outcome(folder: Path) -> str | None:
+    """The newest of metrics.json, FAILED and INTERRUPTED in ``folder`` (None: none).
+    Folders from before claims existed could be rerun into: the newest file tells."""
+    found = {n: (folder / n).stat().st_mtime for n in OUTCOMES if (folder / n).is_file()}
+    return max(found, key=lambda n: found[n]) if found else None

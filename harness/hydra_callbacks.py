@@ -1,0 +1,102 @@
+"""Hydra hooks of the CLI: claim a run's or sweep's folder before Hydra writes into it, and
+keep the internal ``*_schema`` configs out of sight.
+
+Hydra creates the output folder and writes ``.hydra/`` and its log into it before the task
+function runs, so a check there would come after another run's folder had been written
+into. :class:`FolderGuard` (``hydra.callbacks`` in conf/config.yaml) claims the folder
+first, in ``on_run_start`` / ``on_multirun_start``. Hydra turns a callback's exceptions
+into warnings, so a refusal prints its message and exits 2 itself.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from harness.errors import UserError
+from harness.results import claim_folder, claim_sweep
+from harness.supervisor import coordinate
+
+SCHEMA_SUFFIX = "_schema"  # harness/config.py registers each group's schema as <name>_schema
+
+
+def _exit(e: UserError) -> None:
+    print(f"kvbench: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+def refuse_schema_choices(choices: Mapping[str, Any]) -> None:
+    """UserError for a group set to an internal schema (``backend=paged_schema``)."""
+    for group, option in choices.items():
+        if str(option).endswith(SCHEMA_SUFFIX) and not str(group).startswith("hydra/"):
+            raise UserError(f"{group}={option} is an internal schema, not an option; use "
+                            f"{group}={str(option).removesuffix(SCHEMA_SUFFIX)} (python -m "
+                            "harness --help lists the options)")
+
+
+def schema_overrides(overrides: Iterable[str]) -> dict[str, str]:
+    """Group choices among sweep overrides (``backend=paged,paged_schema``) that name a
+    schema, as {group: option}. Dotted keys set values, not choices: skipped."""
+    found = {}
+    for o in overrides:
+        key, sep, values = o.partition("=")
+        key = key.lstrip("+~")
+        if not sep or "." in key or key.startswith("hydra/"):
+            continue
+        for v in values.split(","):
+            if v.strip().endswith(SCHEMA_SUFFIX):
+                found[key] = v.strip()
+    return found
+
+
+class FolderGuard(Callback):
+    """Claims ``hydra.run.dir`` (a run) or ``hydra.sweep.dir`` (a sweep) for this process,
+    refusing one that holds another run; refuses schema choices before anything starts."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        HydraConfig.instance().set_config(config)  # the dir may use ${hydra:...}
+        try:
+            refuse_schema_choices(config.hydra.runtime.choices)
+            claim_folder(Path(str(config.hydra.run.dir)).absolute())
+        except UserError as e:
+            _exit(e)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        HydraConfig.instance().set_config(config)
+        params = config.hydra.sweeper.get("params") or {}
+        overrides = [*(f"{k}={v}" for k, v in params.items()), *config.hydra.overrides.task]
+        try:
+            if bad := schema_overrides(overrides):
+                refuse_schema_choices(bad)
+            sweep = Path(str(config.hydra.sweep.dir)).absolute()
+            claim_sweep(sweep)
+        except UserError as e:
+            _exit(e)
+        coordinate(sweep)  # a stop signal reaches the running jobs before the launcher's
+
+
+def hide_schemas() -> None:
+    """Leave ``*_schema`` out of Hydra's option lists (--help, "Available options" in
+    errors, shell completion, glob sweeps); they stay loadable, as the YAMLs' defaults.
+
+    A shim: the schemas live in the same groups as the options because harness/config.py
+    registers them there; a separate group (``schema/backend``) would make this
+    unnecessary.
+    """
+    from hydra._internal.config_repository import ConfigRepository
+
+    if getattr(ConfigRepository.get_group_options, "_kvbench", False):
+        return
+    original = ConfigRepository.get_group_options
+
+    def get_group_options(self: ConfigRepository, *args: Any, **kwargs: Any) -> list[str]:
+        return [o for o in original(self, *args, **kwargs) if not o.endswith(SCHEMA_SUFFIX)]
+
+    get_group_options._kvbench = True  # type: ignore[attr-defined]
+    ConfigRepository.get_group_options = get_group_options  # type: ignore[method-assign]

@@ -1,0 +1,159 @@
+"""Progress of a run, so that no run looks hung: the engine's ``progress(done, total, tps)``
+callback (harness.engine.engine.ProgressFn) drawn as
+
+- a progress bar on a terminal (stderr is a TTY): requests done / known, tokens/s, elapsed,
+  ETA; redrawn at most 10 times a second;
+- one status line on stderr every ``KVBENCH_STATUS_INTERVAL`` seconds (default 10) when
+  stderr is not a terminal (sweeps, CI logs), each line naming its run, plus one at the
+  first step and one at the end.
+
+The tracker also remembers what was done (steps, requests), which is what an interrupted
+run's ``INTERRUPTED`` marker reports (:func:`current`). ``progress=false`` turns the
+display off; the counting stays.
+
+The request total is the requests known so far: a multi-turn workload adds each next turn
+when the previous answer is done, so the total (and the ETA) grows as it runs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from typing import TextIO
+
+REDRAW_S = 0.1  # the bar's redraw limit: the engine calls back once per step
+DEFAULT_INTERVAL_S = 10.0
+BAR_WIDTH = 24
+
+_label = ""  # the run's name on status lines (set by the CLI: the results folder's name)
+_current: Progress | None = None
+
+
+def configure(label: str) -> None:
+    """A new run starts in this process: name it on status lines (a sweep's job folder,
+    say) and forget the previous run's tracker."""
+    global _label, _current
+    _label, _current = label, None
+
+
+def current() -> Progress | None:
+    """The latest tracker made in this process (None before the workload started)."""
+    return _current
+
+
+def _interval() -> float:
+    try:
+        return max(0.0, float(os.environ.get("KVBENCH_STATUS_INTERVAL", DEFAULT_INTERVAL_S)))
+    except ValueError:
+        return DEFAULT_INTERVAL_S
+
+
+def clock(seconds: float) -> str:
+    """``73.4`` -> ``1:13``; ``3725`` -> ``1:02:05``."""
+    s = int(seconds)
+    h, rest = divmod(s, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """What a run had done when last heard of."""
+
+    steps: int
+    done: int
+    total: int
+    tokens_per_s: float
+    elapsed_s: float
+    finished: bool  # the workload ended (a later phase: quality, writing results)
+
+
+class Progress:
+    """A :data:`ProgressFn` that counts, and draws when ``show``."""
+
+    def __init__(self, show: bool, stream: TextIO | None = None, label: str = "",
+                 tty: bool | None = None, interval_s: float | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.show = show
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.label = label
+        self.interval_s = _interval() if interval_s is None else interval_s
+        self.start = time.monotonic()
+        self.steps = self.done = self.total = 0
+        self.tps = 0.0
+        self.finished = False
+        self._last_draw = -1e9
+        self._drawn = False
+
+    def __call__(self, done: int, total: int, tokens_per_s: float) -> None:
+        self.steps += 1
+        self.done, self.total, self.tps = done, total, tokens_per_s
+        if not self.show:
+            return
+        now = time.monotonic()
+        wait = REDRAW_S if self.tty else self.interval_s
+        if now - self._last_draw >= wait or not self._drawn:
+            self._last_draw = now
+            self._draw(now)
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(self.steps, self.done, self.total, self.tps,
+                        time.monotonic() - self.start, self.finished)
+
+    def close(self) -> None:
+        """The workload is done: finish the bar's line / print the last status line."""
+        self.finished = True
+        if not self.show or not self._drawn:
+            return
+        if self.tty:
+            self._draw(time.monotonic())
+            self.stream.write("\n")
+        else:
+            self.stream.write(f"{self._prefix()}done: {self.done}/{self.total} requests in "
+                              f"{time.monotonic() - self.start:.1f} s ({self.tps:.1f} tok/s)\n")
+        self.stream.flush()
+
+    def _prefix(self) -> str:
+        return f"kvbench [{self.label}]: " if self.label else "kvbench: "
+
+    def _eta(self, elapsed: float) -> str:
+        if self.done <= 0 or self.done >= self.total:
+            return "?" if self.done < self.total else clock(0)
+        return clock(elapsed * (self.total - self.done) / self.done)
+
+    def _draw(self, now: float) -> None:
+        elapsed = now - self.start
+        stats = (f"{self.done}/{self.total} requests  {self.tps:7.1f} tok/s  "
+                 f"{clock(elapsed)} elapsed  ETA {self._eta(elapsed)}")
+        if self.tty:
+            share = self.done / self.total if self.total else 0.0
+            room = shutil.get_terminal_size((80, 24)).columns - len(stats) - 6
+            width = max(0, min(BAR_WIDTH, room))
+            fill = round(share * width)
+            bar = f"[{'#' * fill}{'.' * (width - fill)}] " if width >= 5 else ""
+            self.stream.write(f"\r  {bar}{stats} ")
+        else:
+            self.stream.write(f"{self._prefix()}{' '.join(stats.split())}\n")
+        self.stream.flush()
+        self._drawn = True
+
+
+def make_progress(enabled: bool) -> Progress:
+    """The engine's progress callback for one run (drawn when ``enabled``); also becomes
+    :func:`current`, for the marker of an interrupted run."""
+    global _current
+    _current = Progress(enabled, label=_label)
+    return _current
+
+
+def describe(snap: Snapshot | None) -> str:
+    """What was done, for INTERRUPTED and the terminal, e.g. ``42 engine steps, 3 of 16
+    requests done`` (a request is done when it finished or was rejected)."""
+    if snap is None:
+        return "before the workload started (model loading or set-up)"
+    text = (f"{snap.steps} engine steps, {snap.done} of {snap.total} requests done, "
+            f"{snap.elapsed_s:.1f} s into the workload")
+    return text + ("; the workload had finished (interrupted in a later phase: quality "
+                   "evaluation or writing results)" if snap.finished else "")
