@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime as dt
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,11 +11,11 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness.engine.engine import ProgressFn
 from harness.engine.sampler import Sampler
 from harness.metrics.collector import StepRow
 from harness.metrics.summary import request_rows, summarize
 from harness.model import load_model
+from harness.progress import Progress, make_progress
 from harness.quality import (
     agreement,
     evaluate_quality,
@@ -53,14 +52,9 @@ def _git_sha() -> str:
         return ""
 
 
-def _progress(enabled: bool) -> ProgressFn | None:
-    if not (enabled and sys.stderr.isatty()):
-        return None
-
-    def show(done: int, total: int, tps: float) -> None:
-        sys.stderr.write(f"\r  requests {done}/{total}   {tps:7.1f} tok/s ")
-        sys.stderr.flush()
-    return show
+def _progress(enabled: bool) -> Progress:
+    # A bar on a terminal, periodic status lines elsewhere; counts for INTERRUPTED always.
+    return make_progress(enabled)
 
 
 def run(cfg: DictConfig | dict[str, Any]) -> RunResult:
@@ -82,9 +76,9 @@ def run(cfg: DictConfig | dict[str, Any]) -> RunResult:
     st = build_stack(loaded, device, backend_cfg, cfg.cache,
                      cfg.scheduler, Sampler(cfg.seed), workload.initial_requests())
     backend, sizing, kv, collector = st.backend, st.sizing, st.kv, st.collector
-    wall = st.engine.run(workload, _progress(cfg.get("progress", True)))
-    if sys.stderr.isatty() and cfg.get("progress", True):
-        sys.stderr.write("\n")
+    progress = _progress(cfg.get("progress", True))
+    wall = st.engine.run(workload, progress)
+    progress.close()
     kv.ledger.finish()
 
     run_info = {
