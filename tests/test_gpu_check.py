@@ -1,0 +1,157 @@
+"""The GPU check on the CPU: its dry run end to end (every section, tiny sizes, Triton
+interpreted), and the driver's handling of sections that fail, hang or leave partial files.
+
+The dry run is what keeps scripts/gpu_check.sh from rotting between GPU runs: it runs the
+same script, driver, sections and summary as the H200 run, at sizes a CPU does in seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.gpucheck import orchestrate
+from harness.gpucheck.kernel_checks import correctness_cases
+from harness.gpucheck.profile import DRY, ENGINE_BACKENDS, GPU, EngineShape
+from harness.gpucheck.sections import SectionTimeout, section_names, time_limit
+from harness.gpucheck.summary import render
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("gpu_check")
+    env = {**os.environ, "PYTHON": sys.executable}
+    env.pop("TRITON_INTERPRET", None)  # the script sets it for the dry run itself
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out), "--dry-run"],
+                       env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return out
+
+
+def load(out: Path, name: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((out / f"{name}.json").read_text())
+    return data
+
+
+def test_every_section_ran_ok_within_its_budget(dry_run: Path) -> None:
+    status = load(dry_run, "status")
+    assert list(status["sections"]) == section_names(DRY)
+    for name, rec in status["sections"].items():
+        assert rec["status"] == "ok", (name, rec)
+        assert rec["seconds"] <= rec["budget_s"] + orchestrate.GRACE_S
+    summary = (dry_run / "summary.md").read_text()
+    for title in ("Environment", "Triton kernels vs torch references", "Decode attention",
+                  "Engine: tiny", "Engine: tiny-bias", "gpu tests", "Benchmarks",
+                  "flash-attn"):
+        assert f"## {title}" in summary
+    assert "install.log" in os.listdir(dry_run)
+
+
+def test_kernel_sections_check_and_time_every_case(dry_run: Path) -> None:
+    rows = load(dry_run, "kernel-correctness")["rows"]
+    assert [(r["kernel"], r["batch"], r["context"]) for r in rows] == [
+        (k, *size) for k, size, _ in correctness_cases(DRY)]
+    assert all(r["ok"] is True for r in rows), [r for r in rows if not r["ok"]]
+    bw = load(dry_run, "kernel-bandwidth")
+    assert bw["copy_gbps"] > 0
+    providers = {r["provider"] for r in bw["rows"] if r["ms"] is not None}
+    assert providers == {"triton", "triton-unsplit", "torch-gather", "contiguous-sdpa"}
+    assert all(r["gbps"] > 0 for r in bw["rows"])
+
+
+@pytest.mark.parametrize("shape", DRY.shapes, ids=lambda s: s.name)
+def test_engine_sections_run_every_backend_through_the_runner(dry_run: Path,
+                                                              shape: EngineShape) -> None:
+    data = load(dry_run, f"engine-{shape.name}")
+    rows = {r["backend"]: r for r in data["rows"]}
+    assert list(rows) == [label for label, _ in ENGINE_BACKENDS
+                          if shape.backends is None or label in shape.backends]
+    for label, r in rows.items():
+        assert r["ok"] is True, (label, r.get("error"))
+        assert r["finished"] == 3 and r["rejected"] == 0
+        assert r["output_tok_s"] > 0 and r["decode_step_ms_p50"] > 0
+        assert r["prefill_step_ms_p50"] > 0 and r["device"] == "cpu"
+    if shape.backends is None:
+        assert rows["flex"]["kernel"] == "flex_eager"
+        assert rows["paged-torch"]["kernel"] == "torch"
+
+
+def test_pytest_sections_record_skips_and_benchmarks(dry_run: Path) -> None:
+    gpu = load(dry_run, "gpu-tests")
+    assert gpu["returncode"] == 0 and gpu["failed"] == 0 and gpu["passed"] == 0
+    assert gpu["skipped"] >= 10 and "tests/test_kernels_decode.py" in gpu["files"]
+    assert any("CUDA" in why for why in gpu["skip_reasons"])
+    bench = load(dry_run, "benchmarks")
+    assert bench["returncode"] == 0
+    groups = {r["group"] for r in bench["rows"]}
+    assert {"decode 2 x 20", "store 6"} <= groups and (dry_run / "benchmarks-raw.json").is_file()
+    assert load(dry_run, "flash-attn")["note"].startswith("Not run: flash-attn 4 is not")
+
+
+def test_gpu_profile_fits_one_call() -> None:
+    assert section_names(GPU) == [n for n in section_names(GPU) if n in GPU.budgets]
+    assert sum(GPU.budgets.values()) <= GPU.total_s <= 6 * 60 - 15  # install ~15 s
+    assert {s.name for s in GPU.shapes} == {"smollm2", "llama8b"}
+    assert all(s.backends is None for s in GPU.shapes)  # every backend at both shapes
+
+
+def test_failing_and_hanging_sections_are_recorded_and_the_rest_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    commands = {"env": "raise SystemExit('env broke')", "kernel-correctness":
+                "import time; time.sleep(30)", "kernel-bandwidth": "print('fine')"}
+
+    def command(profile: object, name: str, *args: object) -> list[str]:
+        return [sys.executable, "-c", commands[name]]
+
+    monkeypatch.setattr(orchestrate, "section_command", command)
+    monkeypatch.setattr(orchestrate, "GRACE_S", 0.0)
+    profile = dataclasses.replace(DRY, budgets={**DRY.budgets, "kernel-correctness": 2})
+    t0 = time.monotonic()
+    status = orchestrate.run_all(profile, tmp_path, ROOT, list(commands), total_s=60)
+    assert time.monotonic() - t0 < 15
+    recs = status["sections"]
+    assert recs["env"]["status"] == "failed" and "env broke" in recs["env"]["error"]
+    assert recs["kernel-correctness"]["status"] == "timeout"
+    assert recs["kernel-bandwidth"]["status"] == "ok"
+    assert "| kernel-correctness | timeout |" in (tmp_path / "summary.md").read_text()
+
+
+def test_total_budget_skips_what_does_not_fit(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(orchestrate, "section_command",
+                        lambda *a: [sys.executable, "-c", "pass"])
+    status = orchestrate.run_all(DRY, tmp_path, ROOT, ["env", "benchmarks"], total_s=3)
+    assert {r["status"] for r in status["sections"].values()} == {"skipped"}
+
+
+def test_summary_survives_missing_and_malformed_section_files(tmp_path: Path) -> None:
+    (tmp_path / "engine-tiny.json").write_text(json.dumps({"rows": [{"nonsense": 1}],
+                                                           "error": "boom"}))
+    (tmp_path / "kernel-bandwidth.json").write_text("{ half a file")
+    status = {"profile": "dry", "sections": {
+        "env": {"status": "timeout", "seconds": 5, "budget_s": 4, "error": "killed"},
+        "kernel-bandwidth": {"status": "ok"}, "engine-tiny": {"status": "failed"}}}
+    text = render(tmp_path, status)
+    assert "| env | timeout |" in text and "**Section error:** boom" in text
+    assert "could not render" in text and "Decode attention" not in text
+
+
+def test_time_limit_interrupts_python_code() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(SectionTimeout), time_limit(0.2):
+        while True:
+            pass
+    assert time.monotonic() - t0 < 2
+    with time_limit(5):
+        pass  # and leaves no alarm behind
+    time.sleep(0.01)
