@@ -13,7 +13,8 @@ public function.
 - :mod:`.prefill`: ``paged_prefill`` — query chunks over cached prefix + themselves.
 - :mod:`.reference`: the plain torch version of each (no triton needed).
 - :mod:`.cases`: random paged caches for tests and benchmarks.
-- :mod:`.bench`: the GPU check (``python -m harness.kernels.bench``).
+- :mod:`.bench`: a standalone decode benchmark (``python -m harness.kernels.bench``);
+  the GPU check itself is :mod:`harness.gpucheck`.
 
 Block copies stay in torch (``backends.paged_storage``).
 """

@@ -1,8 +1,10 @@
-"""GPU check: the ``gpu`` kernel tests, then decode attention timed against memory bandwidth.
+"""Standalone decode benchmark: the ``gpu`` kernel tests, then decode attention timed
+against memory bandwidth, with flash-attn 2/3's paged kernel as a provider when installed.
 
-Run on a CUDA machine (``scripts/gpu_check.sh [OUT_JSON]`` or
-``python -m harness.kernels.bench --out report.json``); needs only torch and triton, no
-network. Steps, all recorded in one JSON report:
+scripts/gpu_check.sh no longer runs this: it runs :mod:`harness.gpucheck` (whose
+``kernel-bandwidth`` section times the same decode sizes, plus the torch gather path).
+Run on a CUDA machine (``python -m harness.kernels.bench --out report.json``); needs only
+torch and triton, no network. Steps, all recorded in one JSON report:
 
 1. ``pytest -m gpu`` over tests/test_kernels_*.py, compiled (TRITON_INTERPRET=0).
 2. Device copy bandwidth: a 2 GiB device-to-device copy, (read + write bytes) / time.
