@@ -12,5 +12,7 @@ between GPU runs.
 Modules: :mod:`.profile` (sizes and budgets, GPU and dry run), :mod:`.sections` (the
 registry and the per-section context), :mod:`.orchestrate` (the driver), and one module per
 kind of section: :mod:`.env_check`, :mod:`.kernel_checks`, :mod:`.engine_checks`,
-:mod:`.pytest_checks`, :mod:`.fa4_check`; :mod:`.summary` writes the tables.
+:mod:`.pytest_checks`, :mod:`.fa4_check` (with :mod:`.fa4`, flash-attn 4 behind the
+flash_attn backend's seam); :mod:`.timing` times on either side; :mod:`.summary` writes
+the tables.
 """
