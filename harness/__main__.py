@@ -215,13 +215,15 @@ def _fail(e: Exception, full_error: bool) -> None:
     """Report an error that reached the top (Hydra's, or a launcher's) and exit."""
     from omegaconf.errors import OmegaConfBaseException
 
-    first_line = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     # A launcher that failed (a joblib worker killed outright: TerminatedWorkerError) took
     # its running jobs with it: they are marked, so that no folder is left unexplained.
-    _end_sweep(first_line[:300], interrupted=False)
-    if type(e).__name__ == "TerminatedWorkerError" and not full_error:
-        print(f"kvbench: the sweep stopped: {first_line}\n  (a worker process of the "
-              "launcher was killed; every job folder is complete or marked)", file=sys.stderr)
+    dead_worker = type(e).__name__ == "TerminatedWorkerError"
+    _end_sweep("a worker process of its launcher was killed (TerminatedWorkerError)"
+               if dead_worker else type(e).__name__, interrupted=False)
+    if dead_worker and not full_error:
+        print(f"kvbench: the sweep stopped: {str(e).splitlines()[0]}\n  (a worker process "
+              "of the launcher was killed; every job folder is complete or marked)",
+              file=sys.stderr)
         sys.exit(EXIT_CRASH)
     if full_error or not _is_config_error(e):
         traceback.print_exc()

@@ -13,8 +13,11 @@ improvement, which passes. A run whose config differs from the baseline's is gat
 same, and the differences are printed above the table.
 
 Exit status: 0 pass; 1 a regression, a gated metric missing from a run (it is part of the
-results contract), or a baseline run failed or missing (unless ``--partial``); 2 a usage
-error (no runs, an unreadable baseline, runs that match none of its keys, bad options).
+results contract), a run whose metrics.json cannot be read (named, with what is wrong), a
+baseline run that did not finish (failed, interrupted, killed) or is missing (unless
+``--partial``), or a baseline file that cannot be written; 2 a usage error (no runs, an
+unreadable baseline, runs that match none of its keys, bad options). Stale runs (not jobs
+of their sweep folder's multirun.yaml) are left out, with a note.
 ``--write-baseline`` writes or refreshes a file from finished runs; it keeps the spec
 already in the file unless ``--metrics`` is given, and starts from :data:`DEFAULT_SPEC`
 otherwise.
@@ -27,6 +30,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.errors import UserError
 from harness.reporting.baseline import (
     Baseline,
     MetricSpec,
@@ -36,7 +40,7 @@ from harness.reporting.baseline import (
     number,
     take_baseline,
 )
-from harness.reporting.runs import Run, find_runs
+from harness.reporting.runs import UNREADABLE, Run, check_sweeps, find_runs, one_line
 
 # The default gated metrics. Only what a run's schedule decides, never the clock: with all
 # arrivals at t=0 (or right after the answer they follow), greedy sampling and seeded
@@ -107,7 +111,7 @@ class Row:
     baseline: float | None
     current: float | None
     allowed: float | None
-    verdict: str  # ok | improved | REGRESSED | MISSING | FAILED | NOT RUN | new
+    verdict: str  # ok | improved | REGRESSED | MISSING | FAILED | INTERRUPTED | NOT RUN | new
     failing: bool
 
 
@@ -122,8 +126,10 @@ def judge(spec: MetricSpec, base: float, cur: float) -> str:
 def check(base: Baseline, runs: list[Run], partial: bool = False) -> list[Row]:
     """One row per (baseline run, gated metric), plus rows for runs missing or new;
     ``partial``: a baseline run absent here is skipped, not failed."""
-    current = keyed(runs, base.key_fields)
-    if not set(current) & set(base.runs):
+    # A run whose files cannot even tell what it was gets a row of its own, by path.
+    lost = [r for r in runs if r.status == UNREADABLE and not r.config]
+    current = keyed([r for r in runs if r not in lost], base.key_fields)
+    if not set(current) & set(base.runs) and not lost:
         raise ValueError(f"no run here matches the baseline: runs {sorted(current)}, "
                          f"baseline {sorted(base.runs)}")
     rows: list[Row] = []
@@ -132,7 +138,7 @@ def check(base: Baseline, runs: list[Run], partial: bool = False) -> list[Row]:
         if r is None and partial:
             continue
         if r is None or r.metrics is None:
-            why = "NOT RUN" if r is None else f"FAILED: {r.failure}"
+            why = "NOT RUN" if r is None else f"{r.status.upper()}: {one_line(r.failure)}"
             rows.append(Row(key, "(run)", None, None, None, why, True))
             continue
         for m, b in values.items():
@@ -145,6 +151,8 @@ def check(base: Baseline, runs: list[Run], partial: bool = False) -> list[Row]:
             rows.append(Row(key, m, b, c, spec.allowed(b), v, v == "REGRESSED"))
     rows += [Row(k, "(run)", None, None, None, "new (not in baseline)", False)
              for k in current if k not in base.runs]
+    rows += [Row(str(r.path), "(run)", None, None, None,
+                 f"UNREADABLE: {one_line(r.failure)}", True) for r in lost]
     return rows
 
 
@@ -183,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         runs = find_runs(args.folders)
+        if stale := check_sweeps(args.folders, runs).stale:
+            print(f"note: leaving out {len(stale)} stale run(s), not jobs of their sweep "
+                  "folder's multirun.yaml (an earlier sweep into the same folder): "
+                  + ", ".join(str(r.path) for r in stale), file=sys.stderr)
+            runs = [r for r in runs if not r.stale]
         if args.write_baseline is not None:
             return _write(args.write_baseline, runs, args.metrics)
         if args.metrics is not None:
@@ -193,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"kvbench gate: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        print(f"kvbench gate: cannot write {e.filename or args.write_baseline}: "
+              f"{e.strerror or e}", file=sys.stderr)
+        return 1
     print(f"kvbench gate: {', '.join(map(str, args.folders))} against {args.baseline}")
     if diffs := config_diffs(base, keyed(runs, base.key_fields)):
         print("\nnote: these runs' configs differ from the baseline's:")
@@ -217,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write(path: Path, runs: list[Run], metrics: list[str] | None) -> int:
+    if path.is_dir():
+        raise UserError(f"--write-baseline {path} is a folder; give the baseline's file name, "
+                        f"e.g. {path / 'baseline.json'}")
     if metrics is not None:
         spec, explicit = parse_metrics(metrics), True
     elif path.is_file():

@@ -3,18 +3,26 @@
     python -m harness.report results/sweeps/memory_waste-20261129-125918
     python -m harness.report RUN_A RUN_B --baseline-backend contiguous --out /tmp/report
 
-Finds every run at or below the folders given (metrics.json; failed runs, with FAILED, are
-listed apart) and writes into ``--out`` (default ``<first folder>/report/``):
+Finds every run at or below the folders given and writes into ``--out`` (default
+``<first folder>/report/``):
 
 - ``report.md``: one table per workload of the key metrics per backend (and variant:
-  the config keys that differ between runs, such as backend.reserve or workload.n), each
-  value with its ratio to the baseline backend's run on the same workload;
+  the config keys that differ between runs, such as backend.reserve, workload.n or
+  cache.kv_budget), each value with its ratio to the baseline backend's run on the same
+  workload with the same config outside ``backend.*``; a run with no such baseline run is
+  shown without ratios and named, with what differs, never compared with an unlike run;
 - ``comparison.csv``: the same rows, every ratio in a ``<metric>.vs_baseline`` column;
-- ``runs.csv``: every metric and variant of every finished run (for pandas);
+- ``runs.csv``: every metric and variant of every run, with its status (for pandas);
 - PNG figures: throughput vs memory waste, quality vs memory held per sequence (when
   quality metrics exist), KV reserved/used over time per run, TTFT and e2e latency CDFs.
 
-Exit status: 0, or 2 when no run is found or an option is wrong (the message says why).
+Runs that did not finish are listed apart with their status (failed, interrupted, no
+outcome: killed or still running, unreadable) and why; so are a sweep's jobs that never
+started, and stale runs of an earlier sweep into the same folder, which are left out of
+the comparison unless ``--include-stale``.
+
+Exit status: 0; 1 when the report cannot be written (the message names the file); 2 when
+no run is found or an option is wrong (the message says why).
 """
 
 from __future__ import annotations
@@ -27,8 +35,8 @@ from pathlib import Path
 import pandas as pd
 
 from harness.reporting.plots import write_plots
-from harness.reporting.runs import find_runs, variant
-from harness.reporting.table import Comparison, compare, to_markdown
+from harness.reporting.runs import SweepCheck, check_sweeps, find_runs, one_line, variant
+from harness.reporting.table import Comparison, compare, status_counts, to_markdown
 
 
 @dataclass(slots=True)
@@ -39,6 +47,8 @@ class ReportFiles:
     runs_csv: Path
     plots: list[Path] = field(default_factory=list)
     comparison: Comparison | None = None
+    check: SweepCheck | None = None
+    stale_left_out: bool = True
 
     def all(self) -> list[Path]:
         return [self.markdown, self.comparison_csv, self.runs_csv, *self.plots]
@@ -55,26 +65,37 @@ def _parse_where(items: list[str]) -> dict[str, str]:
 
 
 def build_report(folders: list[Path], baseline: str | None = None,
-                 where: dict[str, str] | None = None, out: Path | None = None) -> ReportFiles:
+                 where: dict[str, str] | None = None, out: Path | None = None,
+                 include_stale: bool = False) -> ReportFiles:
     """Load the runs under ``folders`` and write the report; raises ValueError for the
-    user's mistakes (no runs, unknown baseline backend, unknown --where key)."""
+    user's mistakes (no runs, unknown baseline backend, unknown --where key) and OSError
+    when a file cannot be written."""
     if not folders:
         raise ValueError("give at least one run or sweep folder")
     runs = find_runs(folders)
-    cmp = compare(runs, baseline, where)
+    check = check_sweeps(folders, runs)
+    compared = runs if include_stale else [r for r in runs if not r.stale]
+    if not compared:
+        raise ValueError("every run here is stale (from an earlier sweep into the same "
+                         "folder): --include-stale compares them")
+    cmp = compare(compared, baseline, where)
     out = out if out is not None else folders[0] / "report"
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder")
     out.mkdir(parents=True, exist_ok=True)
     files = ReportFiles(out, out / "report.md", out / "comparison.csv", out / "runs.csv",
-                        comparison=cmp)
+                        comparison=cmp, check=check, stale_left_out=not include_stale)
     cmp.frame.to_csv(files.comparison_csv, index=False)
     pd.DataFrame([{"path": str(r.path), "status": "finished", **variant(r, cmp.variant_keys),
-                   **(r.metrics or {})} for r in runs if r.metrics is not None]
-                 + [{"path": str(r.path), "status": "failed", "run.backend": r.backend,
+                   **(r.metrics or {})} for r in compared if r.metrics is not None]
+                 + [{"path": str(r.path), "status": r.status, "run.backend": r.backend,
                      "run.workload": r.workload, "failure": r.failure}
                     for r in cmp.failed]).to_csv(files.runs_csv, index=False)
-    files.plots = write_plots(cmp, runs, out)
-    files.markdown.write_text(to_markdown(cmp, [str(f) for f in folders],
-                                          [p.name for p in files.plots]))
+    files.plots = write_plots(cmp, compared, out) if len(cmp.frame) else []
+    files.markdown.write_text(to_markdown(
+        cmp, [str(f) for f in folders], [p.name for p in files.plots],
+        never_started=[f"{sweep}: {' '.join(job)}" for sweep, job in check.never_started],
+        stale=check.stale if not include_stale else []))
     return files
 
 
@@ -89,19 +110,35 @@ def main(argv: list[str] | None = None) -> int:
                     help="pin the baseline run among several (e.g. backend.block_size=16)")
     ap.add_argument("--out", type=Path, default=None,
                     help="output folder (default: <first folder>/report)")
+    ap.add_argument("--include-stale", action="store_true",
+                    help="also compare stale runs (a sweep folder's runs that are not jobs "
+                         "of its multirun.yaml: an earlier sweep into the same folder)")
     args = ap.parse_args(argv)
     try:
         files = build_report(args.folders, args.baseline_backend, _parse_where(args.where),
-                             args.out)
+                             args.out, args.include_stale)
     except ValueError as e:
         print(f"kvbench report: {e}", file=sys.stderr)
         return 2
-    cmp = files.comparison
-    assert cmp is not None
-    print(f"kvbench report: {len(cmp.frame)} finished run(s), {len(cmp.failed)} failed; "
-          f"ratios to {cmp.baseline_backend}")
+    except OSError as e:
+        print(f"kvbench report: cannot write {e.filename or 'the report'}: "
+              f"{e.strerror or e}", file=sys.stderr)
+        return 1
+    cmp, check = files.comparison, files.check
+    assert cmp is not None and check is not None
+    stale = len(check.stale) if files.stale_left_out else 0
+    print(f"kvbench report: {status_counts(cmp, len(check.never_started), stale)}"
+          + (f"; ratios to {cmp.baseline_backend}" if len(cmp.frame) else "; nothing finished"))
     for r in cmp.failed:
-        print(f"  failed: {r.path}: {r.failure}")
+        print(f"  {r.status}: {r.path}: {one_line(r.failure)}")
+    for sweep, job in check.never_started:
+        print(f"  never started: {sweep}: {' '.join(job)}")
+    if files.stale_left_out:
+        for r in check.stale:
+            print(f"  stale (left out; --include-stale compares it): {r.path}")
+    for r, diffs in cmp.unmatched:
+        print(f"  warning: not compared (no {cmp.baseline_backend} run with the same config "
+              f"outside backend.*): {r.path}: differs in {'; '.join(diffs) or 'its config'}")
     print(f"written to {files.out}/:")
     for p in files.all():
         print(f"  {p.name}")

@@ -106,7 +106,7 @@ def test_failed_runs_are_listed_apart(sweep: Path, tmp_path: Path) -> None:
     files = build_report([copy])
     assert len(pd.read_csv(files.comparison_csv)) == 4
     md = files.markdown.read_text()
-    assert "## Failed runs" in md and "4-paged-multiturn" in md and "holds 0 tokens" in md
+    assert "## Runs that did not finish" in md and "4-paged-multiturn" in md and "holds 0 tokens" in md
     assert "1 failed" in md
 
 

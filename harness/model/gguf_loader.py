@@ -7,6 +7,7 @@ vocabulary stored in the same file.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from harness.errors import UserError
 from harness.model.config import ModelConfig
 from harness.model.llama import LlamaModel
 from harness.model.tokenizer import HFTokenizer
@@ -148,15 +150,44 @@ def load_gguf(
 
     Measured for SmolLM2-135M Q4_1 on 2 cores: ~3 s to open, ~2 s to dequantize.
     """
-    from gguf import GGUFReader
-
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"GGUF file {str(path)!r} does not exist")
-    reader = GGUFReader(path)
-    cfg = read_config(reader, name=path.stem)
+    reader = open_gguf(path)
+    try:
+        cfg = read_config(reader, name=path.stem)
+    except ValueError as e:  # what is missing or unsupported, said with the file's name
+        raise UserError(f"{path}: {e}") from e
     model = LlamaModel(cfg, dtype, device)
     arch = _field(reader, "general.architecture")
-    model.load_weights(_weights(reader, cfg, permuted=arch in _PERMUTED_QK))
+    try:
+        model.load_weights(_weights(reader, cfg, permuted=arch in _PERMUTED_QK))
+    except UserError:
+        raise
+    except (ValueError, KeyError, NotImplementedError) as e:
+        raise UserError(f"{path}: its tensors cannot be loaded: {e}") from e
     tokenizer = HFTokenizer.from_gguf(path, extra_eos=cfg.eos_token_ids)
     return model, tokenizer
+
+
+def open_gguf(path: Path) -> Any:
+    """A GGUFReader over ``path``; UserError naming the file when it is missing, a folder,
+    not GGUF, or truncated (gguf's own errors are a bare "GGUF magic invalid" or numpy's
+    reshape errors, without the file's name)."""
+    from gguf import GGUFReader
+
+    if path.is_dir():
+        raise UserError(f"GGUF file {path} is a folder, not a file (a Hugging Face folder? "
+                        "use model=hf model.path=<it>)")
+    if not path.is_file():
+        raise UserError(f"GGUF file {path} does not exist")
+    try:
+        return GGUFReader(path)
+    except ValueError as e:
+        if "magic" in str(e).lower():
+            raise UserError(f"{path} is not a GGUF file (it does not start with the GGUF "
+                            "magic bytes)") from e
+        raise UserError(f"{path} cannot be read as GGUF ({e}): at {path.stat().st_size} "
+                        "bytes it is truncated (an interrupted download or copy?) or "
+                        "corrupt") from e
+    except (IndexError, KeyError, OverflowError, struct.error, OSError) as e:
+        raise UserError(f"{path} cannot be read as GGUF ({type(e).__name__}: {e}): "
+                        "truncated or corrupt") from e

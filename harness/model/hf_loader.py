@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from harness.errors import UserError
 from harness.model.config import ModelConfig
 from harness.model.llama import LlamaModel
 from harness.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -29,7 +30,7 @@ def config_from_hf(raw: dict[str, Any], name: str) -> ModelConfig:
     """ModelConfig from a parsed config.json (transformers 4.x or 5.x layout)."""
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_TYPES:
-        raise ValueError(f"model_type {model_type!r} is not supported (known: {SUPPORTED_TYPES})")
+        raise UserError(f"model_type {model_type!r} is not supported (known: {SUPPORTED_TYPES})")
     heads = int(raw["num_attention_heads"])
     # transformers 5 moves rope_theta / rope_scaling into one "rope_parameters" dict.
     rope_params: dict[str, Any] = raw.get("rope_parameters") or {}
@@ -63,15 +64,39 @@ def config_from_hf(raw: dict[str, Any], name: str) -> ModelConfig:
     )
 
 
+def read_config_json(folder: Path) -> dict[str, Any]:
+    """config.json of a Hugging Face folder; UserError naming the path for a missing
+    folder, a file given for the folder, a missing or unreadable config.json."""
+    config_file = folder / "config.json"
+    if folder.is_file():
+        raise UserError(f"{folder} is a file, not a Hugging Face model folder (a .gguf? use "
+                        "model=gguf model.path=<it>)")
+    if not folder.exists():
+        raise UserError(f"Hugging Face model folder {folder} does not exist")
+    if not config_file.is_file():
+        raise UserError(f"{folder} is not a Hugging Face model folder: no config.json")
+    try:
+        raw = json.loads(config_file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise UserError(f"{config_file} is not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise UserError(f"{config_file} holds a JSON {type(raw).__name__}, not an object")
+    return raw
+
+
 def _safetensors_weights(folder: Path) -> Iterator[tuple[str, Tensor]]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"{folder} has no *.safetensors files")
+        raise UserError(f"{folder} has no *.safetensors files")
     for file in files:
         # One tensor at a time: peak memory stays near one copy of the model.
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                yield key, f.get_tensor(key)
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                    yield key, f.get_tensor(key)
+        except SafetensorError as e:  # a header or tensor cut short: say which file
+            raise UserError(f"{file} cannot be read as safetensors ({e}): truncated (an "
+                            "interrupted download or copy?) or corrupt") from e
 
 
 def load_hf(
@@ -80,12 +105,21 @@ def load_hf(
     """Model and tokenizer from a Hugging Face folder, weights cast to ``dtype``."""
     folder = Path(folder)
     config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"{folder} is not a Hugging Face model folder: no config.json")
-    raw = json.loads(config_file.read_text())
-    cfg = config_from_hf(raw, name=folder.name)
+    raw = read_config_json(folder)
+    try:
+        cfg = config_from_hf(raw, name=folder.name)
+    except KeyError as e:
+        raise UserError(f"{config_file} lacks {e}, which a {raw.get('model_type')} config "
+                        "needs") from e
+    except (ValueError, TypeError) as e:
+        raise UserError(f"{config_file}: {e}") from e
     model = LlamaModel(cfg, dtype, device)
-    model.load_weights(_safetensors_weights(folder))
+    try:
+        model.load_weights(_safetensors_weights(folder))
+    except UserError:
+        raise
+    except (KeyError, ValueError) as e:
+        raise UserError(f"{folder}: the weights do not load ({e})") from e
     tokenizer: Tokenizer
     if raw.get(BYTE_TOKENIZER_KEY) == "byte":
         tokenizer = ByteTokenizer()

@@ -22,6 +22,7 @@ from harness.reporting.runs import (
     IGNORED_CONFIG_PREFIXES,
     Run,
     fmt_value,
+    one_line,
     run_key,
     variant_keys,
 )
@@ -61,6 +62,9 @@ class Baseline:
     @classmethod
     def load(cls, path: Path) -> Baseline:
         """Raises ValueError (with what to do) for a missing or malformed file."""
+        if path.is_dir():
+            raise ValueError(f"baseline {path} is a folder, not a baseline file (give the "
+                             f"file, e.g. {path / 'cpu-tiny.json'})")
         try:
             d = json.loads(path.read_text())
         except OSError as e:
@@ -135,8 +139,8 @@ def take_baseline(runs: list[Run], spec: dict[str, MetricSpec],
     (quality.* only where present). ``require_all``: a spec metric no run has is an error
     (a name typed on the command line)."""
     if failed := [r for r in runs if r.metrics is None]:
-        raise ValueError("cannot take a baseline from failed runs: "
-                         + "; ".join(f"{r.path}: {r.failure}" for r in failed))
+        raise ValueError("cannot take a baseline from runs that did not finish: " + "; ".join(
+            f"{r.path} ({r.status}): {one_line(r.failure)}" for r in failed))
     fields = variant_keys(runs)
     by_key = keyed(runs, fields)
     values: dict[str, dict[str, float]] = {}

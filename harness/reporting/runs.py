@@ -1,39 +1,54 @@
 """Run folders on disk -> :class:`Run` records, and the names report and gate give them.
 
 A run folder (DESIGN.md, Results) holds config.yaml, metrics.json, steps.csv and
-requests.csv; a failed one holds FAILED instead (and no config.yaml: the runner writes
-results only at the end, so a failed run's config comes from Hydra's .hydra/config.yaml).
-A sweep is any folder above run folders, however deep.
+requests.csv when the run finished; one that did not holds a marker instead (``FAILED``,
+``INTERRUPTED``), or nothing but its claim (``.kvbench-run``) or Hydra's ``.hydra/`` when
+its process was killed before it could write one (or it is still running). A sweep is any
+folder above run folders, however deep; a sweep folder with Hydra's ``multirun.yaml`` also
+says which jobs it launched, so jobs never started and stale jobs from an earlier sweep
+into the same folder are told apart (:func:`check_sweeps`).
 
-Runs are told apart by their *variant keys*: the config keys whose values differ between
-runs of the same backend and workload (``backend.reserve``, ``backend.block_size``,
-``workload.n``...). A run's key is ``<backend>/<workload>[/k=v,...]`` over those keys.
+Runs are told apart by their *variant keys*: config keys whose values differ between the
+finished runs of one workload (outside ``backend.*``: ``workload.n``, ``cache.kv_budget``,
+``seed``...), or between the runs of one backend on one workload (``backend.reserve``,
+``backend.block_size``...). A run's key is ``<backend>/<workload>[/k=v,...]`` over those
+keys.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import socket
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import yaml
 
+from harness.results import CLAIM, FAILED, METRICS, OUTCOMES, outcome, read_claim
+
 # Config keys that never describe what ran (where it was written, how it was shown).
 IGNORED_CONFIG_PREFIXES = ("out_dir", "run_name", "results_dir", "progress", "logger.")
+FINISHED, FAILED_RUN, INTERRUPTED_RUN = "finished", "failed", "interrupted"
+NO_OUTCOME, UNREADABLE = "no outcome", "unreadable"
 
 
 @dataclass(slots=True)
 class Run:
-    """One run folder. ``metrics`` is None exactly when the run failed."""
+    """One run folder. ``metrics`` is None exactly when the run did not finish (or its
+    metrics.json cannot be read): ``status`` says which, ``failure`` why."""
 
     path: Path
     config: dict[str, Any]  # config.yaml flattened to dotted keys
     metrics: dict[str, Any] | None
-    failure: str | None  # the text of FAILED
+    failure: str | None  # the text of FAILED / INTERRUPTED, or what is wrong
+    status: str = FINISHED  # finished | failed | interrupted | no outcome | unreadable
+    overrides: list[str] | None = None  # Hydra's .hydra/overrides.yaml, if any
+    stale: bool = False  # from an earlier sweep into the same folder (check_sweeps)
 
     @property
     def backend(self) -> str:
@@ -77,39 +92,167 @@ def _natural(path: Path) -> list[Any]:
     return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", str(path))]
 
 
-def _load(folder: Path) -> Run:
-    metrics_file, failed_file = folder / "metrics.json", folder / "FAILED"
-    # A folder rerun after a failure keeps its old FAILED: the newer file tells.
-    failed = failed_file.is_file() and not (
-        metrics_file.is_file() and metrics_file.stat().st_mtime >= failed_file.stat().st_mtime)
-    config: dict[str, Any] = {}
+class Unreadable(Exception):
+    """A run's file is not what it should be; the message names the file and the fault."""
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    try:
+        d = json.loads(path.read_text())
+    except OSError as e:
+        raise Unreadable(f"{path}: cannot read it ({e.strerror or e})") from e
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise Unreadable(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(d, dict):
+        raise Unreadable(f"{path}: holds a JSON {type(d).__name__}, not an object of metrics")
+    return d
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise Unreadable(f"{path}: cannot read it ({e.strerror or e})") from e
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise Unreadable(f"{path}: not valid YAML ({e})") from e
+
+
+def _config(folder: Path) -> dict[str, Any]:
     for name in ("config.yaml", ".hydra/config.yaml"):
         if (folder / name).is_file():
-            config = flatten(yaml.safe_load((folder / name).read_text()) or {})
-            break
-    if failed:
-        return Run(folder, config, None, failed_file.read_text().strip())
-    return Run(folder, config, json.loads(metrics_file.read_text()), None)
+            d = _read_yaml(folder / name) or {}
+            if not isinstance(d, dict):
+                raise Unreadable(f"{folder / name}: not a mapping of config keys")
+            return flatten(d)
+    return {}
+
+
+def _no_outcome(folder: Path) -> str:
+    owner = read_claim(folder) or {}
+    pid, host = owner.get("pid"), owner.get("host")
+    since = f" since {owner['started_at']}" if "started_at" in owner else ""
+    if isinstance(pid, int) and host == socket.gethostname():
+        try:
+            os.kill(pid, 0)
+            return f"no results or marker yet: still running (pid {pid}{since})"
+        except (ProcessLookupError, PermissionError):
+            pass
+    return ("no results and no marker: its process was killed before it could write one "
+            f"(SIGKILL, power loss){since}; or it runs on another machine")
+
+
+def _load(folder: Path) -> Run:
+    overrides = None
+    try:
+        if (folder / ".hydra" / "overrides.yaml").is_file():
+            o = _read_yaml(folder / ".hydra" / "overrides.yaml")
+            overrides = [str(x) for x in o] if isinstance(o, list) else None
+        config = _config(folder)
+    except Unreadable as e:
+        return Run(folder, {}, None, str(e), UNREADABLE, overrides)
+    end = outcome(folder)
+    if end is None:
+        return Run(folder, config, None, _no_outcome(folder), NO_OUTCOME, overrides)
+    if end != METRICS:
+        try:
+            text = (folder / end).read_text(errors="replace").strip()
+        except OSError as e:
+            text = f"cannot read {folder / end}: {e.strerror or e}"
+        status = FAILED_RUN if end == FAILED else INTERRUPTED_RUN
+        return Run(folder, config, None, text, status, overrides)
+    try:
+        return Run(folder, config, _read_json_object(folder / METRICS), None, FINISHED,
+                   overrides)
+    except Unreadable as e:
+        return Run(folder, config, None, str(e), UNREADABLE, overrides)
+
+
+def _run_folders(p: Path) -> set[Path]:
+    """Folders at or below ``p`` that hold a run: a result or marker, a claim, or Hydra's
+    .hydra/ (a job killed before it claimed its folder). Hidden folders are skipped (W&B's
+    files, .hydra itself)."""
+    found: set[Path] = set()
+    for name in (*OUTCOMES, CLAIM, ".hydra/config.yaml"):
+        for f in p.rglob(name):
+            folder = f.parent.parent if name.startswith(".hydra/") else f.parent
+            rel = folder.relative_to(p).parts
+            if f.is_file() and not any(part.startswith(".") for part in rel):
+                found.add(folder.resolve())
+    return found
 
 
 def find_runs(paths: list[Path]) -> list[Run]:
-    """Every run folder at or below ``paths`` (finished or failed), in natural path order.
+    """Every run folder at or below ``paths`` (whatever its outcome), in natural path order.
 
-    Raises ValueError naming the folders searched when there is none.
+    Raises ValueError naming the folders searched when there is none, and for a path that
+    does not exist or is not a folder.
     """
     folders: set[Path] = set()
     for p in paths:
+        if not p.exists():
+            raise ValueError(f"{p} does not exist (give run folders or sweep folders)")
         if not p.is_dir():
-            raise ValueError(f"{p} is not a folder (give run folders or sweep folders)")
-        for marker in ("metrics.json", "FAILED"):
-            for f in p.rglob(marker):
-                rel = f.relative_to(p).parts
-                if f.is_file() and not any(part.startswith(".") for part in rel):
-                    folders.add(f.parent.resolve())
+            raise ValueError(f"{p} is a file, not a folder (give run folders or sweep folders)")
+        folders |= _run_folders(p)
     if not folders:
-        raise ValueError("no runs found (no metrics.json or FAILED) under: "
+        raise ValueError(f"no runs found (no {', '.join(OUTCOMES)}) under: "
                          + ", ".join(str(p) for p in paths))
     return [_load(f) for f in sorted(folders, key=_natural)]
+
+
+@dataclass(slots=True)
+class SweepCheck:
+    """What the sweeps' multirun.yaml files say beyond the run folders."""
+
+    never_started: list[tuple[Path, list[str]]] = field(default_factory=list)  # (sweep, job)
+    stale: list[Run] = field(default_factory=list)
+
+
+def sweep_jobs(multirun: Path) -> list[list[str]] | None:
+    """The jobs (override lists) a Hydra sweep launched, from its multirun.yaml; None when
+    it cannot tell (another sweeper than Hydra's basic one, an unreadable file)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        hydra = (_read_yaml(multirun) or {}).get("hydra", {})
+        sweeper = hydra.get("sweeper", {})
+        if not str(sweeper.get("_target_", "")).endswith("BasicSweeper"):
+            return None
+        params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()]
+        parsed = OverridesParser.create().parse_overrides(
+            [*params, *hydra.get("overrides", {}).get("task", [])])
+        return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    except Exception:  # what Hydra itself would refuse: no verdict, never a crash
+        return None
+
+
+def check_sweeps(paths: list[Path], runs: list[Run]) -> SweepCheck:
+    """Compare each sweep folder's runs (those with .hydra/overrides.yaml) with the jobs its
+    multirun.yaml launched: jobs without a folder were never started (a sweep stopped
+    early); folders of no job are stale (an earlier sweep into the same folder) and get
+    ``stale = True``."""
+    check = SweepCheck()
+    sweeps = {f.parent.resolve() for p in paths for f in [*p.rglob("multirun.yaml")]
+              if f.is_file()}
+    for sweep in sorted(sweeps, key=_natural):
+        jobs = sweep_jobs(sweep / "multirun.yaml")
+        if jobs is None:
+            continue
+        expected = {frozenset(j): j for j in jobs}
+        mine = [r for r in runs if r.overrides is not None and sweep in r.path.parents]
+        seen = {frozenset(r.overrides or []) for r in mine}
+        for r in mine:
+            if frozenset(r.overrides or []) not in expected:
+                r.stale = True
+                check.stale.append(r)
+        check.never_started += [(sweep, j) for k, j in expected.items() if k not in seen]
+    return check
+
+
+def one_line(text: str | None) -> str:
+    """A marker's text on one line (its lines joined with "; ")."""
+    return "; ".join(ln.strip() for ln in str(text).splitlines() if ln.strip())
 
 
 def fmt_value(v: Any) -> str:
@@ -119,20 +262,31 @@ def fmt_value(v: Any) -> str:
     return "null" if v is None else str(v)
 
 
+def _differing(members: list[Run], keep: Any) -> set[str]:
+    names = set().union(*(r.config for r in members))
+    return {k for k in names
+            if keep(k) and not k.startswith(IGNORED_CONFIG_PREFIXES)
+            and k not in ("backend.name", "workload.name")
+            and len({fmt_value(r.config[k]) for r in members if k in r.config}) > 1}
+
+
 def variant_keys(runs: list[Run]) -> list[str]:
-    """Config keys whose values differ between runs of the same backend and workload (runs
-    without the key, written before it existed, do not count)."""
-    groups: dict[tuple[str, str], list[Run]] = defaultdict(list)
-    for r in runs:
-        groups[(r.backend, r.workload)].append(r)
+    """Config keys whose values differ between the finished runs of one workload (outside
+    ``backend.*``: whatever the backend, runs that differ there are different experiments),
+    or between the finished runs of one backend on one workload (``backend.*``: each
+    backend has its own options). Runs without a key, written before it existed, do not
+    count."""
+    done = [r for r in runs if r.metrics is not None]
+    by_workload: dict[str, list[Run]] = defaultdict(list)
+    by_backend: dict[tuple[str, str], list[Run]] = defaultdict(list)
+    for r in done:
+        by_workload[r.workload].append(r)
+        by_backend[(r.backend, r.workload)].append(r)
     keys: set[str] = set()
-    for members in groups.values():
-        names = set().union(*(r.config for r in members))
-        for k in names:
-            if k.startswith(IGNORED_CONFIG_PREFIXES) or k in ("backend.name", "workload.name"):
-                continue
-            if len({fmt_value(r.config[k]) for r in members if k in r.config}) > 1:
-                keys.add(k)
+    for members in by_workload.values():
+        keys |= _differing(members, lambda k: not k.startswith("backend."))
+    for members in by_backend.values():
+        keys |= _differing(members, lambda k: k.startswith("backend."))
     return sorted(keys)
 
 

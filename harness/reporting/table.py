@@ -11,12 +11,20 @@ pins it (``backend.block_size=16``). The table names the baseline it used.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
 
-from harness.reporting.runs import Run, fmt_value, label, run_key, variant, variant_keys
+from harness.reporting.runs import (
+    Run,
+    fmt_value,
+    label,
+    one_line,
+    run_key,
+    variant,
+    variant_keys,
+)
 
 # (metrics.json key, table header, format). "bytes" prints MiB. Order = column order.
 KEY_METRICS: list[tuple[str, str, str]] = [
@@ -50,7 +58,10 @@ class Comparison:
     variant_keys: list[str]
     metrics: list[str]  # the KEY_METRICS some run has
     baseline_backend: str
-    failed: list[Run]
+    failed: list[Run]  # every run that did not finish (status: failed, interrupted, ...)
+    # Finished runs with no baseline run of the same config outside backend.*, and how
+    # they differ from the baseline backend's runs there ("workload.n=4 (paged: 2)").
+    unmatched: list[tuple[Run, list[str]]] = field(default_factory=list)
 
 
 def resolve_baseline(runs: list[Run], requested: str | None) -> str:
@@ -76,6 +87,18 @@ def _pick(run: Run, candidates: list[Run], keys: list[str]) -> Run | None:
     return max(same, key=lambda c: sum(variant(c, keys).get(k) == v for k, v in mine.items()))
 
 
+def _differences(run: Run, candidates: list[Run], keys: list[str]) -> list[str]:
+    """The variant keys outside backend.* in which ``run`` matches none of ``candidates``:
+    ``key=value (baseline runs: a, b)``."""
+    out = []
+    for k in (k for k in keys if not k.startswith("backend.")):
+        mine = variant(run, [k]).get(k)
+        theirs = sorted({variant(c, [k]).get(k) or "(unset)" for c in candidates})
+        if mine not in theirs:
+            out.append(f"{k}={mine or '(unset)'} (baseline runs: {', '.join(theirs)})")
+    return out
+
+
 def _ratio(value: Any, base: Any) -> float:
     if value is None or base is None or _nan(value) or _nan(base):
         return math.nan
@@ -92,10 +115,12 @@ def compare(runs: list[Run], baseline: str | None = None,
             where: dict[str, str] | None = None) -> Comparison:
     """Rows: path, key, label, backend, workload, the variant keys, baseline (the baseline
     run's key), then each key metric followed by ``<metric>.vs_baseline`` (not for
-    NO_RATIO)."""
+    NO_RATIO). With no finished run the frame is empty: the report still lists the rest."""
+    done = [r for r in runs if r.metrics is not None]
+    if not done:
+        return Comparison(pd.DataFrame(), [], [], baseline or "paged", list(runs))
     backend = resolve_baseline(runs, baseline)
     keys = variant_keys(runs)
-    done = [r for r in runs if r.metrics is not None]
     where = where or {}
     known = set().union(*(r.config for r in runs))
     for k in where:
@@ -105,10 +130,13 @@ def compare(runs: list[Run], baseline: str | None = None,
     base_runs = [r for r in done if r.backend == backend
                  and all(fmt_value(r.config.get(k)) == v for k, v in where.items())]
     metrics = [m for m, _, _ in KEY_METRICS if any(m in (r.metrics or {}) for r in done)]
-    rows = []
+    rows, unmatched = [], []
     for r in done:
         m = r.metrics or {}
-        b = _pick(r, [c for c in base_runs if c.workload == r.workload], keys)
+        candidates = [c for c in base_runs if c.workload == r.workload]
+        b = _pick(r, candidates, keys)
+        if b is None and candidates:  # compared with nothing rather than with unlike runs
+            unmatched.append((r, _differences(r, candidates, keys)))
         bm = (b.metrics or {}) if b else {}
         row: dict[str, Any] = {"path": str(r.path), "key": run_key(r, keys),
                                "label": label(r, keys), "backend": r.backend,
@@ -123,7 +151,21 @@ def compare(runs: list[Run], baseline: str | None = None,
     for k in keys:  # a key only some backends have (backend.reserve) is blank elsewhere
         if k not in frame:
             frame[k] = None
-    return Comparison(frame, keys, metrics, backend, [r for r in runs if r.metrics is None])
+    return Comparison(frame, keys, metrics, backend, [r for r in runs if r.metrics is None],
+                      unmatched)
+
+
+def status_counts(cmp: Comparison, never_started: int = 0, stale: int = 0) -> str:
+    """``4 finished run(s), 1 failed, 2 interrupted, 1 never started`` (failed always;
+    the other kinds when there are some)."""
+    counts: dict[str, int] = {}
+    for r in cmp.failed:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    parts = [f"{len(cmp.frame)} finished run(s)", f"{counts.pop('failed', 0)} failed"]
+    parts += [f"{n} {status}" for status, n in sorted(counts.items())]
+    parts += [f"{n} {what}" for what, n in (("never started", never_started),
+                                             ("stale (left out)", stale)) if n]
+    return ", ".join(parts)
 
 
 def _cell(value: Any, fmt: str) -> str:
@@ -134,16 +176,21 @@ def _cell(value: Any, fmt: str) -> str:
     return fmt.format(value)
 
 
-def to_markdown(cmp: Comparison, sources: list[str], images: list[str]) -> str:
-    """The report page: one table per workload, failed runs, the plots."""
+def to_markdown(cmp: Comparison, sources: list[str], images: list[str],
+                never_started: list[str] | None = None, stale: list[Run] | None = None) -> str:
+    """The report page: one table per workload, the runs that did not finish, the jobs
+    never started, stale runs, the plots."""
     f = cmp.frame
-    n_ok, n_fail = len(f), len(cmp.failed)
-    out = ["# kvbench report", "",
-           f"{n_ok} finished run(s), {n_fail} failed, from {', '.join(sources)}.", "",
-           f"Each cell is the value and, in parentheses, its ratio to the `{cmp.baseline_backend}`"
-           " run on the same workload (same variant values outside `backend.*`). Lower is"
-           " better for latency, waste, preemptions and quality deltas (ppl delta and KL are"
-           " already relative to the exact reference: no ratio).", ""]
+    n_ok = len(f)
+    never_started, stale = never_started or [], stale or []
+    counts = status_counts(cmp, len(never_started), len(stale))
+    out = ["# kvbench report", "", f"{counts}, from {', '.join(sources)}.", ""]
+    if n_ok:
+        out += [f"Each cell is the value and, in parentheses, its ratio to the "
+                f"`{cmp.baseline_backend}` run on the same workload (same config outside "
+                "`backend.*`). Lower is better for latency, waste, preemptions and quality "
+                "deltas (ppl delta and KL are already relative to the exact reference: no "
+                "ratio).", ""]
     headers = {m: h for m, h, _ in KEY_METRICS}
     fmts = {m: fm for m, _, fm in KEY_METRICS}
     for wl, part in (f.groupby("workload", sort=False) if n_ok else []):
@@ -154,6 +201,12 @@ def to_markdown(cmp: Comparison, sources: list[str], images: list[str]) -> str:
         out += [f"## workload: {wl}", ""]
         if part["baseline"].isna().all():
             out += [f"No `{cmp.baseline_backend}` run on this workload: no ratios.", ""]
+        for r, diffs in cmp.unmatched:
+            if r.workload == wl:
+                out += [f"**Not compared:** `{label(r, cmp.variant_keys)}` has no "
+                        f"`{cmp.baseline_backend}` run with the same config outside "
+                        f"`backend.*`; it differs in {'; '.join(diffs) or 'its config'}: "
+                        "no ratios for it.", ""]
         out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for _, row in part.iterrows():
             cells = [row["backend"], *(row[k] if isinstance(row[k], str) else "-"
@@ -167,8 +220,20 @@ def to_markdown(cmp: Comparison, sources: list[str], images: list[str]) -> str:
             out.append("| " + " | ".join(str(c) for c in cells) + " |")
         out.append("")
     if cmp.failed:
-        out += ["## Failed runs", ""]
-        out += [f"- `{r.path}` ({r.backend} / {r.workload}): {r.failure}" for r in cmp.failed]
+        out += ["## Runs that did not finish", ""]
+        out += [f"- {r.status}: `{r.path}` ({r.backend} / {r.workload}): "
+                + one_line(r.failure) for r in cmp.failed]
+        out.append("")
+    if never_started:
+        out += ["## Jobs never started", "", "The sweep stopped before these jobs:", ""]
+        out += [f"- `{j}`" for j in never_started]
+        out.append("")
+    if stale:
+        out += ["## Stale runs (left out)", "",
+                "In a sweep folder but not among the jobs of its multirun.yaml: runs of an "
+                "earlier sweep into the same folder. Not compared "
+                "(`--include-stale` compares them too).", ""]
+        out += [f"- `{r.path}`" for r in stale]
         out.append("")
     if images:
         out += ["## Plots", ""] + [f"![{i}]({i})" for i in images] + [""]

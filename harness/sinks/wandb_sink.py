@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf
 
 from harness.metrics.collector import StepRow
+from harness.results import atomic_write
 
 if TYPE_CHECKING:
     from harness.runner import RunResult
@@ -33,12 +34,27 @@ MAX_TAG_LEN = 64  # W&B rejects longer tags
 STEP_COLUMNS = tuple(f.name for f in fields(StepRow))
 
 
-class WandbLogError(RuntimeError):
-    """Logging to W&B failed; ``run_dir`` is the W&B run's local folder if one was made."""
+# W&B's own wandb.init timeout is 90 s: a sweep without a network would wait that long per
+# job before failing. 30 s is ample for a reachable server; WANDB_INIT_TIMEOUT overrides.
+DEFAULT_INIT_TIMEOUT_S = 30.0
 
-    def __init__(self, message: str, run_dir: Path | None) -> None:
+
+class WandbLogError(RuntimeError):
+    """Logging to W&B failed; ``run_dir`` is the W&B run's local folder if one was made,
+    ``mode`` the W&B mode that was tried (the retry hint depends on it)."""
+
+    def __init__(self, message: str, run_dir: Path | None, mode: str | None = None) -> None:
         super().__init__(message)
         self.run_dir = run_dir
+        self.mode = mode
+
+
+def init_timeout() -> float:
+    """Seconds wandb.init may wait for the server (online mode)."""
+    try:
+        return float(os.environ.get("WANDB_INIT_TIMEOUT", DEFAULT_INIT_TIMEOUT_S))
+    except ValueError:
+        return DEFAULT_INIT_TIMEOUT_S
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -84,6 +100,10 @@ def log_run_to_wandb(cfg: DictConfig, result: RunResult, logger_cfg: DictConfig,
     if mode == "disabled":
         return None
     run_dir: Path | None = None
+    timeout = init_timeout()
+    if mode == "online":  # say so before the wait, not after it
+        print(f"  W&B online: connecting (up to {timeout:.0f} s without a network; "
+              "logger.mode=offline needs none, `wandb sync` uploads later)", flush=True)
     try:
         import wandb
 
@@ -99,14 +119,14 @@ def log_run_to_wandb(cfg: DictConfig, result: RunResult, logger_cfg: DictConfig,
             dir=str(_writable_dir(Path(base))) if base else None,
             # quiet: no sparklines per run (a sweep prints one block per job); the line
             # below says where the run went.
-            settings=wandb.Settings(quiet=True),
+            settings=wandb.Settings(quiet=True, init_timeout=timeout),
         ) as run:
             run_dir = Path(run.settings.sync_dir)
             url = run.url if mode == "online" else None
             _log_history(run, result)
             run.summary.update(result.metrics)
     except Exception as e:  # wandb raises many types (UsageError, CommError, OSError...)
-        raise WandbLogError(f"{type(e).__name__}: {e}", run_dir) from e
+        raise WandbLogError(f"{type(e).__name__}: {e}", run_dir, mode) from e
     print(f"  W&B run: {url}" if url else
           f"  W&B run (offline): {run_dir}\n  upload it with: wandb sync {run_dir}")
     return str(run_dir)
@@ -141,11 +161,17 @@ def _log_history(run: Any, result: RunResult) -> None:
 def record_wandb_failure(out: Path, error: BaseException) -> str:
     """Write ``WANDB_FAILED`` into the run folder; return the message for the terminal."""
     run_dir = getattr(error, "run_dir", None)
-    retry = (f"W&B's files (complete or not) are in {run_dir}: `wandb sync {run_dir}`"
-             if run_dir is not None and Path(run_dir).is_dir() else
-             "fix the cause and run again (or use logger.mode=offline, no network needed)")
+    if run_dir is not None and Path(run_dir).is_dir():
+        retry = f"W&B's files (complete or not) are in {run_dir}: `wandb sync {run_dir}`"
+    elif getattr(error, "mode", None) == "online":
+        retry = "fix the cause and run again (or use logger.mode=offline, no network needed)"
+    else:  # offline already: the network is not the cause
+        retry = "fix the cause and run again"
     msg = (f"kvbench: the run finished, but logging it to W&B failed: {error}\n"
            f"  local results are safe in {out}\n  to retry: {retry}")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / FAILED_FILE).write_text(msg.removeprefix("kvbench: ") + "\n")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write(out / FAILED_FILE, msg.removeprefix("kvbench: ") + "\n")
+    except OSError as e:  # the terminal still gets the whole story
+        msg += f"\n  ({FAILED_FILE} could not be written into {out}: {e.strerror or e})"
     return msg
