@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,6 +31,16 @@ class ForwardInputs:
     attn: AttentionBatch
 
 
+def i64(xs: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor of ``xs`` on ``device``. Through an ``array`` buffer: 3.5x faster
+    than ``torch.tensor(list)`` (8.5 vs 30 us for 768 ints here), and this runs for every
+    field of every step."""
+    if not xs:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    t = torch.frombuffer(array.array("q", xs), dtype=torch.int64)  # shares, keeps it alive
+    return t if device.type == "cpu" else t.to(device)
+
+
 def build_inputs(rec: StepRecord, kv: TableSource, device: torch.device) -> ForwardInputs:
     """Decodes first (one row each), then prefill chunks; see backends.base.
 
@@ -40,45 +51,41 @@ def build_inputs(rec: StepRecord, kv: TableSource, device: torch.device) -> Forw
     # Any one-token chunk is a "decode" for attention: one query over its context.
     decodes = [s for s in rec.seqs if s.num_tokens == 1]
     prefills = [s for s in rec.seqs if s.num_tokens != 1]
-    ids: list[int] = []
-    pos: list[int] = []
-    slots: list[int] = []
-    rows: list[int] = []
-    samplers: list[ScheduledSeq] = []
-    for s in decodes:
-        if s.sample:
-            rows.append(len(ids))
-            samplers.append(s)
-        ids.append(s.seq.token_ids[s.start])
-        pos.append(s.start)
-        slots.append(s.slots[0])
+    # Comprehensions, not appends in one loop: this runs for every sequence every step.
+    dseqs = [s.seq for s in decodes]
+    pos = [s.start for s in decodes]
+    ids = [q.token_ids[p] for q, p in zip(dseqs, pos)]
+    slots = [s.slots[0] for s in decodes]
+    rows = [i for i, s in enumerate(decodes) if s.sample]
+    samplers = [decodes[i] for i in rows] if len(rows) < len(decodes) else list(decodes)
     chunks: list[PrefillChunk] = []
     for s, table in zip(prefills, kv.tables([s.seq for s in prefills])):
         row = len(ids)
         ids += s.seq.token_ids[s.start:s.start + s.num_tokens]
         pos += range(s.start, s.start + s.num_tokens)
         slots += s.slots
-        chunks.append(PrefillChunk(row, s.num_tokens, s.start,
-                                   torch.tensor(table, dtype=torch.int64, device=device), s))
+        chunks.append(PrefillChunk(row, s.num_tokens, s.start, i64(table, device), s))
         if s.sample:
             rows.append(row + s.num_tokens - 1)
             samplers.append(s)
     nd = len(decodes)
     if nd:
-        tables = kv.tables([s.seq for s in decodes])
+        tables = kv.tables(dseqs)
         nblocks = [len(t) for t in tables]
         width = max(nblocks)
-        padded = [t + [0] * (width - len(t)) if len(t) < width else t for t in tables]
-        decode_tables = torch.tensor(padded, dtype=torch.int64, device=device)
-        lens = torch.tensor([s.start + 1 for s in decodes], dtype=torch.int64, device=device)
-        num_blocks = torch.tensor(nblocks, dtype=torch.int64, device=device)
+        # One flat list, one tensor: a nested list converts row by row, several times slower.
+        pad = [0] * width
+        flat = [b for t, n in zip(tables, nblocks) for b in (t + pad[n:] if n < width else t)]
+        decode_tables = i64(flat, device).view(nd, width)
+        lens = i64([p + 1 for p in pos[:nd]], device)
+        num_blocks = i64(nblocks, device)
     else:
         decode_tables = torch.zeros((0, 1), dtype=torch.int64, device=device)
         lens = torch.zeros(0, dtype=torch.int64, device=device)
         num_blocks = torch.zeros(0, dtype=torch.int64, device=device)
-    positions = torch.tensor(pos, dtype=torch.int64, device=device)
+    positions = i64(pos, device)
     attn = AttentionBatch(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        slot_mapping=i64(slots, device),
         positions=positions,
         num_decode=nd,
         decode_tables=decode_tables,
@@ -88,9 +95,9 @@ def build_inputs(rec: StepRecord, kv: TableSource, device: torch.device) -> Forw
         prefills=chunks,
     )
     return ForwardInputs(
-        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+        input_ids=i64(ids, device),
         positions=positions,
-        logits_rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        logits_rows=i64(rows, device),
         samplers=samplers,
         attn=attn,
     )

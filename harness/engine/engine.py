@@ -78,6 +78,7 @@ class Engine:
                 logits = self.model(inputs.input_ids, inputs.positions, self.backend.attend,
                                     inputs.logits_rows)
             forward_s = time.perf_counter() - tf
+            sch.end_forward()
             scores = self.backend.take_scores()
             tokens = self._sample(logits, [s.seq for s in inputs.samplers])
             sch.update(rec, tokens, scores)

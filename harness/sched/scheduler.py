@@ -162,16 +162,19 @@ class Scheduler:
         self._step += 1
         budget = self.cfg.max_num_batched_tokens
         # Tokens every running decode will need: prefills only get what is left of them.
-        # Keyed by group, so a decoding group preempted before its turn gives its share back.
         decoding = [self._is_decoding(g) for g in self.running]
-        pending = {id(g): len(g.live_seqs) if len(g.seqs) > 1 else 1
-                   for g, d in zip(self.running, decoding) if d}
-        pending_decode = sum(pending.values())
+        pending_decode = sum(len(g.live_seqs) if len(g.seqs) > 1 else 1
+                             for g, d in zip(self.running, decoding) if d)
 
         def preempt(victim: SequenceGroup) -> None:
+            # Victims come off the back of ``running``, whose entries keep their indices
+            # into ``decoding`` (only the tail shrinks): a decoding victim not yet
+            # scheduled this step gives its share of the budget back to the prefills.
             nonlocal pending_decode
+            j = len(self.running) - 1
+            if victim is not self.running[i] and decoding[j]:
+                pending_decode -= len(victim.live_seqs) if len(victim.seqs) > 1 else 1
             self._preempt(victim, rec)
-            pending_decode -= pending.pop(id(victim), 0)
 
         i = 0
         while i < len(self.running):
@@ -194,7 +197,7 @@ class Scheduler:
                 seq.num_computed += 1
                 rec.num_decode_tokens += 1
                 budget -= 1
-                pending_decode -= pending.pop(id(g))
+                pending_decode -= 1
                 i += 1
                 continue
             live = g.live_seqs
@@ -213,7 +216,7 @@ class Scheduler:
             self._commit_all(demands, rec)
             budget -= sum(n_tokens)
             if decoding[i]:
-                pending_decode -= pending.pop(id(g))
+                pending_decode -= len(live)
             i += 1
 
         if not rec.preempted:
@@ -400,14 +403,19 @@ class Scheduler:
         elif n_out >= p.max_tokens or len(toks) >= self.cfg.max_model_len:
             self.finish_seq(seq, "length")
 
+    def end_forward(self) -> None:
+        """The step's forward is done: from here on (forks and pruned beams while sampling,
+        finishes in :meth:`update`) changes count from the next step on the KV manager's
+        clock; what the forward held was held for this step."""
+        self.kv.end_forward()
+
     def update(self, rec: StepRecord, tokens: list[tuple[Sequence, int]],
                scores: StepScores | None = None) -> None:
-        """After the forward: close the step on the KV manager's clock, append the sampled
-        tokens (stopping and freeing finished sequences), retire finished groups into
-        ``rec.finished``, let the manager's eviction policy act on the step's running
-        sequences (with the backend's ``scores``), and account external fragmentation."""
+        """After :meth:`end_forward` and sampling: append the sampled tokens (stopping and
+        freeing finished sequences), retire finished groups into ``rec.finished``, let the
+        manager's eviction policy act on the step's running sequences (with the backend's
+        ``scores``), and account external fragmentation."""
         kv = self.kv
-        kv.end_forward()  # blocks freed from here on were held during this step
         for seq, tok in tokens:
             self.append_token(seq, tok)
         self.retire_finished(rec)
