@@ -48,9 +48,9 @@ if [[ $fa4 == 1 ]]; then
     "apache-tvm-ffi>=0.1.11,<0.2" "torch-c-dlpack-ext" "quack-kernels>=0.5.3" "einops"
   big="$(cd "$fa/dl" && ls nvidia_cutlass_dsl_libs_cu13-*.whl)"
   (cd "$fa/dl" && sha256sum "$big" > "$fa/1/$big.sha256" && cp "$fa/1/$big.sha256" "$fa/2/")
-  # Call 1 also carries gpu_wheels/ (~2 MB): 40 MiB of the big wheel there, the rest
-  # (~48 MiB) and the small wheels (~9 MB) in call 2.
-  split -b 40M -d "$fa/dl/$big" "$fa/dl/$big.part"
+  # Two equal halves (~44 MiB each): call 1 also carries gpu_wheels/ (~2 MB), call 2 the
+  # small wheels (~9 MB).
+  split -n 2 -d "$fa/dl/$big" "$fa/dl/$big.part"
   mv "$fa/dl/$big.part00" "$fa/1/" && mv "$fa/dl/$big.part01" "$fa/2/"
   if compgen -G "$fa/dl/*.part*" > /dev/null; then
     echo "gpu_bundle: the split left more than two parts" >&2; exit 1

@@ -36,6 +36,9 @@ sha256sum -c "${sums[0]}" >> "$log" 2>&1 || { rm -f "$big"; fail "checksum of $b
   >> "$log" 2>&1 || fail "pip install failed (see $log)"
 echo "== flash-attn 4 installed into $py" | tee -a "$log"
 cd "$root"
+# kvbench from this tree (call 1's venv may point at another copy); setuptools is there.
+"$py" -m pip install --no-index --no-deps --no-build-isolation --disable-pip-version-check \
+  -q -e "$root" >> "$log" 2>&1 || fail "editable install of kvbench failed (see $log)"
 export TRITON_INTERPRET=0
 exec timeout 300 "$py" -m harness.gpucheck --out "$out" --only env,flash-attn \
   --budget flash-attn=240 --total-s 270 "$@"
