@@ -1,0 +1,178 @@
+"""Bad inputs, table-driven: each row is the input (a CLI override, a model file, a run
+folder for report or gate), the exit status, and a phrase the message must contain; a
+message about a file must name it. A traceback never stands in for a message.
+
+The CLI rows run ``python -m harness`` (each fails before any model work); the model files
+go through ``load_model`` and the report/gate rows through their ``main``, in-process.
+Add a row for every bad input fixed, so that it stays fixed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from harness.errors import UserError
+from harness.gate import main as gate
+from harness.model import load_model, save_hf
+from harness.report import main as report
+from tests.test_report import write_run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _gguf(path: Path) -> Path:
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("token_embd.weight", np.ones((64, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _runs(root: Path) -> Path:
+    for i, backend in enumerate(("paged", "contiguous")):
+        write_run(root / f"{i}-{backend}", {"name": backend, "block_size": 16},
+                  {"requests.finished": 4, "memory.waste_pct": 2.0})
+    return root
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The bad inputs, by name (the tables' ``{placeholders}``)."""
+    t = tmp_path_factory.mktemp("bad")
+    f: dict[str, Path] = {"a_folder": t / "a_folder", "a_file": t / "a_file.txt",
+                          "missing": t / "missing"}
+    f["a_folder"].mkdir()
+    f["a_file"].write_text("hello\n")
+    good = _gguf(t / "good.gguf").read_bytes()
+    f["truncated_gguf"] = t / "truncated.gguf"
+    f["truncated_gguf"].write_bytes(good[: len(good) - 100])
+    f["not_gguf"] = t / "not.gguf"
+    f["not_gguf"].write_text("hello\n")
+    f["gguf_folder"] = t / "folder.gguf"
+    f["gguf_folder"].mkdir()
+    for name, text in (("hf_bad_json", '{"model_type": "llama",'), ("hf_list_json", "[1, 2]"),
+                       ("hf_missing_key", '{"model_type": "llama"}')):
+        f[name] = t / name
+        f[name].mkdir()
+        (f[name] / "config.json").write_text(text)
+    f["hf_truncated_weights"] = t / "hf_cut"
+    save_hf(load_model("tiny").model, f["hf_truncated_weights"], byte_tokenizer=True)
+    weights = f["hf_truncated_weights"] / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    f["finished_run"] = t / "finished_run"
+    f["finished_run"].mkdir()
+    (f["finished_run"] / "metrics.json").write_text("{}")
+    f["sweep"] = _runs(t / "sweep")
+    f["baseline"] = t / "baseline.json"
+    assert gate(["--write-baseline", str(f["baseline"]), str(f["sweep"])]) == 0
+    f["metrics_list"] = t / "metrics_list"
+    shutil.copytree(f["sweep"], f["metrics_list"])
+    (f["metrics_list"] / "1-contiguous" / "metrics.json").write_text("[1, 2]")
+    f["metrics_broken"] = t / "metrics_broken"
+    shutil.copytree(f["sweep"], f["metrics_broken"])
+    (f["metrics_broken"] / "1-contiguous" / "metrics.json").write_text('{"requests.fin')
+    f["config_broken"] = t / "config_broken"
+    shutil.copytree(f["sweep"], f["config_broken"])
+    (f["config_broken"] / "1-contiguous" / "config.yaml").write_text("backend: [paged\n")
+    return {k: str(v) for k, v in f.items()}
+
+
+# --- python -m harness ---------------------------------------------------------------------
+# (arguments, exit status, phrase in the output, phrase that must not be there)
+CLI = [
+    (["backend=nope"], 2, "Could not find 'backend/nope'", "Traceback"),
+    (["backend.block_size=abc"], 2, "could not be converted to Integer", "Traceback"),
+    (["backend=paged_schema"], 2, "backend=paged_schema is an internal schema", "Traceback"),
+    (["-m", "backend=paged,paged_schema"], 2, "use backend=paged", "Traceback"),
+    (["model=gguf", "model.path={truncated_gguf}"], 2,
+     "{truncated_gguf} cannot be read as GGUF", "Traceback"),
+    (["hydra.run.dir={finished_run}"], 2, "already holds another run's results", "Traceback"),
+    (["--help"], 0, "== Configuration groups ==", "_schema"),
+]
+
+
+@pytest.mark.parametrize(("args", "code", "phrase", "absent"), CLI,
+                         ids=[" ".join(c[0]) for c in CLI])
+def test_cli(files: dict[str, str], args: list[str], code: int, phrase: str, absent: str,
+             tmp_path: Path) -> None:
+    argv = [a.format(**files) for a in args]
+    if "--help" not in argv:
+        argv += [f"results_dir={tmp_path}"]
+        argv += [] if any(a.startswith("model=") for a in argv) else ["model=tiny"]
+    p = subprocess.run([sys.executable, "-m", "harness", *argv], capture_output=True,
+                       text=True, cwd=ROOT, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == code, out
+    assert phrase.format(**files) in out and absent not in out, out
+
+
+def test_a_refused_folder_is_left_as_it_was(files: dict[str, str]) -> None:
+    # (after the CLI rows: the refused run wrote nothing into the other run's folder)
+    assert sorted(p.name for p in Path(files["finished_run"]).iterdir()) == ["metrics.json"]
+
+
+# --- model files -----------------------------------------------------------------------------
+# (model source, path, phrase); the message must also name the path
+MODEL_FILES = [
+    ("gguf", "{gguf_folder}", "is a folder, not a file"),
+    ("gguf", "{truncated_gguf}", "truncated"),
+    ("gguf", "{not_gguf}", "is not a GGUF file"),
+    ("hf", "{hf_bad_json}", "is not valid JSON"),
+    ("hf", "{hf_list_json}", "holds a JSON list, not an object"),
+    ("hf", "{hf_missing_key}", "lacks 'num_attention_heads'"),
+    ("hf", "{a_file}", "is a file, not a Hugging Face model folder"),
+    ("hf", "{hf_truncated_weights}", "cannot be read as safetensors"),
+]
+
+
+@pytest.mark.parametrize(("source", "path", "phrase"), MODEL_FILES,
+                         ids=[f"{s}:{p}" for s, p, _ in MODEL_FILES])
+def test_model_file(files: dict[str, str], source: str, path: str, phrase: str) -> None:
+    where = path.format(**files)
+    with pytest.raises(UserError) as e:
+        load_model(source, where)
+    assert phrase in str(e.value) and Path(where).name in str(e.value), str(e.value)
+
+
+# --- report and gate -------------------------------------------------------------------------
+# (tool, arguments, exit status, phrase)
+TOOLS = [
+    ("report", ["{metrics_list}"], 0, "holds a JSON list, not an object of metrics"),
+    ("gate", ["{metrics_list}", "--baseline", "{baseline}"], 1,
+     "UNREADABLE: {metrics_list}/1-contiguous/metrics.json: holds a JSON list"),
+    ("report", ["{metrics_broken}"], 0, "{metrics_broken}/1-contiguous/metrics.json: not valid"),
+    ("report", ["{config_broken}"], 0, "{config_broken}/1-contiguous/config.yaml: not valid YAML"),
+    ("report", ["{missing}"], 2, "{missing} does not exist"),
+    ("report", ["{a_file}"], 2, "{a_file} is a file, not a folder"),
+    ("report", ["{sweep}", "--out", "{a_file}"], 2, "--out {a_file} is a file"),
+    ("gate", ["{sweep}", "--write-baseline", "{a_folder}"], 2,
+     "--write-baseline {a_folder} is a folder"),
+    ("gate", ["{sweep}", "--baseline", "{a_folder}"], 2, "is a folder, not a baseline file"),
+]
+
+
+@pytest.mark.parametrize(("tool", "args", "code", "phrase"), TOOLS,
+                         ids=[f"{t} {' '.join(a)}" for t, a, _, _ in TOOLS])
+def test_report_and_gate(files: dict[str, str], tool: str, args: list[str], code: int,
+                         phrase: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [a.format(**files) for a in args]
+    if tool == "report" and "--out" not in argv:
+        argv += ["--out", str(tmp_path / "report")]
+    assert {"report": report, "gate": gate}[tool](argv) == code
+    out = capsys.readouterr()
+    assert phrase.format(**files) in out.out + out.err, out
+
+
+def test_baseline_file_stays_json(files: dict[str, str]) -> None:
+    assert json.loads(Path(files["baseline"]).read_text())["format"].startswith("kvbench")

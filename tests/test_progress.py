@@ -1,0 +1,70 @@
+"""harness/progress.py: a bar on a terminal, periodic status lines elsewhere, and what an
+interrupted run reports."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from harness import progress as prog
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_terminal_bar_shows_requests_rate_elapsed_and_eta(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr(prog.time, "monotonic", lambda: now[0])
+    out = FakeTTY()
+    p = prog.Progress(True, stream=out)
+    p(0, 10, 0.0)
+    now[0] += 4.0
+    p(2, 10, 50.0)  # 2 of 10 in 4 s: 16 s to go
+    now[0] += 0.01
+    p(3, 10, 51.0)  # within the redraw limit: not drawn
+    last = out.getvalue().split("\r")[-1]
+    assert "2/10 requests" in last and "50.0 tok/s" in last
+    assert "0:04 elapsed" in last and "ETA 0:16" in last and "[" in last
+    p.close()
+    assert out.getvalue().endswith("\n") and "3/10 requests" in out.getvalue().split("\r")[-1]
+
+
+def test_status_lines_when_not_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [0.0]
+    monkeypatch.setattr(prog.time, "monotonic", lambda: now[0])
+    out = io.StringIO()
+    p = prog.Progress(True, stream=out, label="3-fp8-random", interval_s=10.0)
+    for step in range(100):  # one call per engine step, 0.25 s apart: 25 s
+        now[0] += 0.25
+        p(step // 10, 10, 12.5)
+    p.close()
+    lines = out.getvalue().splitlines()
+    # The first step, then every 10 s (at 10.25 s and 20.25 s), then the end.
+    assert len(lines) == 4, lines
+    assert all(ln.startswith("kvbench [3-fp8-random]: ") for ln in lines)
+    assert "0/10 requests" in lines[0] and "ETA ?" in lines[0]
+    assert lines[-1].endswith("done: 9/10 requests in 25.0 s (12.5 tok/s)")
+
+
+def test_disabled_draws_nothing_but_counts_for_the_marker() -> None:
+    prog.configure("")
+    assert prog.current() is None
+    assert prog.describe(None).startswith("before the workload started")
+    out = io.StringIO()
+    p = prog.make_progress(False)
+    p.stream = out
+    for i in range(5):
+        p(i, 8, 1.0)
+    assert out.getvalue() == "" and prog.current() is p
+    text = prog.describe(p.snapshot())
+    assert text.startswith("5 engine steps, 4 of 8 requests done")
+    p.close()
+    assert "the workload had finished" in prog.describe(p.snapshot())
+
+
+def test_clock() -> None:
+    assert prog.clock(73.4) == "1:13" and prog.clock(3725) == "1:02:05"
