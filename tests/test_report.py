@@ -106,7 +106,8 @@ def test_failed_runs_are_listed_apart(sweep: Path, tmp_path: Path) -> None:
     files = build_report([copy])
     assert len(pd.read_csv(files.comparison_csv)) == 4
     md = files.markdown.read_text()
-    assert "## Runs that did not finish" in md and "4-paged-multiturn" in md and "holds 0 tokens" in md
+    assert "## Runs that did not finish" in md and "4-paged-multiturn" in md
+    assert "holds 0 tokens" in md
     assert "1 failed" in md
 
 
@@ -188,3 +189,59 @@ def test_where_pins_the_baseline_run(block_sweep: Path,
     assert t.loc[str(block_sweep / "1"), "throughput.output_tokens_per_s" + RATIO] == 2.0
     assert main([str(block_sweep), "--where", "backend.nope=1"]) == 2
     assert "variant keys here: backend.block_size, backend.reserve" in capsys.readouterr().err
+
+
+# Unlike runs, stale runs, jobs never started (docs/errors.md).
+
+def _run(folder: Path, backend: str, config: dict[str, Any], tps: float,
+         overrides: list[str] | None = None) -> None:
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(yaml.safe_dump(
+        {"backend": {"name": backend}, "workload": {"name": "multiturn"}, **config}))
+    (folder / "metrics.json").write_text(json.dumps(
+        {"run.backend": backend, "run.workload": "multiturn",
+         "throughput.output_tokens_per_s": tps}))
+    if overrides is not None:
+        (folder / ".hydra").mkdir()
+        (folder / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+
+
+def test_runs_whose_config_differs_outside_backend_are_not_compared(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # paged at 3 conversations must not be the 1.00x baseline of contiguous at 2.
+    _run(tmp_path / "0", "paged", {"workload": {"name": "multiturn", "conversations": 3}}, 100)
+    _run(tmp_path / "1", "contiguous",
+         {"workload": {"name": "multiturn", "conversations": 2}}, 50)
+    _run(tmp_path / "2", "contiguous",
+         {"workload": {"name": "multiturn", "conversations": 3}}, 25)
+    runs = find_runs([tmp_path])
+    assert variant_keys(runs) == ["workload.conversations"]
+    t = compare(runs).frame.set_index("path")
+    tps = "throughput.output_tokens_per_s" + RATIO
+    assert pd.isna(t.loc[str(tmp_path / "1"), tps])
+    assert t.loc[str(tmp_path / "2"), tps] == 0.25
+    assert main([str(tmp_path), "--out", str(tmp_path / "rep")]) == 0
+    out = capsys.readouterr().out
+    assert "warning: not compared" in out
+    assert "workload.conversations=2 (baseline runs: 3)" in out
+    assert "**Not compared:**" in (tmp_path / "rep" / "report.md").read_text()
+
+
+def test_a_reused_sweep_folder_stale_runs_and_jobs_never_started(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # multirun.yaml (the latest sweep into the folder) launched paged and contiguous; fp8 is
+    # an earlier sweep's; contiguous never started.
+    (tmp_path / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {
+        "sweeper": {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
+                    "params": {"backend": "paged,contiguous"}},
+        "overrides": {"task": ["model=tiny"]}}}))
+    _run(tmp_path / "0-paged", "paged", {}, 100, ["backend=paged", "model=tiny"])
+    _run(tmp_path / "1-fp8", "fp8", {}, 400, ["model=tiny", "backend=fp8"])
+    assert main([str(tmp_path), "--out", str(tmp_path / "rep")]) == 0
+    out = capsys.readouterr().out
+    assert "1 finished run(s), 0 failed, 1 never started, 1 stale (left out)" in out
+    assert "never started" in out and "backend=contiguous model=tiny" in out
+    assert f"stale (left out; --include-stale compares it): {tmp_path / '1-fp8'}" in out
+    assert len(pd.read_csv(tmp_path / "rep" / "comparison.csv")) == 1
+    assert main([str(tmp_path), "--out", str(tmp_path / "rep2"), "--include-stale"]) == 0
+    assert len(pd.read_csv(tmp_path / "rep2" / "comparison.csv")) == 2

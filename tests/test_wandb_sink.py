@@ -177,3 +177,29 @@ def test_reader_follows_records_across_blocks(tmp_path: Path) -> None:
     rec = read_run(run_dir)
     assert rec.config["big"] == big
     assert [(h["i"], h["sq"]) for h in rec.history] == [(i, i * i) for i in range(600)]
+
+
+def test_online_says_so_first_and_gives_up_sooner_than_wandb(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        logged: tuple[RunResult, Path]) -> None:
+    result, _ = logged
+    seen: dict[str, Any] = {}
+
+    def no_network(**kwargs: Any) -> None:
+        seen["timeout"] = kwargs["settings"].init_timeout
+        raise wandb.errors.CommError("Run initialization has timed out")
+
+    monkeypatch.setattr(wandb, "init", no_network)
+    monkeypatch.delenv("WANDB_INIT_TIMEOUT", raising=False)
+    cfg = tiny("logger=wandb", "logger.mode=online", f"logger.dir={tmp_path}")
+    with pytest.raises(WandbLogError) as e:
+        log_run_to_wandb(cfg, result, cfg.logger)
+    assert seen["timeout"] == 30.0  # W&B's own default: 90 s, per run of a sweep
+    assert "W&B online: connecting (up to 30 s" in capsys.readouterr().out
+    assert "logger.mode=offline" in record_wandb_failure(tmp_path, e.value)
+
+
+def test_an_offline_failure_does_not_suggest_offline_mode(tmp_path: Path) -> None:
+    msg = record_wandb_failure(tmp_path, WandbLogError("UsageError: bad project", None,
+                                                        "offline"))
+    assert "to retry: fix the cause and run again" in msg and "logger.mode" not in msg
