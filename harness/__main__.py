@@ -89,6 +89,10 @@ def run_job(cfg: DictConfig, out: Path, multirun: bool) -> int:
     except UserError as e:  # never mark a folder that is not ours
         print(f"kvbench: {e}", file=sys.stderr)
         return EXIT_USER
+    except OSError as e:
+        print(f"kvbench: cannot claim the results folder {out}: {e.strerror or e}",
+              file=sys.stderr)
+        return EXIT_USER
     progress.configure(out.name if multirun else "")
     try:
         try:

@@ -26,7 +26,11 @@ from harness.supervisor import coordinate
 SCHEMA_SUFFIX = "_schema"  # harness/config.py registers each group's schema as <name>_schema
 
 
-def _exit(e: UserError) -> None:
+def _exit(e: Exception) -> None:
+    if isinstance(e, OSError):  # a folder that cannot be created: the user's to change
+        e = UserError(f"cannot claim the results folder {e.filename or ''}: "
+                      f"{e.strerror or e}; choose another (results_dir=..., hydra.run.dir=... "
+                      "or hydra.sweep.dir=...)")
     print(f"kvbench: {e}", file=sys.stderr)
     sys.exit(2)
 
@@ -64,7 +68,7 @@ class FolderGuard(Callback):
         try:
             refuse_schema_choices(config.hydra.runtime.choices)
             claim_folder(Path(str(config.hydra.run.dir)).absolute())
-        except UserError as e:
+        except (UserError, OSError) as e:
             _exit(e)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -76,7 +80,7 @@ class FolderGuard(Callback):
                 refuse_schema_choices(bad)
             sweep = Path(str(config.hydra.sweep.dir)).absolute()
             claim_sweep(sweep)
-        except UserError as e:
+        except (UserError, OSError) as e:
             _exit(e)
         coordinate(sweep)  # a stop signal reaches the running jobs before the launcher's
 

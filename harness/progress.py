@@ -86,6 +86,7 @@ class Progress:
         self.finished = False
         self._last_draw = -1e9
         self._drawn = False
+        self._width = 0  # of the bar's last line
 
     def __call__(self, done: int, total: int, tokens_per_s: float) -> None:
         self.steps += 1
@@ -133,7 +134,10 @@ class Progress:
             width = max(0, min(BAR_WIDTH, room))
             fill = round(share * width)
             bar = f"[{'#' * fill}{'.' * (width - fill)}] " if width >= 5 else ""
-            self.stream.write(f"\r  {bar}{stats} ")
+            line = f"  {bar}{stats} "
+            # Pad over a longer previous line ("\r" only moves the cursor back).
+            self.stream.write(f"\r{line}{' ' * max(0, self._width - len(line))}")
+            self._width = len(line)
         else:
             self.stream.write(f"{self._prefix()}{' '.join(stats.split())}\n")
         self.stream.flush()
