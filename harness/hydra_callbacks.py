@@ -23,7 +23,8 @@ from harness.errors import UserError
 from harness.results import claim_folder, claim_sweep
 from harness.supervisor import coordinate
 
-SCHEMA_SUFFIX = "_schema"  # harness/config.py registers each group's schema as <name>_schema
+# harness/config.py registers the schemas as <group>/<name>_schema, or as schema/<group>/<name>
+SCHEMA_SUFFIX, SCHEMA_GROUP = "_schema", "schema"
 
 
 def _exit(e: Exception) -> None:
@@ -86,13 +87,10 @@ class FolderGuard(Callback):
 
 
 def hide_schemas() -> None:
-    """Leave ``*_schema`` out of Hydra's option lists (--help, "Available options" in
-    errors, shell completion, glob sweeps); they stay loadable, as the YAMLs' defaults.
-
-    A shim: the schemas live in the same groups as the options because harness/config.py
-    registers them there; a separate group (``schema/backend``) would make this
-    unnecessary.
-    """
+    """Leave the internal schemas out of Hydra's option lists (--help, "Available options"
+    in errors, shell completion, glob sweeps): ``<name>_schema`` options inside a group,
+    and a top-level ``schema`` group (``schema/backend/paged``). They stay loadable, as
+    the YAMLs' defaults."""
     from hydra._internal.config_repository import ConfigRepository
 
     if getattr(ConfigRepository.get_group_options, "_kvbench", False):
@@ -100,7 +98,9 @@ def hide_schemas() -> None:
     original = ConfigRepository.get_group_options
 
     def get_group_options(self: ConfigRepository, *args: Any, **kwargs: Any) -> list[str]:
-        return [o for o in original(self, *args, **kwargs) if not o.endswith(SCHEMA_SUFFIX)]
+        group = args[0] if args else kwargs.get("group_name", "")
+        return [o for o in original(self, *args, **kwargs)
+                if not o.endswith(SCHEMA_SUFFIX) and not (group == "" and o == SCHEMA_GROUP)]
 
     get_group_options._kvbench = True  # type: ignore[attr-defined]
     ConfigRepository.get_group_options = get_group_options  # type: ignore[method-assign]
