@@ -21,7 +21,10 @@ the sweep goes on. Why a fork, and not a custom launcher or a subprocess:
 
 The child asks the kernel for SIGTERM when its parent dies (PR_SET_PDEATHSIG), so killing
 the sweep never leaves orphaned jobs running: they are interrupted and marked. Where fork
-is unavailable (not Linux) jobs run in-process, as before.
+is unavailable (not Linux), or would be unsafe (this process holds a CUDA context), jobs
+run in-process, as before. Nothing in the launching process may initialize CUDA (not
+even ``torch.cuda.is_available()``, whose cuInit makes CUDA unusable in forked children):
+device checks belong to the run (harness/runner.py), which runs in the child.
 """
 
 from __future__ import annotations
@@ -190,7 +193,13 @@ class JobEnd:
 
 
 def can_fork() -> bool:
-    return sys.platform.startswith("linux") and hasattr(os, "fork")
+    """Whether jobs can run in forked children here: Linux, and no CUDA context in this
+    process (a child of a process that initialized CUDA cannot use it). The processes
+    that launch jobs never touch CUDA; the jobs do, each in its own child."""
+    if not (sys.platform.startswith("linux") and hasattr(os, "fork")):
+        return False
+    torch = sys.modules.get("torch")
+    return not (torch is not None and torch.cuda.is_initialized())
 
 
 _parent: int | None = None  # in a job process: the pid of the process that forked it
@@ -259,7 +268,7 @@ def run_supervised(job: Callable[[], int], out: Path) -> JobEnd:
     marker). SIGINT/SIGTERM sent to this process are passed on to the child, which writes
     INTERRUPTED; they come back in ``JobEnd.stop`` so the caller can stop the sweep.
     """
-    if not can_fork():  # in-process: a stop signal reached this very process
+    if not can_fork():  # in-process, as before: a stop signal reached this very process
         code = job()
         return JobEnd(code, Interrupted(code - 128) if code - 128 in STOP_SIGNALS else None)
     got: list[int] = []
