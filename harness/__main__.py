@@ -198,7 +198,7 @@ def cli() -> None:
     from harness.hydra_callbacks import hide_schemas
     from harness.supervisor import as_interrupted, install_handlers
 
-    install_handlers()
+    install_handlers(top_level=True)
     hide_schemas()
     full_error = bool(os.environ.get("HYDRA_FULL_ERROR"))
     # Hydra prints its errors and exits 1; asked for full errors it raises them instead,

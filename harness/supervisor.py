@@ -102,13 +102,23 @@ def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
     raise Interrupted(signum)
 
 
-def install_handlers() -> None:
-    """SIGINT and SIGTERM raise :class:`Interrupted` (main thread only; else a no-op)."""
-    global _stopping, _sweep
+_ignored: frozenset[int] = frozenset()  # stop signals this program was started ignoring
+
+
+def install_handlers(top_level: bool = False) -> None:
+    """SIGINT and SIGTERM raise :class:`Interrupted` (main thread only; else a no-op).
+
+    ``top_level`` (the CLI's own process): a signal it was started ignoring stays ignored,
+    in it and in its jobs (``cmd &`` in a script ignores SIGINT, so that the script's
+    Ctrl-C spares it)."""
+    global _stopping, _sweep, _ignored
     _stopping, _sweep = False, None
+    if top_level:
+        _ignored = frozenset(s for s in STOP_SIGNALS if signal.getsignal(s) is signal.SIG_IGN)
     with contextlib.suppress(ValueError):  # not the main thread
         for s in STOP_SIGNALS:
-            signal.signal(s, _raise_interrupted)
+            if s not in _ignored:
+                signal.signal(s, _raise_interrupted)
 
 
 def coordinate(sweep: Path) -> None:
@@ -280,7 +290,7 @@ def run_supervised(job: Callable[[], int], out: Path) -> JobEnd:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child[0], signum)
 
-    old = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
+    old = {s: signal.signal(s, forward) for s in STOP_SIGNALS if s not in _ignored}
     try:
         sys.stdout.flush()
         sys.stderr.flush()
