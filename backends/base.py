@@ -11,12 +11,14 @@ prefill chunk's tokens in order.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from harness.errors import UserError
 from harness.kv.base import KVManager, StepScores
 from harness.sched.step import ScheduledSeq, StepRecord
 
@@ -73,6 +75,20 @@ class AttentionBatch:
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
+@dataclass
+class BackendOptions:
+    """What every backend takes; each backend's ``Options`` extends it with its own, and
+    that dataclass is the one place for their defaults (it is also the Hydra schema of
+    ``conf/backend/<name>.yaml``, registered from the backend registry)."""
+
+    name: str = ""
+    block_size: int = 16  # paged backends; contiguous storage ignores it
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise UserError(f"backend.block_size must be >= 1, got {self.block_size}")
+
+
 @dataclass(frozen=True, slots=True)
 class CacheSizing:
     """How the run's KV budget became token slots (the same bytes for every backend)."""
@@ -94,17 +110,19 @@ class KVBackend(ABC):
     exact: bool = True  # False for lossy backends (quantized, evicting)
     # False where a block's content stops being what its hash names (H2O rewrites slots).
     supports_prefix_caching: bool = True
+    Options: ClassVar[type[BackendOptions]] = BackendOptions
 
-    def __init__(self, layout: KVLayout, device: torch.device, *, block_size: int = 16,
-                 **options: Any) -> None:
-        if options:
-            raise ValueError(f"backend {self.name!r} has no option(s) "
-                             f"{', '.join(sorted(options))}")
-        if block_size < 1:
-            raise ValueError(f"backend.block_size must be >= 1, got {block_size}")
+    def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:
+        """``options``: the fields of :attr:`Options` (keywords; defaults there)."""
+        known = [f.name for f in dataclasses.fields(self.Options) if f.name != "name"]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise UserError(f"backend {self.name!r} has no option(s) {', '.join(unknown)}; "
+                            f"it takes: {', '.join(known)}")
+        self.opts = self.Options(name=self.name, **options)
         self.layout = layout
         self.device = device
-        self.block_size = block_size  # paged storage; contiguous storage ignores it
+        self.block_size = self.opts.block_size  # paged storage; contiguous ignores it
         self.batch: AttentionBatch | None = None
 
     # -- sizing -------------------------------------------------------------------------

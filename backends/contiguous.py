@@ -10,28 +10,39 @@ one call each over a view of their range, as the paged path does.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from harness.backends.attention_ref import attend_chunk, attend_decode
-from harness.backends.base import CacheSizing, KVBackend, KVLayout
+from harness.backends.base import BackendOptions, CacheSizing, KVBackend, KVLayout
+from harness.errors import UserError
 from harness.kv.base import KVManager
 from harness.kv.contiguous import POLICIES, ContiguousKVManager
 from harness.sched.step import StepRecord
 
 
+@dataclass
+class ContiguousOptions(BackendOptions):
+    reserve: str = "max"  # max | pow2 | exact
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.reserve not in POLICIES:
+            raise UserError(f"unknown backend.reserve {self.reserve!r}; known: "
+                            f"{', '.join(POLICIES)}")
+
+
 class ContiguousBackend(KVBackend):
     name = "contiguous"
     storage = "contiguous"
+    Options = ContiguousOptions
 
-    def __init__(self, layout: KVLayout, device: torch.device, *, reserve: str = "max",
-                 **options: Any) -> None:
+    def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:
         super().__init__(layout, device, **options)
-        if reserve not in POLICIES:
-            raise ValueError(f"unknown backend.reserve {reserve!r}; known: "
-                             f"{', '.join(POLICIES)}")
-        self.reserve = reserve
+        assert isinstance(self.opts, ContiguousOptions)
+        self.reserve = self.opts.reserve
 
     def allocate(self, sizing: CacheSizing) -> None:
         lay = self.layout

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from harness.backends.base import AttentionBatch, KVLayout
+from harness.backends.base import AttentionBatch, BackendOptions, KVLayout
 from harness.backends.flash_attn_seam import FlashAttnFns, load_flash_attn
 from harness.backends.paged_storage import PagedStorageBackend
 
@@ -48,6 +48,11 @@ class FlashStep:
     max_seqlen_k: int
 
 
+@dataclass
+class FlashAttnOptions(BackendOptions):
+    block_size: int = 256  # flash-attn 2's paged kernels need a multiple of 256
+
+
 class FlashAttnBackend(PagedStorageBackend):
     name = "flash_attn"
     default_block_size = 256
@@ -55,9 +60,11 @@ class FlashAttnBackend(PagedStorageBackend):
     # here for runs composed from config too.
     load_kernels: ClassVar[Callable[[], FlashAttnFns]] = staticmethod(load_flash_attn)
 
-    def __init__(self, layout: KVLayout, device: torch.device, *, block_size: int = 256,
-                 **options: Any) -> None:
-        super().__init__(layout, device, block_size=block_size, **options)
+    Options = FlashAttnOptions
+
+    def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:
+        super().__init__(layout, device, **options)
+        block_size = self.block_size
         self.fns = type(self).load_kernels()
         fns = self.fns
         if device.type not in fns.device_types:

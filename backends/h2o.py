@@ -17,12 +17,13 @@ clear it, copies copy it; attention reads a sequence's held blocks and masks by 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from harness.backends.base import AttentionBatch, CacheSizing, KVLayout
+from harness.backends.base import AttentionBatch, BackendOptions, CacheSizing, KVLayout
 from harness.backends.paged_storage import PagedStorageBackend
 from harness.kv.base import KVManager, StepScores
 from harness.kv.evicting import EvictingKVManager
@@ -30,16 +31,24 @@ from harness.kv.policies.h2o import H2OPolicy
 from harness.sched.step import StepRecord
 
 
+@dataclass
+class H2OOptions(BackendOptions):
+    budget: int = 0  # tokens per sequence; or
+    budget_ratio: float = 0.2  # share of prompt + max_tokens (set exactly one)
+    heavy_ratio: float = 0.5  # heavy hitters' share of the budget; the rest is recent
+
+
 class H2OBackend(PagedStorageBackend):
     name = "h2o"
     exact = False
     supports_prefix_caching = False
+    Options = H2OOptions
 
-    def __init__(self, layout: KVLayout, device: torch.device, *, budget: int = 0,
-                 budget_ratio: float = 0.0, heavy_ratio: float = 0.5,
-                 **options: Any) -> None:
+    def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:
         super().__init__(layout, device, **options)
-        self.policy = H2OPolicy(budget, budget_ratio, heavy_ratio)
+        o = self.opts
+        assert isinstance(o, H2OOptions)
+        self.policy = H2OPolicy(o.budget, o.budget_ratio, o.heavy_ratio)
 
     def make_manager(self, sizing: CacheSizing, **options: Any) -> KVManager:
         options.pop("num_cpu_blocks", None)

@@ -16,11 +16,23 @@ from typing import Any
 
 import torch
 
-from harness.backends.base import AttentionBatch, KVLayout
+from harness.backends.base import AttentionBatch, BackendOptions, KVLayout
 from harness.backends.paged_storage import PagedStorageBackend
+from harness.errors import UserError
 from harness.kernels.runtime import triton_for
 
 KERNELS = ("auto", "torch", "triton")
+
+
+@dataclass
+class PagedOptions(BackendOptions):
+    kernel: str = "auto"  # auto | torch | triton
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.kernel not in KERNELS:
+            raise UserError(f"unknown backend.kernel {self.kernel!r}; known: "
+                            f"{', '.join(KERNELS)}")
 
 
 @dataclass(slots=True)
@@ -37,12 +49,11 @@ class PrefillTables:
 
 class PagedBackend(PagedStorageBackend):
     name = "paged"
+    Options = PagedOptions
 
-    def __init__(self, layout: KVLayout, device: torch.device, *, kernel: str = "auto",
-                 **options: Any) -> None:
+    def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:
         super().__init__(layout, device, **options)
-        if kernel not in KERNELS:
-            raise ValueError(f"unknown backend.kernel {kernel!r}; known: {', '.join(KERNELS)}")
+        kernel = self.requested_kernel()
         use_triton = kernel != "torch" and triton_for(device, required=kernel == "triton")
         self._kernel = "triton" if use_triton else "torch"
         self._prefill: PrefillTables | None = None
@@ -50,6 +61,11 @@ class PagedBackend(PagedStorageBackend):
     @property
     def kernel(self) -> str:
         return self._kernel
+
+    def requested_kernel(self) -> str:
+        """``backend.kernel`` as this backend can honour it (subclasses narrow it)."""
+        assert isinstance(self.opts, PagedOptions)
+        return self.opts.kernel
 
     def begin_step(self, batch: AttentionBatch) -> None:
         super().begin_step(batch)

@@ -12,15 +12,30 @@ token), so the capacity shows what sinks cost.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from harness.backends.base import CacheSizing, KVLayout
-from harness.backends.paged import PagedBackend
+from harness.backends.paged import PagedBackend, PagedOptions
+from harness.errors import UserError
 from harness.kernels.reference import dequantize_ref, store_kv_quant_ref
 
 SCALE_BYTES = 4  # float32 scale per (token, KV head), for K and for V
+
+
+@dataclass
+class QuantizedOptions(PagedOptions):
+    sink_tokens: int = 0  # first tokens of each sequence also kept in full precision
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sink_tokens < 0:
+            raise UserError(f"backend.sink_tokens must be >= 0, got {self.sink_tokens}")
+        if self.sink_tokens and self.kernel == "triton":
+            raise UserError("backend.sink_tokens > 0 (full-precision sinks) runs on the torch "
+                            "path only: use backend.kernel=torch or sink_tokens=0")
 
 
 class QuantizedBackend(PagedBackend):
@@ -28,19 +43,18 @@ class QuantizedBackend(PagedBackend):
 
     cache_dtype: torch.dtype = torch.int8
     exact = False
+    Options = QuantizedOptions
 
-    def __init__(self, layout: KVLayout, device: torch.device, *, sink_tokens: int = 0,
-                 kernel: str = "auto", **options: Any) -> None:
-        if sink_tokens < 0:
-            raise ValueError(f"backend.sink_tokens must be >= 0, got {sink_tokens}")
-        if sink_tokens and kernel == "triton":
-            raise ValueError("backend.sink_tokens > 0 (full-precision sinks) runs on the torch "
-                             "path only: use backend.kernel=torch or sink_tokens=0")
+    def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:
+        super().__init__(layout, device, **options)
+        assert isinstance(self.opts, QuantizedOptions)
+        self.sink_tokens = self.opts.sink_tokens
+
+    def requested_kernel(self) -> str:
         # Full-precision sinks are a torch-path feature: auto then means torch (recorded
         # in run.kernel, never a silent switch).
-        super().__init__(layout, device, kernel="torch" if sink_tokens else kernel,
-                         **options)
-        self.sink_tokens = sink_tokens
+        assert isinstance(self.opts, QuantizedOptions)
+        return "torch" if self.opts.sink_tokens else self.opts.kernel
 
     def bytes_per_slot(self) -> int:
         lay = self.layout

@@ -11,27 +11,36 @@ stored K/V are exact: a block's content still matches its hash, so prefix cachin
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from harness.backends.base import CacheSizing, KVLayout
-from harness.backends.paged import PagedBackend
+from harness.backends.paged import PagedBackend, PagedOptions
 from harness.kv.base import KVManager
 from harness.kv.evicting import EvictingKVManager
 from harness.kv.policies.window import WindowPolicy
 
 
+@dataclass
+class SlidingWindowOptions(PagedOptions):
+    window: int = 256  # tokens a query sees back from itself (itself included)
+    sink_tokens: int = 4  # first tokens always seen (StreamingLLM's attention sinks)
+
+
 class SlidingWindowBackend(PagedBackend):
     name = "sliding_window"
     exact = False
+    Options = SlidingWindowOptions
 
-    def __init__(self, layout: KVLayout, device: torch.device, *, window: int = 256,
-                 sink_tokens: int = 4, **options: Any) -> None:
+    def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:
         super().__init__(layout, device, **options)
-        self.policy = WindowPolicy(window, sink_tokens)
-        self.window = window
-        self.window_sinks = self.sink_tokens = sink_tokens
+        o = self.opts
+        assert isinstance(o, SlidingWindowOptions)
+        self.policy = WindowPolicy(o.window, o.sink_tokens)
+        self.window = o.window
+        self.window_sinks = self.sink_tokens = o.sink_tokens
 
     def make_manager(self, sizing: CacheSizing, **options: Any) -> KVManager:
         return EvictingKVManager(sizing.num_blocks, sizing.block_size, self.policy,

@@ -1,7 +1,15 @@
 """Typed run configuration: dataclasses registered in Hydra's ConfigStore.
 
 Every YAML file under conf/ extends one of these schemas, so a typo in a key fails when
-the config is composed, not halfway through a run. Groups mirror the plugin axes.
+the config is composed, not halfway through a run. Groups mirror the plugin axes. A
+plugin's options have one home: the backend's ``Options`` dataclass (backends/<name>.py)
+and the workload's config dataclass (harness/workloads/<name>.py); their schemas are
+registered here from the two registries, under ``schema/<group>/<name>`` (out of the
+option lists: ``backend=`` offers conf/backend/*.yaml only).
+
+A run converts the composed config once into a :class:`RunConfig` (``run_config``) and
+passes it down typed; ``__post_init__`` checks of every dataclass run there, before
+anything is loaded.
 """
 
 from __future__ import annotations
@@ -11,81 +19,25 @@ from enum import Enum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
+from harness.backends import BACKENDS
+from harness.backends.base import BackendOptions
+from harness.errors import UserError
 from harness.quality import QualityConfig
-from harness.workloads.long_prompt import LongPromptConfig
-from harness.workloads.multiturn import MultiturnConfig
-from harness.workloads.random_lengths import RandomConfig
-from harness.workloads.sampling import SamplingWorkloadConfig
-from harness.workloads.shared_prefix import SharedPrefixConfig
-
-
-@dataclass
-class BackendConfig:
-    name: str = "paged"
-    block_size: int = 16  # paged backends; ignored by contiguous
-
-
-@dataclass
-class PagedConfig(BackendConfig):
-    name: str = "paged"
-    kernel: str = "auto"  # auto | torch | triton
-
-
-@dataclass
-class ContiguousConfig(BackendConfig):
-    name: str = "contiguous"
-    reserve: str = "max"  # max | pow2 | exact
-
-
-@dataclass
-class QuantizedConfig(PagedConfig):
-    name: str = "int8"
-    sink_tokens: int = 0  # first tokens of each sequence also kept in full precision
-
-
-@dataclass
-class SlidingWindowConfig(PagedConfig):
-    name: str = "sliding_window"
-    window: int = 256
-    sink_tokens: int = 4
-
-
-@dataclass
-class H2OConfig(BackendConfig):
-    name: str = "h2o"
-    budget: int = 0  # tokens per sequence; or
-    budget_ratio: float = 0.0  # share of prompt + max_tokens (set exactly one)
-    heavy_ratio: float = 0.5  # heavy hitters' share of the budget; the rest is recent
-
-
-@dataclass
-class FlashAttnConfig(BackendConfig):
-    name: str = "flash_attn"
-    block_size: int = 256  # flash-attn 2's paged kernels need a multiple of 256
-
-
-@dataclass
-class FlexConfig(BackendConfig):
-    name: str = "flex"
+from harness.sched.scheduler import SchedulerConfig
+from harness.units import parse_bytes
+from harness.workloads import WORKLOADS, WorkloadOptions
 
 
 @dataclass
 class ModelSpec:
-    source: str = "smollm2"  # smollm2 | gguf | hf | a tiny preset (tiny, tiny-bias, ...)
+    # smollm2 | gguf | hf | a tiny preset (tiny, tiny-bias, ...) | a random-weight shape
+    # (random-smollm2, random-llama8b: harness.model.random_shapes)
+    source: str = "smollm2"
     path: str | None = None  # a .gguf file or an HF folder; overrides source when set
     dtype: str = "float32"
-
-
-@dataclass
-class SchedulerSpec:
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 1024
-    chunked_prefill: bool = True
-    preemption_mode: str = "recompute"  # recompute | swap
-    policy: str = "fcfs"  # fcfs | priority
-    max_model_len: int = 2048
 
 
 @dataclass
@@ -93,7 +45,19 @@ class CacheSpec:
     kv_budget: str = "256MiB"  # bytes of K/V on the device, the same for every backend
     swap_space: str = "0"  # bytes of CPU swap blocks (paged backends, preemption_mode=swap)
     enable_prefix_caching: bool = True
-    watermark: float = 0.01  # share of blocks kept free at admission
+    watermark: float = 0.01  # share of the cache kept free at admission (at least a block)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.watermark < 1.0:
+            raise UserError(f"cache.watermark is a share of the cache in [0, 1), got "
+                            f"{self.watermark}")
+        for key in ("kv_budget", "swap_space"):
+            try:
+                if parse_bytes(getattr(self, key)) < 0:
+                    raise ValueError
+            except ValueError:
+                raise UserError(f"cache.{key}={getattr(self, key)!r} is not a size in bytes "
+                                f"(e.g. 64MiB, 1GiB, 1000000)") from None
 
 
 @dataclass
@@ -120,47 +84,12 @@ class WandbLoggerSpec(LoggerSpec):
 
 
 @dataclass
-class WorkloadSpec:
-    name: str = "multiturn"
-
-
-@dataclass
-class MultiturnSpec(WorkloadSpec, MultiturnConfig):
-    name: str = "multiturn"
-
-
-@dataclass
-class SharedPrefixSpec(WorkloadSpec, SharedPrefixConfig):
-    name: str = "shared_prefix"
-
-
-@dataclass
-class BeamSearchSpec(WorkloadSpec, SamplingWorkloadConfig):
-    name: str = "beam_search"
-
-
-@dataclass
-class ParallelSamplingSpec(WorkloadSpec, SamplingWorkloadConfig):
-    name: str = "parallel_sampling"
-
-
-@dataclass
-class LongPromptSpec(WorkloadSpec, LongPromptConfig):
-    name: str = "long_prompt"
-
-
-@dataclass
-class RandomSpec(WorkloadSpec, RandomConfig):
-    name: str = "random"
-
-
-@dataclass
 class RunConfig:
-    # Any + MISSING: each option of the group brings its own schema (paged, contiguous...).
+    # Any + MISSING: each option of the group brings its own schema (the plugin's options).
     backend: Any = MISSING
     workload: Any = MISSING
     model: ModelSpec = field(default_factory=ModelSpec)
-    scheduler: SchedulerSpec = field(default_factory=SchedulerSpec)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheSpec = field(default_factory=CacheSpec)
     logger: LoggerSpec = field(default_factory=LoggerSpec)
     quality: QualityConfig = field(default_factory=QualityConfig)
@@ -175,23 +104,73 @@ class RunConfig:
     progress: bool = True  # a progress bar when stdout is a terminal
     out_dir: str | None = None  # set by the CLI (Hydra's output dir) or by tests
 
+    def __post_init__(self) -> None:
+        if self.cpu_threads < 0:
+            raise UserError(f"cpu_threads must be >= 0 (0: torch's default), got "
+                            f"{self.cpu_threads}")
+        if not 0 <= self.seed < 2**63:
+            raise UserError(f"seed must be in [0, 2^63), got {self.seed}")
+
+
+def run_config(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunConfig:
+    """The composed config as typed dataclasses (checked by their ``__post_init__``).
+
+    A plain dict (tests) is completed with the registered schemas of its backend and
+    workload, so the same defaults apply however a run is started."""
+    if isinstance(cfg, RunConfig):
+        return cfg
+    if isinstance(cfg, dict):
+        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), _typed_groups(cfg))
+        return run_config(merged)  # type: ignore[arg-type]
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:
+        raise UserError(f"bad configuration: {e}") from None
+    if isinstance(obj, dict):  # composed without the run schema (a test's bare dict)
+        return run_config({str(k): v for k, v in obj.items()})
+    assert isinstance(obj, RunConfig)
+    if not isinstance(obj.backend, BackendOptions):
+        obj.backend = _backend_options(obj.backend)
+    if not isinstance(obj.workload, WorkloadOptions):
+        obj.workload = _workload_options(obj.workload)
+    return obj
+
+
+def _typed_groups(cfg: dict[str, Any]) -> dict[str, Any]:
+    out = dict(cfg)
+    for key, make in (("backend", _backend_options), ("workload", _workload_options)):
+        if isinstance(out.get(key), dict):
+            out[key] = OmegaConf.structured(make(out[key]))
+    return out
+
+
+def _backend_options(values: Any) -> BackendOptions:
+    from harness.backends import get_backend
+
+    values = dict(values)
+    cls = get_backend(str(values.get("name", ""))).Options
+    opts: BackendOptions = cls(**values)
+    return opts
+
+
+def _workload_options(values: Any) -> WorkloadOptions:
+    from harness.workloads import workload_options
+
+    values = dict(values)
+    return workload_options(str(values.get("name", "")), values)
+
 
 def register_configs() -> None:
-    """Put the schemas where conf/*.yaml's defaults lists look for them."""
+    """Put the schemas where conf/*.yaml's defaults lists look for them: each plugin's
+    from its registry, the rest from this module."""
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
-    cs.store(group="backend", name="paged_schema", node=PagedConfig)
-    cs.store(group="backend", name="contiguous_schema", node=ContiguousConfig)
-    cs.store(group="backend", name="quantized_schema", node=QuantizedConfig)
-    cs.store(group="backend", name="sliding_window_schema", node=SlidingWindowConfig)
-    cs.store(group="backend", name="h2o_schema", node=H2OConfig)
-    cs.store(group="backend", name="flash_attn_schema", node=FlashAttnConfig)
-    cs.store(group="backend", name="flex_schema", node=FlexConfig)
-    for spec in (MultiturnSpec, SharedPrefixSpec, BeamSearchSpec, ParallelSamplingSpec,
-                 LongPromptSpec, RandomSpec):
-        cs.store(group="workload", name=f"{spec.name}_schema", node=spec)
-    cs.store(group="model", name="model_schema", node=ModelSpec)
-    cs.store(group="scheduler", name="scheduler_schema", node=SchedulerSpec)
-    cs.store(group="cache", name="cache_schema", node=CacheSpec)
-    cs.store(group="logger", name="logger_schema", node=LoggerSpec)
-    cs.store(group="logger", name="wandb_schema", node=WandbLoggerSpec)
+    for name, backend in BACKENDS.items():
+        cs.store(group="schema/backend", name=name, node=backend.Options(name=name))
+    for name, (config_cls, _) in WORKLOADS.items():
+        cs.store(group="schema/workload", name=name, node=config_cls(name=name))
+    cs.store(group="schema/model", name="model", node=ModelSpec)
+    cs.store(group="schema/scheduler", name="scheduler", node=SchedulerConfig)
+    cs.store(group="schema/cache", name="cache", node=CacheSpec)
+    cs.store(group="schema/logger", name="none", node=LoggerSpec)
+    cs.store(group="schema/logger", name="wandb", node=WandbLoggerSpec)

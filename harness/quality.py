@@ -14,18 +14,29 @@ tokens match the reference backend's before the first divergence.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from harness.backends.base import BackendOptions
+from harness.backends.contiguous import ContiguousOptions
 from harness.engine.sampler import Sampler
+from harness.errors import UserError
 from harness.model import LoadedModel, load_model
 from harness.sched.sequence import SamplingParams, Sequence, SequenceGroup
 from harness.stack import build_stack
+from harness.workloads import make_workload
 from harness.workloads.base import Request
 from harness.workloads.text import corpus_text
+
+if TYPE_CHECKING:
+    from harness.config import RunConfig
+
+# The exact reference every backend is scored against: its own reservation per sequence,
+# nothing shared, nothing evicted, fp32 (reference_model).
+REFERENCE = ContiguousOptions(name="contiguous", reserve="exact")
 
 
 @dataclass
@@ -37,26 +48,43 @@ class QualityConfig:
     prefill_tokens: int = 32
     generation_agreement: bool = True  # also rerun the workload on the reference
 
+    def __post_init__(self) -> None:
+        if self.num_texts < 1:
+            raise UserError(f"quality.num_texts must be >= 1, got {self.num_texts}")
+        if self.text_tokens <= self.prefill_tokens or self.prefill_tokens < 1:
+            raise UserError(f"need 1 <= quality.prefill_tokens < quality.text_tokens, got "
+                            f"{self.prefill_tokens} and {self.text_tokens}")
+
 
 def load_texts(cfg: QualityConfig, loaded: LoadedModel) -> list[list[int]]:
     """``num_texts`` consecutive, disjoint windows of ``text_tokens`` tokens (no BOS)."""
-    if cfg.text_tokens <= cfg.prefill_tokens or cfg.prefill_tokens < 1:
-        raise ValueError(f"need 1 <= quality.prefill_tokens < quality.text_tokens, got "
-                         f"{cfg.prefill_tokens} and {cfg.text_tokens}")
-    if cfg.text_file:
-        path = Path(cfg.text_file)
-        if not path.is_file():
-            raise ValueError(f"quality.text_file={cfg.text_file} does not exist")
-        text = path.read_text(encoding="utf-8", errors="replace")
-    else:
-        text = corpus_text()
+    text = read_text_file(Path(cfg.text_file)) if cfg.text_file else corpus_text()
     want = cfg.num_texts * cfg.text_tokens
     ids = loaded.tokenizer.encode(text[: want * 8], add_bos=False)
     if len(ids) < want:
-        raise ValueError(f"the text has {len(ids)} tokens; quality.num_texts x "
+        raise UserError(f"the text has {len(ids)} tokens; quality.num_texts x "
                          f"quality.text_tokens needs {want}: use a longer quality.text_file "
                          "or smaller lengths")
     return [ids[i * cfg.text_tokens:(i + 1) * cfg.text_tokens] for i in range(cfg.num_texts)]
+
+
+def read_text_file(path: Path) -> str:
+    """A UTF-8 text file, or a UserError saying why not: a perplexity over replacement
+    characters (a binary file read leniently once gave 5514) is a wrong number, not a
+    measurement."""
+    if path.is_dir():
+        raise UserError(f"quality.text_file={path} is a folder; give a UTF-8 text file")
+    if not path.is_file():
+        raise UserError(f"quality.text_file={path} does not exist")
+    data = path.read_bytes()
+    if b"\x00" in data[:8192]:
+        raise UserError(f"quality.text_file={path} looks binary (NUL bytes): give a UTF-8 "
+                        "text file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"quality.text_file={path} is not UTF-8 ({e.reason} at byte "
+                        f"{e.start}): convert it, e.g. iconv -t utf-8") from None
 
 
 class _TextsWorkload:
@@ -115,11 +143,11 @@ class ForcedSampler(Sampler):
                             for t in range(n)])
 
 
-def _stream(loaded: LoadedModel, device: torch.device, backend_cfg: dict[str, Any],
-            run_cfg: Any, sampler: ForcedSampler, texts: list[list[int]],
+def _stream(loaded: LoadedModel, device: torch.device, backend: BackendOptions,
+            rc: RunConfig, sampler: ForcedSampler, texts: list[list[int]],
             prefill: int, budget: str | int) -> tuple[float, float]:
     """Stream the texts; returns KV bytes held per sequence (mean over steps, peak)."""
-    st = build_stack(loaded, device, backend_cfg, run_cfg.cache, run_cfg.scheduler, sampler,
+    st = build_stack(loaded, device, backend, rc.cache, rc.scheduler, sampler,
                      quiet=True, kv_budget=budget)
     st.engine.run(_TextsWorkload(texts, prefill))
     per_seq = [s.reserved_bytes / s.running for s in st.collector.steps if s.running]
@@ -131,36 +159,29 @@ def fp32_bytes_per_token(loaded: LoadedModel) -> int:
     return 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
 
 
-def reference_model(loaded: LoadedModel, cfg: Any, device: torch.device) -> LoadedModel:
+def reference_model(loaded: LoadedModel, rc: RunConfig, device: torch.device) -> LoadedModel:
     """The exact reference runs in fp32: the run's own model if it is fp32."""
     if next(loaded.model.parameters()).dtype == torch.float32:
         return loaded
-    return load_model(cfg.model.source, cfg.model.path, torch.float32, device)
+    return load_model(rc.model.source, rc.model.path, torch.float32, device)
 
 
-def quality_config(run_cfg: Any) -> QualityConfig:
-    return QualityConfig(**{k: v for k, v in dict(run_cfg.quality).items()
-                            if k in QualityConfig.__dataclass_fields__})
-
-
-def evaluate_quality(loaded: LoadedModel, device: torch.device, run_cfg: Any,
-                     backend_cfg: dict[str, Any],
+def evaluate_quality(loaded: LoadedModel, device: torch.device, rc: RunConfig,
                      texts: list[list[int]] | None = None) -> dict[str, float]:
-    """quality.* metrics of ``backend_cfg`` (the run's backend) on the evaluation texts
-    (``texts``: from :func:`load_texts`, loaded up front by the runner so that a bad
-    quality.* setting fails before the workload runs)."""
-    qc = quality_config(run_cfg)
+    """Perplexity, KL and top-1 agreement of the run's backend against :data:`REFERENCE`
+    on the evaluation texts (``texts``: from :func:`load_texts`, loaded up front by the
+    runner so that a bad quality.* setting fails before the workload runs)."""
+    qc = rc.quality
     if texts is None:
         texts = load_texts(qc, loaded)
-    ref_model = reference_model(loaded, run_cfg, device)
+    ref_model = reference_model(loaded, rc, device)
     # Budgets: the reference holds every text whole; the backend gets the run's budget.
     ref_budget = fp32_bytes_per_token(ref_model) * (qc.text_tokens + 16) * len(texts) * 2
     ref = ForcedSampler(texts, qc.prefill_tokens)
-    _stream(ref_model, device, {"name": "contiguous", "reserve": "exact"}, run_cfg, ref,
-            texts, qc.prefill_tokens, ref_budget)
+    _stream(ref_model, device, REFERENCE, rc, ref, texts, qc.prefill_tokens, ref_budget)
     test = ForcedSampler(texts, qc.prefill_tokens, reference=ref.stacked())
-    held_mean, held_peak = _stream(loaded, device, backend_cfg, run_cfg, test, texts,
-                                   qc.prefill_tokens, run_cfg.cache.kv_budget)
+    held_mean, held_peak = _stream(loaded, device, rc.backend, rc, test, texts,
+                                   qc.prefill_tokens, rc.cache.kv_budget)
     ppl_ref = math.exp(ref.nll / ref.count)
     ppl = math.exp(test.nll / test.count)
     return {
@@ -174,6 +195,43 @@ def evaluate_quality(loaded: LoadedModel, device: torch.device, run_cfg: Any,
         "quality.kv_bytes_per_seq_mean": held_mean,
         "quality.kv_bytes_per_seq_peak": held_peak,
     }
+
+
+def generation_agreement(loaded: LoadedModel, device: torch.device, rc: RunConfig,
+                         outputs: dict[int, list[int]], capacity: int) -> dict[int, int]:
+    """Rerun the workload on :data:`REFERENCE` and count, per request, the generated tokens
+    equal to the reference's before the first difference (requests pair by id, which the
+    workload derives from what a request is, never from scheduling order)."""
+    ref_model = reference_model(loaded, rc, device)
+    workload = make_workload(rc.workload, ref_model.tokenizer)
+    budget = fp32_bytes_per_token(ref_model) * max(2 * capacity, 4096)
+    st = build_stack(ref_model, device, REFERENCE, rc.cache, rc.scheduler, Sampler(rc.seed),
+                     quiet=True, kv_budget=budget)
+    st.engine.run(workload)
+    return agreement(outputs, st.collector.outputs())
+
+
+@dataclass
+class QualityResult:
+    """Every quality.* metric of a run, and per request the agreeing token count."""
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    agree_tokens: dict[int, int] = field(default_factory=dict)
+
+
+def measure(loaded: LoadedModel, device: torch.device, rc: RunConfig,
+            texts: list[list[int]] | None, outputs: dict[int, list[int]],
+            capacity: int) -> QualityResult:
+    """The run's quality: streamed-text scores and, if asked, generation agreement."""
+    res = QualityResult(evaluate_quality(loaded, device, rc, texts))
+    if rc.quality.generation_agreement:
+        agree = generation_agreement(loaded, device, rc, outputs, capacity)
+        res.agree_tokens = agree
+        n = len(agree)
+        res.metrics["quality.gen_agree_tokens_mean"] = sum(agree.values()) / n if n else 0.0
+        res.metrics["quality.gen_exact_match_rate"] = (
+            sum(agree[r] == len(outputs[r]) for r in agree) / n if n else 0.0)
+    return res
 
 
 def agreement(outputs: dict[int, list[int]], ref: dict[int, list[int]]) -> dict[int, int]:

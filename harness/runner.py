@@ -11,19 +11,14 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from harness.config import RunConfig, run_config
 from harness.engine.sampler import Sampler
+from harness.errors import UserError
 from harness.metrics.collector import StepRow
 from harness.metrics.summary import request_rows, summarize
 from harness.model import load_model
 from harness.progress import Progress, make_progress
-from harness.quality import (
-    agreement,
-    evaluate_quality,
-    fp32_bytes_per_token,
-    load_texts,
-    quality_config,
-    reference_model,
-)
+from harness.quality import load_texts, measure
 from harness.results import write_results
 from harness.stack import build_stack
 from harness.workloads import make_workload
@@ -41,7 +36,18 @@ class RunResult:
 def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"device={name!r} is not a device: use auto, cpu, cuda or cuda:N") \
+            from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device={name} but this machine has no CUDA device (torch "
+                        f"{torch.__version__}): use device=cpu or device=auto")
+    if dev.type == "cuda" and dev.index is not None \
+            and dev.index >= torch.cuda.device_count():
+        raise UserError(f"device={name}: only {torch.cuda.device_count()} CUDA device(s)")
+    return dev
 
 
 def _git_sha() -> str:
@@ -57,34 +63,36 @@ def _progress(enabled: bool) -> Progress:
     return make_progress(enabled)
 
 
-def run(cfg: DictConfig | dict[str, Any]) -> RunResult:
-    """Compose nothing, just run: ``cfg`` is a composed config (see harness.config)."""
-    if not isinstance(cfg, DictConfig):
-        cfg = OmegaConf.create(cfg)
-    torch.manual_seed(cfg.seed)
-    device = _device(cfg.device)
-    if device.type == "cpu" and cfg.get("cpu_threads", 0) > 0:
-        torch.set_num_threads(cfg.cpu_threads)
+def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
+    """Compose nothing, just run: ``cfg`` is a composed config (see harness.config),
+    converted once into the typed :class:`RunConfig` that every layer below receives."""
+    rc = run_config(cfg)
+    if rc.workload.seed is None:  # one seed drives the run unless the workload has its own
+        rc.workload.seed = rc.seed
+    # config.yaml is the composed config as given (workload.seed: null = the run's seed).
+    config_yaml = OmegaConf.to_yaml(cfg if isinstance(cfg, DictConfig)
+                                    else OmegaConf.structured(rc), resolve=True)
+    torch.manual_seed(rc.seed)
+    device = _device(rc.device)
+    if device.type == "cpu" and rc.cpu_threads > 0:
+        torch.set_num_threads(rc.cpu_threads)
     started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
-    loaded = load_model(cfg.model.source, cfg.model.path, cfg.model.dtype, device)
-    workload = make_workload(OmegaConf.to_container(cfg.workload), loaded.tokenizer)  # type: ignore[arg-type]
-    texts = load_texts(quality_config(cfg), loaded) if cfg.quality.enabled else None
-    container = OmegaConf.to_container(cfg.backend)
-    assert isinstance(container, dict)
-    backend_cfg = {str(k): v for k, v in container.items()}
-    st = build_stack(loaded, device, backend_cfg, cfg.cache,
-                     cfg.scheduler, Sampler(cfg.seed), workload.initial_requests())
+    loaded = load_model(rc.model.source, rc.model.path, rc.model.dtype, device)
+    workload = make_workload(rc.workload, loaded.tokenizer)
+    texts = load_texts(rc.quality, loaded) if rc.quality.enabled else None
+    st = build_stack(loaded, device, rc.backend, rc.cache, rc.scheduler, Sampler(rc.seed),
+                     workload.initial_requests())
     backend, sizing, kv, collector = st.backend, st.sizing, st.kv, st.collector
-    progress = _progress(cfg.get("progress", True))
+    progress = _progress(rc.progress)
     wall = st.engine.run(workload, progress)
     progress.close()
     kv.ledger.finish()
 
     run_info = {
-        "backend": cfg.backend.name, "workload": cfg.workload.name,
+        "backend": rc.backend.name, "workload": rc.workload.name,
         "model": loaded.description, "kernel": backend.kernel, "device": str(device),
-        "seed": cfg.seed, "git_sha": _git_sha(), "started_at": started,
+        "seed": rc.seed, "git_sha": _git_sha(), "started_at": started,
         "dtype": str(backend.layout.dtype).removeprefix("torch."),
         "block_size": sizing.block_size,
         "prefix_caching": st.prefix_caching,
@@ -92,34 +100,16 @@ def run(cfg: DictConfig | dict[str, Any]) -> RunResult:
     metrics = summarize(collector, run_info, sizing.kv_budget_bytes, sizing.num_slots, wall)
     rows = request_rows(collector)
     outputs = collector.outputs()
-    if cfg.quality.enabled:
-        metrics.update(evaluate_quality(loaded, device, cfg, backend_cfg, texts))
-        if cfg.quality.generation_agreement:
-            agree = _generation_agreement(cfg, loaded, device, outputs, sizing.num_slots)
+    if rc.quality.enabled:
+        q = measure(loaded, device, rc, texts, outputs, sizing.num_slots)
+        metrics.update(q.metrics)
+        if rc.quality.generation_agreement:
             for r in rows:
-                r["agree_tokens"] = agree.get(r["request_id"])
-            metrics["quality.gen_agree_tokens_mean"] = (
-                sum(agree.values()) / len(agree) if agree else 0.0)
-            metrics["quality.gen_exact_match_rate"] = (
-                sum(agree[r] == len(outputs[r]) for r in agree) / len(agree) if agree else 0.0)
-    out_dir = Path(cfg.out_dir) if cfg.get("out_dir") else None
+                r["agree_tokens"] = q.agree_tokens.get(r["request_id"])
+    out_dir = Path(rc.out_dir) if rc.out_dir else None
     if out_dir is not None:
-        write_results(out_dir, OmegaConf.to_yaml(cfg, resolve=True), metrics,
-                      collector.steps, rows)
+        write_results(out_dir, config_yaml, metrics, collector.steps, rows)
     return RunResult(metrics, rows, out_dir, outputs, collector.steps)
-
-
-def _generation_agreement(cfg: DictConfig, loaded: Any, device: torch.device,
-                          outputs: dict[int, list[int]], capacity: int) -> dict[int, int]:
-    """Rerun the workload on the exact reference (contiguous, fp32) and count, per request,
-    the generated tokens equal to the reference's before the first difference."""
-    ref_model = reference_model(loaded, cfg, device)
-    workload = make_workload(OmegaConf.to_container(cfg.workload), ref_model.tokenizer)  # type: ignore[arg-type]
-    budget = fp32_bytes_per_token(ref_model) * max(2 * capacity, 4096)
-    st = build_stack(ref_model, device, {"name": "contiguous", "reserve": "exact"}, cfg.cache,
-                     cfg.scheduler, Sampler(cfg.seed), quiet=True, kv_budget=budget)
-    st.engine.run(workload)
-    return agreement(outputs, st.collector.outputs())
 
 
 def print_summary(m: dict[str, Any], out_dir: Path | None) -> None:

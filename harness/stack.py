@@ -9,14 +9,15 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from harness.backends import get_backend
-from harness.backends.base import CacheSizing, KVBackend, KVLayout
+from harness.backends.base import BackendOptions, CacheSizing, KVBackend, KVLayout
 from harness.engine.engine import Engine
 from harness.engine.sampler import Sampler
+from harness.errors import UserError
 from harness.kv.base import KVManager
 from harness.kv.paged import PagedKVManager
 from harness.metrics.collector import MetricsCollector
@@ -25,6 +26,9 @@ from harness.sched.scheduler import Scheduler, SchedulerConfig
 from harness.sizing import min_budget_for, size_cache
 from harness.units import format_bytes
 from harness.workloads.base import Request
+
+if TYPE_CHECKING:  # harness.config imports quality, which builds stacks
+    from harness.config import CacheSpec
 
 
 @dataclass
@@ -44,16 +48,23 @@ def model_layout(loaded: LoadedModel) -> KVLayout:
                     next(loaded.model.parameters()).dtype)
 
 
-def build_stack(loaded: LoadedModel, device: torch.device, backend_cfg: dict[str, Any],
-                cache: Any, sched: Any, sampler: Sampler,
+def make_backend(opts: BackendOptions, layout: KVLayout, device: torch.device) -> KVBackend:
+    """The backend ``opts`` names, built from its typed options."""
+    cls = get_backend(opts.name)
+    kwargs = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)
+              if f.name != "name"}
+    return cls(layout, device, **kwargs)
+
+
+def build_stack(loaded: LoadedModel, device: torch.device, backend_opts: BackendOptions,
+                cache: CacheSpec, sched: SchedulerConfig, sampler: Sampler,
                 requests: list[Request] | None = None, quiet: bool = False,
                 kv_budget: str | int | None = None) -> Stack:
-    """``backend_cfg``: the backend group as a dict (name + options); ``cache`` and
-    ``sched``: the cache and scheduler config nodes. With ``requests``, fail early (and say
-    which budget would do) when the budget cannot hold even the smallest of them.
-    ``kv_budget`` overrides ``cache.kv_budget`` (quality evaluation's reference)."""
-    opts = {k: v for k, v in backend_cfg.items() if k != "name"}
-    backend = get_backend(backend_cfg["name"])(model_layout(loaded), device, **opts)
+    """One serving stack for ``backend_opts`` under the run's ``cache`` and ``sched``
+    configs. With ``requests``, fail early (and say which budget would do) when the budget
+    cannot hold even the smallest of them. ``kv_budget`` overrides ``cache.kv_budget``
+    (quality evaluation's reference)."""
+    backend = make_backend(backend_opts, model_layout(loaded), device)
     sizing = size_cache(backend, cache.kv_budget if kv_budget is None else kv_budget,
                         cache.swap_space)
     max_model_len = min(sched.max_model_len, loaded.config.max_position_embeddings)
@@ -74,12 +85,10 @@ def build_stack(loaded: LoadedModel, device: torch.device, backend_cfg: dict[str
         num_slots=max(sizing.block_size, sizing.num_slots)), **kv_opts)
     swap = kv if sched.preemption_mode == "swap" and isinstance(kv, PagedKVManager) \
         and kv.supports_swap else None
-    scheduler = Scheduler(SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens,
-                                          sched.chunked_prefill, sched.preemption_mode,
-                                          sched.policy, max_model_len),
+    scheduler = Scheduler(dataclasses.replace(sched, max_model_len=max_model_len),
                           kv, tuple(loaded.tokenizer.eos_ids), swap=swap)
     if sched.preemption_mode == "swap" and not (swap is not None and sizing.num_cpu_blocks):
-        raise ValueError(
+        raise UserError(
             "scheduler.preemption_mode=swap needs CPU swap blocks and a backend that swaps: "
             "set cache.swap_space (e.g. 1GiB)" if swap is not None else
             f"scheduler.preemption_mode=swap: backend {backend.name} does not swap; use "
@@ -102,7 +111,7 @@ def check_budget(requests: list[Request], kv: KVManager, backend: KVBackend,
     if min(needs) <= sizing.num_slots * (1 - watermark):
         return
     want = min_budget_for(backend, sizing, max(needs), watermark)
-    raise ValueError(
+    raise UserError(
         f"cache.kv_budget={format_bytes(sizing.kv_budget_bytes)} holds "
         f"{sizing.num_slots} tokens for backend {backend.name}, but the smallest "
         f"request needs {min(needs)}: set cache.kv_budget={want} ({format_bytes(want)}) "

@@ -93,7 +93,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 CLI = [
     (["backend=nope"], 2, "Could not find 'backend/nope'", "Traceback"),
     (["backend.block_size=abc"], 2, "could not be converted to Integer", "Traceback"),
-    (["backend=paged_schema"], 2, "backend=paged_schema is an internal schema", "Traceback"),
+    (["backend=paged_schema"], 2, "Could not find 'backend/paged_schema'", "Traceback"),
     (["-m", "backend=paged,paged_schema"], 2, "use backend=paged", "Traceback"),
     (["model=gguf", "model.path={truncated_gguf}"], 2,
      "{truncated_gguf} cannot be read as GGUF", "Traceback"),

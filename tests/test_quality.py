@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import harness.model as hm
+from harness.config import run_config
 from harness.quality import agreement, evaluate_quality
 from harness.runner import run
 from tests.compose import compose_cfg, tiny
@@ -24,14 +25,14 @@ def test_exact_paged_triton_kernel_matches_reference_on_tiny() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", [{"name": "paged", "kernel": "torch"},
-                                     {"name": "contiguous", "reserve": "exact"}])
+@pytest.mark.parametrize("backend", [["backend=paged", "backend.kernel=torch"],
+                                     ["backend=contiguous", "backend.reserve=exact"]])
 def test_exact_backends_match_reference_on_default_model(smollm2: hm.LoadedModel,
-                                                         backend: dict[str, str]) -> None:
-    cfg = compose_cfg(["quality.enabled=true", "quality.num_texts=2",
+                                                         backend: list[str]) -> None:
+    cfg = compose_cfg([*backend, "quality.enabled=true", "quality.num_texts=2",
                        "quality.text_tokens=80", "quality.prefill_tokens=32",
                        "cache.kv_budget=64MiB"])
-    q = evaluate_quality(smollm2, CPU, cfg, dict(backend))
+    q = evaluate_quality(smollm2, CPU, run_config(cfg))
     assert abs(q["quality.ppl_delta_pct"]) < 1e-3
     assert q["quality.top1_agreement"] == 1.0 and q["quality.kl_mean"] < 1e-6
     assert q["quality.tokens"] == 2 * (80 - 32)

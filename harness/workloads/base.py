@@ -25,6 +25,21 @@ class Request:
                              arrival_time=arrival_time, priority=self.priority)
 
 
+@dataclass
+class WorkloadOptions:
+    """What every workload's options share; each workload's config dataclass extends it
+    and is the one place for its defaults (and the Hydra schema of
+    ``conf/workload/<name>.yaml``, registered from the workload registry)."""
+
+    name: str = ""
+    seed: int | None = None  # None: the run's seed (one seed drives a run unless overridden)
+
+    @property
+    def seed_value(self) -> int:
+        """The seed to draw with (0 when neither the workload nor a run set one)."""
+        return 0 if self.seed is None else self.seed
+
+
 class Workload(Protocol):
     """A seeded, reproducible source of requests."""
 

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 from harness.model.tokenizer import Tokenizer
 from harness.sched.sequence import SamplingParams, SequenceGroup
-from harness.workloads.base import Request
+from harness.workloads.base import Request, WorkloadOptions
 from harness.workloads.common import token_prompt
 
 
 @dataclass
-class LongPromptConfig:
+class LongPromptConfig(WorkloadOptions):
     num_short: int = 8
     short_prompt_tokens: int = 32
     short_output_tokens: int = 64
@@ -26,14 +26,13 @@ class LongPromptConfig:
     long_output_tokens: int = 8
     long_start_s: float = 1.0  # first long prompt arrives after the short ones decode
     long_interval_s: float = 2.0
-    seed: int = 0
 
 
 class LongPromptWorkload:
     name = "long_prompt"
 
     def __init__(self, cfg: LongPromptConfig, tok: Tokenizer) -> None:
-        rng = random.Random(cfg.seed)
+        rng = random.Random(cfg.seed_value)
         short = SamplingParams(max_tokens=cfg.short_output_tokens, ignore_eos=True)
         long = SamplingParams(max_tokens=cfg.long_output_tokens, ignore_eos=True)
         reqs = [Request(i, token_prompt(tok, rng, cfg.short_prompt_tokens), short,

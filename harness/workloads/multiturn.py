@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 from harness.model.tokenizer import Tokenizer
 from harness.sched.sequence import SamplingParams, SequenceGroup
-from harness.workloads.base import Request
+from harness.workloads.base import Request, WorkloadOptions
 from harness.workloads.chat import next_turn_ids
 from harness.workloads.text import random_passage
 
 
 @dataclass
-class MultiturnConfig:
+class MultiturnConfig(WorkloadOptions):
     conversations: int = 8
     turns: int = 3
     system_words: int = 120  # ~1.3 tokens per word with SmolLM2's tokenizer
@@ -29,7 +29,6 @@ class MultiturnConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     ignore_eos: bool = False
-    seed: int = 0
 
 
 class MultiturnWorkload:
@@ -38,7 +37,7 @@ class MultiturnWorkload:
     def __init__(self, cfg: MultiturnConfig, tokenizer: Tokenizer) -> None:
         self.cfg = cfg
         self.tok = tokenizer
-        rng = random.Random(cfg.seed)
+        rng = random.Random(cfg.seed_value)
         system = "You are a helpful assistant. Answer using this reference:\n" + \
             random_passage(rng, cfg.system_words)
         # Every user message of every conversation is drawn up front: the same seed gives
@@ -59,7 +58,7 @@ class MultiturnWorkload:
     def _params(self) -> SamplingParams:
         c = self.cfg
         return SamplingParams(max_tokens=c.answer_tokens, temperature=c.temperature,
-                              top_p=c.top_p, ignore_eos=c.ignore_eos, seed=c.seed)
+                              top_p=c.top_p, ignore_eos=c.ignore_eos, seed=c.seed_value)
 
     def _first_turns(self) -> list[Request]:
         out = []

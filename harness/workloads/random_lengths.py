@@ -16,14 +16,14 @@ from dataclasses import dataclass
 
 from harness.model.tokenizer import Tokenizer
 from harness.sched.sequence import SamplingParams, SequenceGroup
-from harness.workloads.base import Request
+from harness.workloads.base import Request, WorkloadOptions
 from harness.workloads.common import arrival_times, token_prompt
 
 DISTRIBUTIONS = ("uniform", "normal", "lognormal")
 
 
 @dataclass
-class RandomConfig:
+class RandomConfig(WorkloadOptions):
     num_requests: int = 32
     distribution: str = "lognormal"
     input_mean: float = 80.0
@@ -36,7 +36,6 @@ class RandomConfig:
     output_max: int = 384
     rate: float = 0.0  # requests per second (Poisson); 0 = all at once
     priority_levels: int = 1  # >1: each request gets a random priority (scheduler.policy)
-    seed: int = 0
 
 
 def draw_length(rng: random.Random, dist: str, mean: float, std: float, lo: int,
@@ -59,7 +58,7 @@ class RandomWorkload:
     name = "random"
 
     def __init__(self, cfg: RandomConfig, tok: Tokenizer) -> None:
-        rng = random.Random(cfg.seed)
+        rng = random.Random(cfg.seed_value)
         times = arrival_times(cfg.num_requests, cfg.rate, rng)
         self.requests = []
         for i in range(cfg.num_requests):

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 from harness.model.tokenizer import Tokenizer
 from harness.sched.sequence import SamplingParams, SequenceGroup
-from harness.workloads.base import Request
+from harness.workloads.base import Request, WorkloadOptions
 from harness.workloads.common import arrival_times, token_prompt
 
 
 @dataclass
-class SamplingWorkloadConfig:
+class SamplingWorkloadConfig(WorkloadOptions):
     num_requests: int = 8
     prompt_tokens: int = 64
     output_tokens: int = 32
@@ -29,7 +29,6 @@ class SamplingWorkloadConfig:
     length_penalty: float = 1.0  # beam search only
     rate: float = 0.0
     ignore_eos: bool = True
-    seed: int = 0
 
 
 class _NPerPrompt:
@@ -39,10 +38,10 @@ class _NPerPrompt:
     def __init__(self, cfg: SamplingWorkloadConfig, tok: Tokenizer) -> None:
         if cfg.n < 1:
             raise ValueError(f"workload.n must be >= 1, got {cfg.n}")
-        rng = random.Random(cfg.seed)
+        rng = random.Random(cfg.seed_value)
         times = arrival_times(cfg.num_requests, cfg.rate, rng)
         params = SamplingParams(
-            max_tokens=cfg.output_tokens, n=cfg.n, seed=cfg.seed, ignore_eos=cfg.ignore_eos,
+            max_tokens=cfg.output_tokens, n=cfg.n, seed=cfg.seed_value, ignore_eos=cfg.ignore_eos,
             temperature=0.0 if self.beam else cfg.temperature, top_p=cfg.top_p,
             use_beam_search=self.beam, length_penalty=cfg.length_penalty)
         self.requests = [Request(i, token_prompt(tok, rng, cfg.prompt_tokens), params,

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 from harness.model.tokenizer import Tokenizer
 from harness.sched.sequence import SamplingParams, SequenceGroup
-from harness.workloads.base import Request
+from harness.workloads.base import Request, WorkloadOptions
 from harness.workloads.common import arrival_times, token_prompt
 
 
 @dataclass
-class SharedPrefixConfig:
+class SharedPrefixConfig(WorkloadOptions):
     num_requests: int = 24
     num_prefixes: int = 1  # distinct shared prompts; request i uses prefix i % num_prefixes
     prefix_tokens: int = 256
@@ -25,7 +25,6 @@ class SharedPrefixConfig:
     rate: float = 0.0  # requests per second (Poisson); 0 = all at once
     temperature: float = 0.0
     ignore_eos: bool = True
-    seed: int = 0
 
 
 class SharedPrefixWorkload:
@@ -34,11 +33,11 @@ class SharedPrefixWorkload:
     def __init__(self, cfg: SharedPrefixConfig, tok: Tokenizer) -> None:
         if cfg.num_prefixes < 1 or cfg.num_requests < 1:
             raise ValueError("workload.num_prefixes and workload.num_requests must be >= 1")
-        rng = random.Random(cfg.seed)
+        rng = random.Random(cfg.seed_value)
         prefixes = [token_prompt(tok, rng, cfg.prefix_tokens) for _ in range(cfg.num_prefixes)]
         times = arrival_times(cfg.num_requests, cfg.rate, rng)
         params = SamplingParams(max_tokens=cfg.output_tokens, temperature=cfg.temperature,
-                                ignore_eos=cfg.ignore_eos, seed=cfg.seed)
+                                ignore_eos=cfg.ignore_eos, seed=cfg.seed_value)
         self.requests = [
             Request(i, prefixes[i % cfg.num_prefixes]
                     + token_prompt(tok, rng, cfg.suffix_tokens, add_bos=False),
