@@ -75,7 +75,8 @@ def _launches(sweep: Path) -> bool:
 
 def run_job(cfg: DictConfig, out: Path, multirun: bool) -> int:
     """One run into ``out``: claim the folder, run, write results or a marker, log to W&B.
-    Returns the exit code (module docstring); prints what went wrong, never raises."""
+    Returns the exit code (module docstring) and prints what went wrong; once the results
+    are complete, a signal simply stops it (nothing more needs a marker)."""
     from harness import progress
     from harness.errors import UserError
     from harness.hydra_callbacks import refuse_schema_choices
@@ -134,8 +135,8 @@ def _interrupted(out: Path, e: Interrupted) -> int:
     done = progress.describe(snap.snapshot() if (snap := progress.current()) else None)
     if parent_died():  # PR_SET_PDEATHSIG: the process that launched this job is gone
         done += "; the process that launched this job had died"
-    text = (f"interrupted by {e}: {done}\nno results were written (a run writes them at "
-            "its end); rerun it into a new folder")
+    text = (f"interrupted by {e}: {done}\nits results are incomplete (metrics.json, "
+            "written last, is not there); rerun it into a new folder")
     try:
         where = f"recorded in {write_interrupted(out, text)}"
     except OSError as err:
