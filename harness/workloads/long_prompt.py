@@ -10,8 +10,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from harness.errors import UserError
 from harness.model.tokenizer import Tokenizer
 from harness.sched.sequence import SamplingParams, SequenceGroup
+from harness.validate import at_least
 from harness.workloads.base import Request, WorkloadOptions
 from harness.workloads.common import token_prompt
 
@@ -26,6 +28,14 @@ class LongPromptConfig(WorkloadOptions):
     long_output_tokens: int = 8
     long_start_s: float = 1.0  # first long prompt arrives after the short ones decode
     long_interval_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        at_least(self, "workload", 1, "short_prompt_tokens", "short_output_tokens",
+                 "long_prompt_tokens", "long_output_tokens")
+        at_least(self, "workload", 0, "num_short", "num_long", "long_start_s",
+                 "long_interval_s")
+        if self.num_short + self.num_long < 1:
+            raise UserError("workload.num_short + workload.num_long must be >= 1")
 
 
 class LongPromptWorkload:

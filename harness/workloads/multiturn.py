@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from harness.model.tokenizer import Tokenizer
 from harness.sched.sequence import SamplingParams, SequenceGroup
+from harness.validate import at_least, in_range
 from harness.workloads.base import Request, WorkloadOptions
 from harness.workloads.chat import next_turn_ids
 from harness.workloads.text import random_passage
@@ -29,6 +30,13 @@ class MultiturnConfig(WorkloadOptions):
     temperature: float = 0.0
     top_p: float = 1.0
     ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        at_least(self, "workload", 1, "conversations", "turns", "user_words",
+                 "answer_tokens")
+        at_least(self, "workload", 0, "system_words", "arrival_interval_s", "think_time_s",
+                 "temperature")
+        in_range(self, "workload", "top_p", 0.0, 1.0, lo_open=True)
 
 
 class MultiturnWorkload:

@@ -14,8 +14,10 @@ import math
 import random
 from dataclasses import dataclass
 
+from harness.errors import UserError
 from harness.model.tokenizer import Tokenizer
 from harness.sched.sequence import SamplingParams, SequenceGroup
+from harness.validate import at_least, in_range, ordered
 from harness.workloads.base import Request, WorkloadOptions
 from harness.workloads.common import arrival_times, token_prompt
 
@@ -36,6 +38,18 @@ class RandomConfig(WorkloadOptions):
     output_max: int = 384
     rate: float = 0.0  # requests per second (Poisson); 0 = all at once
     priority_levels: int = 1  # >1: each request gets a random priority (scheduler.policy)
+
+    def __post_init__(self) -> None:
+        if self.distribution not in DISTRIBUTIONS:
+            raise UserError(f"unknown workload.distribution {self.distribution!r}; known: "
+                            f"{', '.join(DISTRIBUTIONS)}")
+        at_least(self, "workload", 1, "num_requests", "input_min", "output_min",
+                 "priority_levels")
+        at_least(self, "workload", 0, "input_std", "output_std", "rate")
+        in_range(self, "workload", "input_mean", 0, float("inf"), lo_open=True)
+        in_range(self, "workload", "output_mean", 0, float("inf"), lo_open=True)
+        ordered(self, "workload", "input_min", "input_max")
+        ordered(self, "workload", "output_min", "output_max")
 
 
 def draw_length(rng: random.Random, dist: str, mean: float, std: float, lo: int,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from harness.model.tokenizer import Tokenizer
 from harness.sched.sequence import SamplingParams, SequenceGroup
+from harness.validate import at_least, in_range
 from harness.workloads.base import Request, WorkloadOptions
 from harness.workloads.common import arrival_times, token_prompt
 
@@ -29,6 +30,11 @@ class SamplingWorkloadConfig(WorkloadOptions):
     length_penalty: float = 1.0  # beam search only
     rate: float = 0.0
     ignore_eos: bool = True
+
+    def __post_init__(self) -> None:
+        at_least(self, "workload", 1, "num_requests", "prompt_tokens", "output_tokens", "n")
+        at_least(self, "workload", 0, "temperature", "rate")
+        in_range(self, "workload", "top_p", 0.0, 1.0, lo_open=True)
 
 
 class _NPerPrompt:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from harness.model.tokenizer import Tokenizer
 from harness.sched.sequence import SamplingParams, SequenceGroup
+from harness.validate import at_least
 from harness.workloads.base import Request, WorkloadOptions
 from harness.workloads.common import arrival_times, token_prompt
 
@@ -25,6 +26,11 @@ class SharedPrefixConfig(WorkloadOptions):
     rate: float = 0.0  # requests per second (Poisson); 0 = all at once
     temperature: float = 0.0
     ignore_eos: bool = True
+
+    def __post_init__(self) -> None:
+        at_least(self, "workload", 1, "num_requests", "num_prefixes", "prefix_tokens",
+                 "output_tokens")
+        at_least(self, "workload", 0, "suffix_tokens", "rate", "temperature")
 
 
 class SharedPrefixWorkload:

@@ -1,0 +1,34 @@
+"""Range checks for option dataclasses: a value outside its range is the user's mistake,
+reported with the key, the value and the valid range (never silently accepted)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from harness.errors import UserError
+
+
+def at_least(obj: Any, prefix: str, minimum: float, *names: str) -> None:
+    """Every ``obj.<name>`` is >= ``minimum``."""
+    for n in names:
+        v = getattr(obj, n)
+        if v < minimum:
+            raise UserError(f"{prefix}.{n}={v} is out of range: it must be >= {minimum}")
+
+
+def in_range(obj: Any, prefix: str, name: str, lo: float, hi: float, *,
+             lo_open: bool = False) -> None:
+    """``lo <= obj.<name> <= hi`` (``lo < ...`` with ``lo_open``)."""
+    v = getattr(obj, name)
+    ok = (lo < v if lo_open else lo <= v) and v <= hi
+    if not ok:
+        lo_s = f"({lo}" if lo_open else f"[{lo}"
+        raise UserError(f"{prefix}.{name}={v} is out of range: it must be in {lo_s}, {hi}]")
+
+
+def ordered(obj: Any, prefix: str, low: str, high: str) -> None:
+    """``obj.<low> <= obj.<high>``."""
+    a, b = getattr(obj, low), getattr(obj, high)
+    if a > b:
+        raise UserError(f"{prefix}.{low}={a} is larger than {prefix}.{high}={b}: the "
+                        f"minimum must not exceed the maximum")
