@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,7 +110,24 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
     out_dir = Path(rc.out_dir) if rc.out_dir else None
     if out_dir is not None:
         write_results(out_dir, config_yaml, metrics, collector.steps, rows)
+    check_rejections(rows, out_dir)
     return RunResult(metrics, rows, out_dir, outputs, collector.steps)
+
+
+def check_rejections(rows: list[dict[str, Any]], out_dir: Path | None) -> None:
+    """A run where nothing finished is a failed run, not a result (UserError, after the
+    results are written); one that rejected a sizeable share says so on the terminal."""
+    rejected = [r for r in rows if r["status"] == "rejected"]
+    if not rejected:
+        return
+    why = f"e.g. request {rejected[0]['request_id']}: {rejected[0]['rejected_reason']}"
+    where = f" (results in {out_dir})" if out_dir is not None else ""
+    if not any(r["status"] == "finished" for r in rows):
+        raise UserError(f"no request finished: all {len(rejected)} were rejected{where}: "
+                        f"{why}")
+    if len(rejected) >= 0.1 * len(rows):
+        print(f"kvbench: warning: {len(rejected)} of {len(rows)} requests were rejected: "
+              f"{why}", file=sys.stderr)
 
 
 def print_summary(m: dict[str, Any], out_dir: Path | None) -> None:

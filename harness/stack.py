@@ -94,7 +94,8 @@ def build_stack(loaded: LoadedModel, device: torch.device, backend_opts: Backend
             f"scheduler.preemption_mode=swap: backend {backend.name} does not swap; use "
             f"scheduler.preemption_mode=recompute")
     if requests is not None:
-        check_budget(requests, kv, backend, sizing, cache.watermark)
+        check_budget(requests, kv, backend, sizing, cache.watermark, quiet)
+    check_memory(device, sizing)
     backend.allocate(sizing)
     collector = MetricsCollector(kv, scheduler, sizing.bytes_per_slot)
     engine = Engine(loaded.model, backend, scheduler, sampler, collector, device)
@@ -102,17 +103,59 @@ def build_stack(loaded: LoadedModel, device: torch.device, backend_opts: Backend
 
 
 def check_budget(requests: list[Request], kv: KVManager, backend: KVBackend,
-                 sizing: CacheSizing, watermark: float) -> None:
-    """Fail at start, with the budget that would work, if no request can ever fit."""
+                 sizing: CacheSizing, watermark: float, quiet: bool = False) -> None:
+    """Fail at start, with a budget that fits every request, if no request can ever be
+    admitted; warn (with the same suggestion) if some cannot."""
     if not requests:
         return
     needs = [kv.slots_needed(len(r.prompt_ids), r.params.max_tokens, r.params.n)
              for r in requests]
-    if min(needs) <= sizing.num_slots * (1 - watermark):
+    # An admission must leave the watermark free (at least one block; see the managers).
+    wm = kv.watermark_blocks * sizing.block_size if isinstance(kv, PagedKVManager) \
+        else getattr(kv, "watermark_slots", 0)
+    room = sizing.num_slots - wm
+    too_big = sum(1 for n in needs if n > room)
+    if not too_big:
         return
     want = min_budget_for(backend, sizing, max(needs), watermark)
-    raise UserError(
-        f"cache.kv_budget={format_bytes(sizing.kv_budget_bytes)} holds "
-        f"{sizing.num_slots} tokens for backend {backend.name}, but the smallest "
-        f"request needs {min(needs)}: set cache.kv_budget={want} ({format_bytes(want)}) "
-        f"or more to run this workload")
+    fix = f"cache.kv_budget={want} ({format_bytes(want)})"
+    holds = (f"cache.kv_budget={format_bytes(sizing.kv_budget_bytes)} holds "
+             f"{sizing.num_slots} tokens for backend {backend.name}")
+    if too_big == len(needs):
+        raise UserError(f"{holds}, but the smallest request needs {min(needs)}: set {fix} "
+                        f"or more to run this workload")
+    if not quiet:
+        print(f"kvbench: warning: {holds}; {too_big} of {len(needs)} requests need more "
+              f"(up to {max(needs)}) and will be rejected: {fix} fits them all",
+              file=sys.stderr)
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free for the cache on ``device`` now (None when unknown)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_memory(device: torch.device, sizing: CacheSizing) -> None:
+    """A budget the machine cannot hold is the user's mistake, said before allocating:
+    1 TiB gave a raw allocator traceback, 32 GiB on a 24 GiB machine the OOM killer."""
+    need = sizing.num_blocks * sizing.block_size * sizing.bytes_per_slot
+    host = sizing.num_cpu_blocks * sizing.block_size * sizing.bytes_per_slot
+    if device.type != "cuda":
+        need, host = need + host, 0
+    for where, dev, nbytes in ((str(device), device, need),
+                               ("host (cache.swap_space)", torch.device("cpu"), host)):
+        free = available_memory(dev) if nbytes else None
+        if free is not None and nbytes > 0.9 * free:
+            raise UserError(f"the KV cache needs {format_bytes(nbytes)} on {where} but only "
+                            f"{format_bytes(free)} is available: lower cache.kv_budget "
+                            f"(or cache.swap_space)")

@@ -39,6 +39,7 @@ def triton_for(device: torch.device, *, required: bool) -> bool:
         return True
     if not required:
         return False
+    _warn_interpreter(device)
     if not interpreting():
         if "triton" in sys.modules:
             raise ValueError(
@@ -48,6 +49,20 @@ def triton_for(device: torch.device, *, required: bool) -> bool:
         os.environ["TRITON_INTERPRET"] = "1"
     import triton  # noqa: F401  (the switch is read at this first import)
     return True
+
+
+_warned: set[str] = set()
+
+
+def _warn_interpreter(device: torch.device) -> None:
+    """Say it loudly, once per process: the interpreter is ~1000x slower than the torch
+    path, and a run on it on the default model looks hung without a word."""
+    if device.type in _warned:
+        return
+    _warned.add(device.type)
+    print(f"kvbench: backend.kernel=triton on {device.type} runs the kernels in Triton's "
+          "interpreter: correctness only, about 1000x slower than backend.kernel=torch "
+          "(minutes per step on the default model)", file=sys.stderr)
 
 
 def next_pow2(n: int) -> int:

@@ -1,0 +1,110 @@
+"""Bad values, table-driven and in-process: each row is a set of overrides and a phrase
+the UserError must contain (the valid range, or what to change). The CLI maps UserError
+to exit 2 (tests/test_bad_inputs.py runs the CLI itself); these rows fail before any
+model work, except the ones about what a run did (all requests rejected)."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.errors import UserError
+from harness.runner import run
+from tests.compose import compose_cfg
+from tests.compose import tiny as _tiny_multiturn
+
+
+def tiny(*overrides: str):  # type: ignore[no-untyped-def]
+    """The tiny model; multiturn's small defaults unless another workload is chosen."""
+    if any(o.startswith("workload=") for o in overrides):
+        return compose_cfg(["model=tiny", "cache.kv_budget=256KiB", "progress=false",
+                            *overrides])
+    return _tiny_multiturn(*overrides)
+
+ROWS = [
+    (["backend=h2o", "backend.budget_ratio=1.5"], "0 <= backend.budget_ratio <= 1"),
+    (["backend=h2o", "backend.budget=10", "backend.budget_ratio=0.5"], "exactly one"),
+    (["backend=h2o", "backend.heavy_ratio=1"], "backend.heavy_ratio must be in (0, 1)"),
+    (["backend=sliding_window", "backend.window=0"], "backend.window >= 1"),
+    (["backend=int8", "backend.sink_tokens=-1"], "backend.sink_tokens must be >= 0"),
+    (["backend.kernel=cuda"], "unknown backend.kernel"),
+    (["backend.block_size=0"], "backend.block_size must be >= 1"),
+    (["backend=contiguous", "backend.reserve=all"], "unknown backend.reserve"),
+    (["workload.turns=0"], "workload.turns=0 is out of range: it must be >= 1"),
+    (["workload.answer_tokens=0"], "workload.answer_tokens=0 is out of range"),
+    (["workload.top_p=0"], "workload.top_p=0.0 is out of range: it must be in (0.0, 1.0]"),
+    (["workload=random", "workload.input_mean=0"], "workload.input_mean=0.0 is out of range"),
+    (["workload=random", "workload.rate=-1"], "workload.rate=-1.0 is out of range"),
+    (["workload=random", "workload.priority_levels=-1"], "workload.priority_levels=-1"),
+    (["workload=random", "workload.input_min=50", "workload.input_max=10"],
+     "workload.input_min=50 is larger than workload.input_max=10"),
+    (["workload=random", "workload.distribution=zipf"], "unknown workload.distribution"),
+    (["workload=shared_prefix", "workload.num_prefixes=0"], "workload.num_prefixes=0"),
+    (["workload=beam_search", "workload.n=0"], "workload.n=0 is out of range"),
+    (["workload=long_prompt", "workload.num_short=0", "workload.num_long=0"],
+     "num_short + workload.num_long must be >= 1"),
+    (["cache.watermark=1.0"], "cache.watermark is a share of the cache in [0, 1)"),
+    (["cache.watermark=-0.1"], "cache.watermark is a share of the cache in [0, 1)"),
+    (["cache.kv_budget=lots"], "is not a size in bytes"),
+    (["cache.kv_budget=1TiB"], "lower cache.kv_budget"),
+    (["cpu_threads=-1"], "cpu_threads must be >= 0"),
+    (["seed=-3"], "seed must be in [0, 2^63)"),
+    (["device=cuda:0"], "use device=cpu or device=auto"),
+    (["device=tpu"], "is not a device"),
+    (["scheduler.max_num_seqs=0"], "scheduler.max_num_seqs and max_num_batched_tokens"),
+    (["scheduler.policy=lifo"], "unknown scheduler.policy"),
+    (["quality.enabled=true", "quality.prefill_tokens=0"], "1 <= quality.prefill_tokens"),
+    (["quality.enabled=true", "quality.num_texts=0"], "quality.num_texts must be >= 1"),
+    # What a run did: nothing finished is a failure, with the first reason.
+    (["scheduler.max_model_len=16"], "no request finished: all 3 were rejected"),
+    (["scheduler.chunked_prefill=false", "scheduler.max_num_batched_tokens=64"],
+     "exceeds scheduler.max_num_batched_tokens=64 with chunked_prefill off"),
+]
+
+
+@pytest.mark.parametrize("overrides,phrase", ROWS, ids=[" ".join(r[0]) for r in ROWS])
+def test_bad_value_is_a_user_error(overrides: list[str], phrase: str) -> None:
+    with pytest.raises(UserError) as e:
+        run(tiny(*overrides))
+    assert phrase in str(e.value)
+
+
+def test_binary_text_file_is_rejected(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    f = tmp_path / "weights.bin"
+    f.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(UserError, match="looks binary"):
+        run(tiny("quality.enabled=true", f"quality.text_file={f}"))
+    g = tmp_path / "latin1.txt"
+    g.write_bytes("caf\xe9 au lait ".encode("latin-1") * 50)
+    with pytest.raises(UserError, match="is not UTF-8"):
+        run(tiny("quality.enabled=true", f"quality.text_file={g}"))
+
+
+def test_some_rejected_is_a_warning_with_a_budget_that_fits_all(capsys) -> None:  # type: ignore[no-untyped-def]
+    # Random lengths under a budget that holds the small requests but not the large ones.
+    r = run(tiny("workload=random", "workload.num_requests=12", "workload.input_max=400",
+                 "workload.output_max=16", "cache.kv_budget=96KiB"))
+    err = capsys.readouterr().err
+    assert 0 < r.metrics["requests.rejected"] < 12
+    assert "will be rejected: cache.kv_budget=" in err and "fits them all" in err
+    assert "requests were rejected" in err
+
+
+def test_seed_drives_the_workload() -> None:
+    a = run(tiny("workload=random", "workload.num_requests=4", "seed=1"))
+    b = run(tiny("workload=random", "workload.num_requests=4", "seed=2"))
+    assert [r["prompt_tokens"] for r in a.requests] != [r["prompt_tokens"] for r in b.requests]
+    own = run(tiny("workload=random", "workload.num_requests=4", "seed=2",
+                   "workload.seed=1"))
+    assert [r["prompt_tokens"] for r in own.requests] == \
+        [r["prompt_tokens"] for r in a.requests]
+
+
+def test_triton_on_cpu_says_it_is_the_interpreter(capsys) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("triton")
+    import harness.kernels.runtime as rt
+
+    rt._warned.clear()
+    run(tiny("backend.kernel=triton", "workload.conversations=1", "workload.turns=1",
+             "workload.answer_tokens=2"))
+    assert "Triton's interpreter: correctness only, about 1000x slower" in \
+        capsys.readouterr().err
