@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from harness.kv.base import Demand
 from harness.kv.contiguous import ContiguousKVManager
 from harness.kv.paged import PagedKVManager
 from harness.sched.scheduler import Scheduler, SchedulerConfig
@@ -219,3 +220,50 @@ def test_eos_stops_and_frees() -> None:
     s.update(rec, [(rec.seqs[0].seq, EOS)])
     assert rec.finished == [g] and g.seqs[0].finish_reason == "stop"
     assert g.seqs[0].status is SeqStatus.FINISHED and not s.has_unfinished
+
+
+def _running(s: Scheduler, rid: int, prompt: int, computed: int, sampled: bool) -> SequenceGroup:
+    """A group already running with ``computed`` tokens cached (and, if ``sampled``, its
+    first output token waiting to be computed): a step's starting state, built directly."""
+    g = make_group(rid, list(range(1, prompt + 1)), max_tokens=2)
+    s.add(g)
+    seq = g.seqs[0]
+    if sampled:
+        seq.token_ids.append(7)
+    s.kv.allocate_group([Demand(seq, computed)])
+    seq.num_computed = computed
+    seq.status = SeqStatus.RUNNING
+    s.waiting.remove(g)
+    s._waiting_keys.pop()
+    s.running.append(g)
+    s.num_running_seqs += 1
+    return g
+
+
+def test_a_preempted_decode_gives_its_budget_back_to_prefills() -> None:
+    # Block size 4, six blocks, all held: d0 (decoding, its next token needs a block), p1
+    # (prefilling, 16 tokens left), d2 (decoding). d0 preempts d2 (LIFO) for its block;
+    # d2's decode token no longer needs budget, so p1 gets 10 - 1 = 9, not 8.
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10)
+    s = Scheduler(cfg, paged(6, enable_prefix_caching=False))
+    d0 = _running(s, 0, 4, 4, sampled=True)
+    p1 = _running(s, 1, 20, 4, sampled=False)
+    d2 = _running(s, 2, 15, 15, sampled=True)
+    assert s.kv.pool.num_free == 0  # type: ignore[attr-defined]
+    rec = s.schedule()
+    assert rec.preempted == [d2]
+    chunks = {x.seq.group.request_id: x.num_tokens for x in rec.seqs}
+    assert chunks == {0: 1, 1: 9}
+    assert rec.num_decode_tokens == 1 and rec.num_prefill_tokens == 9
+    del d0, p1
+
+
+def test_the_last_prompt_token_is_a_prefill_token() -> None:
+    # A 1025-token prompt under a 1024-token budget: the second step computes its last
+    # prompt token, a prefill token (it once took the decode fast path).
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=1024, max_model_len=4096)
+    s = Scheduler(cfg, paged(400))
+    s.add(make_group(0, [(i % 50) + 1 for i in range(1025)], max_tokens=3))
+    recs = run(s, [])
+    assert sum(r.num_prefill_tokens for r in recs) == 1025
+    assert sum(r.num_decode_tokens for r in recs) == 2  # 3 outputs, the last never fed back
