@@ -23,6 +23,8 @@ SMALL = {
                     "workload.short_output_tokens=12", "workload.long_start_s=0.01",
                     "workload.long_interval_s=0.01"],
     "random": ["workload.num_requests=6", "workload.output_max=24", "workload.input_max=48"],
+    "trace": ["workload.path=traces/kvbench_example.csv", "workload.max_requests=8",
+              "workload.speedup=20"],
 }
 
 DESIGN_KEYS = """

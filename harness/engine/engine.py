@@ -90,6 +90,8 @@ class Engine:
                 self._forget(g)
                 for r in workload.on_finished(g):
                     arrival = (t_tok - start) + r.arrival_s
+                    if r.earliest_s is not None:  # a trace's own time for a later turn
+                        arrival = max(arrival, r.earliest_s)
                     heapq.heappush(pending, (arrival, r.request_id, r))
                     total += 1
             # The row's own bookkeeping is charged to the next step: no step's overhead

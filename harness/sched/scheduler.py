@@ -98,6 +98,8 @@ class Scheduler:
         return True
 
     def _rejection(self, group: SequenceGroup) -> str | None:
+        if group.rejected_reason:  # the workload knew already (harness.workloads.base)
+            return group.rejected_reason
         n_prompt, p = len(group.prompt_ids), group.params
         if n_prompt == 0:
             return "empty prompt"

@@ -17,6 +17,7 @@ from harness.workloads.sampling import (
     SamplingWorkloadConfig,
 )
 from harness.workloads.shared_prefix import SharedPrefixConfig, SharedPrefixWorkload
+from harness.workloads.trace import TraceConfig, TraceWorkload
 
 WORKLOADS: dict[str, tuple[type, type]] = {
     "multiturn": (MultiturnConfig, MultiturnWorkload),
@@ -25,6 +26,7 @@ WORKLOADS: dict[str, tuple[type, type]] = {
     "parallel_sampling": (SamplingWorkloadConfig, ParallelSamplingWorkload),
     "long_prompt": (LongPromptConfig, LongPromptWorkload),
     "random": (RandomConfig, RandomWorkload),
+    "trace": (TraceConfig, TraceWorkload),
 }
 
 

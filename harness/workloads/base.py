@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from harness.sched.sequence import SamplingParams, SequenceGroup
 
@@ -19,10 +19,17 @@ class Request:
     arrival_s: float = 0.0
     priority: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
+    # A follow-up arrives no earlier than this (seconds from the run's start): a trace's
+    # later turn keeps its own timestamp when the answer it follows came sooner.
+    earliest_s: float | None = None
+    # Set by a workload that knows the request cannot run as given (a trace row longer
+    # than max_model_len): the scheduler rejects it with this reason, and it is counted.
+    rejected_reason: str | None = None
 
     def to_group(self, arrival_time: float) -> SequenceGroup:
         return SequenceGroup(self.request_id, list(self.prompt_ids), self.params,
-                             arrival_time=arrival_time, priority=self.priority)
+                             arrival_time=arrival_time, priority=self.priority,
+                             rejected_reason=self.rejected_reason)
 
 
 @dataclass
@@ -38,6 +45,16 @@ class WorkloadOptions:
     def seed_value(self) -> int:
         """The seed to draw with (0 when neither the workload nor a run set one)."""
         return 0 if self.seed is None else self.seed
+
+
+@runtime_checkable
+class ReportsMetrics(Protocol):
+    """A workload with metrics of its own (a trace: rows replayed, truncated, rejected),
+    merged into metrics.json by the runner."""
+
+    def workload_metrics(self) -> dict[str, float]:
+        """Flat dotted keys (``trace.*``) -> values."""
+        ...
 
 
 class Workload(Protocol):

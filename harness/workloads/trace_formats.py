@@ -1,0 +1,226 @@
+"""Reading request traces: one :class:`TraceRow` per request, from three formats.
+
+- ``mooncake`` (JSONL, the Mooncake / FAST'25 traces): ``timestamp`` (ms from the trace's
+  start), ``input_length``, ``output_length``, ``hash_ids`` (one id per block of
+  ``hash_block_tokens`` prompt tokens, 512 in the published traces; equal ids are equal
+  blocks, and an id names its whole prefix, so shared leading ids are shared prefixes);
+- ``azure`` (CSV, the Azure LLM inference traces 2023/2024): ``TIMESTAMP`` (a date-time
+  such as ``2023-11-16 18:15:46.6805900``, or seconds), ``ContextTokens``,
+  ``GeneratedTokens``;
+- ``kvbench`` (CSV or JSONL, ours): ``arrival_s``, ``prompt_tokens``, ``output_tokens``,
+  and optionally ``conversation_id`` with ``turn`` (a conversation's later turn re-sends
+  its history) and ``priority`` (lower runs first under ``scheduler.policy=priority``).
+
+Every malformed line is reported as ``<file>:<line>: <what is wrong>`` in one UserError
+(the first few, and how many more), never skipped: a replay that silently drops rows
+replays another trace.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.errors import UserError
+
+FORMATS = ("auto", "mooncake", "azure", "kvbench")
+# What each format's rows must hold (the auto-detection looks for these keys).
+REQUIRED = {
+    "mooncake": ("timestamp", "input_length", "output_length"),
+    "azure": ("TIMESTAMP", "ContextTokens", "GeneratedTokens"),
+    "kvbench": ("arrival_s", "prompt_tokens", "output_tokens"),
+}
+_MAX_REPORTED = 8  # malformed lines listed in the error; the rest are counted
+
+
+@dataclass(slots=True)
+class TraceRow:
+    """One request of a trace, as the file gives it (before any window or speed-up)."""
+
+    index: int  # the row's place among the file's data rows: the request id
+    line: int  # 1-based line number in the file (for messages)
+    arrival_s: float  # seconds from the trace's first timestamp
+    prompt_tokens: int
+    output_tokens: int
+    hash_ids: tuple[int, ...] | None = None  # mooncake only
+    conversation: str | None = None  # kvbench only
+    turn: int | None = None
+    priority: int = 0
+
+
+class _Bad(Exception):
+    """A row's field is missing or wrong; the message says which (no file or line)."""
+
+
+def _int(rec: dict[str, Any], key: str, minimum: int) -> int:
+    v = rec.get(key)
+    if v is None or v == "":
+        raise _Bad(f"missing {key!r}")
+    try:
+        f = float(v) if not isinstance(v, bool) else math.nan
+    except (TypeError, ValueError):
+        raise _Bad(f"{key}={v!r} is not a number") from None
+    if not math.isfinite(f) or f != int(f):
+        raise _Bad(f"{key}={v!r} is not a whole number")
+    if int(f) < minimum:
+        raise _Bad(f"{key}={v!r} must be >= {minimum}")
+    return int(f)
+
+
+def _seconds(rec: dict[str, Any], key: str, scale: float) -> float:
+    v = rec.get(key)
+    if v is None or v == "":
+        raise _Bad(f"missing {key!r}")
+    try:
+        f = float(v) if not isinstance(v, bool) else math.nan
+    except (TypeError, ValueError):
+        raise _Bad(f"{key}={v!r} is not a number") from None
+    if not math.isfinite(f) or f < 0:
+        raise _Bad(f"{key}={v!r} must be a finite number >= 0")
+    return f * scale
+
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+
+def _azure_time(v: Any) -> float:
+    """Microseconds since the epoch of an Azure TIMESTAMP (a date-time, or seconds), as a
+    whole number: differences of such stamps are then exact to the microsecond."""
+    if v is None or v == "":
+        raise _Bad("missing 'TIMESTAMP'")
+    try:
+        f = float(v)
+        if not math.isfinite(f):
+            raise _Bad(f"TIMESTAMP={v!r} is not a finite number")
+        return float(round(f * 1e6))
+    except (TypeError, ValueError):
+        pass
+    try:
+        t = dt.datetime.fromisoformat(str(v).strip())
+    except ValueError:
+        raise _Bad(f"TIMESTAMP={v!r} is neither a date-time (2023-11-16 18:15:46.68) "
+                   "nor seconds") from None
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=dt.UTC)
+    return float((t - _EPOCH) // dt.timedelta(microseconds=1))
+
+
+def _mooncake(rec: dict[str, Any], index: int, line: int) -> TraceRow:
+    ids = rec.get("hash_ids", [])
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                            for i in ids):
+        raise _Bad(f"hash_ids={ids!r} is not a list of integers")
+    return TraceRow(index, line, _seconds(rec, "timestamp", 1e-3),
+                    _int(rec, "input_length", 1), _int(rec, "output_length", 0),
+                    hash_ids=tuple(ids))
+
+
+def _azure(rec: dict[str, Any], index: int, line: int) -> TraceRow:
+    # Arrival is made relative to the first timestamp once every row is read.
+    return TraceRow(index, line, _azure_time(rec.get("TIMESTAMP")),
+                    _int(rec, "ContextTokens", 1), _int(rec, "GeneratedTokens", 0))
+
+
+def _kvbench(rec: dict[str, Any], index: int, line: int) -> TraceRow:
+    conv = rec.get("conversation_id")
+    conv = None if conv is None or conv == "" else str(conv)
+    turn = _int(rec, "turn", 0) if rec.get("turn") not in (None, "") else None
+    if turn is not None and conv is None:
+        raise _Bad("a turn without a conversation_id")
+    prio = _int(rec, "priority", -(2**31)) if rec.get("priority") not in (None, "") else 0
+    return TraceRow(index, line, _seconds(rec, "arrival_s", 1.0),
+                    _int(rec, "prompt_tokens", 1), _int(rec, "output_tokens", 0),
+                    conversation=conv, turn=turn, priority=prio)
+
+
+PARSERS = {"mooncake": _mooncake, "azure": _azure, "kvbench": _kvbench}
+
+
+def _records(path: Path, errors: list[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, record) per data row of a CSV (header first) or JSONL file."""
+    try:
+        f = path.open(newline="", encoding="utf-8")
+    except OSError as e:
+        raise UserError(f"workload.path={path}: cannot read it ({e.strerror or e})") from None
+    with f:
+        try:
+            if path.suffix.lower() == ".csv":
+                reader = csv.DictReader(f)
+                for rec in reader:
+                    if None in rec:  # more fields than the header names
+                        n = len(rec) - 1  # the header's fields (None holds the extra)
+                        errors.append(f"{path}:{reader.line_num}: {n + len(rec[None])} "
+                                      f"fields, the header has {n}")
+                        continue
+                    yield reader.line_num, rec
+                return
+            for no, text in enumerate(f, 1):
+                if not text.strip():
+                    continue
+                try:
+                    rec = json.loads(text)
+                except ValueError as e:
+                    errors.append(f"{path}:{no}: not valid JSON ({e})")
+                    continue
+                if not isinstance(rec, dict):
+                    errors.append(f"{path}:{no}: a JSON {type(rec).__name__}, not an object")
+                    continue
+                yield no, rec
+        except UnicodeDecodeError as e:
+            raise UserError(f"workload.path={path} is not UTF-8 text ({e.reason} at byte "
+                            f"{e.start})") from None
+
+
+def detect(rec: dict[str, Any], path: Path) -> str:
+    """The format whose required keys the first record holds."""
+    for fmt, keys in REQUIRED.items():
+        if all(k in rec for k in keys):
+            return fmt
+    wanted = "; ".join(f"{fmt}: {', '.join(keys)}" for fmt, keys in REQUIRED.items())
+    raise UserError(f"workload.path={path}: cannot tell the trace format from its first "
+                    f"row's keys ({', '.join(map(str, rec))}); expected one of {wanted} "
+                    "(or set workload.format)")
+
+
+def read_trace(path: Path, fmt: str = "auto") -> tuple[str, list[TraceRow]]:
+    """The trace's format and its rows in file order; a UserError lists malformed lines."""
+    if fmt not in FORMATS:
+        raise UserError(f"unknown workload.format {fmt!r}; known: {', '.join(FORMATS)}")
+    if not path.is_file():
+        raise UserError(f"workload.path={path} is not a file (example traces: traces/)")
+    errors: list[str] = []
+    rows: list[TraceRow] = []
+    seen_turns: set[tuple[str, int]] = set()
+    for line, rec in _records(path, errors):
+        if fmt == "auto":
+            fmt = detect(rec, path)
+        try:
+            row = PARSERS[fmt](rec, len(rows), line)
+            if row.conversation is not None and row.turn is not None:
+                key = (row.conversation, row.turn)
+                if key in seen_turns:
+                    raise _Bad(f"turn {row.turn} of conversation {row.conversation!r} "
+                               "appears twice")
+                seen_turns.add(key)
+        except _Bad as e:
+            errors.append(f"{path}:{line}: {e}")
+            continue
+        rows.append(row)
+    if errors:
+        more = len(errors) - _MAX_REPORTED
+        raise UserError(f"{len(errors)} malformed line(s) in the {fmt} trace "
+                        f"{path}:\n  " + "\n  ".join(errors[:_MAX_REPORTED])
+                        + (f"\n  ... and {more} more" if more > 0 else ""))
+    if not rows:
+        raise UserError(f"workload.path={path} holds no requests")
+    if fmt == "azure":  # microseconds since the epoch -> seconds from the first request
+        t0 = min(r.arrival_s for r in rows)
+        for r in rows:
+            r.arrival_s = (r.arrival_s - t0) / 1e6
+    return fmt, rows
