@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from harness.kv.base import Demand, KVManager
 from harness.sched.sequence import SamplingParams, Sequence, SequenceGroup
+
+if TYPE_CHECKING:
+    from harness.sched.scheduler import Scheduler
 
 _next = [0]
 
@@ -33,3 +38,20 @@ def decode(m: KVManager, seq: Sequence, token: int) -> None:
     assert m.can_allocate([d], watermark=False)
     m.allocate(d)
     seq.num_computed += 1
+
+
+def decode_ready(kv: KVManager, num_seqs: int, prompt: int = 40) -> Scheduler:
+    """A scheduler over ``kv`` with ``num_seqs`` sequences prefilled and decoding (prompts
+    of ``prompt`` + 3 tokens, unbounded max_tokens): the benchmarks' starting state."""
+    from harness.sched.scheduler import Scheduler, SchedulerConfig
+
+    cfg = SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=1 << 20,
+                          max_model_len=1 << 20)
+    s = Scheduler(cfg, kv)
+    for i in range(num_seqs):
+        s.add(make_group(i, [i + 1] * 3 + list(range(100 + 40 * i, 100 + 40 * i + prompt)),
+                         max_tokens=1 << 19))
+    rec = s.schedule()
+    s.update(rec, [(x.seq, 7) for x in rec.seqs if x.sample])
+    assert len(s.running) == num_seqs
+    return s

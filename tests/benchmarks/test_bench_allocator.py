@@ -11,8 +11,7 @@ from typing import Any
 
 from harness.kv.base import Demand
 from harness.kv.paged import PagedKVManager
-from harness.sched.scheduler import Scheduler, SchedulerConfig
-from tests.helpers import make_group, make_seq
+from tests.helpers import decode_ready, make_seq
 
 BS = 16
 
@@ -38,22 +37,9 @@ def test_prefix_lookup_32_blocks(benchmark: Any) -> None:
     assert len(hits) == 32
 
 
-def _decode_ready(num_seqs: int, num_blocks: int) -> Scheduler:
-    cfg = SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=16384,
-                          max_model_len=1 << 20)
-    s = Scheduler(cfg, PagedKVManager(num_blocks, BS))
-    for i in range(num_seqs):
-        s.add(make_group(i, [i + 1] * 3 + list(range(100 + 40 * i, 140 + 40 * i)),
-                         max_tokens=1 << 19))
-    rec = s.schedule()
-    s.update(rec, [(x.seq, 7) for x in rec.seqs if x.sample])
-    assert len(s.running) == num_seqs
-    return s
-
-
 def test_decode_step_bookkeeping_256(benchmark: Any) -> None:
     # A pool of 100k blocks: a large pool must cost nothing per step.
-    s = _decode_ready(256, 100_000)
+    s = decode_ready(PagedKVManager(100_000, BS), 256)
 
     def step() -> None:
         rec = s.schedule()

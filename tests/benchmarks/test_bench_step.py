@@ -23,29 +23,15 @@ from harness.kv.evicting import EvictingKVManager
 from harness.kv.paged import PagedKVManager
 from harness.kv.policies.h2o import H2OPolicy
 from harness.metrics.collector import MetricsCollector
-from harness.sched.scheduler import Scheduler, SchedulerConfig
-from tests.helpers import make_group
+from tests.helpers import decode_ready
 
 BS = 16
 VOCAB = 64  # bookkeeping, not the argmax over a real vocabulary, is what is timed
 
 
-def _running(kv: PagedKVManager, num_seqs: int, prompt: int) -> Scheduler:
-    cfg = SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=1 << 20,
-                          max_model_len=1 << 20)
-    s = Scheduler(cfg, kv)
-    for i in range(num_seqs):
-        s.add(make_group(i, [i + 1] * 3 + list(range(100 + 40 * i, 100 + 40 * i + prompt)),
-                         max_tokens=1 << 19))
-    rec = s.schedule()
-    s.update(rec, [(x.seq, 7) for x in rec.seqs if x.sample])
-    assert len(s.running) == num_seqs
-    return s
-
-
 def test_non_forward_step_256(benchmark: Any) -> None:
     kv = PagedKVManager(100_000, BS)
-    s = _running(kv, 256, 40)
+    s = decode_ready(kv, 256)
     col = MetricsCollector(kv, s, bytes_per_slot=1)
     for g in s.running:
         col.on_arrival(g, 0.0)
@@ -73,7 +59,7 @@ def test_h2o_eviction_bookkeeping_64(benchmark: Any) -> None:
     # scored over its 128 held slots.
     pol = H2OPolicy(budget_tokens=128, budget_ratio=0.0, heavy_ratio=0.5)
     kv = EvictingKVManager(4096, BS, pol, watermark=0.0)
-    s = _running(kv, 64, 40)
+    s = decode_ready(kv, 64)
     rng = np.random.default_rng(0)
     for _ in range(200):  # reach the budget: from here on each step evicts
         rec = s.schedule()
