@@ -3,7 +3,7 @@
 Every synthetic workload's config derives from :class:`ArrivalOptions`, so one set of
 options (``rate``, ``arrival``, ``burstiness``) shapes the arrivals of all of them:
 
-- ``all_at_once``: every request at t = 0 (also what any process gives at ``rate <= 0``,
+- ``all_at_once``: every request at t = 0 (also what any process gives at ``rate = 0``,
   as vLLM's ``--request-rate inf``);
 - ``poisson``: exponential gaps of mean 1/rate;
 - ``gamma``: gamma-distributed gaps with shape ``burstiness`` and scale
@@ -35,7 +35,7 @@ class ArrivalOptions(WorkloadOptions):
     """The arrival options every synthetic workload shares (the one place for their
     defaults): all at once unless a rate is given."""
 
-    rate: float = 0.0  # requests per second; <= 0: all at once, whatever the process
+    rate: float = 0.0  # requests per second; 0: all at once, whatever the process
     arrival: str = "poisson"  # poisson | gamma | constant | all_at_once
     burstiness: float = 1.0  # gamma's shape: 1 = Poisson, < 1 burstier, > 1 more regular
 
@@ -51,9 +51,9 @@ def check_arrivals(opts: ArrivalOptions) -> None:
     if not opts.burstiness > 0:
         raise UserError(f"workload.burstiness must be > 0 (1 = Poisson, < 1 burstier), "
                         f"got {opts.burstiness}")
-    if not math.isfinite(opts.rate):
-        raise UserError(f"workload.rate must be finite (<= 0 means all at once), got "
-                        f"{opts.rate}")
+    if not (math.isfinite(opts.rate) and opts.rate >= 0):
+        raise UserError(f"workload.rate={opts.rate} is out of range: requests per second, "
+                        ">= 0 and finite (0: all at once)")
 
 
 def gap(rng: random.Random, arrival: str, rate: float, burstiness: float) -> float:
@@ -69,7 +69,7 @@ def gap(rng: random.Random, arrival: str, rate: float, burstiness: float) -> flo
 
 def arrival_times(n: int, opts: ArrivalOptions, rng: random.Random) -> list[float]:
     """``n`` arrival times in seconds from the run's start, non-decreasing."""
-    if opts.rate <= 0 or opts.arrival == "all_at_once":
+    if opts.rate == 0 or opts.arrival == "all_at_once":
         return [0.0] * n
     t, out = 0.0, []
     for _ in range(n):

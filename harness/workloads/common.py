@@ -1,4 +1,5 @@
-"""Pieces the workloads share: arrival processes and prompts of an exact token length."""
+"""Pieces the workloads share: prompts of an exact token length (arrival processes:
+harness.workloads.arrivals)."""
 
 from __future__ import annotations
 
@@ -6,18 +7,6 @@ import random
 
 from harness.model.tokenizer import Tokenizer
 from harness.workloads.text import random_passage
-
-
-def arrival_times(n: int, rate: float, rng: random.Random) -> list[float]:
-    """``n`` arrival times in seconds: all at 0 when ``rate`` <= 0, else a Poisson process
-    of ``rate`` requests per second (exponential gaps)."""
-    if rate <= 0:
-        return [0.0] * n
-    t, out = 0.0, []
-    for _ in range(n):
-        t += rng.expovariate(rate)
-        out.append(t)
-    return out
 
 
 def token_prompt(tok: Tokenizer, rng: random.Random, num_tokens: int,

@@ -18,14 +18,15 @@ from harness.errors import UserError
 from harness.model.tokenizer import Tokenizer
 from harness.sched.sequence import SamplingParams, SequenceGroup
 from harness.validate import at_least, in_range, ordered
-from harness.workloads.base import Request, WorkloadOptions
-from harness.workloads.common import arrival_times, token_prompt
+from harness.workloads.arrivals import ArrivalOptions, arrival_times
+from harness.workloads.base import Request
+from harness.workloads.common import token_prompt
 
 DISTRIBUTIONS = ("uniform", "normal", "lognormal")
 
 
 @dataclass
-class RandomConfig(WorkloadOptions):
+class RandomConfig(ArrivalOptions):
     num_requests: int = 32
     distribution: str = "lognormal"
     input_mean: float = 80.0
@@ -36,16 +37,16 @@ class RandomConfig(WorkloadOptions):
     output_std: float = 80.0
     output_min: int = 1
     output_max: int = 384
-    rate: float = 0.0  # requests per second (Poisson); 0 = all at once
     priority_levels: int = 1  # >1: each request gets a random priority (scheduler.policy)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.distribution not in DISTRIBUTIONS:
             raise UserError(f"unknown workload.distribution {self.distribution!r}; known: "
                             f"{', '.join(DISTRIBUTIONS)}")
         at_least(self, "workload", 1, "num_requests", "input_min", "output_min",
                  "priority_levels")
-        at_least(self, "workload", 0, "input_std", "output_std", "rate")
+        at_least(self, "workload", 0, "input_std", "output_std")
         in_range(self, "workload", "input_mean", 0, float("inf"), lo_open=True)
         in_range(self, "workload", "output_mean", 0, float("inf"), lo_open=True)
         ordered(self, "workload", "input_min", "input_max")
@@ -73,7 +74,7 @@ class RandomWorkload:
 
     def __init__(self, cfg: RandomConfig, tok: Tokenizer) -> None:
         rng = random.Random(cfg.seed_value)
-        times = arrival_times(cfg.num_requests, cfg.rate, rng)
+        times = arrival_times(cfg.num_requests, cfg, rng)
         self.requests = []
         for i in range(cfg.num_requests):
             n_in = draw_length(rng, cfg.distribution, cfg.input_mean, cfg.input_std,

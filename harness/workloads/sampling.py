@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from harness.model.tokenizer import Tokenizer
 from harness.sched.sequence import SamplingParams, SequenceGroup
 from harness.validate import at_least, in_range
-from harness.workloads.base import Request, WorkloadOptions
-from harness.workloads.common import arrival_times, token_prompt
+from harness.workloads.arrivals import ArrivalOptions, arrival_times
+from harness.workloads.base import Request
+from harness.workloads.common import token_prompt
 
 
 @dataclass
-class SamplingWorkloadConfig(WorkloadOptions):
+class SamplingWorkloadConfig(ArrivalOptions):
     num_requests: int = 8
     prompt_tokens: int = 64
     output_tokens: int = 32
@@ -28,12 +29,12 @@ class SamplingWorkloadConfig(WorkloadOptions):
     temperature: float = 0.8  # parallel sampling only
     top_p: float = 0.95
     length_penalty: float = 1.0  # beam search only
-    rate: float = 0.0
     ignore_eos: bool = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         at_least(self, "workload", 1, "num_requests", "prompt_tokens", "output_tokens", "n")
-        at_least(self, "workload", 0, "temperature", "rate")
+        at_least(self, "workload", 0, "temperature")
         in_range(self, "workload", "top_p", 0.0, 1.0, lo_open=True)
 
 
@@ -45,7 +46,7 @@ class _NPerPrompt:
         if cfg.n < 1:
             raise ValueError(f"workload.n must be >= 1, got {cfg.n}")
         rng = random.Random(cfg.seed_value)
-        times = arrival_times(cfg.num_requests, cfg.rate, rng)
+        times = arrival_times(cfg.num_requests, cfg, rng)
         params = SamplingParams(
             max_tokens=cfg.output_tokens, n=cfg.n, seed=cfg.seed_value, ignore_eos=cfg.ignore_eos,
             temperature=0.0 if self.beam else cfg.temperature, top_p=cfg.top_p,

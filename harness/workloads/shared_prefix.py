@@ -12,25 +12,26 @@ from dataclasses import dataclass
 from harness.model.tokenizer import Tokenizer
 from harness.sched.sequence import SamplingParams, SequenceGroup
 from harness.validate import at_least
-from harness.workloads.base import Request, WorkloadOptions
-from harness.workloads.common import arrival_times, token_prompt
+from harness.workloads.arrivals import ArrivalOptions, arrival_times
+from harness.workloads.base import Request
+from harness.workloads.common import token_prompt
 
 
 @dataclass
-class SharedPrefixConfig(WorkloadOptions):
+class SharedPrefixConfig(ArrivalOptions):
     num_requests: int = 24
     num_prefixes: int = 1  # distinct shared prompts; request i uses prefix i % num_prefixes
     prefix_tokens: int = 256
     suffix_tokens: int = 24  # each request's own question
     output_tokens: int = 24
-    rate: float = 0.0  # requests per second (Poisson); 0 = all at once
     temperature: float = 0.0
     ignore_eos: bool = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         at_least(self, "workload", 1, "num_requests", "num_prefixes", "prefix_tokens",
                  "output_tokens")
-        at_least(self, "workload", 0, "suffix_tokens", "rate", "temperature")
+        at_least(self, "workload", 0, "suffix_tokens", "temperature")
 
 
 class SharedPrefixWorkload:
@@ -41,7 +42,7 @@ class SharedPrefixWorkload:
             raise ValueError("workload.num_prefixes and workload.num_requests must be >= 1")
         rng = random.Random(cfg.seed_value)
         prefixes = [token_prompt(tok, rng, cfg.prefix_tokens) for _ in range(cfg.num_prefixes)]
-        times = arrival_times(cfg.num_requests, cfg.rate, rng)
+        times = arrival_times(cfg.num_requests, cfg, rng)
         params = SamplingParams(max_tokens=cfg.output_tokens, temperature=cfg.temperature,
                                 ignore_eos=cfg.ignore_eos, seed=cfg.seed_value)
         self.requests = [
