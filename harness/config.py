@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 from harness.backends import BACKENDS
 from harness.backends.base import BackendOptions
 from harness.errors import UserError
+from harness.metrics.goodput import SLOConfig, check_slo
 from harness.quality import QualityConfig
 from harness.sched.scheduler import SchedulerConfig
 from harness.units import parse_bytes
@@ -93,6 +94,7 @@ class RunConfig:
     cache: CacheSpec = field(default_factory=CacheSpec)
     logger: LoggerSpec = field(default_factory=LoggerSpec)
     quality: QualityConfig = field(default_factory=QualityConfig)
+    slo: SLOConfig = field(default_factory=SLOConfig)  # goodput targets (metrics.goodput)
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     # torch's intra-op threads on CPU (0 = torch's default). 1 by default: on a shared
@@ -110,6 +112,7 @@ class RunConfig:
                             f"{self.cpu_threads}")
         if not 0 <= self.seed < 2**63:
             raise UserError(f"seed must be in [0, 2^63), got {self.seed}")
+        check_slo(self.slo, self.quality.enabled, self.quality.generation_agreement)
 
 
 def run_config(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunConfig:
@@ -172,5 +175,6 @@ def register_configs() -> None:
     cs.store(group="schema/model", name="model", node=ModelSpec)
     cs.store(group="schema/scheduler", name="scheduler", node=SchedulerConfig)
     cs.store(group="schema/cache", name="cache", node=CacheSpec)
+    cs.store(group="schema/slo", name="slo", node=SLOConfig)
     cs.store(group="schema/logger", name="none", node=LoggerSpec)
     cs.store(group="schema/logger", name="wandb", node=WandbLoggerSpec)

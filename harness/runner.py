@@ -16,6 +16,7 @@ from harness.config import RunConfig, run_config
 from harness.engine.sampler import Sampler
 from harness.errors import UserError
 from harness.metrics.collector import StepRow
+from harness.metrics.goodput import slo_metrics
 from harness.metrics.summary import request_rows, summarize
 from harness.model import load_model
 from harness.progress import Progress, make_progress
@@ -23,6 +24,8 @@ from harness.quality import load_texts, measure
 from harness.results import write_results
 from harness.stack import build_stack
 from harness.workloads import make_workload
+from harness.workloads.base import ReportsMetrics
+from harness.workloads.trace import TraceConfig
 
 
 @dataclass
@@ -80,6 +83,10 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
     started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
     loaded = load_model(rc.model.source, rc.model.path, rc.model.dtype, device)
+    if isinstance(rc.workload, TraceConfig) and rc.workload.max_model_len is None:
+        # A trace truncates or rejects its rows against the length the engine enforces.
+        rc.workload.max_model_len = min(rc.scheduler.max_model_len,
+                                        loaded.config.max_position_embeddings)
     workload = make_workload(rc.workload, loaded.tokenizer)
     texts = load_texts(rc.quality, loaded) if rc.quality.enabled else None
     st = build_stack(loaded, device, rc.backend, rc.cache, rc.scheduler, Sampler(rc.seed),
@@ -99,6 +106,8 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
         "prefix_caching": st.prefix_caching,
     }
     metrics = summarize(collector, run_info, sizing.kv_budget_bytes, sizing.num_slots, wall)
+    if isinstance(workload, ReportsMetrics):
+        metrics.update(workload.workload_metrics())
     rows = request_rows(collector)
     outputs = collector.outputs()
     if rc.quality.enabled:
@@ -107,6 +116,7 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
         if rc.quality.generation_agreement:
             for r in rows:
                 r["agree_tokens"] = q.agree_tokens.get(r["request_id"])
+    metrics.update(slo_metrics(rows, rc.slo, wall))  # after quality: its agreement floor
     out_dir = Path(rc.out_dir) if rc.out_dir else None
     if out_dir is not None:
         write_results(out_dir, config_yaml, metrics, collector.steps, rows)
@@ -148,6 +158,9 @@ def print_summary(m: dict[str, Any], out_dir: Path | None) -> None:
          f"{f('memory.waste_pct')} ({f('memory.reservation_pct')} / "
          f"{f('memory.internal_frag_pct')} / {f('memory.external_frag_pct')})"),
         ("max running seqs", f"{m['memory.max_running_seqs']}"),
+        *([("goodput req/s (SLO attainment)", f"{f('latency.goodput_rps', '{:.2f}')} "
+            f"({f('latency.slo_attainment', '{:.3f}')})")]
+          if "latency.goodput_rps" in m else []),
         ("prefix hit rate", f("cache.prefix_hit_rate", "{:.3f}")),
         ("preemptions (recompute / swap)",
          f"{m['sched.preemptions_recompute']} / {m['sched.preemptions_swap']}"),

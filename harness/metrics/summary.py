@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from harness.metrics.collector import MetricsCollector
+from harness.metrics.goodput import peak_concurrency
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -113,6 +114,9 @@ def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: 
         "sched.swapped_bytes": st.swapped_out_blocks * kv.block_size * col.bytes_per_slot,
         "requests.finished": len(done),
         "requests.rejected": sum(1 for r in reqs if r["status"] == "rejected"),
+        # Requests in flight (arrived, not finished: waiting, running or swapped) at once.
+        "requests.peak_concurrency": peak_concurrency(
+            [(t.arrival, t.finished) for t in col.requests.values() if t.finished is not None]),
         "engine.step_ms_mean": float(np.mean([s.step_ms for s in steps])) if steps else 0.0,
         "engine.overhead_ms_mean": (float(np.mean([s.overhead_ms for s in steps]))
                                     if steps else 0.0),
