@@ -11,7 +11,8 @@ from harness.backends.fp8 import Fp8Backend
 from harness.backends.h2o import H2OBackend
 from harness.backends.int8 import Int8Backend
 from harness.backends.paged import PagedBackend
-from harness.backends.sliding_window import SlidingWindowBackend
+from harness.backends.sliding_window import SlidingWindowBackend, StreamingLLMBackend
+from harness.backends.tova import TOVABackend
 
 BACKENDS: dict[str, type[KVBackend]] = {
     "contiguous": ContiguousBackend,
@@ -21,7 +22,9 @@ BACKENDS: dict[str, type[KVBackend]] = {
     "fp8": Fp8Backend,
     "int8": Int8Backend,
     "sliding_window": SlidingWindowBackend,
+    "streaming_llm": StreamingLLMBackend,
     "h2o": H2OBackend,
+    "tova": TOVABackend,
 }
 
 

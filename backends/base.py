@@ -124,6 +124,10 @@ class KVBackend(ABC):
         self.device = device
         self.block_size = self.opts.block_size  # paged storage; contiguous ignores it
         self.batch: AttentionBatch | None = None
+        # K/V bytes the decode queries read, summed over the run: a device scalar once the
+        # first step is counted (no host sync per step), and the decode queries counted.
+        self._read_bytes: torch.Tensor | int = 0
+        self._read_queries = 0
 
     # -- sizing -------------------------------------------------------------------------
     def bytes_per_slot(self) -> int:
@@ -166,3 +170,29 @@ class KVBackend(ABC):
         """After the forward: the scores the KV manager's eviction policy asked for, in one
         device-to-host transfer (None: the policy needs none)."""
         return None
+
+    # -- what the decode attention reads (attention.kv_read_bytes_per_token) --------------
+    def decode_read_bytes(self, batch: AttentionBatch) -> torch.Tensor | int:
+        """Bytes of cache (K and V of every layer, with their scales or metadata) that this
+        step's decode queries read, counted after the forward. The default: every token of
+        each decode's context at :meth:`bytes_per_slot`. A backend that reads less (a
+        window, held slots, selected blocks) or other bytes (quantized values) overrides
+        it. What is counted is what the attention needs, as a kernel reads it: the torch
+        reference's gather of padded tables reads more and is not counted."""
+        return batch.decode_lens.sum() * self.bytes_per_slot()
+
+    def count_reads(self) -> None:
+        """After the forward: add this step's decode reads to the run's total."""
+        b = self.batch
+        if b is None or not b.num_decode:
+            return
+        self._read_bytes = self._read_bytes + self.decode_read_bytes(b)
+        self._read_queries += b.num_decode
+
+    def kv_read_bytes_per_token(self) -> float | None:
+        """Mean cache bytes one decode query read (None: the run had no decode)."""
+        if not self._read_queries:
+            return None
+        total = self._read_bytes
+        return float(total.item() if isinstance(total, torch.Tensor) else total) \
+            / self._read_queries

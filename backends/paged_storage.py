@@ -8,15 +8,43 @@ what they store).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from harness.backends.attention_ref import attend_chunk, attend_decode
 from harness.backends.base import CacheSizing, KVBackend
-from harness.kv.base import KVManager
+from harness.kv.base import CopyOp, KVManager
 from harness.kv.paged import PagedKVManager
 from harness.sched.step import StepRecord
+
+Index = slice | torch.Tensor
+
+
+def copy_runs(copies: list[CopyOp],
+              device: torch.device) -> Iterator[tuple[Index, Index, bool]]:
+    """The step's copies in order as (src, dst, move) slot indices: a slice per copy, and
+    each run of consecutive moves as one pair of int64 index tensors (a compaction moves
+    one slot at a time; one gather and scatter per tensor instead of one per slot, which
+    its disjoint sources and destinations allow)."""
+    i = 0
+    while i < len(copies):
+        op = copies[i]
+        if not op.move:
+            yield (slice(op.src, op.src + op.num_slots),
+                   slice(op.dst, op.dst + op.num_slots), False)
+            i += 1
+            continue
+        j = i
+        while j < len(copies) and copies[j].move:
+            j += 1
+        run = copies[i:j]
+        src = [s for o in run for s in range(o.src, o.src + o.num_slots)]
+        dst = [d for o in run for d in range(o.dst, o.dst + o.num_slots)]
+        yield (torch.tensor(src, dtype=torch.int64, device=device),
+               torch.tensor(dst, dtype=torch.int64, device=device), True)
+        i = j
 
 
 class PagedStorageBackend(KVBackend):
@@ -53,10 +81,10 @@ class PagedStorageBackend(KVBackend):
             for caches, cpus in ((self.k_cache, self.k_cpu), (self.v_cache, self.v_cpu)):
                 for t, c in zip(caches, cpus):
                     t[dev] = c[cpu].to(self.device)
-        for op in rec.copies:
+        for src, dst, _ in copy_runs(rec.copies, self.device):
             for t in self.slot_tensors():
                 flat = t.view(-1, *t.shape[2:])
-                flat[op.dst:op.dst + op.num_slots] = flat[op.src:op.src + op.num_slots]
+                flat[dst] = flat[src]
 
     def slot_tensors(self) -> list[torch.Tensor]:
         """Every tensor indexed (num_blocks, block_size, ...): what a copy copies."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from harness.backends.base import CacheSizing, KVLayout
+from harness.backends.base import AttentionBatch, CacheSizing, KVLayout
 from harness.backends.paged import PagedBackend, PagedOptions
 from harness.errors import UserError
 from harness.kernels.reference import dequantize_ref, store_kv_quant_ref
@@ -61,6 +61,16 @@ class QuantizedBackend(PagedBackend):
         per_head = lay.head_dim * self.cache_dtype.itemsize + SCALE_BYTES
         base = 2 * lay.num_layers * lay.num_kv_heads * per_head
         return base + self._sink_bytes_per_slot()
+
+    def decode_read_bytes(self, batch: AttentionBatch) -> torch.Tensor:
+        # 1-byte values and their scales for every context token, plus the full-precision
+        # overlay of the first sink_tokens of each sequence.
+        lens = batch.decode_lens
+        quant = self.bytes_per_slot() - self._sink_bytes_per_slot()
+        out = lens.sum() * quant
+        if self.sink_tokens:
+            out = out + lens.clamp(max=self.sink_tokens).sum() * super().bytes_per_slot()
+        return out
 
     def _sink_bytes_per_slot(self) -> int:
         if not self.sink_tokens:

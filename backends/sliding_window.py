@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from harness.backends.base import CacheSizing, KVLayout
+from harness.backends.base import AttentionBatch, CacheSizing, KVLayout
 from harness.backends.paged import PagedBackend, PagedOptions
 from harness.kv.base import KVManager
 from harness.kv.evicting import EvictingKVManager
@@ -45,3 +45,18 @@ class SlidingWindowBackend(PagedBackend):
     def make_manager(self, sizing: CacheSizing, **options: Any) -> KVManager:
         return EvictingKVManager(sizing.num_blocks, sizing.block_size, self.policy,
                                  num_cpu_blocks=sizing.num_cpu_blocks, **options)
+
+    def decode_read_bytes(self, batch: AttentionBatch) -> torch.Tensor:
+        # A query sees its last `window` tokens and the sinks before them, nothing else.
+        lens = batch.decode_lens
+        seen = lens.clamp(max=self.window) + (lens - self.window).clamp(
+            min=0, max=self.window_sinks)
+        return seen.sum() * self.bytes_per_slot()
+
+
+class StreamingLLMBackend(SlidingWindowBackend):
+    """`streaming_llm`: StreamingLLM (Xiao et al., 2024) by name, a preset of
+    sliding_window with 4 attention sinks (conf/backend/streaming_llm.yaml); no code of its
+    own beyond the name the run records."""
+
+    name = "streaming_llm"

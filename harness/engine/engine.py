@@ -79,6 +79,7 @@ class Engine:
                                     inputs.logits_rows)
             forward_s = time.perf_counter() - tf
             sch.end_forward()
+            self.backend.count_reads()
             scores = self.backend.take_scores()
             tokens = self._sample(logits, [s.seq for s in inputs.samplers])
             sch.update(rec, tokens, scores)

@@ -24,11 +24,17 @@ if TYPE_CHECKING:  # only for annotations: kv never imports the scheduler at run
 
 @dataclass(slots=True, frozen=True)
 class CopyOp:
-    """Copy ``num_slots`` token slots of K/V from ``src`` to ``dst`` (slot indices)."""
+    """Copy ``num_slots`` token slots of K/V from ``src`` to ``dst`` (slot indices).
+
+    ``move``: the tokens move (compaction), so the source slots hold nothing afterwards (a
+    backend with per-slot metadata clears theirs after copying it). The moves of one
+    compaction have disjoint sources and destinations, so a backend may apply a run of
+    them as one gather and scatter."""
 
     src: int
     dst: int
     num_slots: int
+    move: bool = False
 
 
 @dataclass(slots=True)

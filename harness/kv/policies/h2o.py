@@ -15,48 +15,24 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from harness.errors import UserError
-from harness.kv.policies.base import Eviction, EvictionPolicy
+from harness.kv.policies.budget import BudgetPolicy, check_budget_options, ratio_budget
 
 if TYPE_CHECKING:
     from harness.kv.base import StepScores
-    from harness.kv.evicting import EvictingKVManager
     from harness.sched.sequence import Sequence
 
-
-def ratio_budget(budget: int, ratio: float, prompt_len: int, max_tokens: int) -> int:
-    """``budget`` tokens, or ``ratio`` of prompt + max_tokens (rounded up), at least 2."""
-    if budget:
-        return max(budget, 2)
-    total = prompt_len + max_tokens
-    # Integer arithmetic on a rounded ratio: 0.3 * 10 must give 3, not 3.0000000000000004.
-    return max(-(-round(ratio * 1_000_000) * total // 1_000_000), 2)
-
-
-def check_budget_options(budget: int, budget_ratio: float) -> None:
-    if budget < 0 or not 0.0 <= budget_ratio <= 1.0:
-        raise UserError(f"need backend.budget >= 0 and 0 <= backend.budget_ratio <= 1, got "
-                        f"{budget} and {budget_ratio}")
-    if (budget <= 0) == (budget_ratio <= 0):
-        raise UserError("set exactly one of backend.budget (tokens) and "
-                        "backend.budget_ratio (share of prompt + max_tokens)")
+__all__ = ["H2OPolicy", "check_budget_options", "ratio_budget"]
 
 
 @dataclass
-class H2OPolicy(EvictionPolicy):
-    budget_tokens: int = 0
-    budget_ratio: float = 0.2
+class H2OPolicy(BudgetPolicy):
     heavy_ratio: float = 0.5
     name = "h2o"
-    needs_scores = True
 
     def __post_init__(self) -> None:
-        check_budget_options(self.budget_tokens, self.budget_ratio)
+        super().__post_init__()
         if not 0.0 < self.heavy_ratio < 1.0:
             raise UserError(f"backend.heavy_ratio must be in (0, 1), got {self.heavy_ratio}")
-        self.scores = np.zeros(0)
-
-    def budget(self, prompt_len: int, max_tokens: int) -> int:
-        return ratio_budget(self.budget_tokens, self.budget_ratio, prompt_len, max_tokens)
 
     def recent(self, budget: int) -> int:
         """The recent window's share of ``budget`` (the rest is for heavy hitters)."""
@@ -67,27 +43,8 @@ class H2OPolicy(EvictionPolicy):
         assert budget is not None
         return max(1, budget - self.recent(budget))
 
-    def reset(self, num_slots: int) -> None:
-        self.scores = np.zeros(num_slots)
-
     def on_scores(self, scores: StepScores) -> None:
         self.scores[scores.slots] += scores.values
 
-    def on_write(self, slots: list[int]) -> None:
-        self.scores[slots] = 0.0
-
-    def on_copy(self, src: int, dst: int, num_slots: int) -> None:
-        self.scores[dst:dst + num_slots] = self.scores[src:src + num_slots]
-
-    def select(self, seq: Sequence, kv: EvictingKVManager, need: int) -> Eviction:
-        if need <= 0:
-            return Eviction()
-        slots, pos = kv.live_slots(seq)
-        recent_from = seq.num_computed - self.recent(self.budget(
-            seq.num_prompt_tokens, seq.group.params.max_tokens))
-        cand = pos < recent_from
-        assert int(cand.sum()) >= need, "a chunk larger than the evictable budget"
-        score = np.where(cand, self.scores[slots], np.inf)
-        # Stable: equal scores go oldest slot first, so runs are reproducible.
-        order = np.argsort(score, kind="stable")[:need]
-        return Eviction(slots=slots[order].tolist())
+    def candidates(self, seq: Sequence, positions: np.ndarray) -> np.ndarray:
+        return positions < seq.num_computed - self.recent(self.seq_budget(seq))

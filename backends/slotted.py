@@ -1,0 +1,122 @@
+"""Token-granular paged storage: the base of the backends whose KV manager gives back
+single tokens (h2o, tova, snapkv: :class:`~harness.kv.evicting.EvictingKVManager` with a
+token-granular policy).
+
+A sequence's slots are not in position order: an evicted token's slot is reused by a later
+token, and a compaction moves kept tokens into fewer blocks. So the backend keeps each
+slot's position (``slot_pos``, -1 = empty): new tokens set it, the step record's
+``invalidated`` slots clear it, copies copy it (a move also clears its source). Attention
+reads a sequence's held blocks and masks by it: a decode sees every live slot of its
+blocks; a prefill query at position p sees the live slots at positions <= p. Keys are
+stored already rotated (RoPE), so their order in the cache does not matter, only which
+ones a query sees.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from harness.backends.base import AttentionBatch, CacheSizing, PrefillChunk
+from harness.backends.paged_storage import PagedStorageBackend, copy_runs
+from harness.kv.base import KVManager
+from harness.kv.evicting import EvictingKVManager
+from harness.kv.policies.base import EvictionPolicy
+from harness.sched.step import StepRecord
+
+
+class SlottedBackend(PagedStorageBackend):
+    """Paged K/V + per-slot positions + attention over held slots (masked SDPA).
+    Subclasses set ``self.policy`` and may override :meth:`attend_rows` (explicit softmax
+    that scores keys) or :meth:`attend_chunk` (observe a prompt's last queries)."""
+
+    exact = False
+    # A block whose slots were rewritten or compacted is not the block its hash names.
+    supports_prefix_caching = False
+    policy: EvictionPolicy
+
+    def make_manager(self, sizing: CacheSizing, **options: Any) -> KVManager:
+        options.pop("num_cpu_blocks", None)
+        return EvictingKVManager(sizing.num_blocks, sizing.block_size, self.policy, **options)
+
+    def allocate(self, sizing: CacheSizing) -> None:
+        if sizing.num_cpu_blocks:
+            raise ValueError(f"backend {self.name} does not swap (its per-slot state lives on "
+                             "the device): use scheduler.preemption_mode=recompute and "
+                             "cache.swap_space=0")
+        super().allocate(sizing)
+        n = sizing.num_blocks * sizing.block_size
+        self.slot_pos = torch.full((n,), -1, dtype=torch.int64, device=self.device)
+
+    # -- per step ------------------------------------------------------------------------
+    def apply_cache_ops(self, rec: StepRecord) -> None:
+        super().apply_cache_ops(rec)
+        if rec.invalidated:
+            self.slot_pos[torch.tensor(rec.invalidated, device=self.device)] = -1
+        for src, dst, move in copy_runs(rec.copies, self.device):
+            self.slot_pos[dst] = self.slot_pos[src]
+            if move:
+                self.slot_pos[src] = -1
+
+    def begin_step(self, batch: AttentionBatch) -> None:
+        super().begin_step(batch)
+        bs = self.block_size
+        offs = torch.arange(bs, device=self.device)
+        self.slot_pos[batch.slot_mapping] = batch.positions
+        if batch.num_decode:
+            width = batch.decode_tables.shape[1]
+            # (B, W * bs) slots of each decode's held blocks; padding columns are not held.
+            self._decode_slots = (batch.decode_tables.unsqueeze(-1) * bs + offs).flatten(1)
+            held = torch.arange(width, device=self.device) < batch.decode_num_blocks[:, None]
+            self._decode_valid = (held.repeat_interleave(bs, dim=1)
+                                  & (self.slot_pos[self._decode_slots] >= 0))
+        self._chunk_slots = [(c.table[:, None] * bs + offs).flatten() for c in batch.prefills]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        b = self.batch
+        assert b is not None
+        self.store(layer, k, v)
+        out = torch.empty_like(q)
+        nd = b.num_decode
+        if nd:
+            out[:nd] = self.attend_rows(layer, q[:nd].unsqueeze(1), self._decode_slots,
+                                        self._decode_valid[:, None, :])[:, 0]
+        for c, slots in zip(b.prefills, self._chunk_slots):
+            rows = slice(c.row, c.row + c.num_tokens)
+            out[rows] = self.attend_chunk(layer, q[rows], c, slots)
+        return out
+
+    def attend_chunk(self, layer: int, q: torch.Tensor, c: PrefillChunk,
+                     slots: torch.Tensor) -> torch.Tensor:
+        """One prefill chunk. q: (n, H, D); slots: (L,) its table's slots. -> (n, H, D)."""
+        b = self.batch
+        assert b is not None
+        kpos = self.slot_pos[slots]
+        qpos = b.positions[c.row:c.row + c.num_tokens]
+        valid = (kpos[None, :] >= 0) & (kpos[None, :] <= qpos[:, None])
+        return self.attend_rows(layer, q.unsqueeze(0), slots[None], valid[None])[0]
+
+    def attend_rows(self, layer: int, q: torch.Tensor, slots: torch.Tensor,
+                    valid: torch.Tensor) -> torch.Tensor:
+        """q: (B, n, H, D) over the keys in ``slots`` (B, L) where ``valid`` (B, n, L).
+        Returns (B, n, H, D). Every query sees at least its own key."""
+        k, v = self.gather(layer, slots, q.dtype)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=valid[:, None], enable_gqa=True)
+        return out.transpose(1, 2)
+
+    def gather(self, layer: int, slots: torch.Tensor,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at ``slots`` (any shape S) as (*S, KV, D) tensors in ``dtype``."""
+        kv_heads, d = self.layout.num_kv_heads, self.layout.head_dim
+        k = self.k_cache[layer].view(-1, kv_heads, d)[slots]
+        v = self.v_cache[layer].view(-1, kv_heads, d)[slots]
+        return k.to(dtype), v.to(dtype)
+
+    def decode_read_bytes(self, batch: AttentionBatch) -> torch.Tensor:
+        # A decode reads the live slots of its held blocks: the tokens its sequence keeps.
+        return self._decode_valid.sum() * self.bytes_per_slot()

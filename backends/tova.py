@@ -1,0 +1,43 @@
+"""`tova`: Token Omission Via Attention (Oren et al., 2024) under a per-sequence budget.
+
+Each sequence keeps at most ``backend.budget`` tokens (or ``backend.budget_ratio`` of its
+prompt + max_tokens); once full, every step drops the token the current query attends to
+least, by its attention weight averaged over layers and query heads. The decision is the
+KV manager's :class:`~harness.kv.policies.tova.TOVAPolicy`; this backend is h2o's
+machinery (backends.scored) with another score: the weights of each sequence's last query
+of the step only, and no accumulation across steps. Prompts longer than half the budget
+are prefilled in chunks of half the budget, the last query of each choosing what stays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from harness.backends.base import BackendOptions, KVLayout
+from harness.backends.scored import ScoredBackend
+from harness.kv.policies.tova import TOVAPolicy
+
+
+@dataclass
+class TOVAOptions(BackendOptions):
+    budget: int = 0  # tokens per sequence; or
+    budget_ratio: float = 0.2  # share of prompt + max_tokens (set exactly one)
+
+
+class TOVABackend(ScoredBackend):
+    name = "tova"
+    Options = TOVAOptions
+
+    def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:
+        super().__init__(layout, device, **options)
+        o = self.opts
+        assert isinstance(o, TOVAOptions)
+        self.policy = TOVAPolicy(o.budget, o.budget_ratio)
+
+    def score_weights(self, w: torch.Tensor) -> torch.Tensor:
+        # The last query's weights (the current token), averaged over the query heads here
+        # and over layers by the 1 / num_layers: summed over layers, they are the mean.
+        return w[:, :, :, -1, :].mean(dim=(1, 2)) / self.layout.num_layers

@@ -1,0 +1,85 @@
+"""What the per-sequence-budget policies share (h2o, tova): a token budget, and one score
+per slot that decides which token goes.
+
+A slot holds a token's K/V for every layer and head, so a whole token goes at a time: the
+one with the lowest score among the candidates a policy allows. Scores live in a numpy
+array indexed by slot; a slot's score belongs to the token in it (zeroed when a new token
+is written there, carried along by copies).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from harness.errors import UserError
+from harness.kv.policies.base import Eviction, EvictionPolicy
+
+if TYPE_CHECKING:
+    from harness.kv.evicting import EvictingKVManager
+    from harness.sched.sequence import Sequence
+
+
+def ratio_budget(budget: int, ratio: float, prompt_len: int, max_tokens: int) -> int:
+    """``budget`` tokens, or ``ratio`` of prompt + max_tokens (rounded up), at least 2."""
+    if budget:
+        return max(budget, 2)
+    total = prompt_len + max_tokens
+    # Integer arithmetic on a rounded ratio: 0.3 * 10 must give 3, not 3.0000000000000004.
+    return max(-(-round(ratio * 1_000_000) * total // 1_000_000), 2)
+
+
+def check_budget_options(budget: int, budget_ratio: float) -> None:
+    if budget < 0 or not 0.0 <= budget_ratio <= 1.0:
+        raise UserError(f"need backend.budget >= 0 and 0 <= backend.budget_ratio <= 1, got "
+                        f"{budget} and {budget_ratio}")
+    if (budget <= 0) == (budget_ratio <= 0):
+        raise UserError("set exactly one of backend.budget (tokens) and "
+                        "backend.budget_ratio (share of prompt + max_tokens)")
+
+
+@dataclass
+class BudgetPolicy(EvictionPolicy):
+    """A per-sequence budget of ``budget_tokens`` (or ``budget_ratio`` of prompt +
+    max_tokens) and per-slot ``scores``; subclasses say how scores arrive
+    (:meth:`on_scores`) and which tokens may go (:meth:`candidates`)."""
+
+    budget_tokens: int = 0
+    budget_ratio: float = 0.2
+    needs_scores = True
+
+    def __post_init__(self) -> None:
+        check_budget_options(self.budget_tokens, self.budget_ratio)
+        self.scores = np.zeros(0)
+
+    def budget(self, prompt_len: int, max_tokens: int) -> int:
+        return ratio_budget(self.budget_tokens, self.budget_ratio, prompt_len, max_tokens)
+
+    def seq_budget(self, seq: Sequence) -> int:
+        return self.budget(seq.num_prompt_tokens, seq.group.params.max_tokens)
+
+    def reset(self, num_slots: int) -> None:
+        self.scores = np.zeros(num_slots)
+
+    def on_write(self, slots: list[int]) -> None:
+        self.scores[slots] = 0.0
+
+    def on_copy(self, src: int, dst: int, num_slots: int) -> None:
+        self.scores[dst:dst + num_slots] = self.scores[src:src + num_slots]
+
+    def candidates(self, seq: Sequence, positions: np.ndarray) -> np.ndarray:
+        """Which of ``seq``'s live tokens (at ``positions``, int64 (held,)) may go: bool."""
+        return np.ones(len(positions), dtype=bool)
+
+    def select(self, seq: Sequence, kv: EvictingKVManager, need: int) -> Eviction:
+        if need <= 0:
+            return Eviction()
+        slots, pos = kv.live_slots(seq)
+        cand = self.candidates(seq, pos)
+        assert int(cand.sum()) >= need, "a chunk larger than the evictable budget"
+        score = np.where(cand, self.scores[slots], np.inf)
+        # Stable: equal scores go oldest slot first, so runs are reproducible.
+        order = np.argsort(score, kind="stable")[:need]
+        return Eviction(slots=slots[order].tolist())
