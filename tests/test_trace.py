@@ -1,0 +1,253 @@
+"""Trace replay: parsing each format (malformed lines by file and line), selection,
+over-length rows, and a replay that reproduces the trace's arrivals, lengths and sharing."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.errors import UserError
+from harness.model import ByteTokenizer
+from harness.runner import run
+from harness.sched.sequence import Sequence, SequenceGroup
+from harness.workloads import make_workload
+from harness.workloads.trace import TraceWorkload, fit
+from harness.workloads.trace_examples import FOLDER, example_files
+from harness.workloads.trace_formats import read_trace
+from tests.compose import compose_cfg
+
+TOK = ByteTokenizer()
+MOONCAKE = FOLDER / "mooncake_example.jsonl"
+
+
+def trace(path: Path | str, **opts: Any) -> TraceWorkload:
+    wl = make_workload({"name": "trace", "path": str(path), **opts}, TOK)
+    assert isinstance(wl, TraceWorkload)
+    return wl
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_the_example_traces_are_ours_and_regenerate_identically() -> None:
+    for name, text in example_files().items():
+        assert (FOLDER / name).read_text() == text, \
+            f"{name} differs from its generator: rerun python -m harness.workloads.trace_examples"
+
+
+def test_each_format_is_detected_and_read() -> None:
+    fmt, rows = read_trace(MOONCAKE)
+    first = json.loads(MOONCAKE.read_text().splitlines()[0])
+    assert fmt == "mooncake" and len(rows) == 24
+    assert (rows[0].arrival_s, rows[0].prompt_tokens, rows[0].output_tokens,
+            rows[0].hash_ids) == (first["timestamp"] / 1e3, first["input_length"],
+                                  first["output_length"], tuple(first["hash_ids"]))
+    fmt, rows = read_trace(FOLDER / "azure_example.csv")
+    assert fmt == "azure" and rows[0].arrival_s == 0.0
+    # The second stamp is 18:15:47.4064190, the first 18:15:47.1963380: 0.210081 s later.
+    assert rows[1].arrival_s == pytest.approx(0.210081, abs=1e-9)
+    fmt, csv_rows = read_trace(FOLDER / "kvbench_example.csv")
+    _, jsonl_rows = read_trace(FOLDER / "kvbench_example.jsonl")
+    assert fmt == "kvbench" and [r.line for r in csv_rows][:2] == [2, 3]  # after the header
+    assert [replace(r, line=0) for r in csv_rows] == [replace(r, line=0) for r in jsonl_rows]
+    assert {r.conversation for r in csv_rows} == {None, "c0", "c1", "c2", "c3"}
+    assert {r.priority for r in csv_rows} == {0, 1}
+
+
+@pytest.mark.parametrize(("name", "text", "where", "what"), [
+    ("a.jsonl", '{"timestamp": 0, "input_length": 8, "output_length": 2}\n'
+                '{"timestamp": 5, "input_length": 8\n', ":2:", "not valid JSON"),
+    ("a.jsonl", '{"timestamp": 0, "input_length": 8, "output_length": 2}\n\n'
+                '{"timestamp": 5, "input_length": 0, "output_length": 2}\n', ":3:",
+     "input_length=0 must be >= 1"),
+    ("a.jsonl", '{"timestamp": 0, "input_length": 8, "output_length": 2, "hash_ids": [1]}\n'
+                '{"timestamp": 1, "input_length": 8, "output_length": 2, "hash_ids": "x"}\n',
+     ":2:", "not a list of integers"),
+    ("a.jsonl", '{"timestamp": 0, "input_length": 8, "output_length": 2}\n[1, 2]\n', ":2:",
+     "not an object"),
+    ("b.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,10,2\n"
+              "yesterday,10,2\n", ":3:", "neither a date-time"),
+    ("b.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,10,2,9\n",
+     ":2:", "4 fields, the header has 3"),
+    ("c.csv", "arrival_s,prompt_tokens,output_tokens\n0.5,12.5,3\n", ":2:",
+     "prompt_tokens='12.5' is not a whole number"),
+    ("c.csv", "arrival_s,prompt_tokens,output_tokens\n-1,12,3\n", ":2:",
+     "arrival_s='-1' must be a finite number >= 0"),
+    ("c.csv", "arrival_s,prompt_tokens,output_tokens,conversation_id,turn\n"
+              "0,12,3,a,0\n1,20,3,a,0\n", ":3:", "turn 0 of conversation 'a' appears twice"),
+    ("c.csv", "arrival_s,prompt_tokens,output_tokens\n0,12,\n", ":2:",
+     "missing 'output_tokens'"),
+])
+def test_malformed_lines_are_reported_with_file_and_line(tmp_path: Path, name: str,
+                                                         text: str, where: str,
+                                                         what: str) -> None:
+    p = write(tmp_path, name, text)
+    with pytest.raises(UserError, match="malformed") as e:
+        trace(p)
+    assert f"{p}{where}" in str(e.value) and what in str(e.value)
+
+
+def test_every_malformed_line_is_counted_and_unknown_formats_name_the_columns(
+        tmp_path: Path) -> None:
+    p = write(tmp_path, "many.csv", "arrival_s,prompt_tokens,output_tokens\n"
+              + "".join(f"{i},x,1\n" for i in range(12)))
+    with pytest.raises(UserError, match=r"12 malformed line\(s\)[\s\S]*and 4 more"):
+        trace(p)
+    q = write(tmp_path, "odd.csv", "time,len\n1,2\n")
+    with pytest.raises(UserError, match="expected one of mooncake: timestamp"):
+        trace(q)
+    with pytest.raises(UserError, match="is not a file"):
+        trace(tmp_path / "missing.jsonl")
+
+
+def test_window_limit_and_speedup_select_and_scale(tmp_path: Path) -> None:
+    p = write(tmp_path, "t.csv", "arrival_s,prompt_tokens,output_tokens\n"
+              + "".join(f"{t},{10 + i},2\n" for i, t in enumerate([0, 3, 1, 4, 2, 5, 6])))
+    wl = trace(p, start_s=1, duration_s=4, max_requests=3, speedup=2)
+    reqs = sorted(wl.initial_requests(), key=lambda r: r.arrival_s)
+    # Rows 2, 4, 1 arrive at 1, 2, 3 s (row 3 at 4 s is the fourth): times count from
+    # start_s and are halved; request ids are the rows' places in the file.
+    assert [(r.request_id, r.arrival_s, len(r.prompt_ids)) for r in reqs] == [
+        (2, 0.0, 12), (4, 0.5, 14), (1, 1.0, 11)]
+    with pytest.raises(UserError, match="no trace row arrives in the window"):
+        trace(p, start_s=100)
+
+
+def test_rows_over_max_model_len_are_truncated_or_rejected_and_counted(
+        tmp_path: Path) -> None:
+    p = write(tmp_path, "t.csv", "arrival_s,prompt_tokens,output_tokens\n"
+              "0,50,10\n0.1,95,10\n0.2,20,200\n")
+    cut = trace(p, max_model_len=100)
+    assert [(len(r.prompt_ids), r.params.max_tokens) for r in cut.initial_requests()] == [
+        (50, 10), (90, 10), (20, 50)]
+    assert cut.workload_metrics()["trace.truncated"] == 2
+    rej = trace(p, max_model_len=100, over_length="reject")
+    assert [r.rejected_reason is not None for r in rej.initial_requests()] == [
+        False, True, True]
+    assert rej.workload_metrics()["trace.rejected_too_long"] == 2
+    assert fit(95, 10, 100) == (90, 10) and fit(20, 200, 100) == (20, 50)
+
+
+def test_rejected_rows_are_counted_in_a_run(tmp_path: Path) -> None:
+    p = write(tmp_path, "t.csv", "arrival_s,prompt_tokens,output_tokens\n"
+              "0,50,4\n0,300,4\n")
+    r = run(compose_cfg(["model=tiny", "workload=trace", f"workload.path={p}",
+                         "workload.over_length=reject", "scheduler.max_model_len=128",
+                         "cache.kv_budget=512KiB"]))
+    rows = {x["request_id"]: x for x in r.requests}
+    assert rows[0]["status"] == "finished" and rows[1]["status"] == "rejected"
+    assert "max_model_len=128" in rows[1]["rejected_reason"]
+    assert r.metrics["requests.rejected"] == r.metrics["trace.rejected_too_long"] == 1
+
+
+def test_equal_hash_ids_become_equal_token_blocks() -> None:
+    wl = trace(MOONCAKE, max_model_len=4096)
+    reqs = {r.request_id: r.prompt_ids for r in wl.initial_requests()}
+    rows = {p.row.index: p.row for p in wl.plans}
+    checked = 0
+    for a in rows.values():
+        for b in rows.values():
+            assert a.hash_ids is not None and b.hash_ids is not None
+            k = 0  # leading ids the two rows share
+            while k < min(len(a.hash_ids), len(b.hash_ids)) and \
+                    a.hash_ids[k] == b.hash_ids[k]:
+                k += 1
+            n = min(1 + 512 * k, a.prompt_tokens, b.prompt_tokens)  # BOS, then blocks
+            assert reqs[a.index][:n] == reqs[b.index][:n]
+            if k < min(len(a.hash_ids), len(b.hash_ids)):  # the next blocks differ
+                assert reqs[a.index][n:n + 512] != reqs[b.index][n:n + 512]
+                checked += 1
+    assert checked > 0
+    assert all(len(reqs[i]) == rows[i].prompt_tokens for i in rows)
+
+
+def expected_hits(rows: list[dict[str, Any]], plans: dict[int, Any], block: int,
+                  done_only: bool) -> dict[int, int]:
+    """Prefix-cache hits each request should get from the trace's hash ids: blocks of the
+    cache (``block`` tokens) inside the prefix it shares with an earlier request (whose
+    prefill is done by its arrival when ``done_only``), never its last token."""
+    out = {}
+    for b in rows:
+        best = 0
+        for a in rows:
+            ready = (a["arrival_s"] + a["ttft_ms"] / 1e3 <= b["arrival_s"]) if done_only \
+                else (a["arrival_s"], a["request_id"]) < (b["arrival_s"], b["request_id"])
+            if a is b or not ready:
+                continue
+            ia, ib = plans[a["request_id"]].row.hash_ids, plans[b["request_id"]].row.hash_ids
+            k = 0
+            while k < min(len(ia), len(ib)) and ia[k] == ib[k]:
+                k += 1
+            shared = min(1 + 512 * k, a["prompt_tokens"]) if k else 0
+            best = max(best, min(shared // block, (b["prompt_tokens"] - 1) // block) * block)
+        out[b["request_id"]] = best
+    return out
+
+
+def test_a_replay_reproduces_the_traces_arrivals_lengths_and_sharing(tmp_path: Path) -> None:
+    r = run(compose_cfg(["model=tiny", "workload=trace", f"workload.path={MOONCAKE}",
+                         "workload.speedup=2", "cache.kv_budget=16MiB"], tmp_path))
+    wl = trace(MOONCAKE, max_model_len=2048, speedup=2)
+    plans = {p.row.index: p for p in wl.plans}
+    rows = sorted(r.requests, key=lambda x: x["request_id"])
+    assert [x["request_id"] for x in rows] == list(range(24))
+    for x in rows:
+        p = plans[x["request_id"]]
+        assert x["arrival_s"] == pytest.approx(p.row.arrival_s / 2, abs=1e-12)
+        assert x["output_tokens"] == p.row.output_tokens and x["status"] == "finished"
+        if p.row.prompt_tokens + p.row.output_tokens <= 2048:
+            assert x["prompt_tokens"] == p.row.prompt_tokens
+        else:  # the long row: cut to fit, counted
+            assert x["prompt_tokens"] == 2048 - p.row.output_tokens
+    assert r.metrics["trace.truncated"] == 1
+    # Sharing: every request hits at least the blocks an earlier request had finished
+    # computing when it arrived, and at most what any earlier request shares with it.
+    lo = expected_hits(rows, plans, 16, done_only=True)
+    hi = expected_hits(rows, plans, 16, done_only=False)
+    for x in rows:
+        assert lo[x["request_id"]] <= x["prefix_hit_tokens"] <= hi[x["request_id"]]
+    assert sum(lo.values()) > 0.4 * sum(x["prompt_tokens"] for x in rows)
+    assert r.metrics["cache.prefix_hit_rate"] > 0.4
+
+
+def test_a_conversations_later_turn_resends_the_real_history() -> None:
+    wl = trace(FOLDER / "kvbench_example.csv")
+    first = next(p for p in wl.plans if p.row.conversation == "c0" and p.row.turn == 0)
+    second = next(p for p in wl.plans if p.row.conversation == "c0" and p.row.turn == 1)
+    assert second.follows == first.row.index
+    assert second.row.index not in {r.request_id for r in wl.initial_requests()}
+    req = next(r for r in wl.initial_requests() if r.request_id == first.row.index)
+    g = SequenceGroup(req.request_id, req.prompt_ids, req.params)
+    answer = [7] * first.output_len
+    g.seqs.append(Sequence(1, g, req.prompt_ids + answer))
+    g.seqs[0].num_prompt_tokens = len(req.prompt_ids)
+    (nxt,) = wl.on_finished(g)
+    assert nxt.request_id == second.row.index and len(nxt.prompt_ids) == second.prompt_len
+    assert nxt.prompt_ids[:len(req.prompt_ids) + len(answer)] == req.prompt_ids + answer
+    assert nxt.earliest_s == second.arrival_s and nxt.arrival_s == 0.0
+
+
+def test_a_conversation_trace_hits_its_history_in_a_run() -> None:
+    r = run(compose_cfg(["model=tiny", "workload=trace",
+                         f"workload.path={FOLDER / 'kvbench_example.csv'}",
+                         "workload.speedup=10", "cache.kv_budget=4MiB"]))
+    wl = trace(FOLDER / "kvbench_example.csv", speedup=10)
+    plans = {p.row.index: p for p in wl.plans}
+    rows = {x["request_id"]: x for x in r.requests}
+    assert len(rows) == 18 and all(x["status"] == "finished" for x in rows.values())
+    for rid, x in rows.items():
+        p = plans[rid]
+        assert x["prompt_tokens"] == p.row.prompt_tokens
+        assert x["arrival_s"] >= p.arrival_s - 1e-12  # never before its trace time
+        if p.follows is not None:
+            prev = rows[p.follows]
+            assert x["arrival_s"] >= prev["arrival_s"] + prev["e2e_ms"] / 1e3 - 1e-9
+            # The previous prompt and answer, less the last block and the unwritten token.
+            assert x["prefix_hit_tokens"] >= (prev["prompt_tokens"] // 16 - 1) * 16
