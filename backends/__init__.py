@@ -11,6 +11,7 @@ from harness.backends.fp8 import Fp8Backend
 from harness.backends.h2o import H2OBackend
 from harness.backends.int8 import Int8Backend
 from harness.backends.paged import PagedBackend
+from harness.backends.quest import QuestBackend
 from harness.backends.sliding_window import SlidingWindowBackend, StreamingLLMBackend
 from harness.backends.tova import TOVABackend
 
@@ -25,6 +26,7 @@ BACKENDS: dict[str, type[KVBackend]] = {
     "streaming_llm": StreamingLLMBackend,
     "h2o": H2OBackend,
     "tova": TOVABackend,
+    "quest": QuestBackend,
 }
 
 

@@ -68,17 +68,21 @@ class PagedStorageBackend(KVBackend):
         return PagedKVManager(sizing.num_blocks, sizing.block_size,
                               num_cpu_blocks=sizing.num_cpu_blocks, **options)
 
+    def swap_pairs(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """(device tensors, their CPU mirrors), each indexed by block: what a swap moves."""
+        return [(self.k_cache, self.k_cpu), (self.v_cache, self.v_cpu)]
+
     def apply_cache_ops(self, rec: StepRecord) -> None:
         if rec.swap_out:
             dev = torch.tensor([d for d, _ in rec.swap_out], device=self.device)
             cpu = torch.tensor([c for _, c in rec.swap_out])
-            for caches, cpus in ((self.k_cache, self.k_cpu), (self.v_cache, self.v_cpu)):
+            for caches, cpus in self.swap_pairs():
                 for t, c in zip(caches, cpus):
                     c[cpu] = t[dev].cpu()
         if rec.swap_in:
             cpu = torch.tensor([c for c, _ in rec.swap_in])
             dev = torch.tensor([d for _, d in rec.swap_in], device=self.device)
-            for caches, cpus in ((self.k_cache, self.k_cpu), (self.v_cache, self.v_cpu)):
+            for caches, cpus in self.swap_pairs():
                 for t, c in zip(caches, cpus):
                     t[dev] = c[cpu].to(self.device)
         for src, dst, _ in copy_runs(rec.copies, self.device):
@@ -109,15 +113,23 @@ class PagedStorageBackend(KVBackend):
         """The torch reference attention over this step's batch, reading K/V through
         :meth:`read_blocks`: decodes as one padded SDPA call, prefill chunks one by one.
         q: (T, H, D) -> (T, H, D)."""
+        out = torch.empty_like(q)
         b = self.batch
         assert b is not None
-        out = torch.empty_like(q)
         nd = b.num_decode
         if nd:
             kd, vd = self.read_blocks(layer, b.decode_tables)
             out[:nd] = attend_decode(q[:nd], kd.flatten(1, 2).to(q.dtype),
                                      vd.flatten(1, 2).to(q.dtype), b.decode_lens, window,
                                      sinks)
+        self.torch_prefills(layer, q, out, window, sinks)
+        return out
+
+    def torch_prefills(self, layer: int, q: torch.Tensor, out: torch.Tensor,
+                       window: int | None = None, sinks: int = 0) -> None:
+        """The step's prefill chunks, one SDPA call each, into their rows of ``out``."""
+        b = self.batch
+        assert b is not None
         bs = self.block_size
         for c in b.prefills:
             ctx = c.start + c.num_tokens
@@ -126,4 +138,3 @@ class PagedStorageBackend(KVBackend):
             out[rows] = attend_chunk(q[rows], kk.flatten(0, 1)[:ctx].to(q.dtype),
                                      vv.flatten(0, 1)[:ctx].to(q.dtype), c.start, window,
                                      sinks)
-        return out

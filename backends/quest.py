@@ -1,0 +1,177 @@
+"""`quest`: query-aware sparse reads (Tang et al., 2024, "Quest"). Nothing is evicted.
+
+Storage is `paged`'s, plus per block and KV head the elementwise minimum and maximum of
+its keys (``k_min``, ``k_max``: (num_blocks, KV, D) per layer), kept up to date as tokens
+are stored; their bytes are charged in :meth:`QuestBackend.bytes_per_slot` (1 / block_size
+of the keys' bytes again). At each decode, every block of the context gets an upper bound
+of the attention logit any of its keys can give the query,
+``sum_d max(q_d * min_d, q_d * max_d)``, and attention reads only the top
+``token_budget // block_size`` blocks (the last, partly filled block always among them).
+Prefill attends densely, as in the paper.
+
+GQA: the query heads of a KV group share one selection (a kernel reads K/V per KV head),
+ranked by the largest bound over the group's heads: a block that could matter most to any
+of them ranks first. A context of at most the budget reads every block: exact.
+
+What is saved is bytes read, not held: ``attention.kv_read_bytes_per_token`` counts the
+chosen blocks' K/V and every context block's min/max. The stored blocks stay what their
+hashes name (the metadata is a function of a block's keys and travels with it: copies,
+swaps), so prefix caching stays on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from harness.backends.base import AttentionBatch, CacheSizing, KVLayout
+from harness.backends.paged import PagedBackend, PagedOptions
+from harness.errors import UserError
+from harness.sched.step import StepRecord
+
+
+@dataclass
+class QuestOptions(PagedOptions):
+    token_budget: int = 256  # tokens a decode attends to: token_budget // block_size blocks
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.token_budget < self.block_size:
+            raise UserError(f"backend.token_budget={self.token_budget} must be at least one "
+                            f"block (backend.block_size={self.block_size})")
+        if self.kernel == "triton":
+            raise UserError("quest's block selection runs on the torch path: use "
+                            "backend.kernel=torch or auto")
+
+
+class QuestBackend(PagedBackend):
+    name = "quest"
+    exact = False
+    Options = QuestOptions
+
+    def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:
+        super().__init__(layout, device, **options)
+        assert isinstance(self.opts, QuestOptions)
+        self.token_budget = self.opts.token_budget
+        self._reads: torch.Tensor | int = 0  # this step's decode reads, all layers so far
+
+    def requested_kernel(self) -> str:
+        return "torch"  # recorded in run.kernel; triton is refused in QuestOptions
+
+    def meta_bytes_per_block(self) -> int:
+        """k_min and k_max of one block, every layer and KV head."""
+        lay = self.layout
+        return 2 * lay.num_layers * lay.num_kv_heads * lay.head_dim * lay.elem_bytes
+
+    def bytes_per_slot(self) -> int:
+        return super().bytes_per_slot() + -(-self.meta_bytes_per_block() // self.block_size)
+
+    def allocate(self, sizing: CacheSizing) -> None:
+        super().allocate(sizing)
+        lay = self.layout
+        shape = (sizing.num_blocks, lay.num_kv_heads, lay.head_dim)
+        self.k_min = [torch.zeros(shape, dtype=lay.dtype, device=self.device)
+                      for _ in range(lay.num_layers)]
+        self.k_max = [torch.zeros_like(t) for t in self.k_min]
+        cpu = (sizing.num_cpu_blocks, *shape[1:])
+        self.k_min_cpu = [torch.zeros(cpu, dtype=lay.dtype) for _ in range(lay.num_layers)]
+        self.k_max_cpu = [torch.zeros_like(t) for t in self.k_min_cpu]
+
+    def swap_pairs(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        return [*super().swap_pairs(), (self.k_min, self.k_min_cpu),
+                (self.k_max, self.k_max_cpu)]
+
+    def apply_cache_ops(self, rec: StepRecord) -> None:
+        super().apply_cache_ops(rec)
+        bs = self.block_size
+        for op in rec.copies:
+            # Copy-on-write copies the first slots of a block that holds exactly those
+            # tokens (it is shared, so nobody wrote past them): its bounds are theirs.
+            assert op.src % bs == 0 and op.dst % bs == 0 and not op.move
+            for t in (*self.k_min, *self.k_max):
+                t[op.dst // bs] = t[op.src // bs]
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        super().store(layer, k, v)
+        b = self.batch
+        assert b is not None
+        bs = self.block_size
+        blocks = b.slot_mapping // bs
+        # A token at a block's first slot starts that block's content: forget the bounds
+        # of whatever the block held before, then fold in every key written this step.
+        fresh = blocks[b.slot_mapping % bs == 0]
+        kmin, kmax = self.k_min[layer], self.k_max[layer]
+        kmin[fresh] = float("inf")
+        kmax[fresh] = float("-inf")
+        k = k.to(kmin.dtype)
+        idx = blocks[:, None, None].expand_as(k)
+        kmin.scatter_reduce_(0, idx, k, "amin", include_self=True)
+        kmax.scatter_reduce_(0, idx, k, "amax", include_self=True)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        self.store(layer, k, v)
+        out = torch.empty_like(q)
+        b = self.batch
+        assert b is not None
+        if b.num_decode:
+            out[:b.num_decode] = self.sparse_decode(layer, q[:b.num_decode])
+        self.torch_prefills(layer, q, out)
+        return out
+
+    def select_blocks(self, layer: int, q: torch.Tensor) -> tuple[torch.Tensor,
+                                                                  torch.Tensor]:
+        """The blocks each decode's KV heads read. q: (B, H, D). Returns ``top``: int64
+        (B, k, KV) logical block indices (table columns), and ``chosen``: bool (B, k, KV),
+        False where a short context leaves fewer than k blocks to choose."""
+        b = self.batch
+        assert b is not None
+        tables, nblk = b.decode_tables, b.decode_num_blocks
+        bsz, width = tables.shape
+        kv_heads = self.layout.num_kv_heads
+        qg = q.view(bsz, 1, kv_heads, -1, q.shape[-1])  # (B, 1, KV, G, D)
+        lo = self.k_min[layer][tables].unsqueeze(3).to(q.dtype)  # (B, W, KV, 1, D)
+        hi = self.k_max[layer][tables].unsqueeze(3).to(q.dtype)
+        bound = torch.maximum(qg * lo, qg * hi).sum(-1).amax(-1)  # (B, W, KV)
+        col = torch.arange(width, device=tables.device)[None, :, None]
+        n = nblk[:, None, None]
+        bound = bound.masked_fill(col >= n, float("-inf")).masked_fill(col == n - 1,
+                                                                       float("inf"))
+        k = min(max(1, self.token_budget // self.block_size), width)
+        top = bound.topk(k, dim=1).indices
+        return top, top < n
+
+    def sparse_decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of each decode over its chosen blocks only. q: (B, H, D) -> (B, H, D)."""
+        b = self.batch
+        assert b is not None
+        bs, lay = self.block_size, self.layout
+        top, chosen = self.select_blocks(layer, q)
+        bsz, k, kv_heads = top.shape
+        phys = b.decode_tables.gather(1, top.flatten(1)).view(bsz, k, kv_heads)
+        heads = torch.arange(kv_heads, device=q.device)[None, None, :]
+        # (NB, KV, bs, D) views: one gather per chosen (block, KV head) -> (B, k, KV, bs, D)
+        ks = self.k_cache[layer].permute(0, 2, 1, 3)[phys, heads]
+        vs = self.v_cache[layer].permute(0, 2, 1, 3)[phys, heads]
+        pos = top.unsqueeze(-1) * bs + torch.arange(bs, device=q.device)  # (B, k, KV, bs)
+        valid = chosen.unsqueeze(-1) & (pos < b.decode_lens[:, None, None, None])
+        keys = ks.permute(0, 2, 1, 3, 4).reshape(bsz, kv_heads, k * bs, lay.head_dim)
+        vals = vs.permute(0, 2, 1, 3, 4).reshape(bsz, kv_heads, k * bs, lay.head_dim)
+        mask = valid.permute(0, 2, 1, 3).reshape(bsz, kv_heads, 1, k * bs)
+        mask = mask.repeat_interleave(q.shape[1] // kv_heads, dim=1)  # (B, H, 1, k * bs)
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys.to(q.dtype),
+                                             vals.to(q.dtype), attn_mask=mask,
+                                             enable_gqa=True)
+        # Read: the chosen tokens' K and V (per KV head), and every context block's bounds.
+        per_head_token = 2 * lay.head_dim * lay.elem_bytes
+        meta = self.meta_bytes_per_block() // lay.num_layers
+        self._reads = self._reads + valid.sum() * per_head_token \
+            + b.decode_num_blocks.sum() * meta
+        return out.squeeze(2)
+
+    def decode_read_bytes(self, batch: AttentionBatch) -> torch.Tensor | int:
+        reads, self._reads = self._reads, 0
+        return reads
