@@ -27,6 +27,7 @@ from harness.backends.base import BackendOptions
 from harness.errors import UserError
 from harness.metrics.goodput import SLOConfig, check_slo
 from harness.quality import QualityConfig
+from harness.roofline.config import RooflineConfig
 from harness.sched.scheduler import SchedulerConfig
 from harness.units import parse_bytes
 from harness.workloads import WORKLOADS, WorkloadOptions
@@ -43,7 +44,9 @@ class ModelSpec:
 
 @dataclass
 class CacheSpec:
-    kv_budget: str = "256MiB"  # bytes of K/V on the device, the same for every backend
+    # Bytes of K/V on the device, the same for every backend; auto (executor=roofline):
+    # memory x utilization - weights - activation reserve of the hardware spec.
+    kv_budget: str = "256MiB"
     swap_space: str = "0"  # bytes of CPU swap blocks (paged backends, preemption_mode=swap)
     enable_prefix_caching: bool = True
     watermark: float = 0.01  # share of the cache kept free at admission (at least a block)
@@ -53,6 +56,8 @@ class CacheSpec:
             raise UserError(f"cache.watermark is a share of the cache in [0, 1), got "
                             f"{self.watermark}")
         for key in ("kv_budget", "swap_space"):
+            if key == "kv_budget" and self.kv_budget == "auto":
+                continue
             try:
                 if parse_bytes(getattr(self, key)) < 0:
                     raise ValueError
@@ -105,8 +110,14 @@ class RunConfig:
     run_name: str | None = None
     progress: bool = True  # a progress bar when stdout is a terminal
     out_dir: str | None = None  # set by the CLI (Hydra's output dir) or by tests
+    # model: the real forward on the wall clock; roofline: no weights, the step time
+    # modelled from roofline.model on roofline.hardware, on a virtual clock.
+    executor: str = "model"
+    roofline: RooflineConfig = field(default_factory=RooflineConfig)
 
     def __post_init__(self) -> None:
+        if self.executor not in ("model", "roofline"):
+            raise UserError(f"executor must be model or roofline, got {self.executor!r}")
         if self.cpu_threads < 0:
             raise UserError(f"cpu_threads must be >= 0 (0: torch's default), got "
                             f"{self.cpu_threads}")

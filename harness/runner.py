@@ -18,6 +18,7 @@ from harness.errors import UserError
 from harness.metrics.collector import StepRow
 from harness.metrics.goodput import slo_metrics
 from harness.metrics.summary import request_rows, summarize
+from harness.metrics.tasks import add_task_scores
 from harness.model import load_model
 from harness.progress import Progress, make_progress
 from harness.quality import load_texts, measure
@@ -76,6 +77,9 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
     # config.yaml is the composed config as given (workload.seed: null = the run's seed).
     config_yaml = OmegaConf.to_yaml(cfg if isinstance(cfg, DictConfig)
                                     else OmegaConf.structured(rc), resolve=True)
+    if rc.executor == "roofline":  # no model: the step times are modelled
+        from harness.roofline.run import run_roofline
+        return run_roofline(rc, config_yaml)
     torch.manual_seed(rc.seed)
     device = _device(rc.device)
     if device.type == "cpu" and rc.cpu_threads > 0:
@@ -103,7 +107,7 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
         "seed": rc.seed, "git_sha": _git_sha(), "started_at": started,
         "dtype": str(backend.layout.dtype).removeprefix("torch."),
         "block_size": sizing.block_size,
-        "prefix_caching": st.prefix_caching,
+        "prefix_caching": st.prefix_caching, "executor": "model",
     }
     metrics = summarize(collector, run_info, sizing.kv_budget_bytes, sizing.num_slots, wall)
     # Measured by the backend: cache bytes its decode attention read per decode token.
@@ -112,6 +116,7 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
         metrics.update(workload.workload_metrics())
     rows = request_rows(collector)
     outputs = collector.outputs()
+    add_task_scores(workload, loaded.tokenizer, outputs, metrics, rows, rc.seed)  # ruler
     if rc.quality.enabled:
         q = measure(loaded, device, rc, texts, outputs, sizing.num_slots)
         metrics.update(q.metrics)

@@ -16,6 +16,7 @@ import torch
 from harness.backends import get_backend
 from harness.backends.base import BackendOptions, CacheSizing, KVBackend, KVLayout
 from harness.engine.engine import Engine
+from harness.engine.executor import Executor
 from harness.engine.sampler import Sampler
 from harness.errors import UserError
 from harness.kv.base import KVManager
@@ -65,9 +66,25 @@ def build_stack(loaded: LoadedModel, device: torch.device, backend_opts: Backend
     cannot hold even the smallest of them. ``kv_budget`` overrides ``cache.kv_budget``
     (quality evaluation's reference)."""
     backend = make_backend(backend_opts, model_layout(loaded), device)
-    sizing = size_cache(backend, cache.kv_budget if kv_budget is None else kv_budget,
-                        cache.swap_space)
-    max_model_len = min(sched.max_model_len, loaded.config.max_position_embeddings)
+    return assemble_stack(backend, device, cache, sched, sampler,
+                          loaded.config.max_position_embeddings, tuple(loaded.tokenizer.eos_ids),
+                          model=loaded, requests=requests, quiet=quiet, kv_budget=kv_budget)
+
+
+def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
+                   sched: SchedulerConfig, sampler: Sampler, max_position: int,
+                   eos_ids: tuple[int, ...], model: LoadedModel | None = None,
+                   executor: Executor | None = None, requests: list[Request] | None = None,
+                   quiet: bool = False, kv_budget: str | int | None = None) -> Stack:
+    """The stack around ``backend``: the model's forward (``model``), or ``executor``
+    (the roofline's), which needs no cache tensors, so none are allocated; the KV
+    manager, the scheduler and the backend's sizing are the same either way."""
+    budget = cache.kv_budget if kv_budget is None else kv_budget
+    if budget == "auto":
+        raise UserError("cache.kv_budget=auto sizes the cache from a hardware spec: it needs "
+                        "executor=roofline; give bytes (e.g. 256MiB) for executor=model")
+    sizing = size_cache(backend, budget, cache.swap_space)
+    max_model_len = min(sched.max_model_len, max_position)
     prefix_caching = bool(cache.enable_prefix_caching and backend.supports_prefix_caching
                           and backend.storage == "paged")
     if cache.enable_prefix_caching and not backend.supports_prefix_caching and not quiet:
@@ -86,7 +103,7 @@ def build_stack(loaded: LoadedModel, device: torch.device, backend_opts: Backend
     swap = kv if sched.preemption_mode == "swap" and isinstance(kv, PagedKVManager) \
         and kv.supports_swap else None
     scheduler = Scheduler(dataclasses.replace(sched, max_model_len=max_model_len),
-                          kv, tuple(loaded.tokenizer.eos_ids), swap=swap)
+                          kv, eos_ids, swap=swap)
     if sched.preemption_mode == "swap" and not (swap is not None and sizing.num_cpu_blocks):
         raise UserError(
             "scheduler.preemption_mode=swap needs CPU swap blocks and a backend that swaps: "
@@ -95,10 +112,12 @@ def build_stack(loaded: LoadedModel, device: torch.device, backend_opts: Backend
             f"scheduler.preemption_mode=recompute")
     if requests is not None:
         check_budget(requests, kv, backend, sizing, cache.watermark, quiet)
-    check_memory(device, sizing)
-    backend.allocate(sizing)
+    if executor is None:  # a roofline run holds no K/V tensors
+        check_memory(device, sizing)
+        backend.allocate(sizing)
     collector = MetricsCollector(kv, scheduler, sizing.bytes_per_slot)
-    engine = Engine(loaded.model, backend, scheduler, sampler, collector, device)
+    engine = Engine(model.model if model is not None else None, backend, scheduler, sampler,
+                    collector, device, executor)
     return Stack(backend, sizing, kv, scheduler, collector, engine, prefix_caching)
 
 

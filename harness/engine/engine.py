@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import heapq
-import time
 from collections.abc import Callable
 
 import torch
 
 from harness.backends.base import KVBackend
-from harness.engine.batch import build_inputs
 from harness.engine.beam import advance_beams
+from harness.engine.executor import Executor, ModelExecutor
 from harness.engine.sampler import Sampler
 from harness.metrics.collector import MetricsCollector
 from harness.model.llama import LlamaModel
@@ -24,8 +23,11 @@ ProgressFn = Callable[[int, int, float], None]  # (requests done, total known, t
 class Engine:
     """Runs one workload to completion on one model, backend and scheduler."""
 
-    def __init__(self, model: LlamaModel, backend: KVBackend, scheduler: Scheduler,
-                 sampler: Sampler, metrics: MetricsCollector, device: torch.device) -> None:
+    def __init__(self, model: LlamaModel | None, backend: KVBackend, scheduler: Scheduler,
+                 sampler: Sampler, metrics: MetricsCollector, device: torch.device,
+                 executor: Executor | None = None) -> None:
+        """``executor``: what runs each step's forward and keeps the clock (default: the
+        real forward of ``model`` on the wall clock; harness.engine.executor)."""
         self.model = model
         self.backend = backend
         self.scheduler = scheduler
@@ -33,6 +35,10 @@ class Engine:
         self.metrics = metrics
         self.device = device
         self._beam_rows: dict[int, dict[int, torch.Tensor]] = {}  # beam logits held back
+        if executor is None:
+            assert model is not None, "the model executor needs a model"
+            executor = ModelExecutor(model, backend, scheduler.kv, device)
+        self.executor = executor
 
     def run(self, workload: Workload, progress: ProgressFn | None = None) -> float:
         """Serve every request of ``workload``; returns the wall time in seconds.
@@ -41,14 +47,15 @@ class Engine:
         only once it has arrived, and an idle engine sleeps until the next arrival.
         """
         sch, col = self.scheduler, self.metrics
-        start = time.perf_counter()
+        clock = self.executor.clock  # the wall clock, or the roofline's modelled time
+        start = clock.now()
         pending: list[tuple[float, int, Request]] = []
         for r in workload.initial_requests():
             heapq.heappush(pending, (r.arrival_s, r.request_id, r))
         total, done, out_tokens, idle = len(pending), 0, 0, 0
         carry_s = 0.0  # bookkeeping after the last row was taken, charged to the next
         while pending or sch.has_unfinished:
-            now = time.perf_counter() - start
+            now = clock.now() - start
             while pending and pending[0][0] <= now:
                 arrival, _, req = heapq.heappop(pending)
                 g = req.to_group(arrival)
@@ -57,11 +64,11 @@ class Engine:
                     done += 1
             if not sch.has_unfinished:
                 if pending:
-                    time.sleep(max(0.0, pending[0][0] - (time.perf_counter() - start)))
+                    clock.sleep(pending[0][0] - (clock.now() - start))
                 continue
-            t0 = time.perf_counter()
+            t0 = clock.now()
             rec = sch.schedule()
-            self.backend.apply_cache_ops(rec)
+            self.executor.apply_cache_ops(rec)
             if rec.is_empty:
                 if not rec.preempted and sch.reject_stuck_head() is not None:
                     done += 1
@@ -71,21 +78,16 @@ class Engine:
                 continue
             idle = 0
             usage = sch.kv.usage()  # what the step's forward holds (steps.csv, the ledger)
-            inputs = build_inputs(rec, sch.kv, self.device)
-            self.backend.begin_step(inputs.attn)
-            tf = time.perf_counter()
-            with torch.inference_mode():
-                logits = self.model(inputs.input_ids, inputs.positions, self.backend.attend,
-                                    inputs.logits_rows)
-            forward_s = time.perf_counter() - tf
+            out = self.executor.forward(rec)
+            forward_s = out.forward_s
             sch.end_forward()
             self.backend.count_reads()
-            scores = self.backend.take_scores()
-            tokens = self._sample(logits, [s.seq for s in inputs.samplers])
+            scores = self.executor.take_scores()
+            tokens = self._sample(out.logits, [s.seq for s in out.samplers])
             sch.update(rec, tokens, scores)
-            t_tok = time.perf_counter()
-            col.on_tokens(rec, [s.seq.group for s in inputs.samplers], t_tok - start)
-            out_tokens += len(inputs.samplers)
+            t_tok = clock.now()
+            col.on_tokens(rec, [s.seq.group for s in out.samplers], t_tok - start)
+            out_tokens += len(out.samplers)
             for g in rec.finished:
                 done += 1
                 self._forget(g)
@@ -97,12 +99,12 @@ class Engine:
                     total += 1
             # The row's own bookkeeping is charged to the next step: no step's overhead
             # leaves out the collector (it once hid 2.7 ms per step at 4096 sequences).
-            t_end = time.perf_counter()
+            t_end = clock.now()
             col.on_step(rec, usage, t0 - carry_s, t_end, forward_s, start)
-            carry_s = time.perf_counter() - t_end
+            carry_s = clock.now() - t_end
             if progress is not None:
                 progress(done, total, out_tokens / max(t_end - start, 1e-9))
-        return time.perf_counter() - start
+        return clock.now() - start
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
         """Next token per sampling sequence. A request with n > 1 samples forks them right

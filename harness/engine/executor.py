@@ -1,0 +1,234 @@
+"""The executor seam: what runs a step's forward, and on which clock.
+
+``ModelExecutor`` (``executor=model``) runs the real forward on the wall clock.
+``RooflineExecutor`` (``executor=roofline``) has no weights and no K/V tensors: it predicts
+the step's time from a model spec and a hardware spec (harness.roofline.steptime) and
+advances a virtual clock by it, so arrivals, TTFT and ITL run on modelled time and a run
+is deterministic. The engine loop, the scheduler, the KV manager and the backend's memory
+behaviour (bytes per token, its manager and eviction policy) are the same code under both.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from harness.backends.base import KVBackend
+from harness.engine.batch import TableSource, build_inputs
+from harness.kv.base import StepScores
+from harness.model.llama import LlamaModel
+from harness.roofline.steptime import StepModel, StepTime
+from harness.sched.step import ScheduledSeq, StepRecord
+
+
+class Clock(Protocol):
+    def now(self) -> float: ...
+
+    def sleep(self, seconds: float) -> None: ...
+
+
+class WallClock:
+    """The machine's time: ``time.perf_counter`` and a real sleep."""
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(max(0.0, seconds))
+
+
+class VirtualClock:
+    """Modelled time: moves only when a step is charged or the engine waits for an
+    arrival, so bookkeeping on this CPU never shows in the latencies."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        self.t += max(0.0, seconds)
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """``logits``: float32 (S, vocab), one row per entry of ``samplers`` (decodes first,
+    then prefill chunks, as batch.build_inputs orders them); ``forward_s``: the forward's
+    seconds on the executor's clock."""
+
+    logits: torch.Tensor
+    samplers: list[ScheduledSeq]
+    forward_s: float
+
+
+class Executor(Protocol):
+    @property
+    def clock(self) -> Clock:
+        """The time the engine reads: arrivals, token times and step rows."""
+        ...
+
+    def apply_cache_ops(self, rec: StepRecord) -> None:
+        """The step's swaps, invalidations and copies, before its forward."""
+        ...
+
+    def forward(self, rec: StepRecord) -> StepOutput:
+        """Run (or model) the forward of ``rec``; the cache ops are already applied."""
+        ...
+
+    def take_scores(self) -> StepScores | None:
+        """After the forward: what the eviction policy asked for (None: nothing)."""
+        ...
+
+
+class ModelExecutor:
+    """The real forward: inputs as tensors, the model, the backend's attention."""
+
+    def __init__(self, model: LlamaModel, backend: KVBackend, kv: TableSource,
+                 device: torch.device) -> None:
+        self.model, self.backend, self.kv, self.device = model, backend, kv, device
+        self.clock: Clock = WallClock()
+
+    def apply_cache_ops(self, rec: StepRecord) -> None:
+        self.backend.apply_cache_ops(rec)
+
+    def forward(self, rec: StepRecord) -> StepOutput:
+        inputs = build_inputs(rec, self.kv, self.device)
+        self.backend.begin_step(inputs.attn)
+        tf = time.perf_counter()
+        with torch.inference_mode():
+            logits = self.model(inputs.input_ids, inputs.positions, self.backend.attend,
+                                inputs.logits_rows)
+        return StepOutput(logits, inputs.samplers, time.perf_counter() - tf)
+
+    def take_scores(self) -> StepScores | None:
+        return self.backend.take_scores()
+
+
+# Synthetic outputs: lowercase ASCII bytes (the byte tokenizer's ids 97..122), never EOS,
+# so a request stops at its drawn length (stop_after) or max_tokens, and a multiturn answer
+# decodes and re-encodes to the same ids: the next turn re-sends it and hits the cache.
+TOKEN_BASE, TOKEN_SPAN, VOCAB = 97, 26, 258
+
+
+def synthetic_token(request_id: int, sample: int, position: int) -> int:
+    """A token id fixed by the request, the sample and the position: the same on every
+    backend and whatever shares the batch."""
+    return TOKEN_BASE + (request_id * 7919 + sample * 104729 + position * 31337) % TOKEN_SPAN
+
+
+@dataclass
+class RooflineTotals:
+    """Modelled seconds per term, summed over the run (metrics ``roofline.*_s``)."""
+
+    terms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
+        ("gemm", "lm_head", "prefill_attn", "decode_attn", "allreduce", "overhead"), 0.0))
+
+    def add(self, t: StepTime) -> None:
+        for k in self.terms:
+            self.terms[k] += float(getattr(t, k))
+
+
+class RooflineExecutor:
+    """No forward: the step's time from :class:`StepModel`, logits from
+    :func:`synthetic_token`.
+
+    Decode attention reads what the backend reads: a backend with ``kv_read_tokens(seq,
+    context)`` says it; otherwise a window (``backend.window`` + sinks) or an eviction
+    budget (``policy.budget``) bounds the context. A policy that needs attention scores
+    (h2o) gets a stand-in: each token, in the step that writes it, earns a pseudo-random
+    score in [0, 1) fixed by its request and position (no attention exists to score it).
+    Its heavy hitters are then a random subset of the old tokens; what the run measures is
+    the budget's effect on memory and batch size, not which tokens a model would keep.
+    """
+
+    def __init__(self, model: StepModel, backend: KVBackend) -> None:
+        self.model, self.backend = model, backend
+        self.clock = VirtualClock()
+        self.totals = RooflineTotals()
+        self.window = int(getattr(backend, "window", 0) or 0)
+        self.window_sinks = int(getattr(backend, "window_sinks", 0) or 0)
+        self.policy = getattr(backend, "policy", None)
+        self.reader = getattr(backend, "kv_read_tokens", None)
+        self.needs_scores = bool(getattr(self.policy, "needs_scores", False))
+        self._written: list[ScheduledSeq] = []
+        self._ops_s = 0.0  # cache operations' time, charged to the next forward
+        self.read_tokens_total = 0  # decode keys read, summed (attention.kv_read_bytes_*)
+        self.decode_queries = 0
+
+    def apply_cache_ops(self, rec: StepRecord) -> None:
+        """No tensors to move: the copies' and swaps' bytes are charged as time instead
+        (copies at device bandwidth, read and written; swaps over the host link)."""
+        hw, bps = self.model.hw, self.model.kv_rank_bytes
+        slots = sum(op.num_slots for op in rec.copies)
+        swapped = (len(rec.swap_out) + len(rec.swap_in)) * self.backend.block_size
+        self._ops_s = 2 * slots * bps / (hw.mem_bw * hw.eff_bw) + swapped * bps / hw.host_bw
+
+    def _read(self, s: ScheduledSeq, context: int) -> int:
+        if self.reader is not None:
+            return int(self.reader(s.seq, context))
+        if self.window:
+            context = min(context, self.window + self.window_sinks)
+        if self.policy is not None:
+            b = self.policy.budget(s.seq.num_prompt_tokens, s.seq.group.params.max_tokens)
+            if b is not None:
+                context = min(context, b)
+        return context
+
+    def forward(self, rec: StepRecord) -> StepOutput:
+        decodes: list[ScheduledSeq] = []
+        prefills: list[ScheduledSeq] = []
+        ctx_dec = ctx_pre = pairs = 0.0
+        w = self.window
+        for s in rec.seqs:
+            n = s.num_tokens
+            if n == 1:
+                ctx_dec += self._read(s, s.start + 1)
+                self.decode_queries += 1
+                if s.sample:
+                    decodes.append(s)
+            else:
+                keys = s.start + (n + 1) / 2  # mean keys a query of the chunk sees
+                pairs += n * (min(keys, w + self.window_sinks) if w else keys)
+                ctx_pre += s.start + n
+                if s.sample:
+                    prefills.append(s)
+        samplers = decodes + prefills
+        work = self.model.work(rec.num_tokens, len(samplers), len(rec.seqs), pairs,
+                               ctx_pre, ctx_dec)
+        t = self.model.time(work)
+        t.overhead += self._ops_s
+        self._ops_s = 0.0
+        self.read_tokens_total += int(ctx_dec)
+        self.totals.add(t)
+        self.clock.advance(float(t.total))
+        if self.needs_scores:
+            self._written = list(rec.seqs)
+        logits = torch.zeros((len(samplers), VOCAB), dtype=torch.float32)
+        if samplers:
+            ids = [synthetic_token(s.seq.group.request_id, s.seq.group.seqs.index(s.seq)
+                                   if len(s.seq.group.seqs) > 1 else 0, s.seq.num_tokens)
+                   for s in samplers]
+            logits[torch.arange(len(samplers)), torch.tensor(ids)] = 1.0
+        return StepOutput(logits, samplers, float(t.forward))
+
+    def take_scores(self) -> StepScores | None:
+        if not self.needs_scores or not self._written:
+            return None
+        slots: list[int] = []
+        vals: list[float] = []
+        for s in self._written:
+            rid = s.seq.group.request_id
+            slots += s.slots
+            vals += [zlib.crc32(f"{rid}/{p}".encode()) / 2**32
+                     for p in range(s.start, s.start + s.num_tokens)]
+        self._written = []
+        return StepScores(np.asarray(slots, dtype=np.int64), np.asarray(vals, dtype=np.float64))

@@ -1,0 +1,69 @@
+"""The ``roofline`` config node (used when ``executor=roofline``) and the KV budget
+``cache.kv_budget=auto`` gives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harness.errors import UserError
+from harness.roofline.hardware import HardwareSpec
+from harness.roofline.models import ArchSpec
+from harness.units import format_bytes, parse_bytes
+
+WEIGHT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "fp8": 1.0, "int8": 1.0,
+                "int4": 0.5}
+COMPUTE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+@dataclass
+class RooflineConfig:
+    model: str = "Llama-3.1-8B"  # a spec (harness.roofline.models) or a config.json path
+    hardware: str = "h100-sxm"  # h100-sxm | h200 | a100-80gb | a100-40gb | l40s | cpu
+    tp: int = 1  # tensor-parallel degree (devices)
+    dtype: str = "bfloat16"  # activations and the cache (float32 | bfloat16 | float16)
+    weight_dtype: str = "bfloat16"  # bytes per weight: float32 bfloat16 float16 fp8 int8 int4
+    gpu_memory_utilization: float = 0.9  # share of each device's memory the server may use
+    activation_reserve: str = "auto"  # per device, kept for activations (auto: the spec's)
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise UserError(f"roofline.tp must be >= 1, got {self.tp}")
+        if self.dtype not in COMPUTE:
+            raise UserError(f"roofline.dtype must be one of {', '.join(COMPUTE)}, got "
+                            f"{self.dtype!r}")
+        if self.weight_dtype not in WEIGHT_BYTES:
+            raise UserError(f"roofline.weight_dtype must be one of {', '.join(WEIGHT_BYTES)}, "
+                            f"got {self.weight_dtype!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise UserError("roofline.gpu_memory_utilization must be in (0, 1], got "
+                            f"{self.gpu_memory_utilization}")
+
+    def reserve_bytes(self, hw: HardwareSpec) -> int:
+        if self.activation_reserve == "auto":
+            return hw.activation_reserve_bytes
+        try:
+            return parse_bytes(self.activation_reserve)
+        except ValueError:
+            raise UserError(f"roofline.activation_reserve={self.activation_reserve!r} is not "
+                            "a size (e.g. 2GiB) or auto") from None
+
+
+def weights_bytes(arch: ArchSpec, cfg: RooflineConfig) -> int:
+    return int(arch.total_params() * WEIGHT_BYTES[cfg.weight_dtype])
+
+
+def auto_kv_budget(arch: ArchSpec, hw: HardwareSpec, cfg: RooflineConfig) -> int:
+    """``cache.kv_budget=auto``, as serving engines size it: memory x utilization minus
+    the weights minus an activation reserve, over the tensor-parallel group. A cache split
+    by KV head adds up over the ranks; MLA's latent is held whole by every rank, so its
+    budget is one rank's room."""
+    per_rank = hw.mem_bytes * cfg.gpu_memory_utilization - cfg.reserve_bytes(hw)
+    w = weights_bytes(arch, cfg)
+    budget = per_rank - w / cfg.tp if arch.kv_replicated else cfg.tp * per_rank - w
+    if budget <= 0:
+        raise UserError(f"{arch.name}'s weights ({format_bytes(w)} in {cfg.weight_dtype}) "
+                        f"leave no room for a KV cache on {cfg.tp} x {hw.name} "
+                        f"({format_bytes(hw.mem_bytes)} each at utilization "
+                        f"{cfg.gpu_memory_utilization}): raise roofline.tp or use a smaller "
+                        "roofline.weight_dtype")
+    return int(budget)

@@ -1,0 +1,94 @@
+"""Hardware specs for the roofline executor: peaks, efficiencies, overheads, memory.
+
+Peaks are the vendors' dense figures (no sparsity), per device. Efficiencies are the
+share of a peak a kernel reaches: priors for the GPUs (typical of large GEMMs and of
+streaming kernels on them), fitted for ``cpu`` (``python -m harness.roofline.calibrate``
+writes results/roofline/cpu_calibration.json, read here) and for ``h200`` from what was
+measured on one (bf16 GEMM ~790 TFLOP/s of 989, device copy ~4.3 TB/s of 4.8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.errors import UserError
+
+TB, GB, GiB = 1e12, 1e9, 2**30
+CALIBRATION = Path(__file__).resolve().parents[2] / "results" / "roofline" / \
+    "cpu_calibration.json"
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    name: str
+    peak_flops: dict[str, float]  # dense FLOP/s per compute dtype
+    mem_bw: float  # bytes/s of device memory
+    mem_bytes: int  # capacity of one device
+    eff_gemm: float = 0.7  # share of peak FLOP/s a weight GEMM reaches
+    eff_attn: float = 0.5  # share of peak FLOP/s attention reaches
+    eff_bw: float = 0.8  # share of mem_bw a streaming read reaches (weights, K/V)
+    step_overhead_s: float = 1e-3  # fixed per step: scheduling, launch, sampling
+    per_seq_overhead_s: float = 5e-6  # per running sequence per step (host bookkeeping)
+    link_bw: float = 0.0  # bytes/s one way between tensor-parallel ranks
+    link_latency_s: float = 10e-6  # per all-reduce
+    host_bw: float = 50e9  # bytes/s between device and host (swaps): PCIe gen5 x16
+    activation_reserve_bytes: int = 2 * 2**30  # per device, kept out of the KV budget
+    source: str = "prior"  # prior | measured | calibrated (the record says which)
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def flops(self, dtype: str) -> float:
+        key = "fp32" if dtype in ("float32", "fp32") else dtype
+        key = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16"}.get(key, key)
+        if key not in self.peak_flops:
+            raise UserError(f"roofline.hardware={self.name} has no peak for dtype {dtype!r}; "
+                            f"it has {', '.join(self.peak_flops)}")
+        return self.peak_flops[key]
+
+
+def _gpu(name: str, bf16: float, fp8: float, fp32: float, bw: float, mem: float,
+         link: float, **kw: float | str) -> HardwareSpec:
+    return HardwareSpec(name, {"bf16": bf16 * TB, "fp16": bf16 * TB, "fp8": fp8 * TB,
+                               "fp32": fp32 * TB}, bw * TB, int(mem * GB), link_bw=link * GB,
+                        **kw)  # type: ignore[arg-type]
+
+
+# The CPU's priors before calibration: one core of this machine (AVX2 FMA, fp32), whose
+# factors `calibrate` fits; the figures mean "this machine, one thread", nothing more.
+CPU_PRIOR = HardwareSpec("cpu", {"fp32": 80e9, "bf16": 10e9}, 20e9, 24 * GiB,
+                         eff_gemm=0.5, eff_attn=0.2, eff_bw=0.5, step_overhead_s=1e-3,
+                         per_seq_overhead_s=10e-6, activation_reserve_bytes=1 * GiB)
+
+HARDWARE: dict[str, HardwareSpec] = {h.name: h for h in (
+    # H100 SXM5: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, 80 GB, NVLink 900 GB/s (450 one way)
+    _gpu("h100-sxm", 989, 1979, 67, 3.35, 80, 450),
+    # H200: the H100's compute, 4.8 TB/s HBM3e, 141 GB; efficiencies from one measured
+    # (bf16 GEMM ~790 TFLOP/s = 0.80 of peak, device copy ~4.3 TB/s = 0.90 of 4.8).
+    _gpu("h200", 989, 1979, 67, 4.8, 141, 450, eff_gemm=0.80, eff_bw=0.90,
+         source="measured"),
+    _gpu("a100-80gb", 312, 312, 19.5, 2.039, 80, 300),  # no fp8 units: fp8 runs as bf16
+    _gpu("a100-40gb", 312, 312, 19.5, 1.555, 40, 300),
+    _gpu("l40s", 362, 733, 91.6, 0.864, 48, 32),  # PCIe gen4 x16 between cards
+)}
+
+
+def load_cpu(path: Path = CALIBRATION) -> HardwareSpec:
+    """The CPU spec with the fitted factors when a calibration file exists."""
+    if not path.is_file():
+        return CPU_PRIOR
+    fit = json.loads(path.read_text())["fit"]
+    fields = {f.name for f in dataclasses.fields(HardwareSpec)}
+    return dataclasses.replace(CPU_PRIOR, source="calibrated",
+                               **{k: v for k, v in fit.items() if k in fields})
+
+
+def get_hardware(name: str) -> HardwareSpec:
+    key = name.lower()
+    if key == "cpu":
+        return load_cpu()
+    if key not in HARDWARE:
+        raise UserError(f"unknown roofline.hardware {name!r}: use one of "
+                        f"{', '.join([*HARDWARE, 'cpu'])}")
+    return HARDWARE[key]

@@ -1,0 +1,131 @@
+"""The step-time model: what one engine step costs on a hardware spec.
+
+Per tensor-parallel rank, with T the step's tokens, S the rows that sample, P the active
+linear parameters (MoE: shared path + k/E of the routed experts), b_w the weight bytes per
+parameter, b_kv the backend's bytes per cached token (all layers: a 1-byte cache halves
+them), L layers, H query heads, d_qk / d_v the attention product's per-head dims, tp the
+tensor-parallel degree, and each term a roofline, max(FLOPs / (peak x eff), bytes /
+(bandwidth x eff)):
+
+    gemm     = max(2 P T / tp / (peak eff_gemm),  b_w (P_dense + E_touched(T)) / tp / (bw eff_bw))
+    lm_head  = max(2 V h S / tp / (peak eff_gemm), b_w V h / tp / (bw eff_bw))
+    prefill  = max(2 H (d_qk + d_v) L pairs / tp / (peak eff_attn),
+                   b_kv ctx_prefill / tp_kv / (bw eff_bw))
+    decode   = max(2 H (d_qk + d_v) L ctx_decode / tp / (peak eff_attn),
+                   b_kv ctx_decode / tp_kv / (bw eff_bw))
+    allreduce = 2 L (2 (tp - 1) / tp x T h b_act / link_bw + latency)      (tp > 1)
+    step     = gemm + lm_head + prefill + decode + allreduce
+               + step_overhead + per_seq_overhead x seqs
+
+``pairs`` are the (query, key) pairs of the step's prefill chunks (a chunk of n tokens
+after s cached ones: n s + n (n + 1) / 2, a window bounding each query's keys);
+``ctx_prefill`` the keys those chunks read (s + n each); ``ctx_decode`` the keys the
+decodes read, as the backend reads them (bounded by a window or an eviction budget; a
+backend that reports its own count is used as is). ``tp_kv`` is tp for caches split by KV
+head, 1 for MLA's latent, which every rank holds. ``E_touched(T)`` is the expected share of
+routed experts T tokens read.
+
+The H100 in numbers: 989 TFLOP/s bf16 and 3.35 TB/s give a ridge of ~295 FLOP/byte. A
+bf16 weight GEMM does 2 T FLOPs per 2 bytes of weight, T FLOP/byte: memory-bound below
+~295 x eff_bw / eff_gemm tokens per step (~340 with the priors), compute-bound above.
+Decode attention does 2 H (2 d) FLOPs per 2 KV d x 2 bytes: H / KV FLOP/byte, the GQA
+group size (8 for Llama-3.1-70B), always memory-bound: its time is the KV bytes read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from harness.roofline.hardware import HardwareSpec
+from harness.roofline.models import ArchSpec
+
+
+@dataclass(slots=True)
+class StepWork:
+    """A step's FLOPs and bytes per rank, before any hardware efficiency is applied.
+    Fields may be floats or numpy arrays (one entry per step, for calibration)."""
+
+    gemm_flops: float
+    gemm_bytes: float
+    lm_flops: float
+    lm_bytes: float
+    pre_flops: float
+    pre_bytes: float
+    dec_flops: float
+    dec_bytes: float
+    ar_seconds: float  # the all-reduces' time (link-bound, no efficiency)
+    seqs: float
+
+
+@dataclass(slots=True)
+class StepTime:
+    """Seconds per term; ``total`` is the step."""
+
+    gemm: float
+    lm_head: float
+    prefill_attn: float
+    decode_attn: float
+    allreduce: float
+    overhead: float
+
+    @property
+    def forward(self) -> float:
+        return self.gemm + self.lm_head + self.prefill_attn + self.decode_attn + self.allreduce
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.overhead
+
+
+class StepModel:
+    """Turns a step's shape into :class:`StepWork` and then seconds on ``hw``."""
+
+    def __init__(self, arch: ArchSpec, hw: HardwareSpec, kv_bytes_per_token: int,
+                 compute_dtype: str = "bf16", weight_bytes: float = 2.0, tp: int = 1) -> None:
+        self.arch, self.hw, self.tp = arch, hw, tp
+        self.compute_dtype = compute_dtype
+        self.peak = hw.flops(compute_dtype)
+        self.weight_bytes = weight_bytes
+        self.act_bytes = 2.0 if compute_dtype in ("bf16", "fp16", "bfloat16", "float16",
+                                                  "fp8") else 4.0
+        # K/V bytes per token on one rank: split by KV head, or every rank holds all (MLA).
+        self.kv_rank_bytes = kv_bytes_per_token / (1 if arch.kv_replicated else tp)
+        self.attn_flops_per_pair = 2.0 * arch.num_heads * (arch.attn_qk_dim + arch.attn_v_dim) \
+            * arch.num_layers / tp
+
+    def work(self, tokens: int, rows: int, seqs: int, pairs: float, ctx_prefill: float,
+             ctx_decode: float) -> StepWork:
+        a, tp, wb = self.arch, self.tp, self.weight_bytes
+        touched = a.expert_params * a.expert_share_touched(tokens) if a.num_experts else 0.0
+        vh = a.vocab_size * a.hidden_size
+        ar = 0.0
+        if tp > 1 and self.hw.link_bw > 0:
+            nbytes = tokens * a.hidden_size * self.act_bytes
+            ar = 2 * a.num_layers * (2 * (tp - 1) / tp * nbytes / self.hw.link_bw
+                                     + self.hw.link_latency_s)
+        return StepWork(
+            gemm_flops=2.0 * a.active_params * tokens / tp,
+            gemm_bytes=wb * (a.dense_params + touched) / tp,
+            lm_flops=2.0 * vh * rows / tp, lm_bytes=(wb * vh / tp) if rows else 0.0,
+            pre_flops=self.attn_flops_per_pair * pairs,
+            pre_bytes=self.kv_rank_bytes * ctx_prefill,
+            dec_flops=self.attn_flops_per_pair * ctx_decode,
+            dec_bytes=self.kv_rank_bytes * ctx_decode,
+            ar_seconds=ar, seqs=seqs)
+
+    def time(self, w: StepWork, hw: HardwareSpec | None = None) -> StepTime:
+        """Seconds of ``w`` on ``hw`` (default: the model's own; calibration passes
+        candidates). Works on floats and on numpy arrays alike."""
+        h = hw or self.hw
+        peak = self.peak if hw is None else hw.flops(self.compute_dtype)
+        fg, fa, bw = peak * h.eff_gemm, peak * h.eff_attn, h.mem_bw * h.eff_bw
+        mx = np.maximum
+        return StepTime(
+            gemm=mx(w.gemm_flops / fg, w.gemm_bytes / bw),
+            lm_head=mx(w.lm_flops / fg, w.lm_bytes / bw),
+            prefill_attn=mx(w.pre_flops / fa, w.pre_bytes / bw),
+            decode_attn=mx(w.dec_flops / fa, w.dec_bytes / bw),
+            allreduce=w.ar_seconds,
+            overhead=h.step_overhead_s + h.per_seq_overhead_s * w.seqs)

@@ -1,0 +1,144 @@
+"""executor=roofline: specs, the step-time model against hand-computed rooflines, and runs
+of the real engine / scheduler / KV manager on the virtual clock."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness.errors import UserError
+from harness.roofline.config import RooflineConfig, auto_kv_budget
+from harness.roofline.hardware import HARDWARE, get_hardware
+from harness.roofline.models import MODEL_SPECS, from_hf_config, get_model_spec
+from harness.roofline.steptime import StepModel
+from harness.runner import run
+from tests.compose import compose_cfg
+
+H100 = HARDWARE["h100-sxm"]
+
+
+def roof(*overrides: str, out_dir: Path | None = None) -> dict:
+    base = ["executor=roofline", "cache.kv_budget=auto", "roofline.model=Llama-3.1-8B",
+            "roofline.hardware=h100-sxm", "workload=random", "workload.num_requests=24",
+            "workload.output_max=64", "workload.input_max=256"]
+    return run(compose_cfg([*base, *overrides], out_dir)).metrics
+
+
+@pytest.mark.parametrize(("name", "params_b", "kv_bytes"), [
+    ("Llama-2-7B", 6.74, 2 * 32 * 32 * 128 * 2),
+    ("Llama-2-13B", 13.0, 2 * 40 * 40 * 128 * 2),
+    ("Llama-3.1-8B", 8.03, 2 * 32 * 8 * 128 * 2),
+    ("Llama-3.1-70B", 70.6, 2 * 80 * 8 * 128 * 2),
+    ("Qwen2.5-7B", 7.62, 2 * 28 * 4 * 128 * 2),
+    ("Qwen2.5-72B", 72.7, 2 * 80 * 8 * 128 * 2),
+    ("Mistral-7B", 7.25, 2 * 32 * 8 * 128 * 2),
+    ("SmolLM2-135M", 0.1345, 2 * 30 * 3 * 64 * 2),
+    ("DeepSeek-V3", 671, 61 * (512 + 64) * 2),  # MLA: latent + decoupled RoPE key
+])
+def test_specs_match_published_sizes(name: str, params_b: float, kv_bytes: int) -> None:
+    s = get_model_spec(name)
+    assert s.total_params() / 1e9 == pytest.approx(params_b, rel=0.02)
+    assert s.num_layers * s.kv_elems_per_layer * 2 == kv_bytes  # bf16 bytes per token
+
+
+def test_deepseek_active_params_and_expert_reads() -> None:
+    s = MODEL_SPECS["deepseek-v3"]
+    assert (s.active_params + 2 * s.vocab_size * s.hidden_size) / 1e9 == \
+        pytest.approx(37, rel=0.05)
+    assert s.expert_share_touched(1) == pytest.approx(8 / 256)
+    assert s.expert_share_touched(4096) == pytest.approx(1.0)
+
+
+def test_hf_config_json(tmp_path: Path) -> None:
+    cfg = {"num_hidden_layers": 30, "hidden_size": 576, "intermediate_size": 1536,
+           "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+           "max_position_embeddings": 8192, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    s, ref = from_hf_config(tmp_path), MODEL_SPECS["smollm2-135m"]
+    assert (s.dense_params, s.kv_elems_per_layer, s.head_dim) == \
+        (ref.dense_params, ref.kv_elems_per_layer, 64)
+    with pytest.raises(UserError, match=r"unknown roofline\.model"):
+        get_model_spec("gpt-17")
+    with pytest.raises(UserError, match=r"unknown roofline\.hardware"):
+        get_hardware("tpu")
+
+
+def test_decode_step_is_the_weight_read_and_attention_intensity_is_the_group_size() -> None:
+    a = MODEL_SPECS["llama-3.1-70b"]
+    m = StepModel(a, H100, kv_bytes_per_token=a.num_layers * a.kv_elems_per_layer * 2, tp=8)
+    w = m.work(tokens=32, rows=32, seqs=32, pairs=0, ctx_prefill=0, ctx_decode=32 * 1000)
+    t = m.time(w)
+    # 32 tokens are far below the ridge (~295 FLOP/byte): the GEMMs are the weights' read.
+    assert t.gemm == pytest.approx(2 * a.dense_params / 8 / (3.35e12 * 0.8))
+    assert w.dec_flops / w.dec_bytes == pytest.approx(64 / 8)  # H / KV heads, bf16
+    assert t.decode_attn == pytest.approx(w.dec_bytes / (3.35e12 * 0.8))
+    assert t.allreduce > 0 and t.total > t.forward
+    # A large prefill crosses the ridge: compute-bound.
+    big = m.time(m.work(8192, 1, 1, 8192 * 4096, 8192, 0))
+    assert big.gemm == pytest.approx(2 * a.active_params * 8192 / 8 / (989e12 * 0.7))
+
+
+def test_auto_budget_and_weights_that_do_not_fit() -> None:
+    a, cfg = MODEL_SPECS["llama-3.1-70b"], RooflineConfig(tp=8)
+    want = 8 * (80e9 * 0.9 - 2 * 2**30) - a.total_params() * 2
+    assert auto_kv_budget(a, H100, cfg) == pytest.approx(want, rel=1e-6)
+    with pytest.raises(UserError, match="leave no room"):
+        auto_kv_budget(a, H100, RooflineConfig(tp=1))
+
+
+def test_roofline_run_is_deterministic_and_recorded(tmp_path: Path) -> None:
+    m1 = roof(out_dir=tmp_path / "a")
+    m2 = roof()
+    for k in ("latency.ttft_ms.p99", "latency.itl_ms.p50", "throughput.output_tokens_per_s",
+              "sched.steps"):
+        assert m1[k] == m2[k], k
+    assert m1["run.executor"] == "roofline" and m1["run.hardware"] == "h100-sxm"
+    assert m1["run.quality"].startswith("absent")
+    assert m1["requests.finished"] == 24
+    assert json.loads((tmp_path / "a" / "metrics.json").read_text())["run.executor"] == \
+        "roofline"
+
+
+def test_one_byte_cache_halves_reads_and_window_bounds_them() -> None:
+    bf16 = roof("backend=paged")
+    fp8 = roof("backend=fp8")
+    win = roof("backend=sliding_window", "backend.window=32", "backend.sink_tokens=4")
+    ratio = fp8["attention.kv_read_bytes_per_token"] / bf16["attention.kv_read_bytes_per_token"]
+    assert ratio == pytest.approx((128 + 4) / (2 * 128), rel=1e-6)  # 1 byte + fp32 scale
+    assert fp8["memory.token_capacity"] > 1.9 * bf16["memory.token_capacity"]
+    assert win["attention.kv_read_bytes_per_token"] <= 36 * win["roofline.kv_bytes_per_token"]
+
+
+def test_scored_backend_gets_stand_in_scores_and_multiturn_hits_the_prefix_cache() -> None:
+    h = roof("backend=h2o", "backend.budget=48", "backend.budget_ratio=0")
+    assert h["cache.evicted_tokens"] > 0 and h["requests.finished"] == 24
+    mt = run(compose_cfg(["executor=roofline", "cache.kv_budget=auto", "workload=multiturn",
+                          "workload.conversations=4"])).metrics
+    assert mt["cache.prefix_hit_rate"] > 0.5
+
+
+def test_auto_budget_needs_roofline() -> None:
+    with pytest.raises(UserError, match="needs executor=roofline"):
+        run(compose_cfg(["model=tiny", "cache.kv_budget=auto"]))
+    with pytest.raises(UserError, match="executor must be"):
+        run(compose_cfg(["executor=gpu"]))
+
+
+def test_backend_reported_reads_are_used_and_no_cache_is_allocated(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from harness.backends.paged import PagedBackend
+    from harness.config import run_config
+    from harness.model import ByteTokenizer
+    from harness.roofline.run import build_roofline
+    from harness.workloads import make_workload
+
+    rc = run_config(compose_cfg(["executor=roofline", "cache.kv_budget=1GiB",
+                                 "workload=random", "workload.num_requests=4"]))
+    st, _ = build_roofline(rc, make_workload(rc.workload, ByteTokenizer()), quiet=True)
+    assert not hasattr(st.backend, "k_cache")  # the roofline never allocates K/V
+    monkeypatch.setattr(PagedBackend, "kv_read_tokens", lambda self, seq, ctx: 5,
+                        raising=False)
+    m = roof("backend=paged")
+    assert m["attention.kv_read_bytes_per_token"] == 5 * m["roofline.kv_bytes_per_token"]
