@@ -18,12 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from harness.backends.base import BackendOptions
 from harness.backends.contiguous import ContiguousOptions
 from harness.engine.sampler import Sampler
 from harness.errors import UserError
+from harness.metrics.bootstrap import ci_keys
 from harness.model import LoadedModel, load_model
 from harness.sched.sequence import SamplingParams, Sequence, SequenceGroup
 from harness.stack import build_stack
@@ -117,6 +119,10 @@ class ForcedSampler(Sampler):
         self.kl = 0.0
         self.agree = 0
         self.count = 0
+        # Per token, keyed (text, step): the bootstrap pairs the backend's token with the
+        # reference's, whatever order the batches scored them in.
+        self.token_nll: dict[tuple[int, int], float] = {}
+        self.token_kl: dict[tuple[int, int], float] = {}
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         lp = torch.log_softmax(logits.float(), dim=-1)
@@ -125,14 +131,18 @@ class ForcedSampler(Sampler):
             text = self.texts[seq.group.request_id]
             pos = len(seq.token_ids)  # the row predicts token `pos`
             true = text[pos]
-            self.nll -= float(row[true])
+            nll = -float(row[true])
+            self.nll += nll
             self.count += 1
             i = pos - self.prefill
+            self.token_nll[(seq.group.request_id, i)] = nll
             if self.reference is None:
                 self.kept[(seq.group.request_id, i)] = row
             else:
                 ref = self.reference[seq.group.request_id, i]
-                self.kl += float((ref.exp() * (ref - row)).sum())
+                kl = float((ref.exp() * (ref - row)).sum())
+                self.kl += kl
+                self.token_kl[(seq.group.request_id, i)] = kl
                 self.agree += int(int(ref.argmax()) == int(row.argmax()))
             out.append(true)
         return out
@@ -194,7 +204,29 @@ def evaluate_quality(loaded: LoadedModel, device: torch.device, rc: RunConfig,
         # KV memory one streamed sequence held (all its blocks): what the backend buys.
         "quality.kv_bytes_per_seq_mean": held_mean,
         "quality.kv_bytes_per_seq_peak": held_peak,
+        **quality_intervals(test, ref, rc.seed),
     }
+
+
+# Consecutive tokens' losses are correlated: resample runs of this many tokens together.
+TOKEN_BLOCK = 32
+
+
+def _ppl_delta_pct(pairs: np.ndarray) -> float:
+    # pairs: rows (backend nll, reference nll) of the same tokens.
+    ppl, ref = np.exp(pairs.mean(axis=0))
+    return float(100.0 * (ppl - ref) / ref)
+
+
+def quality_intervals(test: ForcedSampler, ref: ForcedSampler, seed: int) -> dict[str, float]:
+    """Bootstrap 95% intervals of quality.ppl_delta_pct and quality.kl_mean over the
+    streamed tokens (moving blocks of :data:`TOKEN_BLOCK`, tokens in text order)."""
+    keys = sorted(test.token_nll)
+    pairs = np.array([[test.token_nll[k], ref.token_nll[k]] for k in keys])
+    kls = np.array([test.token_kl[k] for k in keys])
+    return {**ci_keys("quality.ppl_delta_pct", pairs, _ppl_delta_pct, seed=seed,
+                      block=TOKEN_BLOCK),
+            **ci_keys("quality.kl_mean", kls, seed=seed, block=TOKEN_BLOCK)}
 
 
 def generation_agreement(loaded: LoadedModel, device: torch.device, rc: RunConfig,

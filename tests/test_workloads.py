@@ -25,6 +25,8 @@ SMALL = {
     "random": ["workload.num_requests=6", "workload.output_max=24", "workload.input_max=48"],
     "trace": ["workload.path=traces/kvbench_example.csv", "workload.max_requests=8",
               "workload.speedup=20"],
+    "ruler": ["workload.lengths=[600]", "workload.depths=[50]",
+              "workload.tasks=[niah_single_1,niah_multikey]"],
 }
 
 DESIGN_KEYS = """

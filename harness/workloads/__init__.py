@@ -11,6 +11,7 @@ from harness.workloads.base import Request, Workload, WorkloadOptions
 from harness.workloads.long_prompt import LongPromptConfig, LongPromptWorkload
 from harness.workloads.multiturn import MultiturnConfig, MultiturnWorkload
 from harness.workloads.random_lengths import RandomConfig, RandomWorkload
+from harness.workloads.ruler import RulerConfig, RulerWorkload
 from harness.workloads.sampling import (
     BeamSearchWorkload,
     ParallelSamplingWorkload,
@@ -27,6 +28,7 @@ WORKLOADS: dict[str, tuple[type, type]] = {
     "long_prompt": (LongPromptConfig, LongPromptWorkload),
     "random": (RandomConfig, RandomWorkload),
     "trace": (TraceConfig, TraceWorkload),
+    "ruler": (RulerConfig, RulerWorkload),
 }
 
 

@@ -1,0 +1,110 @@
+"""Task accuracy of a workload whose requests have right answers (``ruler``): the
+quality.task_* keys of metrics.json and the task columns of requests.csv.
+
+The workload scores one output text at a time (it knows what each request asked); this
+module decodes the outputs, asks for the scores and aggregates them. Keys:
+
+- ``quality.task_accuracy``: the mean over tasks of each task's mean score (every task
+  weighs the same, as RULER averages, whatever its request count);
+- ``quality.task_accuracy.<task>`` and ``quality.task_accuracy.<task>.<length>``;
+- ``quality.task_accuracy.all.<length>``: every task at one prompt length;
+- each with ``_ci95_low`` / ``_ci95_high``: a seeded bootstrap over requests;
+- ``quality.task_requests``: requests scored (a request that got no output scores 0).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from harness.metrics.bootstrap import ci_keys
+from harness.model.tokenizer import Tokenizer
+from harness.workloads.base import Request
+
+
+@runtime_checkable
+class ScoresTasks(Protocol):
+    """A workload that can score its requests' outputs."""
+
+    def initial_requests(self) -> list[Request]: ...
+
+    def task_meta(self, request_id: int) -> dict[str, Any]:
+        """At least ``task``, ``length`` (prompt tokens) and ``depth`` (%, -1: none)."""
+        ...
+
+    def score(self, request_id: int, text: str) -> float:
+        """The output's score in [0, 1]."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    task: str
+    length: int
+    depth: float
+    score: float
+
+
+def score_requests(workload: ScoresTasks, outputs: dict[int, list[int]],
+                   tok: Tokenizer) -> dict[int, Scored]:
+    """Every request of the workload, scored on its decoded output ("" if it had none)."""
+    out = {}
+    for r in workload.initial_requests():
+        m = workload.task_meta(r.request_id)
+        text = tok.decode(outputs.get(r.request_id, []))
+        out[r.request_id] = Scored(str(m["task"]), int(m["length"]), float(m["depth"]),
+                                   float(workload.score(r.request_id, text)))
+    return out
+
+
+def _macro(rows: np.ndarray) -> float:
+    """Mean over tasks (column 1: task index) of the mean score (column 0)."""
+    tasks = np.unique(rows[:, 1])
+    return float(np.mean([rows[rows[:, 1] == t, 0].mean() for t in tasks]))
+
+
+def task_metrics(scored: dict[int, Scored], seed: int = 0) -> dict[str, float]:
+    """The quality.task_* keys (see the module's docstring)."""
+    if not scored:
+        return {}
+    rows = sorted(scored.items())
+    names = sorted({s.task for _, s in rows})
+    table = np.array([[s.score, names.index(s.task)] for _, s in rows])
+    base = "quality.task_accuracy"
+    m: dict[str, float] = {base: _macro(table), "quality.task_requests": float(len(rows))}
+    m.update(ci_keys(base, table, _macro, seed=seed))
+    groups: dict[str, list[float]] = defaultdict(list)
+    for _, s in rows:
+        groups[f"{base}.{s.task}"].append(s.score)
+        groups[f"{base}.{s.task}.{s.length}"].append(s.score)
+    for key, xs in sorted(groups.items()):
+        m[key] = float(np.mean(xs))
+        m.update(ci_keys(key, xs, seed=seed))
+    for length in sorted({s.length for _, s in rows}):
+        part = table[[s.length == length for _, s in rows]]
+        key = f"{base}.all.{length}"
+        m[key] = _macro(part)
+        m.update(ci_keys(key, part, _macro, seed=seed))
+    return m
+
+
+def task_columns(rows: list[dict[str, Any]], scored: dict[int, Scored]) -> None:
+    """Add task, length, depth and score to each request's row of requests.csv."""
+    for r in rows:
+        s = scored.get(r["request_id"])
+        if s is not None:
+            r.update(task=s.task, length=s.length, depth=s.depth, score=s.score)
+
+
+def add_task_scores(workload: object, tok: Tokenizer, outputs: dict[int, list[int]],
+                    metrics: dict[str, Any], rows: list[dict[str, Any]], seed: int) -> None:
+    """The runner's one call: for a workload with right answers, its quality.task_* keys
+    into ``metrics`` and its task columns into ``rows``; nothing for any other workload."""
+    if not isinstance(workload, ScoresTasks):
+        return
+    scored = score_requests(workload, outputs, tok)
+    metrics.update(task_metrics(scored, seed))
+    task_columns(rows, scored)
