@@ -14,7 +14,9 @@ Finds every run at or below the folders given and writes into ``--out`` (default
 - ``comparison.csv``: the same rows, every ratio in a ``<metric>.vs_baseline`` column;
 - ``runs.csv``: every metric and variant of every run, with its status (for pandas);
 - PNG figures: throughput vs memory waste, quality vs memory held per sequence (when
-  quality metrics exist), KV reserved/used over time per run, TTFT and e2e latency CDFs.
+  quality metrics exist), KV reserved/used over time per run, TTFT and e2e latency CDFs,
+  and latency vs offered request rate when runs differ in ``workload.rate`` (or a trace's
+  ``workload.speedup``): harness/reporting/rate.py.
 
 Runs that did not finish are listed apart with their status (failed, interrupted, no
 outcome: killed or still running, unreadable) and why; so are a sweep's jobs that never
@@ -35,6 +37,7 @@ from pathlib import Path
 import pandas as pd
 
 from harness.reporting.plots import write_plots
+from harness.reporting.rate import write_rate_plots
 from harness.reporting.runs import SweepCheck, check_sweeps, find_runs, one_line, variant
 from harness.reporting.table import Comparison, compare, status_counts, to_markdown
 
@@ -92,6 +95,7 @@ def build_report(folders: list[Path], baseline: str | None = None,
                      "run.workload": r.workload, "failure": r.failure}
                     for r in cmp.failed]).to_csv(files.runs_csv, index=False)
     files.plots = write_plots(cmp, compared, out) if len(cmp.frame) else []
+    files.plots += write_rate_plots(compared, out)  # when runs differ in offered rate
     files.markdown.write_text(to_markdown(
         cmp, [str(f) for f in folders], [p.name for p in files.plots],
         never_started=[f"{sweep}: {' '.join(job)}" for sweep, job in check.never_started],

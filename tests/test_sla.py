@@ -1,0 +1,108 @@
+"""The SLA search (bisection over probe runs) and the latency-vs-rate figure."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from harness.report import build_report
+from harness.reporting.rate import rate_series
+from harness.reporting.runs import find_runs
+from harness.sla import Searcher, bisect_rate, main, write_outputs
+
+
+def test_bisection_brackets_the_threshold_geometrically() -> None:
+    seen: list[float] = []
+
+    def passes(rate: float) -> bool:
+        seen.append(rate)
+        return rate <= 3.0
+
+    best, fail = bisect_rate(passes, 0.25, 8.0, steps=4)
+    assert best is not None and fail is not None
+    assert best <= 3.0 < fail
+    # hi, lo, then 4 midpoints; each step takes the square root of the bracket's ratio.
+    assert len(seen) == 6 and seen[:3] == [8.0, 0.25, math.sqrt(2.0)]
+    assert fail / best == pytest.approx(32 ** (1 / 16))
+    assert bisect_rate(lambda r: True, 1, 4, 3) == (4, None)  # never failed
+    assert bisect_rate(lambda r: False, 1, 4, 3) == (None, 1)  # failed even at lo
+
+
+class FakeRuns(Searcher):
+    """Probes that write a run folder by hand: attainment 1 up to 2 req/s, then falling."""
+
+    runs: int = 0
+
+    def _run(self, backend: str, rate: float, folder: Path) -> None:
+        FakeRuns.runs += 1
+        folder.mkdir(parents=True)
+        cap = 2.0 if backend == "paged" else 0.4
+        att = 1.0 if rate <= cap else cap / rate
+        cfg = {"backend": {"name": backend}, "workload": {"name": "random", "rate": rate},
+               "slo": {"ttft_ms": 1000.0}}
+        (folder / "config.yaml").write_text(yaml.safe_dump(cfg))
+        (folder / "metrics.json").write_text(json.dumps({
+            "run.backend": backend, "run.workload": "random", "latency.slo_attainment": att,
+            "latency.goodput_rps": att * rate, "throughput.requests_per_s": rate,
+            "latency.ttft_ms.p50": 100 / att, "latency.ttft_ms.p99": 300 / att,
+            "latency.tpot_ms.p50": 50.0, "latency.tpot_ms.p99": 80.0,
+            "latency.e2e_ms.p50": 900.0, "latency.e2e_ms.p99": 1500.0}))
+
+
+def test_a_search_finds_each_backends_rate_and_reuses_its_probes(tmp_path: Path) -> None:
+    FakeRuns.runs = 0
+    s = FakeRuns(tmp_path, ["slo.ttft_ms=1000"], "workload.rate", 0.9)
+    results = [s.search(b, 0.5, 8.0, 4) for b in ("paged", "contiguous")]
+    paged, cont = results
+    assert paged.best is not None and paged.first_fail is not None
+    assert paged.best <= 2.0 / 0.9 < paged.first_fail  # attainment 0.9 at 2.22 req/s
+    assert cont.best is None and cont.first_fail == 0.5  # misses already at lo
+    assert (tmp_path / "paged" / "rate_8" / "metrics.json").is_file()
+    assert FakeRuns.runs == 6 + 2
+    again = FakeRuns(tmp_path, ["slo.ttft_ms=1000"], "workload.rate", 0.9).search(
+        "paged", 0.5, 8.0, 4)
+    assert FakeRuns.runs == 8 and again.best == paged.best  # every probe was on disk
+    write_outputs(tmp_path, results, "workload.rate", 0.9, ["slo.ttft_ms=1000"])
+    md = (tmp_path / "sla.md").read_text()
+    assert f"| paged | {paged.best:.4g} | {paged.first_fail:.4g} |" in md
+    assert "| contiguous | below 0.5 | 0.5 |" in md
+    saved = json.loads((tmp_path / "sla.json").read_text())
+    assert saved["backends"]["paged"]["best"] == paged.best
+    assert (tmp_path / "latency_vs_rate.png").stat().st_size > 10_000
+
+
+def test_the_report_draws_latency_against_rate_for_a_rate_sweep(tmp_path: Path) -> None:
+    s = FakeRuns(tmp_path / "sweep", [], "workload.rate", 0.9)
+    for rate in (0.5, 1.0, 2.0, 4.0):
+        s.probe("paged", rate)
+        s.probe("contiguous", rate)
+    series = rate_series(find_runs([tmp_path / "sweep"]))
+    assert {k for k in series} == {("random", "paged"), ("random", "contiguous")}
+    assert [x for x, _ in series[("random", "paged")]] == [0.5, 1.0, 2.0, 4.0]
+    files = build_report([tmp_path / "sweep"], out=tmp_path / "report")
+    assert (tmp_path / "report" / "latency_vs_rate.png") in files.plots
+    assert "latency_vs_rate.png" in files.markdown.read_text()
+
+
+def test_the_command_runs_real_probes_and_refuses_bad_searches(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = ["model=tiny", "workload=random", "workload.num_requests=3",
+           "workload.input_max=24", "workload.output_max=6", "cache.kv_budget=256KiB",
+           "device=cpu", f"results_dir={tmp_path}"]
+    out = tmp_path / "sla"
+    # A target any rate meets: the search stops at --hi after one real run.
+    assert main(["--lo", "1", "--hi", "50", "--out", str(out), "--",
+                 *run, "slo.e2e_ms=600000"]) == 0
+    probe = out / "paged" / "rate_50"
+    m = json.loads((probe / "metrics.json").read_text())
+    assert m["latency.slo_attainment"] == 1.0 and (probe / "config.yaml").is_file()
+    assert "| paged | 50 (never failed: raise --hi) |" in (out / "sla.md").read_text()
+    assert main(["--out", str(out), "--", *run]) == 2
+    assert "no SLO target" in capsys.readouterr().err
+    assert main(["--out", str(out), "--", *run, "backend=contiguous", "slo.ttft_ms=1"]) == 2
+    assert "sets backend= and workload.rate= itself" in capsys.readouterr().err
+    assert main(["--lo", "4", "--hi", "2", "--", *run, "slo.ttft_ms=1"]) == 2
