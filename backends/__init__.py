@@ -10,6 +10,7 @@ from harness.backends.flex import FlexBackend
 from harness.backends.fp8 import Fp8Backend
 from harness.backends.h2o import H2OBackend
 from harness.backends.int8 import Int8Backend
+from harness.backends.kivi import KIVIBackend
 from harness.backends.paged import PagedBackend
 from harness.backends.quest import QuestBackend
 from harness.backends.sliding_window import SlidingWindowBackend, StreamingLLMBackend
@@ -27,6 +28,7 @@ BACKENDS: dict[str, type[KVBackend]] = {
     "h2o": H2OBackend,
     "tova": TOVABackend,
     "quest": QuestBackend,
+    "kivi": KIVIBackend,
 }
 
 

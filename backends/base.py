@@ -135,6 +135,11 @@ class KVBackend(ABC):
         lay = self.layout
         return 2 * lay.num_layers * lay.num_kv_heads * lay.head_dim * lay.elem_bytes
 
+    def reserved_bytes(self) -> int:
+        """Bytes of the budget held outside the per-slot cache, taken off before the
+        budget is divided into slots (kivi: its full-precision residual blocks)."""
+        return 0
+
     @property
     def kernel(self) -> str:
         """The attention implementation actually used (part of the run's record)."""

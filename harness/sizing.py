@@ -14,7 +14,8 @@ def size_cache(backend: KVBackend, kv_budget: str | int, swap_space: str | int) 
     bps = backend.bytes_per_slot()
     bs = backend.block_size if backend.storage == "paged" else 1
     # May be 0: the runner then reports the budget the workload needs (harness.runner).
-    num_blocks = budget // (bps * bs)
+    # What a backend holds outside its slots (kivi's full-precision residual) comes first.
+    num_blocks = max(0, budget - backend.reserved_bytes()) // (bps * bs)
     num_cpu_blocks = parse_bytes(swap_space) // (bps * bs)
     return CacheSizing(kv_budget_bytes=budget, bytes_per_slot=bps,
                        num_slots=num_blocks * bs, block_size=bs, num_blocks=num_blocks,
@@ -27,4 +28,4 @@ def min_budget_for(backend: KVBackend, sizing: CacheSizing, slots_needed: int,
     bs = sizing.block_size
     blocks = -(-slots_needed // bs)
     blocks = int(blocks / (1 - watermark)) + 1 if watermark else blocks
-    return blocks * bs * sizing.bytes_per_slot
+    return blocks * bs * sizing.bytes_per_slot + backend.reserved_bytes()

@@ -16,7 +16,10 @@ from tests.compose import compose_cfg
 EXTRA = {
     "contiguous": ["backend.reserve=exact"],
     "sliding_window": ["backend.window=64"],
+    "streaming_llm": ["backend.window=64"],
     "h2o": ["backend.budget=48", "backend.budget_ratio=0"],
+    "tova": ["backend.budget=48", "backend.budget_ratio=0"],
+    "quest": ["backend.token_budget=16"],  # two blocks of 8: contexts here are longer
 }
 NEEDS_CUDA = {"flash_attn"}  # its adapter is tested on CPU in test_flash_attn.py
 BACKENDS = [(name, EXTRA.get(name, []), cls.exact) for name, cls in REGISTRY.items()]
