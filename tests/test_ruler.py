@@ -159,3 +159,23 @@ def test_tiny_run_reports_task_keys_and_columns(tmp_path: Path) -> None:
     assert all(row["length"] == "1024" and row["score"] != "" for row in rows)
     # The multi-key questions share their haystack: the prefix cache serves it.
     assert m["cache.prefix_hit_rate"] > 0.2
+
+
+def test_report_draws_heatmaps_frontier_and_table(tmp_path: Path) -> None:
+    from harness.report import build_report
+
+    base = ["model=tiny", "+experiment=ruler", "cache.kv_budget=8MiB",
+            "workload.tasks=[niah_single_1,niah_multikey]", "workload.lengths=[1024]",
+            "workload.depths=[0,50,100]"]
+    for i, extra in enumerate([["backend=paged"],
+                               ["backend=sliding_window", "backend.window=256"]]):
+        run(compose_cfg([*base, *extra], tmp_path / f"{i}-run"))
+    files = build_report([tmp_path], out=tmp_path / "report")
+    names = {p.name for p in files.all()}
+    assert {"task_depth_length.png", "task_frontier.png", "task_accuracy.md"} <= names
+    md = (tmp_path / "report" / "task_accuracy.md").read_text().splitlines()
+    assert md[0].startswith("| run | accuracy [95% CI] | niah_multikey | niah_single_1 |")
+    assert len(md) == 2 + 2  # header, rule, one row per run
+    # The window holds fewer bytes per sequence than paged (the KV MiB / seq column).
+    held = {line.split("|")[1].strip(): float(line.split("|")[-4]) for line in md[2:]}
+    assert held["sliding_window"] < held["paged"]

@@ -18,6 +18,7 @@ from matplotlib.figure import Figure
 
 from harness.reporting.runs import Run, label
 from harness.reporting.table import Comparison
+from harness.reporting.task_plots import write_task_report
 
 MIB = 2**20
 QUALITY = [("quality.ppl_delta_pct", "perplexity delta %"), ("quality.kl_mean", "mean KL")]
@@ -193,4 +194,5 @@ def write_plots(cmp: Comparison, runs: list[Run], out: Path) -> list[Path]:
         kv_over_time(runs, cmp.variant_keys, out / "kv_memory_over_time.png"),
         latency_cdfs(runs, cmp.variant_keys, out / "latency_cdf.png"),
     ]
-    return [p for p in made if p is not None]
+    # ruler runs: depth x length heatmaps, the accuracy frontier, task_accuracy.md
+    return [p for p in made if p is not None] + write_task_report(runs, cmp.variant_keys, out)
