@@ -14,6 +14,7 @@ from harness.backends.kivi import KIVIBackend
 from harness.backends.paged import PagedBackend
 from harness.backends.quest import QuestBackend
 from harness.backends.sliding_window import SlidingWindowBackend, StreamingLLMBackend
+from harness.backends.snapkv import SnapKVBackend
 from harness.backends.tova import TOVABackend
 
 BACKENDS: dict[str, type[KVBackend]] = {
@@ -23,12 +24,13 @@ BACKENDS: dict[str, type[KVBackend]] = {
     "flash_attn": FlashAttnBackend,
     "fp8": Fp8Backend,
     "int8": Int8Backend,
+    "kivi": KIVIBackend,
+    "quest": QuestBackend,
     "sliding_window": SlidingWindowBackend,
     "streaming_llm": StreamingLLMBackend,
     "h2o": H2OBackend,
     "tova": TOVABackend,
-    "quest": QuestBackend,
-    "kivi": KIVIBackend,
+    "snapkv": SnapKVBackend,
 }
 
 

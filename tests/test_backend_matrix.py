@@ -20,6 +20,7 @@ EXTRA = {
     "h2o": ["backend.budget=48", "backend.budget_ratio=0"],
     "tova": ["backend.budget=48", "backend.budget_ratio=0"],
     "quest": ["backend.token_budget=16"],  # two blocks of 8: contexts here are longer
+    "snapkv": ["backend.window=8"],  # prompts here are short: a window of 32 keeps them
 }
 NEEDS_CUDA = {"flash_attn"}  # its adapter is tested on CPU in test_flash_attn.py
 BACKENDS = [(name, EXTRA.get(name, []), cls.exact) for name, cls in REGISTRY.items()]

@@ -19,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from harness.kv.base import Demand, StepScores
 from harness.kv.evicting import BudgetBlocks, EvictingKVManager
 from harness.kv.policies.h2o import H2OPolicy
+from harness.kv.policies.snapkv import SnapKVPolicy
 from harness.kv.policies.window import WindowPolicy
 from harness.sched.sequence import SamplingParams, SeqStatus, Sequence, SequenceGroup
 
@@ -59,6 +60,8 @@ class _Machine(RuleBasedStateMachine):
                     self.dev[op.dst + k] = self.dev[op.src + k]
                 if op.src + k in self.slot_pos:
                     self.slot_pos[op.dst + k] = self.slot_pos[op.src + k]
+                if op.move:  # compaction: the source holds nothing now
+                    self.slot_pos.pop(op.src + k, None)
 
     def _write(self, seq: Sequence, start: int, slots: list[int]) -> None:
         for i, slot in enumerate(slots):
@@ -98,7 +101,7 @@ class _Machine(RuleBasedStateMachine):
                 continue
             start = s.num_computed
             slots = self.m.allocate(d)
-            budget = self.m.budget_of(s)
+            budget = self.m.policy.held_limit(s, d.num_tokens)
             if budget is not None:
                 assert self.m.held_tokens(s) <= budget, "over its budget at allocation"
             self._apply_ops()  # copies queued by this allocation precede its writes
@@ -167,8 +170,8 @@ class _Machine(RuleBasedStateMachine):
             for slot, p in zip(slots.tolist(), pos.tolist()):
                 assert self.dev[slot] == (s.token_ids[p], p), (s, slot, p)
                 assert self.slot_pos.get(slot) == p  # the backend agrees
-            budget = self.m.budget_of(s)
-            if budget is not None:
+            budget = self.m.policy.held_limit(s, 0)
+            if budget is not None and not s.num_uncomputed:
                 assert len(slots) <= budget
 
     def teardown(self) -> None:
@@ -226,7 +229,35 @@ class WindowMachine(_Machine):
             assert all(b >= 0 for b in table[max(keep, upto):])
 
 
+class SnapKVMachine(_Machine):
+    """snapkv (keep 3 + a window of 2, at most 9 held while decoding): one selection when
+    a prompt ends, then compaction; forks share and copy-on-write."""
+
+    def _manager(self) -> EvictingKVManager:
+        pol = SnapKVPolicy(budget_tokens=3, budget_ratio=0.0, window=2, max_tokens=9)
+        return EvictingKVManager(NUM_BLOCKS, BS, pol, watermark=0.0)
+
+    @invariant()
+    def window_and_selection_kept_and_compacted(self) -> None:
+        pol = self.m.policy
+        assert isinstance(pol, SnapKVPolicy)
+        pool = self.m.pool
+        for s in self.seqs:
+            if not self.m.holds(s) or s.num_uncomputed:
+                continue  # mid-prefill: everything is held until the prompt ends
+            _, pos = self.m.live_slots(s)
+            p = s.num_prompt_tokens
+            held = set(pos.tolist())
+            assert set(range(max(0, p - 2), p)) <= held, "the observation window went"
+            assert sum(1 for x in held if x < p) <= pol.keep(p)
+            table = self.m.table_of(s)
+            if all(pool.ref[b] == 1 for b in table):  # compacted: no block to spare
+                assert len(table) == -(-len(pos) // BS)
+
+
 TestBudgetEviction = BudgetMachine.TestCase
 TestBudgetEviction.settings = SETTINGS
 TestWindowEviction = WindowMachine.TestCase
 TestWindowEviction.settings = SETTINGS
+TestSnapKVEviction = SnapKVMachine.TestCase
+TestSnapKVEviction.settings = SETTINGS

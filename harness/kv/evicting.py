@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from harness.kv.base import CopyOp, Demand, StepScores
+from harness.kv.compaction import plan_compaction
 from harness.kv.paged import GIVEN_BACK, PagedKVManager, SeqBlocks, cdiv
 from harness.kv.policies.base import Eviction, EvictionPolicy
 
@@ -73,7 +74,7 @@ class EvictingKVManager(PagedKVManager):
         return self.policy.max_chunk(self.budget_of(seq))
 
     def slots_needed(self, prompt_len: int, max_tokens: int, n: int) -> int:
-        b = self.policy.budget(prompt_len, max_tokens)
+        b = self.policy.peak(prompt_len, max_tokens)
         if b is None:
             return super().slots_needed(prompt_len, max_tokens, n)
         return n * cdiv(min(b, prompt_len + max_tokens), self.block_size) * self.block_size
@@ -106,7 +107,7 @@ class EvictingKVManager(PagedKVManager):
 
     def _over(self, seq: Sequence, n: int) -> int:
         """Tokens ``seq`` must give back before ``n`` more fit its budget."""
-        b = self.budget_of(seq)
+        b = self.policy.held_limit(seq, n)
         return 0 if b is None else max(0, self.held_tokens(seq) + n - b)
 
     def _cap_blocks(self, seq: Sequence) -> int:
@@ -242,6 +243,8 @@ class EvictingKVManager(PagedKVManager):
                 ev = self.policy.select(seq, self, self._over(seq, self._next_tokens(seq)))
                 if ev:
                     self.evict(seq, ev)
+                    if self.policy.compacts:
+                        self._compact(seq)
 
     def _next_tokens(self, seq: Sequence) -> int:
         """Tokens ``seq``'s next step adds: its sampled token, or its next prefill chunk."""
@@ -297,3 +300,33 @@ class EvictingKVManager(PagedKVManager):
             else:
                 pool.unfill(blk, len(slots))
                 st.free += slots
+
+    def _compact(self, seq: Sequence) -> None:
+        """Move ``seq``'s tokens out of its sparsest private blocks into the holes of its
+        densest (one-slot moves the step record carries) and give back the emptied
+        blocks: O(tokens of the sequence), once per selection. Shared blocks (a fork's)
+        are neither written nor emptied."""
+        st = self._seqs[seq.seq_id]
+        assert isinstance(st, BudgetBlocks)
+        pool, bs = self.pool, self.block_size
+        private = [b for b in st.table if pool.ref[b] == 1]
+        plan = plan_compaction(private, self._pos, bs)
+        if not plan.release:
+            return
+        src, dst = plan.src, plan.dst
+        self._ops.copies += [CopyOp(s, d, 1, move=True) for s, d in zip(src.tolist(),
+                                                                       dst.tolist())]
+        for s, d in zip(src.tolist(), dst.tolist()):
+            self.policy.on_copy(s, d, 1)
+        self._pos[dst] = self._pos[src]
+        self._pos[src] = -1
+        for b, k in zip(*np.unique(dst // bs, return_counts=True)):
+            pool.set_fill(int(b), pool.fill[int(b)] + int(k))
+        gone = set(plan.release)
+        for b in plan.release:
+            pool.release(b)
+            self.logical_blocks -= 1
+        st.table = [b for b in st.table if b not in gone]
+        taken = set(dst.tolist())
+        st.free = [s for s in st.free if s // bs not in gone and s not in taken]
+        self._set_owed(seq, st)

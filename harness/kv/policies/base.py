@@ -48,10 +48,24 @@ class EvictionPolicy(ABC):
     name: str = ""
     positional: bool = False  # whole blocks at positional slots (window) vs single tokens
     needs_scores: bool = False  # the backend must return StepScores after each forward
+    # After giving tokens back, move the kept ones into fewer blocks so that whole blocks
+    # return to the pool (a one-shot selection leaves holes in every block: snapkv).
+    compacts: bool = False
 
     def budget(self, prompt_len: int, max_tokens: int) -> int | None:
-        """Tokens a sequence of this shape may hold at once (None: no bound)."""
+        """Tokens a sequence of this shape holds at most once it runs steadily (None: no
+        bound): what admission promises it (``_owed``)."""
         return None
+
+    def peak(self, prompt_len: int, max_tokens: int) -> int | None:
+        """Tokens it may hold at any moment (None: all of them). Default: its budget;
+        snapkv holds its whole prompt until the prompt's prefill ends."""
+        return self.budget(prompt_len, max_tokens)
+
+    def held_limit(self, seq: Sequence, n: int) -> int | None:
+        """Most tokens ``seq`` may hold once ``n`` more are written (None: no bound now):
+        what the manager evicts down to. Default: its budget."""
+        return self.budget(seq.num_prompt_tokens, seq.group.params.max_tokens)
 
     def max_chunk(self, budget: int | None) -> int | None:
         """Most tokens one step may add to a sequence with this budget."""

@@ -1,0 +1,117 @@
+"""SnapKV (Li et al., 2024): at the end of a prompt's prefill, keep the prompt tokens the
+prompt's last queries (the observation window) attend to most, and the window itself.
+
+This is the variant that frees memory: one selection per sequence, the scores summed over
+every layer and head (the backend pools each head's scores over neighbouring positions
+before summing, as the paper does). A slot holds a token for all layers and heads, so a
+per-head selection would free nothing here.
+
+Per sequence with a prompt of P tokens: ``keep(P)`` = the window + ``budget`` tokens (or
+``budget_ratio`` x P of them) of the P - window before it. Until the prompt is prefilled
+the sequence holds it all (``peak``); after, the kept prompt plus everything it
+generates, optionally capped at ``max_tokens`` held (``held_limit``). Under the cap, the
+oldest generated tokens go first (a sliding window over what it generates), then the
+lowest-scored prompt tokens. The manager compacts the kept tokens into fewer blocks
+(``compacts``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from harness.errors import UserError
+from harness.kv.policies.base import Eviction, EvictionPolicy
+from harness.kv.policies.budget import check_budget_options, ratio_budget
+
+if TYPE_CHECKING:
+    from harness.kv.base import StepScores
+    from harness.kv.evicting import EvictingKVManager
+    from harness.sched.sequence import Sequence
+
+
+def check_snapkv_options(budget: int, budget_ratio: float, window: int,
+                         max_tokens: int) -> None:
+    check_budget_options(budget, budget_ratio)
+    if window < 1 or max_tokens < 0:
+        raise UserError(f"need backend.window >= 1 and backend.max_tokens >= 0, got "
+                        f"{window} and {max_tokens}")
+    if max_tokens and max_tokens <= window:
+        raise UserError(f"backend.max_tokens={max_tokens} must exceed backend.window="
+                        f"{window} (0: no cap)")
+
+
+@dataclass
+class SnapKVPolicy(EvictionPolicy):
+    budget_tokens: int = 0  # prompt tokens kept besides the window; or
+    budget_ratio: float = 0.2  # their share of the prompt (set exactly one)
+    window: int = 32  # the prompt's last queries, whose attention scores the rest
+    max_tokens: int = 0  # cap on tokens held while decoding (0: none)
+    name = "snapkv"
+    needs_scores = True
+    compacts = True
+
+    def __post_init__(self) -> None:
+        check_snapkv_options(self.budget_tokens, self.budget_ratio, self.window,
+                             self.max_tokens)
+        self.scores = np.zeros(0)
+
+    def keep(self, prompt_len: int) -> int:
+        """Prompt tokens kept after the selection: the window + the selected ones."""
+        before = max(0, prompt_len - self.window)
+        chosen = ratio_budget(self.budget_tokens, self.budget_ratio, prompt_len, 0)
+        return min(prompt_len, self.window + min(before, chosen))
+
+    def _capped(self, n: int) -> int:
+        return min(n, self.max_tokens) if self.max_tokens else n
+
+    def budget(self, prompt_len: int, max_tokens: int) -> int:
+        return self._capped(self.keep(prompt_len) + max_tokens)
+
+    def peak(self, prompt_len: int, max_tokens: int) -> int:
+        return max(prompt_len, self.budget(prompt_len, max_tokens))
+
+    def held_limit(self, seq: Sequence, n: int) -> int | None:
+        p = seq.num_prompt_tokens
+        if seq.num_computed < p:
+            return None  # the prompt is still being prefilled: it is all held
+        return self._capped(self.keep(p) + seq.num_computed + n - p)
+
+    def reset(self, num_slots: int) -> None:
+        self.scores = np.zeros(num_slots)
+
+    def on_scores(self, scores: StepScores) -> None:
+        self.scores[scores.slots] = scores.values
+
+    def on_write(self, slots: list[int]) -> None:
+        self.scores[slots] = 0.0
+
+    def on_copy(self, src: int, dst: int, num_slots: int) -> None:
+        self.scores[dst:dst + num_slots] = self.scores[src:src + num_slots]
+
+    def select(self, seq: Sequence, kv: EvictingKVManager, need: int) -> Eviction:
+        if need <= 0:
+            return Eviction()
+        slots, pos = kv.live_slots(seq)
+        p = seq.num_prompt_tokens
+        scored = np.flatnonzero(pos < p - self.window)  # prompt tokens the window scores
+        # Lowest score first; ties (max-pooling makes neighbours equal) go latest first,
+        # so the earliest of equals is kept.
+        by_score = scored[np.lexsort((-pos[scored], self.scores[slots[scored]]))]
+        # The selection proper: the prompt down to keep(p), lowest scores first.
+        excess = max(0, int((pos < p).sum()) - self.keep(p))
+        first = by_score[:min(need, excess)]
+        rest = need - len(first)
+        if rest:  # the cap: old generated tokens, then more of the prompt, then the rest
+            old = np.flatnonzero((pos >= p) & (pos < seq.num_computed - 1))
+            left = np.setdiff1d(np.arange(len(pos)), np.concatenate([first, old]),
+                                assume_unique=True)
+            tail = np.concatenate([old[np.argsort(pos[old], kind="stable")],
+                                   by_score[len(first):],
+                                   left[np.argsort(pos[left], kind="stable")]])
+            _, idx = np.unique(tail, return_index=True)
+            first = np.concatenate([first, tail[np.sort(idx)][:rest]])
+        assert len(first) >= need, "snapkv: fewer tokens than the budget needs"
+        return Eviction(slots=slots[first].tolist())

@@ -1,0 +1,110 @@
+"""snapkv: the tokens kept after a prompt's prefill are the window plus a brute-force
+top-k of SnapKV's score (the window queries' softmax weights, pooled per head over
+neighbouring positions, summed over heads and layers), also when the window spans
+prefill chunks; the kept tokens are compacted so whole blocks go back, and attention
+then reads exactly them; freed memory lets more sequences run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.backends.attention_ref import attend_decode
+from harness.kv.evicting import EvictingKVManager
+from harness.runner import run
+from tests.backend_steps import NUM_HEADS, Driver
+from tests.compose import compose_cfg, tiny
+
+BS = 8
+
+
+def _brute_force_snapkv(d: Driver, seq_id: int, q: dict[int, list[torch.Tensor]], p: int,
+                        window: int, kernel: int, pooling: str, budget: int) -> set[int]:
+    """SnapKV's rule spelled out, position by position. ``q[t][layer]``: (H, D) query of
+    position t. Returns the kept positions."""
+    lay = d.layout
+    g = NUM_HEADS // lay.num_kv_heads
+    lo = p - window
+    score = torch.zeros(lo, dtype=torch.float64)
+    for layer in range(lay.num_layers):
+        keys = d.k[seq_id][layer]
+        for h in range(NUM_HEADS):
+            s = torch.zeros(lo, dtype=torch.float64)
+            for t in range(lo, p):  # causal softmax of each window query, summed
+                logits = keys[:t + 1, h // g] @ q[t][layer][h] / lay.head_dim ** 0.5
+                s += torch.softmax(logits.double(), 0)[:lo]
+            half = kernel // 2
+            for j in range(lo):
+                near = s[max(0, j - half):j + half + 1]
+                score[j] += near.max() if pooling == "max" else near.sum() / kernel
+    top = sorted(range(lo), key=lambda j: (-float(score[j]), j))[:budget]
+    return set(top) | set(range(lo, p))
+
+
+@pytest.mark.parametrize("pooling,chunks", [("max", [50, 40, 10]), ("avg", [100]),
+                                            ("max", [85, 15])])
+def test_kept_tokens_equal_a_brute_force_snapkv(pooling: str, chunks: list[int]) -> None:
+    p, window, kernel, budget = 100, 16, 5, 20
+    opts = {"budget": budget, "budget_ratio": 0.0, "window": window, "kernel": kernel,
+            "pooling": pooling}
+    d = Driver("snapkv", block_size=BS, options=opts, seed=len(chunks))
+    s = d.add(p, max_tokens=8)
+    q: dict[int, list[torch.Tensor]] = {}
+    for n in chunks:  # [50, 40, 10]: the window [84, 100) spans the last two chunks
+        start = s.num_computed
+        out = d.step([(s, n)])
+        rows = out.rows[s.seq_id]
+        for i in range(n):
+            q[start + i] = [ql[rows.start + i] for ql in out.q]
+    _, kept = d.held(s)
+    assert set(kept) == _brute_force_snapkv(d, s.seq_id, q, p, window, kernel, pooling,
+                                            budget)
+    # Compacted: 36 tokens in ceil(36 / 8) = 5 blocks; the other 8 went back.
+    kv = d.kv
+    assert isinstance(kv, EvictingKVManager)
+    assert len(kv.table_of(s)) == 5 and kv.pool.num_used == 5
+    assert kv.stats.evicted_tokens == p - budget - window
+    # A decode now attends to exactly the kept tokens (moved K/V intact) and itself.
+    out = d.step([(s, 1)])
+    pos = [*sorted(kept), p]
+    for layer in range(d.layout.num_layers):
+        k, v = d.k[s.seq_id][layer, pos], d.v[s.seq_id][layer, pos]
+        ref = attend_decode(out.q[layer][:1], k[None], v[None], torch.tensor([len(pos)]))
+        torch.testing.assert_close(out.out[layer][:1], ref, atol=1e-5, rtol=1e-5)
+    assert d.be.kv_read_bytes_per_token() == len(pos) * d.be.bytes_per_slot()
+
+
+def test_max_tokens_caps_what_a_decoding_sequence_holds() -> None:
+    opts = {"budget": 10, "budget_ratio": 0.0, "window": 8, "max_tokens": 24}
+    d = Driver("snapkv", block_size=BS, options=opts)
+    s = d.add(40, max_tokens=30)
+    d.step([(s, 40)])
+    assert len(d.held(s)[1]) == 18  # window 8 + 10
+    for _ in range(20):
+        d.step([(s, 1)])
+        _, pos = d.held(s)
+        assert len(pos) <= 24 - 1  # room for the next token within the cap
+    # The compressed prompt stays; the oldest generated tokens went.
+    _, pos = d.held(s)
+    assert sum(1 for x in pos if x < 40) == 18
+
+
+def test_budget_covering_the_prompt_is_exact() -> None:
+    exact = run(tiny("backend=paged", "cache.enable_prefix_caching=false"))
+    snap = run(tiny("backend=snapkv", "backend.budget=100000", "backend.budget_ratio=0"))
+    assert snap.outputs == exact.outputs
+    assert snap.metrics["cache.evicted_tokens"] == 0
+    assert snap.metrics["run.prefix_caching"] is False
+
+
+def test_freed_prompt_blocks_let_more_sequences_run() -> None:
+    load = ("model=tiny", "workload=random", "workload.num_requests=12",
+            "workload.distribution=uniform", "workload.input_min=240",
+            "workload.input_max=300", "workload.output_min=16", "workload.output_max=16",
+            "cache.kv_budget=640KiB", "backend.block_size=8")
+    paged = run(compose_cfg(["backend=paged", "cache.enable_prefix_caching=false",
+                             *load])).metrics
+    snap = run(compose_cfg(["backend=snapkv", *load])).metrics
+    assert snap["requests.finished"] == paged["requests.finished"] == 12
+    assert snap["memory.max_running_seqs"] > paged["memory.max_running_seqs"]
+    assert snap["cache.evicted_tokens"] > 0
