@@ -1,6 +1,7 @@
-"""h2o: exact when the budget covers the sequence; never holds more than its budget
-(allocator accounting, not a mask); evicts the lowest-scoring tokens outside the recent
-window, as a brute-force H2O says; odd budgets and long prompts keep every slot distinct."""
+"""h2o (and tova, snapkv where the rule is theirs too): exact when the budget covers the
+sequence; never holds more than its budget (allocator accounting, not a mask); evicts the
+lowest-scoring tokens outside the recent window, as a brute-force H2O says; odd budgets
+and long prompts keep every slot distinct."""
 
 from __future__ import annotations
 
@@ -18,17 +19,19 @@ ONE_LONG = ("workload.conversations=1", "workload.turns=1", "workload.answer_tok
             "workload.ignore_eos=true", "backend.block_size=8")
 
 
-def test_budget_covering_the_sequence_is_exact() -> None:
+@pytest.mark.parametrize("backend", ["h2o", "tova", "snapkv"])
+def test_budget_covering_the_sequence_is_exact(backend: str) -> None:
     exact = run(tiny("backend=paged", "cache.enable_prefix_caching=false"))
-    h2o = run(tiny("backend=h2o", "backend.budget=100000", "backend.budget_ratio=0"))
-    assert h2o.outputs == exact.outputs
-    assert h2o.metrics["cache.evicted_tokens"] == 0
-    assert h2o.metrics["run.prefix_caching"] is False
+    r = run(tiny(f"backend={backend}", "backend.budget=100000", "backend.budget_ratio=0"))
+    assert r.outputs == exact.outputs
+    assert r.metrics["cache.evicted_tokens"] == 0
+    assert r.metrics["run.prefix_caching"] is False
 
 
-def test_never_holds_more_than_its_budget() -> None:
+@pytest.mark.parametrize("backend", ["h2o", "tova"])
+def test_never_holds_more_than_its_budget(backend: str) -> None:
     budget = 40
-    r = run(tiny("backend=h2o", f"backend.budget={budget}", "backend.budget_ratio=0",
+    r = run(tiny(f"backend={backend}", f"backend.budget={budget}", "backend.budget_ratio=0",
                  *ONE_LONG))
     m = r.metrics
     per_slot = m["memory.kv_budget_bytes"] // m["memory.token_capacity"]
@@ -41,8 +44,11 @@ def test_never_holds_more_than_its_budget() -> None:
     # Written: the prompt and 63 of the 64 answers (the last is never fed back); after the
     # last step nothing more is evicted (the sequence is done).
     assert m["cache.evicted_tokens"] == prompt + 63 - budget
-    # A prompt longer than the evictable part is prefilled in bounded chunks.
+    # A prompt longer than the evictable part is prefilled in bounded chunks (h2o: the
+    # heavy part; tova: half the budget).
     assert max(s.prefill_tokens for s in r.steps) <= budget // 2
+    # A decode reads the tokens it keeps: at most the budget.
+    assert m["attention.kv_read_bytes_per_token"] <= budget * per_slot
 
 
 @pytest.mark.parametrize("budget", [11, 13, 7, 29])
