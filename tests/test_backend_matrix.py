@@ -64,7 +64,12 @@ def test_backend_on_workload(backend: str, extra: list[str], exact: bool,
     held = sum(s.reserved_bytes + s.external_frag_bytes for s in r.steps)
     assert m["memory.waste_pct"] == pytest.approx(100.0 * (1 - used / held), abs=1e-9)
     assert all(len(v) > 0 for v in r.outputs.values())
+    assert m["attention.kv_read_bytes_per_token"] > 0  # every backend counts its reads
     if exact:
         if workload not in _paged:
             _paged[workload] = _run("paged", [], workload)
         assert r.outputs == _paged[workload].outputs
+        if r.metrics["memory.token_capacity"] == _paged[workload].metrics[
+                "memory.token_capacity"]:  # the same bytes per token: the same reads
+            assert m["attention.kv_read_bytes_per_token"] == pytest.approx(
+                _paged[workload].metrics["attention.kv_read_bytes_per_token"])

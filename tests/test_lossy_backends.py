@@ -176,3 +176,12 @@ def test_triton_path_gives_the_torch_path_tokens(backend: str) -> None:
     triton_run = run(tiny(*common, "backend.kernel=triton"))
     assert triton_run.metrics["run.kernel"] == "triton"
     assert triton_run.outputs == torch_run.outputs
+
+
+def test_streaming_llm_is_sliding_window_with_4_sinks_by_name() -> None:
+    common = ("backend.block_size=8", "workload.answer_tokens=48", "workload.ignore_eos=true")
+    s = run(tiny("backend=streaming_llm", "backend.window=32", *common))
+    w = run(tiny("backend=sliding_window", "backend.window=32", "backend.sink_tokens=4",
+                 *common))
+    assert s.metrics["run.backend"] == "streaming_llm"
+    assert s.outputs == w.outputs and s.metrics["cache.evicted_tokens"] > 0
