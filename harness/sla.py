@@ -14,13 +14,13 @@ so ``python -m harness.report <out>`` reads them like any sweep. A probe *passes
 The search, per backend (rates spanning orders of magnitude, so midpoints are geometric):
 probe ``--hi``; if it passes, the answer is "at least hi". Else probe ``--lo``; if it fails,
 "below lo". Else ``--steps`` bisections between the highest passing and the lowest failing
-rate (each narrows the bracket to its square root: 4 steps from 0.5-8 leave 19%). It
+rate (each narrows the bracket to its square root: 4 steps from 0.25-4 leave 19%). It
 assumes latency grows with the rate; on a busy machine a probe near the knee can pass or
 fail by chance, so the bracket is reported with the answer. Rerunning with the same
 ``--out`` reuses the probes already there (more ``--steps`` refines a finished search).
 
-Defaults are sized for a 2-core CPU with ``+experiment=rate_sweep`` (0.5-8 req/s, 4
-steps: 6 probes of 15-60 s per backend, the brackets then within 19%); on a GPU give a
+Defaults are sized for a 2-core CPU with ``+experiment=rate_sweep`` (0.25-4 req/s, 4
+steps: 6 probes of 20-100 s per backend, the bracket then within 19%); on a GPU give a
 wider range (``--hi 64``) and more requests.
 
 Writes ``sla.json``, ``sla.md`` and ``latency_vs_rate.png`` into ``--out``. Exit status: 0;
@@ -235,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backends", default="paged", help="comma-separated (default: paged)")
     ap.add_argument("--key", default="workload.rate",
                     help="the rate knob (default workload.rate; a trace: workload.speedup)")
-    ap.add_argument("--lo", type=float, default=0.5, help="lowest rate probed (0.5)")
-    ap.add_argument("--hi", type=float, default=8.0, help="highest rate probed (8)")
+    ap.add_argument("--lo", type=float, default=0.25, help="lowest rate probed (0.25)")
+    ap.add_argument("--hi", type=float, default=4.0, help="highest rate probed (4)")
     ap.add_argument("--steps", type=int, default=4, help="bisection steps after lo/hi (4)")
     ap.add_argument("--attainment", type=float, default=0.9,
                     help="share of requests that must meet every SLO (0.9)")

@@ -14,6 +14,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from matplotlib.ticker import ScalarFormatter
+
 from harness.reporting.plots import _colors, _grid, _save
 from harness.reporting.runs import Run, label, variant_keys
 
@@ -101,12 +103,18 @@ def latency_vs_rate(runs: list[Run], path: Path) -> Path | None:
             ax.set(title=f"{title} / {wl}", xlabel=f"offered rate ({key})", ylabel=title)
         row[-1].set(title=f"requests/s / {wl}", xlabel=f"offered rate ({key})",
                     ylabel="requests/s")
+        row[-1].set_ylim(bottom=0)
+        rates = [x for _, pts in mine for x, _ in pts]
         for ax in row:
-            ax.grid(alpha=0.3)
-            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3, which="both")
+            if min(rates) > 0 and max(rates) / min(rates) >= 4:  # rates swept by factors
+                ax.set_xscale("log", base=2)
+                ax.xaxis.set_major_formatter(ScalarFormatter())  # 0.5, 1, 2: not 2^-1
+        for ax in row[:-1]:  # past the knee latency grows by orders of magnitude
+            ax.set_yscale("log")
         row[0].legend(fontsize=6, loc="upper left")
         row[-1].legend(fontsize=6, loc="upper left")
-    fig.suptitle("Latency vs offered request rate (p99 solid, p50 faint)")
+    fig.suptitle("Latency vs offered request rate (p99 solid, p50 faint; log scales)")
     return _save(fig, path)
 
 
