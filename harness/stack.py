@@ -84,6 +84,9 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
         raise UserError("cache.kv_budget=auto sizes the cache from a hardware spec: it needs "
                         "executor=roofline; give bytes (e.g. 256MiB) for executor=model")
     sizing = size_cache(backend, budget, cache.swap_space)
+    if executor is None:  # a roofline run holds no K/V tensors: nothing to fit here
+        # Before any per-block bookkeeping: a 1 TiB pool is 50M Python list entries.
+        check_memory(device, sizing)
     max_model_len = min(sched.max_model_len, max_position)
     prefix_caching = bool(cache.enable_prefix_caching and backend.supports_prefix_caching
                           and backend.storage == "paged")
@@ -113,7 +116,6 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
     if requests is not None:
         check_budget(requests, kv, backend, sizing, cache.watermark, quiet)
     if executor is None:  # a roofline run holds no K/V tensors
-        check_memory(device, sizing)
         backend.allocate(sizing)
     collector = MetricsCollector(kv, scheduler, sizing.bytes_per_slot)
     engine = Engine(model.model if model is not None else None, backend, scheduler, sampler,
