@@ -22,6 +22,7 @@ from harness.backends.base import KVBackend
 from harness.engine.batch import TableSource, build_inputs
 from harness.kv.base import StepScores
 from harness.model.llama import LlamaModel
+from harness.roofline.shape import KVReads, step_shape
 from harness.roofline.steptime import StepModel, StepTime
 from harness.sched.step import ScheduledSeq, StepRecord
 
@@ -141,24 +142,21 @@ class RooflineExecutor:
     """No forward: the step's time from :class:`StepModel`, logits from
     :func:`synthetic_token`.
 
-    Decode attention reads what the backend reads: a backend with ``kv_read_tokens(seq,
-    context)`` says it; otherwise a window (``backend.window`` + sinks) or an eviction
-    budget (``policy.budget``) bounds the context. A policy that needs attention scores
-    (h2o) gets a stand-in: each token, in the step that writes it, earns a pseudo-random
-    score in [0, 1) fixed by its request and position (no attention exists to score it).
-    Its heavy hitters are then a random subset of the old tokens; what the run measures is
-    the budget's effect on memory and batch size, not which tokens a model would keep.
+    Decode attention reads what the backend reads (harness.roofline.shape.KVReads: its
+    own count, a window, or an eviction budget). A policy that needs attention scores
+    (h2o, tova) gets a stand-in: each token, in the step that writes it, earns a
+    pseudo-random score in [0, 1) fixed by its request and position (no attention exists
+    to score it). Its victims are then a random choice among the old tokens; what the run
+    measures is the budget's effect on memory and batch size, not which tokens a model
+    would keep.
     """
 
     def __init__(self, model: StepModel, backend: KVBackend) -> None:
         self.model, self.backend = model, backend
         self.clock = VirtualClock()
         self.totals = RooflineTotals()
-        self.window = int(getattr(backend, "window", 0) or 0)
-        self.window_sinks = int(getattr(backend, "window_sinks", 0) or 0)
-        self.policy = getattr(backend, "policy", None)
-        self.reader = getattr(backend, "kv_read_tokens", None)
-        self.needs_scores = bool(getattr(self.policy, "needs_scores", False))
+        self.reads = KVReads(backend)
+        self.needs_scores = bool(getattr(self.reads.policy, "needs_scores", False))
         self._written: list[ScheduledSeq] = []
         self._ops_s = 0.0  # cache operations' time, charged to the next forward
         self.read_tokens_total = 0  # decode keys read, summed (attention.kv_read_bytes_*)
@@ -172,42 +170,15 @@ class RooflineExecutor:
         swapped = (len(rec.swap_out) + len(rec.swap_in)) * self.backend.block_size
         self._ops_s = 2 * slots * bps / (hw.mem_bw * hw.eff_bw) + swapped * bps / hw.host_bw
 
-    def _read(self, s: ScheduledSeq, context: int) -> int:
-        if self.reader is not None:
-            return int(self.reader(s.seq, context))
-        if self.window:
-            context = min(context, self.window + self.window_sinks)
-        if self.policy is not None:
-            b = self.policy.budget(s.seq.num_prompt_tokens, s.seq.group.params.max_tokens)
-            if b is not None:
-                context = min(context, b)
-        return context
-
     def forward(self, rec: StepRecord) -> StepOutput:
-        decodes: list[ScheduledSeq] = []
-        prefills: list[ScheduledSeq] = []
-        ctx_dec = ctx_pre = pairs = 0.0
-        w = self.window
-        for s in rec.seqs:
-            n = s.num_tokens
-            if n == 1:
-                ctx_dec += self._read(s, s.start + 1)
-                self.decode_queries += 1
-                if s.sample:
-                    decodes.append(s)
-            else:
-                keys = s.start + (n + 1) / 2  # mean keys a query of the chunk sees
-                pairs += n * (min(keys, w + self.window_sinks) if w else keys)
-                ctx_pre += s.start + n
-                if s.sample:
-                    prefills.append(s)
-        samplers = decodes + prefills
-        work = self.model.work(rec.num_tokens, len(samplers), len(rec.seqs), pairs,
-                               ctx_pre, ctx_dec)
-        t = self.model.time(work)
+        sh = step_shape(rec, self.reads)
+        samplers = sh.samplers
+        t = self.model.time(self.model.work(sh.tokens, len(samplers), sh.seqs, sh.pairs,
+                                            sh.ctx_prefill, sh.ctx_decode))
         t.overhead += self._ops_s
         self._ops_s = 0.0
-        self.read_tokens_total += int(ctx_dec)
+        self.read_tokens_total += int(sh.ctx_decode)
+        self.decode_queries += sh.num_decode
         self.totals.add(t)
         self.clock.advance(float(t.total))
         if self.needs_scores:

@@ -30,6 +30,9 @@ class HardwareSpec:
     eff_gemm: float = 0.7  # share of peak FLOP/s a weight GEMM reaches
     eff_attn: float = 0.5  # share of peak FLOP/s attention reaches
     eff_bw: float = 0.8  # share of mem_bw a streaming read reaches (weights, K/V)
+    # How far compute and memory traffic overlap: 1 = a GPU's roofline, max(compute,
+    # memory); 0 = their sum, as on a CPU core that streams weights between its FMAs.
+    overlap: float = 1.0
     step_overhead_s: float = 1e-3  # fixed per step: scheduling, launch, sampling
     per_seq_overhead_s: float = 5e-6  # per running sequence per step (host bookkeeping)
     link_bw: float = 0.0  # bytes/s one way between tensor-parallel ranks
@@ -58,7 +61,8 @@ def _gpu(name: str, bf16: float, fp8: float, fp32: float, bw: float, mem: float,
 # The CPU's priors before calibration: one core of this machine (AVX2 FMA, fp32), whose
 # factors `calibrate` fits; the figures mean "this machine, one thread", nothing more.
 CPU_PRIOR = HardwareSpec("cpu", {"fp32": 80e9, "bf16": 10e9}, 20e9, 24 * GiB,
-                         eff_gemm=0.5, eff_attn=0.2, eff_bw=0.5, step_overhead_s=1e-3,
+                         eff_gemm=0.5, eff_attn=0.2, eff_bw=0.5, overlap=0.0,
+                         step_overhead_s=1e-3,
                          per_seq_overhead_s=10e-6, activation_reserve_bytes=1 * GiB)
 
 HARDWARE: dict[str, HardwareSpec] = {h.name: h for h in (

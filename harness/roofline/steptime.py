@@ -5,7 +5,8 @@ linear parameters (MoE: shared path + k/E of the routed experts), b_w the weight
 parameter, b_kv the backend's bytes per cached token (all layers: a 1-byte cache halves
 them), L layers, H query heads, d_qk / d_v the attention product's per-head dims, tp the
 tensor-parallel degree, and each term a roofline, max(FLOPs / (peak x eff), bytes /
-(bandwidth x eff)):
+(bandwidth x eff)), on a GPU (``overlap=1``; a CPU core overlaps less, and its terms are
+max + (1 - overlap) x min, overlap fitted):
 
     gemm     = max(2 P T / tp / (peak eff_gemm),  b_w (P_dense + E_touched(T)) / tp / (bw eff_bw))
     lm_head  = max(2 V h S / tp / (peak eff_gemm), b_w V h / tp / (bw eff_bw))
@@ -35,6 +36,7 @@ group size (8 for Llama-3.1-70B), always memory-bound: its time is the KV bytes 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -121,7 +123,11 @@ class StepModel:
         h = hw or self.hw
         peak = self.peak if hw is None else hw.flops(self.compute_dtype)
         fg, fa, bw = peak * h.eff_gemm, peak * h.eff_attn, h.mem_bw * h.eff_bw
-        mx = np.maximum
+        lap = 1.0 - h.overlap
+
+        def mx(c: Any, m: Any) -> Any:  # the roofline, or the sum where nothing overlaps
+            return np.maximum(c, m) + lap * np.minimum(c, m) if lap else np.maximum(c, m)
+
         return StepTime(
             gemm=mx(w.gemm_flops / fg, w.gemm_bytes / bw),
             lm_head=mx(w.lm_flops / fg, w.lm_bytes / bw),

@@ -1,0 +1,71 @@
+"""A step's shape as the step-time model reads it: tokens, sampled rows, and the keys its
+attention touches, read from the StepRecord and the backend's read rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from harness.sched.step import ScheduledSeq, StepRecord
+
+
+class KVReads:
+    """How many cached tokens a decode query of this backend reads.
+
+    A backend with ``kv_read_tokens(seq, context)`` says it (a method that reads chosen
+    blocks); otherwise a window (``backend.window`` + its sinks) or an eviction budget
+    (``policy.budget``) bounds the context; else the whole context is read."""
+
+    def __init__(self, backend: Any) -> None:
+        self.window = int(getattr(backend, "window", 0) or 0)
+        self.sinks = int(getattr(backend, "window_sinks", 0) or 0)
+        self.policy = getattr(backend, "policy", None)
+        self.reader = getattr(backend, "kv_read_tokens", None)
+
+    def decode(self, s: ScheduledSeq, context: int) -> int:
+        if self.reader is not None:
+            return int(self.reader(s.seq, context))
+        if self.window:
+            context = min(context, self.window + self.sinks)
+        if self.policy is not None:
+            b = self.policy.budget(s.seq.num_prompt_tokens, s.seq.group.params.max_tokens)
+            if b is not None:
+                context = min(context, b)
+        return context
+
+    def prefill_keys(self, start: int, n: int) -> float:
+        """Mean keys a query of a chunk of ``n`` after ``start`` cached tokens sees."""
+        keys = start + (n + 1) / 2
+        return min(keys, self.window + self.sinks) if self.window else keys
+
+
+@dataclass(slots=True)
+class StepShape:
+    tokens: int
+    seqs: int
+    pairs: float  # prefill (query, key) pairs
+    ctx_prefill: float  # keys the prefill chunks read
+    ctx_decode: float  # keys the decodes read
+    num_decode: int
+    samplers: list[ScheduledSeq] = field(default_factory=list)  # decodes, then prefills
+
+
+def step_shape(rec: StepRecord, reads: KVReads) -> StepShape:
+    decodes: list[ScheduledSeq] = []
+    prefills: list[ScheduledSeq] = []
+    ctx_dec = ctx_pre = pairs = 0.0
+    nd = 0
+    for s in rec.seqs:
+        n = s.num_tokens
+        if n == 1:  # any one-token chunk is a decode for attention (as batch.py)
+            ctx_dec += reads.decode(s, s.start + 1)
+            nd += 1
+            if s.sample:
+                decodes.append(s)
+        else:
+            pairs += n * reads.prefill_keys(s.start, n)
+            ctx_pre += s.start + n
+            if s.sample:
+                prefills.append(s)
+    return StepShape(rec.num_tokens, len(rec.seqs), pairs, ctx_pre, ctx_dec, nd,
+                     decodes + prefills)
