@@ -53,6 +53,16 @@ class Item:
     meta: dict[str, object] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Knobs:
+    """The tasks' sizes (RULER's defaults; smaller ones make a task easier)."""
+
+    num_values: int = 4  # niah_multivalue: values of the one key
+    num_queries: int = 4  # niah_multiquery: keys asked at once
+    num_hops: int = 4  # vt: assignments after the first
+    num_common: int = 10  # cwe: words to find
+
+
 @dataclass
 class Cell:
     """What a task builds from: the cell, its seeded rng and the run-wide knobs."""
@@ -65,6 +75,7 @@ class Cell:
     sample: int
     value_digits: int
     rng: random.Random
+    knobs: Knobs = field(default_factory=Knobs)
 
     @property
     def depth(self) -> float:
@@ -134,21 +145,21 @@ def niah_multikey(c: Cell) -> list[Item]:
                  f"mk{c.length}:{c.sample}")]
 
 
-def niah_multiquery(c: Cell, num_queries: int = 4) -> list[Item]:
+def niah_multiquery(c: Cell) -> list[Item]:
     """All values of ``num_queries`` keys of the multi-key haystack at once (its prefix is
     shared with niah_multikey's questions): the key at the cell's depth and the next ones."""
     keys, values, needles = _multikey_haystack(c)
-    n = len(keys)
+    n, num_queries = len(keys), c.knobs.num_queries
     pick = [(c.index + j) % n for j in range(min(num_queries, n))]
     ids, d = _prompt(c, NIAH_HEADER, c.essay(), needles, _ask_all([keys[j] for j in pick]))
     return [Item("niah_multiquery", c.length, d[c.index], c.sample, ids,
                  [values[j] for j in pick], "all", 16 * len(pick), f"mk{c.length}:{c.sample}")]
 
 
-def niah_multivalue(c: Cell, num_values: int = 4) -> list[Item]:
+def niah_multivalue(c: Cell) -> list[Item]:
     """One key with ``num_values`` values, the first at the cell's depth and the rest spread
     evenly over what follows (RULER niah_multivalue)."""
-    key = c.rng.choice(KEYS)
+    key, num_values = c.rng.choice(KEYS), c.knobs.num_values
     values = [c.value() for _ in range(num_values)]
     depths = [c.depth + (1 - c.depth) * j / num_values for j in range(num_values)]
     ids, d = _prompt(c, NIAH_HEADER, c.essay(),
@@ -157,9 +168,10 @@ def niah_multivalue(c: Cell, num_values: int = 4) -> list[Item]:
                  16 * num_values, f"essay{c.sample}")]
 
 
-def variable_tracking(c: Cell, num_hops: int = 4) -> list[Item]:
+def variable_tracking(c: Cell) -> list[Item]:
     """A chain ``VAR A = 12345``, ``VAR B = A``, ... in noise, its first link at the cell's
     depth and the others spread after it; the answer names every variable of the chain."""
+    num_hops = c.knobs.num_hops
     names = ["".join(c.rng.choices(string.ascii_uppercase, k=5)) for _ in range(num_hops + 1)]
     value = c.value()
     links = [f" VAR {names[0]} = {value}."] + [
@@ -204,9 +216,9 @@ def _numbered_list(c: Cell, header: str, question: str, make: Callable[[int], li
     return [Item(task, c.length, -1.0, c.sample, ids, answers, "all", max_tokens)]
 
 
-def common_words(c: Cell, num_common: int = 10, common_freq: int = 30,
-                 rare_freq: int = 3) -> list[Item]:
-    """RULER cwe: ``num_common`` words each ``common_freq`` times among rare ones."""
+def common_words(c: Cell, common_freq: int = 30, rare_freq: int = 3) -> list[Item]:
+    """RULER cwe: ``knobs.num_common`` words each ``common_freq`` times among rare ones."""
+    num_common = c.knobs.num_common
     pool = _vocab()
     vocab = c.rng.sample(pool, min(len(pool), 1200))
     common, rare = vocab[:num_common], vocab[num_common:]
