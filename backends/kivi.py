@@ -15,17 +15,17 @@ into slots (:meth:`reserved_bytes`). A sequence holds at most one partly filled 
 scheduler.max_num_seqs' default; more sequences at once grow the residual pool, with a
 warning, beyond the budget.
 
-The residual is tracked per block: a block starting at this step's first slot takes a free
-residual block, one that fills is quantized from it and gives it back, and a partly filled
-block that dies (its sequence finished or was preempted) gives it back through the step
-record's ``invalidated`` slots (:class:`~harness.kv.residual.ResidualKVManager`).
+The residual is tracked per block (backends.kivi_residual): a block starting at this
+step's first slot takes a free residual block, one that fills is quantized from it and
+gives it back, and a partly filled block that dies (its sequence finished or was
+preempted) gives it back through the step record's ``invalidated`` slots
+(:class:`~harness.kv.residual.ResidualKVManager`).
 Quantization is deterministic, so a full block is what its hash names: prefix caching
 stays on. It does not swap.
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ import torch
 
 from harness.backends.base import AttentionBatch, CacheSizing, KVLayout
 from harness.backends.kivi_quant import SCALE_DTYPE, dequantize, pack, quantize, unpack
+from harness.backends.kivi_residual import ResidualPool
 from harness.backends.paged import PagedBackend, PagedOptions
 from harness.errors import UserError
 from harness.kv.base import KVManager
@@ -56,20 +57,6 @@ class KIVIOptions(PagedOptions):
                             f"{self.residual_blocks}")
         if self.kernel == "triton":
             raise UserError("kivi runs on the torch path: use backend.kernel=torch or auto")
-
-
-@dataclass(slots=True)
-class StorePlan:
-    """Where this step's new tokens go, built once per step on the host. Batch rows
-    ``res_rows`` go to residual slots ``res_slots``; the blocks ``blocks`` are quantized
-    this step, the first from the rows ``direct_rows`` (whole blocks written this step,
-    bs rows each), the rest from their residual blocks ``seal_slabs``."""
-
-    res_rows: torch.Tensor
-    res_slots: torch.Tensor
-    direct_rows: torch.Tensor
-    seal_slabs: torch.Tensor
-    blocks: torch.Tensor
 
 
 class KIVIBackend(PagedBackend):
@@ -137,15 +124,9 @@ class KIVIBackend(PagedBackend):
         self.v_scale = [torch.zeros((nb, bs, kvh), dtype=SCALE_DTYPE, device=dev)
                         for _ in range(lay.num_layers)]
         self.v_zero = [torch.zeros_like(t) for t in self.v_scale]
-        self.res_k = [torch.zeros((self.residual_blocks, bs, kvh, d), dtype=lay.dtype,
-                                  device=dev) for _ in range(lay.num_layers)]
-        self.res_v = [torch.zeros_like(t) for t in self.res_k]
         self.k_cpu: list[torch.Tensor] = []
         self.v_cpu: list[torch.Tensor] = []
-        self.slab_of: dict[int, int] = {}  # block -> its residual block (partial blocks)
-        self.free_slabs = list(range(self.residual_blocks - 1, -1, -1))
-        self.slab_map = torch.full((nb,), -1, dtype=torch.int64, device=dev)
-        self.residual_peak = 0
+        self.residual = ResidualPool(self.residual_blocks, nb, bs, lay, dev)
 
     def slot_tensors(self) -> list[torch.Tensor]:
         return []  # only partial blocks are copied (copy-on-write): their residual moves
@@ -153,85 +134,18 @@ class KIVIBackend(PagedBackend):
     def apply_cache_ops(self, rec: StepRecord) -> None:
         assert not rec.swap_in and not rec.swap_out
         bs = self.block_size
-        dead = {s // bs for s in rec.invalidated}
-        for b in dead & self.slab_of.keys():
-            self.free_slabs.append(self.slab_of.pop(b))
-        if dead:
-            self.slab_map[torch.tensor(sorted(dead), device=self.device)] = -1
+        self.residual.drop({s // bs for s in rec.invalidated})
         for op in rec.copies:  # a shared partial block copied for its writer
-            src, dst = op.src // bs, op.dst // bs
-            slab = self._take_slab()
-            self.slab_of[dst] = slab
-            self.slab_map[dst] = slab
-            for t in (*self.res_k, *self.res_v):
-                t[slab, :op.num_slots] = t[self.slab_of[src], :op.num_slots]
-
-    def _take_slab(self) -> int:
-        if not self.free_slabs:
-            # More sequences hold a partial block than residual_blocks: grow beyond the
-            # budget rather than fail, and say so.
-            n = len(self.slab_of)
-            print(f"kvbench: kivi needs more than backend.residual_blocks={n} residual "
-                  "blocks (more sequences at once than it was sized for); growing beyond "
-                  "the budget", file=sys.stderr)
-            self.res_k = [torch.cat([t, torch.zeros_like(t[:n])]) for t in self.res_k]
-            self.res_v = [torch.cat([t, torch.zeros_like(t[:n])]) for t in self.res_v]
-            self.free_slabs = list(range(2 * n - 1, n - 1, -1))
-        slab = self.free_slabs.pop()
-        self.residual_peak = max(self.residual_peak, len(self.slab_of) + 1)
-        return slab
+            self.residual.copy(op.src // bs, op.dst // bs, op.num_slots)
 
     def begin_step(self, batch: AttentionBatch) -> None:
         super().begin_step(batch)
-        bs = self.block_size
-        res_rows: list[int] = []
-        res_slots: list[int] = []
-        direct_rows: list[int] = []
-        direct_blocks: list[int] = []
-        seal_slabs: list[int] = []
-        seal_blocks: list[int] = []
-        started: list[int] = []
-        chunks = [(i, s) for i, s in enumerate(batch.decode_seqs)]
-        chunks += [(c.row, c.sched) for c in batch.prefills]
-        for row0, sc in chunks:
-            i = 0
-            while i < sc.num_tokens:
-                b, off = divmod(sc.slots[i], bs)
-                run = min(sc.num_tokens - i, bs - off)  # this chunk's tokens in block b
-                rows = range(row0 + i, row0 + i + run)
-                i += run
-                if off == 0 and run == bs:  # written whole this step: quantize directly
-                    direct_rows += rows
-                    direct_blocks.append(b)
-                    continue
-                if off == 0:
-                    self.slab_of[b] = self._take_slab()
-                    started.append(b)
-                slab = self.slab_of[b]
-                res_rows += rows
-                res_slots += range(slab * bs + off, slab * bs + off + run)
-                if off + run == bs:  # it fills: quantize from the residual
-                    seal_slabs.append(slab)
-                    seal_blocks.append(b)
-        # Freed only now: a residual block sealed this step is read by this step's store.
-        for b in seal_blocks:
-            self.free_slabs.append(self.slab_of.pop(b))
-        dev = self.device
-
-        def t(xs: list[int]) -> torch.Tensor:
-            return torch.tensor(xs, dtype=torch.int64, device=dev)
-
-        if started:  # none of them fills this step (that would be a direct block)
-            self.slab_map[t(started)] = t([self.slab_of[b] for b in started])
-        if seal_blocks:
-            self.slab_map[t(seal_blocks)] = -1
-        self._plan = StorePlan(t(res_rows), t(res_slots), t(direct_rows), t(seal_slabs),
-                               t(direct_blocks + seal_blocks))
+        self._plan = self.residual.plan(batch)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         p, lay, bs = self._plan, self.layout, self.block_size
         k, v = k.to(lay.dtype), v.to(lay.dtype)
-        rk, rv = self.res_k[layer], self.res_v[layer]
+        rk, rv = self.residual.k[layer], self.residual.v[layer]
         if p.res_rows.numel():
             rk.view(-1, *rk.shape[2:])[p.res_slots] = k[p.res_rows]
             rv.view(-1, *rv.shape[2:])[p.res_slots] = v[p.res_rows]
@@ -265,8 +179,9 @@ class KIVIBackend(PagedBackend):
                        self.v_zero[layer][blocks].unsqueeze(-1)).to(dt)
         # A partly filled block is read from its residual block, in full precision (a
         # where, not a mask test: no host sync per layer).
-        slab = self.slab_map[blocks]
+        res = self.residual
+        slab = res.slab_map[blocks]
         has = (slab >= 0)[..., None, None, None]
-        k = torch.where(has, self.res_k[layer][slab.clamp(min=0)], k)
-        v = torch.where(has, self.res_v[layer][slab.clamp(min=0)], v)
+        k = torch.where(has, res.k[layer][slab.clamp(min=0)], k)
+        v = torch.where(has, res.v[layer][slab.clamp(min=0)], v)
         return k, v
