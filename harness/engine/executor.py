@@ -183,12 +183,12 @@ class RooflineExecutor:
         self.clock.advance(float(t.total))
         if self.needs_scores:
             self._written = list(rec.seqs)
-        logits = torch.zeros((len(samplers), VOCAB), dtype=torch.float32)
-        if samplers:
-            ids = [synthetic_token(s.seq.group.request_id, s.seq.group.seqs.index(s.seq)
-                                   if len(s.seq.group.seqs) > 1 else 0, s.seq.num_tokens)
-                   for s in samplers]
-            logits[torch.arange(len(samplers)), torch.tensor(ids)] = 1.0
+        # One-hot rows at each sequence's synthetic token: the engine's own sampling code
+        # then runs unchanged (forks, beams); greedy picks exactly these ids.
+        ids = [synthetic_token(g.request_id, g.seqs.index(q) if len(g.seqs) > 1 else 0,
+                               q.num_tokens) for q, g in ((s.seq, s.seq.group) for s in samplers)]
+        logits = torch.nn.functional.one_hot(torch.tensor(ids, dtype=torch.int64),
+                                             VOCAB).to(torch.float32)
         return StepOutput(logits, samplers, float(t.forward))
 
     def take_scores(self) -> StepScores | None:

@@ -64,6 +64,8 @@ def run_roofline(rc: RunConfig, config_yaml: str) -> RunResult:
     from harness.runner import RunResult, _git_sha, check_rejections  # runner imports us
 
     started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    if rc.cpu_threads > 0:  # the synthetic logits are tiny: threads only fight (12 ms/step)
+        torch.set_num_threads(rc.cpu_threads)
     workload = make_workload(rc.workload, ByteTokenizer())
     st, ex = build_roofline(rc, workload)
     progress = make_progress(rc.progress)

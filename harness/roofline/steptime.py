@@ -126,7 +126,9 @@ class StepModel:
         lap = 1.0 - h.overlap
 
         def mx(c: Any, m: Any) -> Any:  # the roofline, or the sum where nothing overlaps
-            return np.maximum(c, m) + lap * np.minimum(c, m) if lap else np.maximum(c, m)
+            if isinstance(c, float) and isinstance(m, float):  # one step: no numpy scalars
+                return max(c, m) + lap * min(c, m)
+            return np.maximum(c, m) + lap * np.minimum(c, m)
 
         return StepTime(
             gemm=mx(w.gemm_flops / fg, w.gemm_bytes / bw),
