@@ -251,3 +251,14 @@ def test_a_conversation_trace_hits_its_history_in_a_run() -> None:
             assert x["arrival_s"] >= prev["arrival_s"] + prev["e2e_ms"] / 1e3 - 1e-9
             # The previous prompt and answer, less the last block and the unwritten token.
             assert x["prefix_hit_tokens"] >= (prev["prompt_tokens"] // 16 - 1) * 16
+
+
+def test_max_tokens_asks_a_servers_limit_and_stops_at_the_rows_length(
+        tmp_path: Path) -> None:
+    p = write(tmp_path, "t.csv", "arrival_s,prompt_tokens,output_tokens\n0,10,5\n0,10,300\n")
+    exact = [r.params for r in trace(p).initial_requests()]
+    assert [(x.max_tokens, x.stop_after) for x in exact] == [(5, None), (300, None)]
+    capped = [r.params for r in trace(p, max_tokens=256).initial_requests()]
+    # The row's length ends the request (as an EOS would); max_tokens is what is reserved,
+    # never less than the row needs.
+    assert [(x.max_tokens, x.stop_after) for x in capped] == [(256, 5), (300, 300)]
