@@ -142,3 +142,13 @@ def test_backend_reported_reads_are_used_and_no_cache_is_allocated(
                         raising=False)
     m = roof("backend=paged")
     assert m["attention.kv_read_bytes_per_token"] == 5 * m["roofline.kv_bytes_per_token"]
+
+
+def test_experiments_at_tiny_scale() -> None:
+    from harness.roofline.experiments import mla, waste
+
+    t = mla(1.0)
+    assert "| DeepSeek-V3 | 8x h200 | fp8 | bf16 | 68.6 |" in t  # 61 x 576 x 2 bytes
+    rows = [r.split("|") for r in waste(0.02).splitlines()[2:]]
+    share = {r[1].strip(): float(r[2]) for r in rows}
+    assert share["paged (block 16)"] > 90 > share["contiguous max"]
