@@ -54,7 +54,8 @@ class EvictionPolicy(ABC):
 
     def budget(self, prompt_len: int, max_tokens: int) -> int | None:
         """Tokens a sequence of this shape holds at most once it runs steadily (None: no
-        bound): what admission promises it (``_owed``)."""
+        bound): what admission promises it (blocks kept free for it, ``_owed``). Beyond
+        it a sequence grows as a paged one does, preempting when the pool runs out."""
         return None
 
     def peak(self, prompt_len: int, max_tokens: int) -> int | None:

@@ -9,7 +9,8 @@ per-head selection would free nothing here.
 Per sequence with a prompt of P tokens: ``keep(P)`` = the window + ``budget`` tokens (or
 ``budget_ratio`` x P of them) of the P - window before it. Until the prompt is prefilled
 the sequence holds it all (``peak``); after, the kept prompt plus everything it
-generates, optionally capped at ``max_tokens`` held (``held_limit``). Under the cap, the
+generates, optionally capped at ``max_tokens`` held (``held_limit``); admission promises
+only the kept prompt (``budget``), the rest grows as in a paged cache. Under the cap, the
 oldest generated tokens go first (a sliding window over what it generates), then the
 lowest-scored prompt tokens. The manager compacts the kept tokens into fewer blocks
 (``compacts``).
@@ -68,10 +69,13 @@ class SnapKVPolicy(EvictionPolicy):
         return min(n, self.max_tokens) if self.max_tokens else n
 
     def budget(self, prompt_len: int, max_tokens: int) -> int:
-        return self._capped(self.keep(prompt_len) + max_tokens)
+        """What admission promises: the kept prompt only. Decoding then grows lazily, as
+        a paged sequence does (preempting when the pool runs out); promising
+        keep + max_tokens up front admitted 3 sequences where paged ran 16."""
+        return self._capped(self.keep(prompt_len))
 
     def peak(self, prompt_len: int, max_tokens: int) -> int:
-        return max(prompt_len, self.budget(prompt_len, max_tokens))
+        return max(prompt_len, self._capped(self.keep(prompt_len) + max_tokens))
 
     def held_limit(self, seq: Sequence, n: int) -> int | None:
         p = seq.num_prompt_tokens
