@@ -60,6 +60,25 @@ class BudgetPolicy(EvictionPolicy):
     def seq_budget(self, seq: Sequence) -> int:
         return self.budget(seq.num_prompt_tokens, seq.group.params.max_tokens)
 
+    def peak(self, prompt_len: int, max_tokens: int) -> int:
+        """The budget plus one prefill chunk (see :meth:`held_limit`)."""
+        b = self.budget(prompt_len, max_tokens)
+        chunk = self.max_chunk(b)
+        return b + (chunk if chunk is not None else 0)
+
+    def held_limit(self, seq: Sequence, n: int) -> int:
+        """The budget; while the prompt is prefilled in chunks, the budget plus the chunk.
+
+        A chunk comes on top of the full budget and its tokens are chosen among after it
+        ran: evicting room for the chunk first would drop every heavy hitter before each
+        chunk of a long prompt (with the chunk as large as the heavy part, the chunk then
+        saw only the recent window, the attention sink gone: h2o missed needles lying
+        inside its recent window). Memory is then bounded by budget + one chunk while a
+        prompt is prefilled, and by the budget once it decodes."""
+        b = self.seq_budget(seq)
+        prefilling = seq.num_computed < seq.num_prompt_tokens or seq.num_uncomputed > 1
+        return b + n if prefilling else b
+
     def reset(self, num_slots: int) -> None:
         self.scores = np.zeros(num_slots)
 
