@@ -90,3 +90,15 @@ def test_a_run_reports_goodput_consistent_with_its_requests(tmp_path: Path) -> N
     assert m["latency.slo_attainment"] == 1.0
     assert m["latency.goodput_rps"] == pytest.approx(m["throughput.requests_per_s"])
     assert 1 <= m["requests.peak_concurrency"] <= 6
+
+
+def test_the_quality_floor_in_a_run_counts_agreement_with_the_reference() -> None:
+    # paged is exact: every request agrees with the reference token for token, so a floor
+    # of 1.0 keeps them all; the rows carry the agreement the floor was judged on.
+    r = run(compose_cfg(["model=tiny", "workload=random", "workload.num_requests=3",
+                         "workload.output_max=8", "workload.input_max=24",
+                         "cache.kv_budget=512KiB", "quality.enabled=true",
+                         "quality.num_texts=1", "quality.text_tokens=48",
+                         "quality.prefill_tokens=8", "slo.min_agreement=1.0"]))
+    assert all(x["agree_tokens"] == x["output_tokens"] for x in r.requests)
+    assert r.metrics["requests.meeting_slo"] == 3 and r.metrics["latency.slo_attainment"] == 1
