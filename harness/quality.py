@@ -155,13 +155,17 @@ class ForcedSampler(Sampler):
 
 def _stream(loaded: LoadedModel, device: torch.device, backend: BackendOptions,
             rc: RunConfig, sampler: ForcedSampler, texts: list[list[int]],
-            prefill: int, budget: str | int) -> tuple[float, float]:
-    """Stream the texts; returns KV bytes held per sequence (mean over steps, peak)."""
+            prefill: int, budget: str | int) -> tuple[float, float, float | None]:
+    """Stream the texts; returns KV bytes held per sequence (mean over steps, peak) and
+    the cache bytes a decode query read (mean; the backend's own count)."""
     st = build_stack(loaded, device, backend, rc.cache, rc.scheduler, sampler,
                      quiet=True, kv_budget=budget)
     st.engine.run(_TextsWorkload(texts, prefill))
     per_seq = [s.reserved_bytes / s.running for s in st.collector.steps if s.running]
-    return (sum(per_seq) / len(per_seq), max(per_seq)) if per_seq else (0.0, 0.0)
+    reads = st.backend.kv_read_bytes_per_token()
+    if not per_seq:
+        return 0.0, 0.0, reads
+    return sum(per_seq) / len(per_seq), max(per_seq), reads
 
 
 def fp32_bytes_per_token(loaded: LoadedModel) -> int:
@@ -190,8 +194,8 @@ def evaluate_quality(loaded: LoadedModel, device: torch.device, rc: RunConfig,
     ref = ForcedSampler(texts, qc.prefill_tokens)
     _stream(ref_model, device, REFERENCE, rc, ref, texts, qc.prefill_tokens, ref_budget)
     test = ForcedSampler(texts, qc.prefill_tokens, reference=ref.stacked())
-    held_mean, held_peak = _stream(loaded, device, rc.backend, rc, test, texts,
-                                   qc.prefill_tokens, rc.cache.kv_budget)
+    held_mean, held_peak, reads = _stream(loaded, device, rc.backend, rc, test, texts,
+                                          qc.prefill_tokens, rc.cache.kv_budget)
     ppl_ref = math.exp(ref.nll / ref.count)
     ppl = math.exp(test.nll / test.count)
     return {
@@ -204,6 +208,8 @@ def evaluate_quality(loaded: LoadedModel, device: torch.device, rc: RunConfig,
         # KV memory one streamed sequence held (all its blocks): what the backend buys.
         "quality.kv_bytes_per_seq_mean": held_mean,
         "quality.kv_bytes_per_seq_peak": held_peak,
+        # ... and what each streamed token's attention read of it (quest reads less).
+        **({"quality.kv_read_bytes_per_token": reads} if reads is not None else {}),
         **quality_intervals(test, ref, rc.seed),
     }
 
