@@ -58,14 +58,20 @@ class _Bad(Exception):
     """A row's field is missing or wrong; the message says which (no file or line)."""
 
 
-def _int(rec: dict[str, Any], key: str, minimum: int) -> int:
+def _number(rec: dict[str, Any], key: str) -> tuple[Any, float]:
+    """The field's raw value and its float (NaN for a bool); _Bad if missing or not a
+    number."""
     v = rec.get(key)
     if v is None or v == "":
         raise _Bad(f"missing {key!r}")
     try:
-        f = float(v) if not isinstance(v, bool) else math.nan
+        return v, float(v) if not isinstance(v, bool) else math.nan
     except (TypeError, ValueError):
         raise _Bad(f"{key}={v!r} is not a number") from None
+
+
+def _int(rec: dict[str, Any], key: str, minimum: int) -> int:
+    v, f = _number(rec, key)
     if not math.isfinite(f) or f != int(f):
         raise _Bad(f"{key}={v!r} is not a whole number")
     if int(f) < minimum:
@@ -74,13 +80,7 @@ def _int(rec: dict[str, Any], key: str, minimum: int) -> int:
 
 
 def _seconds(rec: dict[str, Any], key: str, scale: float) -> float:
-    v = rec.get(key)
-    if v is None or v == "":
-        raise _Bad(f"missing {key!r}")
-    try:
-        f = float(v) if not isinstance(v, bool) else math.nan
-    except (TypeError, ValueError):
-        raise _Bad(f"{key}={v!r} is not a number") from None
+    v, f = _number(rec, key)
     if not math.isfinite(f) or f < 0:
         raise _Bad(f"{key}={v!r} must be a finite number >= 0")
     return f * scale
