@@ -1,4 +1,4 @@
-"""The Ray launcher preset (conf/hydra/launcher/ray.yaml) on a local Ray instance: a small
+"""The Ray launcher preset (conf/hydra/launcher/ray_cluster.yaml) on a local Ray instance: a small
 roofline sweep, each run a Ray task. Skipped unless the `ray` extra is installed
 (`pip install -e '.[ray]'`: hydra-ray-launcher 1.2.2 and ray < 3, not in the dev set-up)."""
 
@@ -20,7 +20,7 @@ pytest.importorskip("hydra_plugins.hydra_ray_launcher",
 def test_roofline_sweep_through_local_ray(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a local instance
     p = subprocess.run(
-        [sys.executable, "-m", "harness", "-m", "hydra/launcher=ray",
+        [sys.executable, "-m", "harness", "-m", "hydra/launcher=ray_cluster",
          "hydra.launcher.ray.remote.num_gpus=0", "hydra.launcher.ray.remote.num_cpus=1",
          "+hydra.launcher.ray.init.num_cpus=2", "executor=roofline", "cache.kv_budget=auto",
          "workload=random", "workload.num_requests=8", "backend=paged,fp8",

@@ -173,8 +173,7 @@ class RooflineExecutor:
     def forward(self, rec: StepRecord) -> StepOutput:
         sh = step_shape(rec, self.reads)
         samplers = sh.samplers
-        t = self.model.time(self.model.work(sh.tokens, len(samplers), sh.seqs, sh.pairs,
-                                            sh.ctx_prefill, sh.ctx_decode))
+        t = self.model.time(self.model.work_of(sh))
         t.overhead += self._ops_s
         self._ops_s = 0.0
         self.read_tokens_total += int(sh.ctx_decode)

@@ -2,9 +2,14 @@
 
 Peaks are the vendors' dense figures (no sparsity), per device. Efficiencies are the
 share of a peak a kernel reaches: priors for the GPUs (typical of large GEMMs and of
-streaming kernels on them), fitted for ``cpu`` (``python -m harness.roofline.calibrate``
-writes results/roofline/cpu_calibration.json, read here) and for ``h200`` from what was
-measured on one (bf16 GEMM ~790 TFLOP/s of 989, device copy ~4.3 TB/s of 4.8).
+streaming kernels on them), measured for ``h200`` (bf16 GEMM ~790 TFLOP/s of 989, device
+copy ~4.3 TB/s of 4.8), and measured and fitted for ``cpu``:
+``python -m harness.roofline.calibrate`` writes harness/roofline/cpu_calibration.json,
+read here. A CPU's GEMM speed depends on the row count in ways no roofline captures (one
+row is a GEMV that streams the weights; a row count off the kernel's 4-row tiles costs a
+partial pass), so the cpu spec carries a GEMM profile as Vidur carries its profiling
+tables: seconds per weight parameter at each row count, measured on the model's own
+shapes, interpolated between them.
 """
 
 from __future__ import annotations
@@ -13,12 +18,13 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from harness.errors import UserError
 
 TB, GB, GiB = 1e12, 1e9, 2**30
-CALIBRATION = Path(__file__).resolve().parents[2] / "results" / "roofline" / \
-    "cpu_calibration.json"
+CALIBRATION = Path(__file__).resolve().parent / "cpu_calibration.json"
+ATTENTION = ("fused", "gather")
 
 
 @dataclass(frozen=True)
@@ -39,16 +45,37 @@ class HardwareSpec:
     link_latency_s: float = 10e-6  # per all-reduce
     host_bw: float = 50e9  # bytes/s between device and host (swaps): PCIe gen5 x16
     activation_reserve_bytes: int = 2 * 2**30  # per device, kept out of the KV budget
+    # How attention runs (harness.roofline.shape): "fused" kernels read K/V in place;
+    # "gather" is the torch reference path (padded decode batch, masked prefill pairs).
+    attention: str = "fused"
+    # Measured GEMM time: (rows, seconds per decoder-layer weight parameter, seconds per
+    # lm_head parameter) rows ascending, for `profile_dtype`; empty = the roofline.
+    gemm_profile: tuple[tuple[float, float, float], ...] = ()
+    profile_dtype: str = ""
+    eff_profile: float = 1.0  # share of the profiled GEMM speed a real step's GEMMs reach
     source: str = "prior"  # prior | measured | calibrated (the record says which)
     extra: dict[str, float] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION:
+            raise UserError(f"hardware {self.name}: attention must be one of "
+                            f"{', '.join(ATTENTION)}, got {self.attention!r}")
+
+    def profiled(self, dtype: str) -> bool:
+        """Whether GEMMs in ``dtype`` are timed by the profile (else by the roofline)."""
+        return bool(self.gemm_profile) and _dtype_key(dtype) == _dtype_key(self.profile_dtype)
+
     def flops(self, dtype: str) -> float:
-        key = "fp32" if dtype in ("float32", "fp32") else dtype
-        key = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16"}.get(key, key)
+        key = _dtype_key(dtype)
         if key not in self.peak_flops:
             raise UserError(f"roofline.hardware={self.name} has no peak for dtype {dtype!r}; "
                             f"it has {', '.join(self.peak_flops)}")
         return self.peak_flops[key]
+
+
+def _dtype_key(dtype: str) -> str:
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16",
+            "half": "fp16"}.get(dtype, dtype)
 
 
 def _gpu(name: str, bf16: float, fp8: float, fp32: float, bw: float, mem: float,
@@ -59,11 +86,12 @@ def _gpu(name: str, bf16: float, fp8: float, fp32: float, bw: float, mem: float,
 
 
 # The CPU's priors before calibration: one core of this machine (AVX2 FMA, fp32), whose
-# factors `calibrate` fits; the figures mean "this machine, one thread", nothing more.
+# peak, bandwidth and GEMM profile `calibrate` measures and whose factors it fits; the
+# figures mean "this machine, one thread", nothing more. Nothing overlaps on one core.
 CPU_PRIOR = HardwareSpec("cpu", {"fp32": 80e9, "bf16": 10e9}, 20e9, 24 * GiB,
                          eff_gemm=0.5, eff_attn=0.2, eff_bw=0.5, overlap=0.0,
-                         step_overhead_s=1e-3,
-                         per_seq_overhead_s=10e-6, activation_reserve_bytes=1 * GiB)
+                         step_overhead_s=1e-3, per_seq_overhead_s=10e-6,
+                         activation_reserve_bytes=1 * GiB, attention="gather")
 
 HARDWARE: dict[str, HardwareSpec] = {h.name: h for h in (
     # H100 SXM5: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, 80 GB, NVLink 900 GB/s (450 one way)
@@ -79,13 +107,32 @@ HARDWARE: dict[str, HardwareSpec] = {h.name: h for h in (
 
 
 def load_cpu(path: Path = CALIBRATION) -> HardwareSpec:
-    """The CPU spec with the fitted factors when a calibration file exists."""
+    """The CPU spec with what a calibration file measured and fitted, when one exists."""
     if not path.is_file():
         return CPU_PRIOR
-    fit = json.loads(path.read_text())["fit"]
+    try:
+        return spec_from_calibration(json.loads(path.read_text()))
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{path}: not a calibration file ({e}); rerun "
+                        "python -m harness.roofline.calibrate") from e
+
+
+def spec_from_calibration(report: dict[str, Any]) -> HardwareSpec:
+    """``CPU_PRIOR`` with a calibration report's measured peak, bandwidth, GEMM profile
+    and fitted factors (the ``measured`` / ``profile`` / ``fit`` sections)."""
     fields = {f.name for f in dataclasses.fields(HardwareSpec)}
-    return dataclasses.replace(CPU_PRIOR, source="calibrated",
-                               **{k: v for k, v in fit.items() if k in fields})
+    m, prof = report.get("measured", {}), report.get("profile")
+    kw: dict[str, Any] = {k: v for k, v in report["fit"].items() if k in fields}
+    if "peak_flops_fp32" in m:
+        kw["peak_flops"] = {**CPU_PRIOR.peak_flops, "fp32": float(m["peak_flops_fp32"])}
+    if "mem_bw" in m:
+        kw["mem_bw"] = float(m["mem_bw"])
+    if prof:
+        kw["gemm_profile"] = tuple((float(r), float(a), float(b)) for r, a, b in
+                                   zip(prof["rows"], prof["layers_s_per_param"],
+                                       prof["lm_head_s_per_param"], strict=True))
+        kw["profile_dtype"] = str(prof["dtype"])
+    return dataclasses.replace(CPU_PRIOR, source="calibrated", **kw)
 
 
 def get_hardware(name: str) -> HardwareSpec:

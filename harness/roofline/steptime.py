@@ -31,6 +31,22 @@ bf16 weight GEMM does 2 T FLOPs per 2 bytes of weight, T FLOP/byte: memory-bound
 ~295 x eff_bw / eff_gemm tokens per step (~340 with the priors), compute-bound above.
 Decode attention does 2 H (2 d) FLOPs per 2 KV d x 2 bytes: H / KV FLOP/byte, the GQA
 group size (8 for Llama-3.1-70B), always memory-bound: its time is the KV bytes read.
+
+Two refinements a spec may switch on (the calibrated ``cpu`` spec uses both):
+
+- a **GEMM profile** (``HardwareSpec.gemm_profile``, measured): the GEMM and lm_head
+  terms become ``P_dense x tau_layers(T) / eff_profile`` and ``V h x tau_lm(S) /
+  eff_profile``, tau the measured seconds per weight parameter at that row count
+  (linear between measured counts, proportional to the rows past the last);
+- **gather attention** (``HardwareSpec.attention="gather"``, the torch reference path):
+  a decode batch is copied padded to its widest table (``gather_decode`` keys) and a
+  prefill chunk computes all n (s + n) pairs under its mask (``pairs_full``); each
+  gathered key moves its stored bytes twice (read, write the copy) and the attention
+  reads the copy in the compute dtype; a quantized cache's copy is also widened to the
+  compute dtype and scaled (its stored bytes once more, the compute-dtype bytes three
+  times more) before the attention reads it:
+
+      b_gather = 2 b_kv + b_c (+ b_kv + 3 b_c quantized),  b_c = b_kv at compute precision
 """
 
 from __future__ import annotations
@@ -42,6 +58,7 @@ import numpy as np
 
 from harness.roofline.hardware import HardwareSpec
 from harness.roofline.models import ArchSpec
+from harness.roofline.shape import StepShape
 
 
 @dataclass(slots=True)
@@ -59,6 +76,8 @@ class StepWork:
     dec_bytes: float
     ar_seconds: float  # the all-reduces' time (link-bound, no efficiency)
     seqs: float
+    tokens: float = 0.0  # the GEMMs' rows (a profile's lookup)
+    rows: float = 0.0  # the lm_head's rows
 
 
 @dataclass(slots=True)
@@ -96,9 +115,25 @@ class StepModel:
         self.kv_rank_bytes = kv_bytes_per_token / (1 if arch.kv_replicated else tp)
         self.attn_flops_per_pair = 2.0 * arch.num_heads * (arch.attn_qk_dim + arch.attn_v_dim) \
             * arch.num_layers / tp
+        # Bytes a gathered key moves on the torch path (module docstring), per rank.
+        full = arch.num_layers * arch.kv_elems_per_layer * self.act_bytes \
+            / (1 if arch.kv_replicated else tp)
+        quantized = self.kv_rank_bytes < full
+        self.gather_rank_bytes = 2 * self.kv_rank_bytes + full \
+            + ((self.kv_rank_bytes + 3 * full) if quantized else 0.0)
+
+    def work_of(self, sh: StepShape) -> StepWork:
+        """:meth:`work` of a step's shape."""
+        return self.work(sh.tokens, sh.rows, sh.seqs, sh.pairs, sh.ctx_prefill,
+                         sh.ctx_decode, sh.pairs_full, sh.gather_decode)
 
     def work(self, tokens: int, rows: int, seqs: int, pairs: float, ctx_prefill: float,
-             ctx_decode: float) -> StepWork:
+             ctx_decode: float, pairs_full: float = 0.0,
+             gather_decode: float = 0.0) -> StepWork:
+        """FLOPs and bytes of a step: ``tokens`` rows through the GEMMs, ``rows`` through
+        the lm_head, prefill ``pairs`` (fused) / ``pairs_full`` (gather) over
+        ``ctx_prefill`` keys, decodes over ``ctx_decode`` keys (fused) / ``gather_decode``
+        (gather); which of each pair counts is the hardware's ``attention``."""
         a, tp, wb = self.arch, self.tp, self.weight_bytes
         touched = a.expert_params * a.expert_share_touched(tokens) if a.num_experts else 0.0
         vh = a.vocab_size * a.hidden_size
@@ -107,15 +142,19 @@ class StepModel:
             nbytes = tokens * a.hidden_size * self.act_bytes
             ar = 2 * a.num_layers * (2 * (tp - 1) / tp * nbytes / self.hw.link_bw
                                      + self.hw.link_latency_s)
+        if self.hw.attention == "gather":
+            pairs, ctx_decode, kvb = pairs_full, gather_decode, self.gather_rank_bytes
+        else:
+            kvb = self.kv_rank_bytes
         return StepWork(
             gemm_flops=2.0 * a.active_params * tokens / tp,
             gemm_bytes=wb * (a.dense_params + touched) / tp,
             lm_flops=2.0 * vh * rows / tp, lm_bytes=(wb * vh / tp) if rows else 0.0,
             pre_flops=self.attn_flops_per_pair * pairs,
-            pre_bytes=self.kv_rank_bytes * ctx_prefill,
+            pre_bytes=kvb * ctx_prefill,
             dec_flops=self.attn_flops_per_pair * ctx_decode,
-            dec_bytes=self.kv_rank_bytes * ctx_decode,
-            ar_seconds=ar, seqs=seqs)
+            dec_bytes=kvb * ctx_decode,
+            ar_seconds=ar, seqs=seqs, tokens=tokens, rows=rows)
 
     def time(self, w: StepWork, hw: HardwareSpec | None = None) -> StepTime:
         """Seconds of ``w`` on ``hw`` (default: the model's own; calibration passes
@@ -130,10 +169,28 @@ class StepModel:
                 return max(c, m) + lap * min(c, m)
             return np.maximum(c, m) + lap * np.minimum(c, m)
 
+        if h.profiled(self.compute_dtype):
+            a, tp = self.arch, self.tp
+            prof = np.array(h.gemm_profile, dtype=np.float64)
+            gemm = a.active_params / tp * profile_tau(w.tokens, prof[:, 0], prof[:, 1])
+            lm = a.vocab_size * a.hidden_size / tp * profile_tau(w.rows, prof[:, 0], prof[:, 2])
+            gemm, lm = gemm / h.eff_profile, lm / h.eff_profile
+        else:
+            gemm = mx(w.gemm_flops / fg, w.gemm_bytes / bw)
+            lm = mx(w.lm_flops / fg, w.lm_bytes / bw)
         return StepTime(
-            gemm=mx(w.gemm_flops / fg, w.gemm_bytes / bw),
-            lm_head=mx(w.lm_flops / fg, w.lm_bytes / bw),
+            gemm=gemm, lm_head=lm,
             prefill_attn=mx(w.pre_flops / fa, w.pre_bytes / bw),
             decode_attn=mx(w.dec_flops / fa, w.dec_bytes / bw),
             allreduce=w.ar_seconds,
             overhead=h.step_overhead_s + h.per_seq_overhead_s * w.seqs)
+
+
+def profile_tau(m: Any, rows: np.ndarray, tau: np.ndarray) -> Any:
+    """Seconds per weight parameter at ``m`` rows (a float or an array) from a measured
+    profile: linear between measured row counts, from 0 at 0 rows to the first, and
+    proportional to the rows past the last (compute-bound there)."""
+    x = np.asarray(m, dtype=np.float64)
+    inside = np.interp(x, np.concatenate([[0.0], rows]), np.concatenate([[0.0], tau]))
+    out = np.where(x > rows[-1], tau[-1] * x / rows[-1], inside)
+    return float(out) if out.ndim == 0 else out

@@ -1,0 +1,147 @@
+"""The calibrated cpu spec's pieces against hand counts: the GEMM profile's interpolation,
+the gather path's reads, the step shapes they come from, and the fit recovering known
+factors from steps a known spec timed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from harness.errors import UserError
+from harness.roofline.calibrate import Measured, bounded_lsq, fit, predict
+from harness.roofline.hardware import (
+    CALIBRATION,
+    CPU_PRIOR,
+    HARDWARE,
+    load_cpu,
+    spec_from_calibration,
+)
+from harness.roofline.models import MODEL_SPECS
+from harness.roofline.shape import KVReads, StepShape, step_shape
+from harness.roofline.steptime import StepModel, profile_tau
+
+SMOL = MODEL_SPECS["smollm2-135m"]
+FP32_BYTES = 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 KV heads of 64, fp32
+PROFILE = {"dtype": "fp32", "rows": [1, 2, 4, 8],
+           "layers_s_per_param": [2e-10, 3e-10, 3.2e-10, 4e-10],
+           "lm_head_s_per_param": [2.5e-10, 5e-10, 4e-10, 5e-10]}
+
+
+def cpu(**fit: float) -> object:
+    return spec_from_calibration({"fit": fit, "profile": PROFILE,
+                                  "measured": {"peak_flops_fp32": 1e11, "mem_bw": 1.6e10}})
+
+
+def test_profile_tau_interpolates_and_extrapolates_like_a_brute_force_lookup() -> None:
+    rows = np.array(PROFILE["rows"], dtype=float)
+    tau = np.array(PROFILE["layers_s_per_param"])
+    for m in [1, 2, 3, 4, 5, 7, 8, 16, 100]:
+        if m in (1, 2, 4, 8):
+            want = tau[list(rows).index(m)]
+        elif m < 8:
+            lo = max(r for r in rows if r < m)
+            hi = min(r for r in rows if r > m)
+            i, j = list(rows).index(lo), list(rows).index(hi)
+            want = tau[i] + (tau[j] - tau[i]) * (m - lo) / (hi - lo)
+        else:  # past the table: compute-bound, time per parameter grows with the rows
+            want = tau[-1] * m / 8
+        assert profile_tau(m, rows, tau) == pytest.approx(want)
+    assert profile_tau(0, rows, tau) == 0.0  # no rows sampled: no lm_head
+    arr = profile_tau(np.array([1.0, 3.0, 16.0]), rows, tau)
+    assert list(arr) == pytest.approx([profile_tau(x, rows, tau) for x in (1, 3, 16)])
+
+
+def test_profiled_gemms_and_the_gather_path_against_hand_counts() -> None:
+    hw = cpu(eff_profile=0.5, eff_attn=0.25, eff_bw=0.5)
+    m = StepModel(SMOL, hw, FP32_BYTES, "fp32", 4.0)
+    w = m.work(tokens=3, rows=2, seqs=3, pairs=10.0, ctx_prefill=7, ctx_decode=50,
+               pairs_full=14.0, gather_decode=64)
+    t = m.time(w)
+    tau3 = (3e-10 + 3.2e-10) / 2
+    assert t.gemm == pytest.approx(SMOL.active_params * tau3 / 0.5)
+    assert t.lm_head == pytest.approx(SMOL.vocab_size * SMOL.hidden_size * 5e-10 / 0.5)
+    # Gather: the full pairs and the padded keys count; a key moves 2 x 4 B + 4 B per elem.
+    fpp = 2 * 9 * (64 + 64) * 30
+    assert w.pre_flops == fpp * 14 and w.dec_flops == fpp * 64
+    assert w.dec_bytes == 64 * 3 * FP32_BYTES and w.pre_bytes == 7 * 3 * FP32_BYTES
+    assert t.decode_attn == pytest.approx(fpp * 64 / (1e11 * 0.25)
+                                          + 64 * 3 * FP32_BYTES / (1.6e10 * 0.5))
+    # A quantized cache (1 B + a 4 B scale per head-token): stored 3x, compute dtype 4x.
+    q = 2 * 30 * 3 * (64 + 4)
+    mq = StepModel(SMOL, hw, q, "fp32", 4.0)
+    assert mq.work(1, 1, 1, 0, 0, 10, 0, 16).dec_bytes == 16 * (3 * q + 4 * FP32_BYTES)
+    # Another compute dtype than the profile's: the roofline, not the table.
+    bf = StepModel(SMOL, hw, FP32_BYTES // 2, "bf16", 2.0).time(w)
+    assert bf.gemm != pytest.approx(t.gemm)
+
+
+def test_fused_hardware_ignores_the_gather_counts() -> None:
+    m = StepModel(SMOL, HARDWARE["h100-sxm"], FP32_BYTES // 2)
+    w = m.work(1, 1, 1, 10.0, 7, 50, pairs_full=99.0, gather_decode=999)
+    assert w.dec_bytes == 50 * FP32_BYTES // 2 and w.pre_flops == m.attn_flops_per_pair * 10
+
+
+def sched(n: int, start: int, sample: bool = True) -> SimpleNamespace:
+    return SimpleNamespace(num_tokens=n, start=start, sample=sample, seq=None)
+
+
+def test_step_shape_counts_padded_decodes_and_full_prefill_pairs() -> None:
+    paged = SimpleNamespace(storage="paged", block_size=16)
+    rec = SimpleNamespace(num_tokens=1 + 1 + 5, seqs=[sched(1, 40), sched(1, 3),
+                                                      sched(5, 10)])
+    sh = step_shape(rec, KVReads(paged))  # type: ignore[arg-type]
+    # Decodes at 41 and 4 keys: both gathered to the widest table, 3 blocks of 16.
+    assert sh.ctx_decode == 45 and sh.gather_decode == 2 * 48
+    assert sh.pairs_full == 5 * 15 and sh.pairs == 5 * (10 + 3) and sh.ctx_prefill == 15
+    contiguous = SimpleNamespace(storage="contiguous", block_size=16)
+    assert step_shape(rec, KVReads(contiguous)).gather_decode == 2 * 41  # type: ignore[arg-type]
+    assert StepShape(1, 1, 0, 0, 1, 1, [sched(1, 0)]).rows == 1  # type: ignore[list-item]
+
+
+def test_bounded_lsq_recovers_coefficients_and_respects_bounds() -> None:
+    rng = np.random.default_rng(0)
+    a = rng.uniform(0.1, 1.0, (200, 3))
+    assert bounded_lsq(a, a @ np.array([2.0, 0.5, 3.0]), np.zeros(3)) == \
+        pytest.approx([2.0, 0.5, 3.0], rel=1e-9)
+    # A true coefficient under its bound comes back at the bound.
+    x = bounded_lsq(a, a @ np.array([2.0, 0.1, 3.0]), np.array([0.0, 0.4, 0.0]))
+    assert x[1] == pytest.approx(0.4) and x[0] > 0 and x[2] > 0
+
+
+def test_fit_recovers_the_factors_of_a_known_spec() -> None:
+    truth = cpu(eff_profile=0.8, eff_attn=0.3, eff_bw=0.4, step_overhead_s=2e-3,
+                per_seq_overhead_s=50e-6)
+    rng = np.random.default_rng(1)
+    shapes = []
+    for _ in range(60):  # decode batches and prefill chunks of assorted sizes
+        nd, pre = int(rng.integers(1, 17)), int(rng.integers(0, 300))
+        shapes.append(StepShape(nd + pre, nd + (pre > 0), pre * 100.0, 100.0 + pre,
+                                nd * 200.0, nd, [None] * (nd + (pre > 0)),  # type: ignore[list-item]
+                                pre * (100.0 + pre), nd * 256.0))
+    m = Measured("synthetic", [], shapes, np.zeros(len(shapes)), 100, FP32_BYTES)
+    m.step_s = predict(m, truth)  # type: ignore[arg-type]
+    got = fit([m], cpu())  # type: ignore[arg-type]
+    for k in ("eff_profile", "eff_attn", "eff_bw", "step_overhead_s", "per_seq_overhead_s"):
+        assert getattr(got, k) == pytest.approx(getattr(truth, k), rel=1e-6), k
+    assert got.source == "calibrated"
+
+
+def test_the_committed_calibration_loads_and_a_broken_one_says_what_to_do(
+        tmp_path: Path) -> None:
+    hw = load_cpu()
+    report = json.loads(CALIBRATION.read_text())
+    assert hw.source == "calibrated" and hw.attention == "gather" and hw.profiled("float32")
+    assert hw.eff_profile == report["fit"]["eff_profile"]
+    assert report["summary"]["held_out_step_mdape_pct"] > 0  # measured, not a placeholder
+    bad = tmp_path / "cal.json"
+    bad.write_text(json.dumps({"profile": PROFILE}))
+    with pytest.raises(UserError, match=r"rerun python -m harness\.roofline\.calibrate"):
+        load_cpu(bad)
+    assert load_cpu(tmp_path / "absent.json") == CPU_PRIOR
+    with pytest.raises(UserError, match="attention must be one of"):
+        dataclasses.replace(CPU_PRIOR, attention="sparse")
