@@ -18,6 +18,7 @@ from harness.roofline.hardware import (
     CALIBRATION,
     CPU_PRIOR,
     HARDWARE,
+    HardwareSpec,
     load_cpu,
     spec_from_calibration,
 )
@@ -32,7 +33,7 @@ PROFILE = {"dtype": "fp32", "rows": [1, 2, 4, 8],
            "lm_head_s_per_param": [2.5e-10, 5e-10, 4e-10, 5e-10]}
 
 
-def cpu(**fit: float) -> object:
+def cpu(**fit: float) -> HardwareSpec:
     return spec_from_calibration({"fit": fit, "profile": PROFILE,
                                   "measured": {"peak_flops_fp32": 1e11, "mem_bw": 1.6e10}})
 
@@ -75,6 +76,20 @@ def test_profiled_gemms_and_the_gather_path_against_hand_counts() -> None:
     q = 2 * 30 * 3 * (64 + 4)
     mq = StepModel(SMOL, hw, q, "fp32", 4.0)
     assert mq.work(1, 1, 1, 0, 0, 10, 0, 16).dec_bytes == 16 * (3 * q + 4 * FP32_BYTES)
+    # fp8's widening is software on a CPU: its measured seconds per element ride on top of
+    # the bytes, for every gathered key's 2 x 30 x 3 x 64 elements; only a 1-byte cache's.
+    hq = dataclasses.replace(hw, widen_s_per_elem={"fp8": 2e-9})
+    wq = StepModel(SMOL, hq, q, "fp32", 4.0, kv_dtype="fp8").work(1, 1, 1, 0, 8, 10, 0, 16)
+    assert wq.dec_bytes == 16 * (3 * q + 4 * FP32_BYTES)
+    assert wq.dec_widen_s == pytest.approx(16 * 11520 * 2e-9)
+    assert wq.pre_widen_s == pytest.approx(8 * 11520 * 2e-9)
+    tq = StepModel(SMOL, hq, q, "fp32", 4.0, kv_dtype="fp8").time(wq)
+    assert tq.decode_attn == pytest.approx(wq.dec_flops / (1e11 * 0.25)
+                                           + wq.dec_bytes / (1.6e10 * 0.5) + wq.dec_widen_s)
+    assert StepModel(SMOL, hq, q, "fp32", 4.0, kv_dtype="int8").work(  # not measured
+        1, 1, 1, 0, 0, 10, 0, 16).dec_widen_s == 0.0
+    assert StepModel(SMOL, hq, FP32_BYTES, "fp32", 4.0, kv_dtype="fp8").work(  # not 1-byte
+        1, 1, 1, 0, 0, 10, 0, 16).dec_widen_s == 0.0
     # Another compute dtype than the profile's: the roofline, not the table.
     bf = StepModel(SMOL, hw, FP32_BYTES // 2, "bf16", 2.0).time(w)
     assert bf.gemm != pytest.approx(t.gemm)
@@ -124,8 +139,8 @@ def test_fit_recovers_the_factors_of_a_known_spec() -> None:
                                 nd * 200.0, nd, [None] * (nd + (pre > 0)),  # type: ignore[list-item]
                                 pre * (100.0 + pre), nd * 256.0))
     m = Measured("synthetic", [], shapes, np.zeros(len(shapes)), 100, FP32_BYTES)
-    m.step_s = predict(m, truth)  # type: ignore[arg-type]
-    got = fit([m], cpu())  # type: ignore[arg-type]
+    m.step_s = predict(m, truth)
+    got = fit([m], cpu())
     for k in ("eff_profile", "eff_attn", "eff_bw", "step_overhead_s", "per_seq_overhead_s"):
         assert getattr(got, k) == pytest.approx(getattr(truth, k), rel=1e-6), k
     assert got.source == "calibrated"
@@ -145,3 +160,26 @@ def test_the_committed_calibration_loads_and_a_broken_one_says_what_to_do(
     assert load_cpu(tmp_path / "absent.json") == CPU_PRIOR
     with pytest.raises(UserError, match="attention must be one of"):
         dataclasses.replace(CPU_PRIOR, attention="sparse")
+
+
+def test_the_profile_times_the_models_own_gemms() -> None:
+    import torch
+
+    from harness.model.tiny import TINY_PRESETS, build_tiny
+    from harness.roofline.profile import kv_dtype_of, profile_gemms, weights_of
+
+    model, _ = build_tiny(next(iter(TINY_PRESETS)))
+    layers, head = weights_of(model)
+    c = model.config
+    per_layer = (c.q_size + 2 * c.kv_size) * c.hidden_size + c.q_size * c.hidden_size \
+        + 3 * c.intermediate_size * c.hidden_size  # qkv, o, gate_up, down
+    assert sum(w.numel() for w in layers) == c.num_layers * per_layer
+    assert head.shape == (c.vocab_size, c.hidden_size)
+    prof = profile_gemms(model, repeats=1, rows=(1, 2, 4))
+    assert prof.rows == [1, 2, 4] and prof.dtype == "fp32"
+    assert all(t > 0 for t in [*prof.layers_s_per_param, *prof.lm_head_s_per_param])
+    assert prof.peak_flops > 0 and prof.mem_bw > 0
+    assert set(prof.widen_s_per_elem) == {"int8", "fp8"}
+    assert kv_dtype_of(SimpleNamespace(cache_dtype=torch.float8_e4m3fn)) == "fp8"
+    assert kv_dtype_of(SimpleNamespace(cache_dtype=torch.float32)) == ""
+    assert kv_dtype_of(SimpleNamespace()) == ""

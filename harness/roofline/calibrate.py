@@ -6,8 +6,9 @@
    give the spec's GEMM profile, its fp32 peak and its weight-streaming bandwidth.
 2. **Measure**: short real runs (``executor=model``, SmolLM2-135M fp32, 1 thread, all
    requests at once, so the schedule does not depend on timing: repeats give the same
-   steps, and each step's time is the median over the repeats). A recorder around the
-   model executor keeps each step's shape (harness.roofline.shape).
+   steps, and each step's time is the median over the repeats, taken round-robin over
+   the configs). A recorder around the model executor keeps each step's shape
+   (harness.roofline.shape).
 3. **Fit** on the training runs, by bounded linear least squares on the relative error
    (the spec's step time is linear in its inverse efficiencies on a CPU, where nothing
    overlaps): ``eff_profile`` (the real GEMMs against the profiled ones: norms, RoPE and
@@ -41,7 +42,7 @@ from harness.engine.sampler import Sampler
 from harness.kv.base import StepScores
 from harness.roofline.hardware import CALIBRATION, HardwareSpec, spec_from_calibration
 from harness.roofline.models import MODEL_SPECS
-from harness.roofline.profile import GemmProfile, profile_gemms
+from harness.roofline.profile import GemmProfile, kv_dtype_of, profile_gemms
 from harness.roofline.shape import KVReads, StepShape, step_shape
 from harness.roofline.steptime import StepModel, StepWork
 from harness.sched.step import StepRecord
@@ -57,6 +58,8 @@ TRAIN: dict[str, list[str]] = {
                              "workload.input_min=128", "workload.num_requests=8"],
     "shared_prefix-paged": ["workload=shared_prefix", "workload.num_requests=12",
                             "workload.output_tokens=16"],
+    "random-paged-b16-chunk128": [*RANDOM, "scheduler.max_num_seqs=16",
+                                  "scheduler.max_num_batched_tokens=128", "workload.seed=9"],
 }
 HELD_OUT: dict[str, list[str]] = {
     "multiturn-paged": ["workload=multiturn", "workload.conversations=4", "workload.turns=2",
@@ -65,6 +68,11 @@ HELD_OUT: dict[str, list[str]] = {
                                     "scheduler.max_num_seqs=32", "workload.num_requests=24",
                                     "workload.seed=7"],
     "random-int8-b8": [*RANDOM, "backend=int8", "scheduler.max_num_seqs=8", "workload.seed=3"],
+    # Chunked prefill at 128 tokens a step: every prefill shares its steps with decodes.
+    "random-fp8-b16-chunk128": [*RANDOM, "backend=fp8", "scheduler.max_num_seqs=16",
+                                "scheduler.max_num_batched_tokens=128", "workload.seed=5"],
+    "random-sliding_window-b16": [*RANDOM, "backend=sliding_window", "backend.window=64",
+                                  "scheduler.max_num_seqs=16", "workload.seed=11"],
 }
 FIT_KEYS = ("eff_profile", "eff_attn", "eff_bw", "step_overhead_s", "per_seq_overhead_s")
 
@@ -100,6 +108,7 @@ class Measured:
     out_tokens: int
     bytes_per_slot: int
     walls: list[float] = field(default_factory=list)
+    kv_dtype: str = ""  # the stored K/V dtype's name (profile.kv_dtype_of)
 
     def work(self, model: StepModel) -> StepWork:
         """The steps' work as arrays, one entry per step."""
@@ -120,39 +129,56 @@ def compose(overrides: list[str]) -> Any:
         return hydra_compose(config_name="config", overrides=overrides)
 
 
-def measure(name: str, overrides: list[str], repeats: int, loaded: Any) -> Measured:
-    """``repeats`` real runs of one config; per-step medians (the steps must agree)."""
+Run = tuple[list[StepShape], list[float], int, float, int, str]
+
+
+def run_once(overrides: list[str], loaded: Any) -> Run:
+    """One real run of a config: its step shapes, step seconds, output tokens, wall
+    seconds, the backend's bytes per slot and stored dtype."""
     from harness.config import run_config
     from harness.stack import build_stack
     from harness.workloads import make_workload
 
-    cpu = torch.device("cpu")
-    runs: list[tuple[list[StepShape], list[float], int, float]] = []
+    rc = run_config(compose([*BASE, *overrides]))
+    if rc.workload.seed is None:
+        rc.workload.seed = rc.seed
+    torch.manual_seed(rc.seed)
+    wl = make_workload(rc.workload, loaded.tokenizer)
+    st = build_stack(loaded, torch.device("cpu"), rc.backend, rc.cache, rc.scheduler,
+                     Sampler(rc.seed), wl.initial_requests(), quiet=True)
+    rec = Recorder(st.engine.executor, KVReads(st.backend))
+    st.engine.executor = rec
+    wall = st.engine.run(wl)
+    out = sum(len(g.output_ids) for g in st.collector.groups.values())
+    return (rec.shapes, [r.step_ms / 1e3 for r in st.collector.steps], out, wall,
+            st.backend.bytes_per_slot(), kv_dtype_of(st.backend))
+
+
+def measure(configs: dict[str, list[str]], repeats: int, loaded: Any) -> list[Measured]:
+    """``repeats`` real runs of every config, taken round-robin (repeat 1 of each, then
+    repeat 2, ...: this shared machine's speed drifts by several % over minutes, and
+    interleaving puts the drift into every config's median alike instead of into the
+    gap between training and held-out runs); per-step medians (the steps must agree)."""
+    runs: dict[str, list[Run]] = {k: [] for k in configs}
     for _ in range(repeats):
-        rc = run_config(compose([*BASE, *overrides]))
-        if rc.workload.seed is None:
-            rc.workload.seed = rc.seed
-        torch.manual_seed(rc.seed)
-        wl = make_workload(rc.workload, loaded.tokenizer)
-        st = build_stack(loaded, cpu, rc.backend, rc.cache, rc.scheduler, Sampler(rc.seed),
-                         wl.initial_requests(), quiet=True)
-        rec = Recorder(st.engine.executor, KVReads(st.backend))
-        st.engine.executor = rec
-        wall = st.engine.run(wl)
-        out = sum(len(g.output_ids) for g in st.collector.groups.values())
-        runs.append((rec.shapes, [r.step_ms / 1e3 for r in st.collector.steps], out, wall))
-        bps = st.backend.bytes_per_slot()
-    n = {len(r[1]) for r in runs}
-    if len(n) != 1 or len({r[2] for r in runs}) != 1:
-        raise RuntimeError(f"{name}: repeats disagree on the schedule ({n} steps): the "
-                           "calibration runs must not depend on timing")
-    step_s = np.median(np.array([r[1] for r in runs]), axis=0)
-    return Measured(name, overrides, runs[0][0], step_s, runs[0][2], bps,
-                    [r[3] for r in runs])
+        for name, overrides in configs.items():
+            runs[name].append(run_once(overrides, loaded))
+    out = []
+    for name, rs in runs.items():
+        n = {len(r[1]) for r in rs}
+        if len(n) != 1 or len({r[2] for r in rs}) != 1:
+            raise RuntimeError(f"{name}: repeats disagree on the schedule ({n} steps): the "
+                               "calibration runs must not depend on timing")
+        step_s = np.median(np.array([r[1] for r in rs]), axis=0)
+        shapes, _, tokens, _, bps, kv_dtype = rs[0]
+        out.append(Measured(name, configs[name], shapes, step_s, tokens, bps,
+                            [r[3] for r in rs], kv_dtype))
+    return out
 
 
 def step_model(m: Measured, hw: HardwareSpec) -> StepModel:
-    return StepModel(MODEL_SPECS["smollm2-135m"], hw, m.bytes_per_slot, "fp32", 4.0)
+    return StepModel(MODEL_SPECS["smollm2-135m"], hw, m.bytes_per_slot, "fp32", 4.0,
+                     kv_dtype=m.kv_dtype)
 
 
 def predict(m: Measured, hw: HardwareSpec) -> np.ndarray:
@@ -160,16 +186,18 @@ def predict(m: Measured, hw: HardwareSpec) -> np.ndarray:
     return np.asarray(model.time(m.work(model), hw).total, dtype=np.float64)
 
 
-def terms(m: Measured, hw: HardwareSpec) -> np.ndarray:
+def terms(m: Measured, hw: HardwareSpec) -> tuple[np.ndarray, np.ndarray]:
     """(steps, 5): the columns the step time is linear in — profiled GEMM seconds,
-    attention FLOPs, attention bytes, 1, running sequences — on ``hw``'s profile."""
+    attention FLOPs, attention bytes, 1, running sequences — on ``hw``'s profile; and
+    (steps,) the seconds no factor scales (measured widening, all-reduces)."""
     unit = dataclasses.replace(hw, eff_profile=1.0)
     model = step_model(m, unit)
     w = m.work(model)
     t = model.time(w, unit)
     gemm = np.asarray(t.gemm + t.lm_head, dtype=np.float64)
-    return np.stack([gemm, w.pre_flops + w.dec_flops, w.pre_bytes + w.dec_bytes,
+    cols = np.stack([gemm, w.pre_flops + w.dec_flops, w.pre_bytes + w.dec_bytes,
                      np.ones_like(gemm), np.asarray(w.seqs, dtype=np.float64)], axis=1)
+    return cols, np.asarray(w.pre_widen_s + w.dec_widen_s + w.ar_seconds, dtype=np.float64)
 
 
 def bounded_lsq(a: np.ndarray, b: np.ndarray, lower: np.ndarray) -> np.ndarray:
@@ -192,8 +220,9 @@ def bounded_lsq(a: np.ndarray, b: np.ndarray, lower: np.ndarray) -> np.ndarray:
 def fit(train: list[Measured], hw: HardwareSpec) -> HardwareSpec:
     """The factors minimizing the training steps' squared relative error, with the
     attention's efficiencies at most 1 and the overheads at least 0."""
-    a = np.concatenate([terms(m, hw) / m.step_s[:, None] for m in train])
-    b = np.ones(a.shape[0])
+    parts = [terms(m, hw) for m in train]
+    a = np.concatenate([c / m.step_s[:, None] for (c, _), m in zip(parts, train)])
+    b = np.concatenate([1 - f / m.step_s for (_, f), m in zip(parts, train)])
     peak, bw = hw.flops("fp32"), hw.mem_bw
     x = bounded_lsq(a, b, np.array([1e-3, 1 / peak, 1 / bw, 0.0, 0.0]))
     return dataclasses.replace(hw, eff_profile=float(1 / x[0]),
@@ -234,7 +263,8 @@ def profiled_prior(prof: GemmProfile) -> HardwareSpec:
     """The prior cpu spec with the profile's peak, bandwidth and table (factors still priors)."""
     return spec_from_calibration({
         "fit": {}, "profile": prof.as_json(),
-        "measured": {"peak_flops_fp32": prof.peak_flops, "mem_bw": prof.mem_bw}})
+        "measured": {"peak_flops_fp32": prof.peak_flops, "mem_bw": prof.mem_bw,
+                     "widen_s_per_elem": prof.widen_s_per_elem}})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -248,12 +278,13 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     loaded = load_model("smollm2", dtype=torch.float32, device="cpu")
     prof = profile_gemms(loaded.model, args.repeats)
-    train = [measure(k, v, args.repeats, loaded) for k, v in TRAIN.items()]
-    held = [measure(k, v, args.repeats, loaded) for k, v in HELD_OUT.items()]
+    both = measure({**TRAIN, **HELD_OUT}, args.repeats, loaded)
+    train, held = both[:len(TRAIN)], both[len(TRAIN):]
     hw = fit(train, profiled_prior(prof))
     report: dict[str, Any] = {
         "fit": {k: getattr(hw, k) for k in FIT_KEYS},
-        "measured": {"peak_flops_fp32": prof.peak_flops, "mem_bw": prof.mem_bw},
+        "measured": {"peak_flops_fp32": prof.peak_flops, "mem_bw": prof.mem_bw,
+                     "widen_s_per_elem": prof.widen_s_per_elem},
         "profile": prof.as_json(),
         "model": "SmolLM2-135M-Instruct fp32, 1 thread", "repeats": args.repeats,
         "machine": f"{platform.processor() or platform.machine()}, "

@@ -53,6 +53,9 @@ class HardwareSpec:
     gemm_profile: tuple[tuple[float, float, float], ...] = ()
     profile_dtype: str = ""
     eff_profile: float = 1.0  # share of the profiled GEMM speed a real step's GEMMs reach
+    # Measured seconds per element to widen a stored 1-byte dtype ("int8", "fp8") to the
+    # compute dtype on the gather path: its compute, beyond the bytes it moves.
+    widen_s_per_elem: dict[str, float] = field(default_factory=dict)
     source: str = "prior"  # prior | measured | calibrated (the record says which)
     extra: dict[str, float] = field(default_factory=dict)
 
@@ -127,6 +130,8 @@ def spec_from_calibration(report: dict[str, Any]) -> HardwareSpec:
         kw["peak_flops"] = {**CPU_PRIOR.peak_flops, "fp32": float(m["peak_flops_fp32"])}
     if "mem_bw" in m:
         kw["mem_bw"] = float(m["mem_bw"])
+    if "widen_s_per_elem" in m:
+        kw["widen_s_per_elem"] = {str(k): float(v) for k, v in m["widen_s_per_elem"].items()}
     if prof:
         kw["gemm_profile"] = tuple((float(r), float(a), float(b)) for r, a, b in
                                    zip(prof["rows"], prof["layers_s_per_param"],

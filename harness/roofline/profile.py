@@ -1,6 +1,8 @@
 """A GEMM profile of a loaded model on this machine: seconds per weight parameter at each
 row count, for the decoder layers' weights and for the lm_head (Vidur's profiling tables,
-for the one op class a CPU roofline gets wrong).
+for the op class a CPU roofline gets wrong); and what widening a 1-byte cache to float32
+costs per element, which on a CPU without fp8 units is software for fp8 (~2.6 ns an
+element here, 50x int8's), a compute cost no bandwidth figure shows.
 
 The model's own weight tensors are multiplied (so the profile streams the real bytes from
 memory, not one cached matrix), each row count ``repeats`` times, the median kept. What it
@@ -30,11 +32,41 @@ class GemmProfile:
     lm_head_s_per_param: list[float]
     peak_flops: float  # best FLOP/s over the row counts (layers' weights)
     mem_bw: float  # weight bytes / seconds at one row (layers' weights)
+    widen_s_per_elem: dict[str, float]  # profile_widen()
 
     def as_json(self) -> dict[str, object]:
         return {"dtype": self.dtype, "rows": self.rows,
                 "layers_s_per_param": self.layers_s_per_param,
                 "lm_head_s_per_param": self.lm_head_s_per_param}
+
+
+def kv_dtype_of(backend: object) -> str:
+    """The widening profile's name for a backend's stored K/V dtype: "int8", "fp8", or ""
+    (the compute dtype, or a format of the backend's own)."""
+    dt = getattr(backend, "cache_dtype", None)
+    return {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}.get(dt, "") \
+        if isinstance(dt, torch.dtype) else ""
+
+
+def profile_widen(repeats: int = 5, layers: int = 30,
+                  elems: int = 6400 * 192) -> dict[str, float]:
+    """Seconds per element of ``stored.float()`` for int8 and fp8, on ``layers`` distinct
+    tensors of ``elems`` each (a decode batch's K of one layer; each repeat converts every
+    layer's once, so they come from memory) holding values as the quantizer writes them
+    (widening zeros takes a fast path)."""
+    from harness.kernels.reference import quantize_ref
+
+    out = {}
+    for name, dt in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
+        xs = [quantize_ref(torch.randn(elems // 64, 64), dt)[0] for _ in range(layers)]
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for x in xs:
+                x.float()
+            times.append(time.perf_counter() - t)
+        out[name] = statistics.median(times) / (layers * elems)
+    return out
 
 
 def weights_of(model: torch.nn.Module) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -74,4 +106,5 @@ def profile_gemms(model: torch.nn.Module, repeats: int = 3,
     peak = max(2.0 * m / t for m, t in zip(rows, lay))
     dtype = {torch.float32: "fp32", torch.bfloat16: "bf16",
              torch.float16: "fp16"}.get(head.dtype, str(head.dtype))
-    return GemmProfile(dtype, list(rows), lay, lm, peak, head.element_size() / lay[0])
+    return GemmProfile(dtype, list(rows), lay, lm, peak, head.element_size() / lay[0],
+                       profile_widen(repeats))

@@ -28,6 +28,7 @@ from harness.results import write_results
 from harness.roofline.config import COMPUTE, WEIGHT_BYTES, auto_kv_budget
 from harness.roofline.hardware import get_hardware
 from harness.roofline.models import get_model_spec
+from harness.roofline.profile import kv_dtype_of
 from harness.roofline.steptime import StepModel
 from harness.stack import Stack, assemble_stack, make_backend
 from harness.workloads import make_workload
@@ -51,7 +52,7 @@ def build_roofline(rc: RunConfig, workload: Workload,
     budget = auto_kv_budget(arch, hw, r) if rc.cache.kv_budget == "auto" else \
         rc.cache.kv_budget
     step = StepModel(arch, hw, backend.bytes_per_slot(), COMPUTE[r.dtype],
-                     WEIGHT_BYTES[r.weight_dtype], r.tp)
+                     WEIGHT_BYTES[r.weight_dtype], r.tp, kv_dtype_of(backend))
     ex = RooflineExecutor(step, backend)
     eos = tuple(ByteTokenizer().eos_ids)
     st = assemble_stack(backend, device, rc.cache, rc.scheduler, Sampler(rc.seed),

@@ -44,9 +44,11 @@ Two refinements a spec may switch on (the calibrated ``cpu`` spec uses both):
   gathered key moves its stored bytes twice (read, write the copy) and the attention
   reads the copy in the compute dtype; a quantized cache's copy is also widened to the
   compute dtype and scaled (its stored bytes once more, the compute-dtype bytes three
-  times more) before the attention reads it:
+  times more) before the attention reads it; and the widening's compute, where the spec
+  has measured it (``widen_s_per_elem``: fp8 is software on a CPU), per element:
 
       b_gather = 2 b_kv + b_c (+ b_kv + 3 b_c quantized),  b_c = b_kv at compute precision
+      widen    = keys x L x 2 KV d x s_widen(stored dtype)
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ class StepWork:
     seqs: float
     tokens: float = 0.0  # the GEMMs' rows (a profile's lookup)
     rows: float = 0.0  # the lm_head's rows
+    pre_widen_s: float = 0.0  # measured widening of a 1-byte cache (gather path)
+    dec_widen_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -104,7 +108,8 @@ class StepModel:
     """Turns a step's shape into :class:`StepWork` and then seconds on ``hw``."""
 
     def __init__(self, arch: ArchSpec, hw: HardwareSpec, kv_bytes_per_token: int,
-                 compute_dtype: str = "bf16", weight_bytes: float = 2.0, tp: int = 1) -> None:
+                 compute_dtype: str = "bf16", weight_bytes: float = 2.0, tp: int = 1,
+                 kv_dtype: str = "") -> None:
         self.arch, self.hw, self.tp = arch, hw, tp
         self.compute_dtype = compute_dtype
         self.peak = hw.flops(compute_dtype)
@@ -121,6 +126,10 @@ class StepModel:
         quantized = self.kv_rank_bytes < full
         self.gather_rank_bytes = 2 * self.kv_rank_bytes + full \
             + ((self.kv_rank_bytes + 3 * full) if quantized else 0.0)
+        # kv_dtype: the stored dtype's name (profile.kv_dtype_of), for its widening cost.
+        elems = arch.num_layers * arch.kv_elems_per_layer / (1 if arch.kv_replicated else tp)
+        self.widen_s_per_key = elems * hw.widen_s_per_elem.get(kv_dtype, 0.0) \
+            if quantized else 0.0
 
     def work_of(self, sh: StepShape) -> StepWork:
         """:meth:`work` of a step's shape."""
@@ -142,8 +151,10 @@ class StepModel:
             nbytes = tokens * a.hidden_size * self.act_bytes
             ar = 2 * a.num_layers * (2 * (tp - 1) / tp * nbytes / self.hw.link_bw
                                      + self.hw.link_latency_s)
+        widen = 0.0
         if self.hw.attention == "gather":
             pairs, ctx_decode, kvb = pairs_full, gather_decode, self.gather_rank_bytes
+            widen = self.widen_s_per_key
         else:
             kvb = self.kv_rank_bytes
         return StepWork(
@@ -154,7 +165,8 @@ class StepModel:
             pre_bytes=kvb * ctx_prefill,
             dec_flops=self.attn_flops_per_pair * ctx_decode,
             dec_bytes=kvb * ctx_decode,
-            ar_seconds=ar, seqs=seqs, tokens=tokens, rows=rows)
+            ar_seconds=ar, seqs=seqs, tokens=tokens, rows=rows,
+            pre_widen_s=widen * ctx_prefill, dec_widen_s=widen * ctx_decode)
 
     def time(self, w: StepWork, hw: HardwareSpec | None = None) -> StepTime:
         """Seconds of ``w`` on ``hw`` (default: the model's own; calibration passes
@@ -180,8 +192,8 @@ class StepModel:
             lm = mx(w.lm_flops / fg, w.lm_bytes / bw)
         return StepTime(
             gemm=gemm, lm_head=lm,
-            prefill_attn=mx(w.pre_flops / fa, w.pre_bytes / bw),
-            decode_attn=mx(w.dec_flops / fa, w.dec_bytes / bw),
+            prefill_attn=mx(w.pre_flops / fa, w.pre_bytes / bw) + w.pre_widen_s,
+            decode_attn=mx(w.dec_flops / fa, w.dec_bytes / bw) + w.dec_widen_s,
             allreduce=w.ar_seconds,
             overhead=h.step_overhead_s + h.per_seq_overhead_s * w.seqs)
 
