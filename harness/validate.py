@@ -3,9 +3,17 @@ reported with the key, the value and the valid range (never silently accepted)."
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from harness.errors import UserError
+
+
+def one_of(obj: Any, prefix: str, name: str, choices: Iterable[str]) -> None:
+    """``obj.<name>`` is one of ``choices``."""
+    v, known = getattr(obj, name), list(choices)
+    if v not in known:
+        raise UserError(f"unknown {prefix}.{name} {v!r}; known: {', '.join(known)}")
 
 
 def at_least(obj: Any, prefix: str, minimum: float, *names: str) -> None:

@@ -9,6 +9,7 @@ from harness.errors import UserError
 from harness.roofline.hardware import HardwareSpec
 from harness.roofline.models import ArchSpec
 from harness.units import format_bytes, parse_bytes
+from harness.validate import at_least, in_range, one_of
 
 WEIGHT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "fp8": 1.0, "int8": 1.0,
                 "int4": 0.5}
@@ -26,17 +27,10 @@ class RooflineConfig:
     activation_reserve: str = "auto"  # per device, kept for activations (auto: the spec's)
 
     def __post_init__(self) -> None:
-        if self.tp < 1:
-            raise UserError(f"roofline.tp must be >= 1, got {self.tp}")
-        if self.dtype not in COMPUTE:
-            raise UserError(f"roofline.dtype must be one of {', '.join(COMPUTE)}, got "
-                            f"{self.dtype!r}")
-        if self.weight_dtype not in WEIGHT_BYTES:
-            raise UserError(f"roofline.weight_dtype must be one of {', '.join(WEIGHT_BYTES)}, "
-                            f"got {self.weight_dtype!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise UserError("roofline.gpu_memory_utilization must be in (0, 1], got "
-                            f"{self.gpu_memory_utilization}")
+        at_least(self, "roofline", 1, "tp")
+        one_of(self, "roofline", "dtype", COMPUTE)
+        one_of(self, "roofline", "weight_dtype", WEIGHT_BYTES)
+        in_range(self, "roofline", "gpu_memory_utilization", 0.0, 1.0, lo_open=True)
 
     def reserve_bytes(self, hw: HardwareSpec) -> int:
         if self.activation_reserve == "auto":

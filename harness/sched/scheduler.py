@@ -23,10 +23,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from harness.errors import UserError
 from harness.kv.base import Demand, KVManager, StepScores, SwapManager
 from harness.sched.sequence import SeqStatus, Sequence, SequenceGroup
 from harness.sched.step import CHECKS, ScheduledSeq, StepRecord, check_distinct_slots
+from harness.validate import at_least, one_of
 
 PREEMPTION_MODES = ("recompute", "swap")
 POLICIES = ("fcfs", "priority")
@@ -44,16 +44,10 @@ class SchedulerConfig:
     max_model_len: int = 2048
 
     def __post_init__(self) -> None:
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise UserError(f"unknown scheduler.preemption_mode {self.preemption_mode!r}; "
-                            f"known: {', '.join(PREEMPTION_MODES)}")
-        if self.policy not in POLICIES:
-            raise UserError(f"unknown scheduler.policy {self.policy!r}; known: "
-                            f"{', '.join(POLICIES)}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise UserError("scheduler.max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.max_model_len < 2:
-            raise UserError(f"scheduler.max_model_len must be >= 2, got {self.max_model_len}")
+        one_of(self, "scheduler", "preemption_mode", PREEMPTION_MODES)
+        one_of(self, "scheduler", "policy", POLICIES)
+        at_least(self, "scheduler", 1, "max_num_seqs", "max_num_batched_tokens")
+        at_least(self, "scheduler", 2, "max_model_len")
 
 
 class Scheduler:
