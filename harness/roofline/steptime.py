@@ -5,8 +5,8 @@ linear parameters (MoE: shared path + k/E of the routed experts), b_w the weight
 parameter, b_kv the backend's bytes per cached token (all layers: a 1-byte cache halves
 them), L layers, H query heads, d_qk / d_v the attention product's per-head dims, tp the
 tensor-parallel degree, and each term a roofline, max(FLOPs / (peak x eff), bytes /
-(bandwidth x eff)), on a GPU (``overlap=1``; a CPU core overlaps less, and its terms are
-max + (1 - overlap) x min, overlap fitted):
+(bandwidth x eff)), on a GPU (``overlap=1``; where compute and memory traffic overlap
+less the terms are max + (1 - overlap) x min: one CPU core, ``overlap=0``, adds them):
 
     gemm     = max(2 P T / tp / (peak eff_gemm),  b_w (P_dense + E_touched(T)) / tp / (bw eff_bw))
     lm_head  = max(2 V h S / tp / (peak eff_gemm), b_w V h / tp / (bw eff_bw))
