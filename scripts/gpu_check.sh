@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The GPU check, in one call (< 6 min on one H200, no network):
+# The GPU check, in one call (< 7.5 min on one H200, no network):
 #   scripts/gpu_check.sh [OUT_DIR] [--dry-run] [--no-install] [--only a,b] [--skip a,b]
 #                        [--total-s S] [--budget NAME=S]
 # Writes everything to OUT_DIR (default: $OUT, else ./gpu_check): summary.md (the tables),
 # status.json (each section: ok / failed / timeout / skipped), <section>.json and .log,
 # install.log. Sections, each in its own process with its own budget (one failing or hanging
 # does not stop the rest): env, kernel-correctness, kernel-bandwidth, engine-<shape> (x2),
-# gpu-tests, benchmarks, flash-attn. See harness/gpucheck and results/gpu/README.md.
+# roofline-h200, gpu-tests, benchmarks, flash-attn. See harness/gpucheck and results/gpu/README.md.
 #
 # Python: $PYTHON if set; else .venv/bin/python when it has the deps (CI runners); else a
 # venv at $KVBENCH_GPU_VENV (/tmp/kvbench-gpu-venv, --system-site-packages: the machine's
@@ -89,8 +89,8 @@ if [[ $dry == 1 ]]; then
   exec timeout 300 "$py" -m harness.gpucheck --out "$out" ${args[@]+"${args[@]}"}
 fi
 export TRITON_INTERPRET=0
-# 6 minutes in all: the driver gets what the install left (an explicit --total-s, later on
-# the line, wins); the timeout is the backstop.
-left=$((348 - SECONDS))
+# 7.5 minutes in all: the driver gets what the install left (an explicit --total-s, later
+# on the line, wins); the timeout is the backstop.
+left=$((448 - SECONDS))
 exec timeout $((left + 10)) "$py" -m harness.gpucheck --out "$out" --total-s "$left" \
   ${args[@]+"${args[@]}"}

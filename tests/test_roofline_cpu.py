@@ -183,3 +183,70 @@ def test_the_profile_times_the_models_own_gemms() -> None:
     assert kv_dtype_of(SimpleNamespace(cache_dtype=torch.float8_e4m3fn)) == "fp8"
     assert kv_dtype_of(SimpleNamespace(cache_dtype=torch.float32)) == ""
     assert kv_dtype_of(SimpleNamespace()) == ""
+
+
+def test_fit_recovers_a_gpu_spec_where_each_attention_term_is_a_max() -> None:
+    # A fused GPU spec (overlap 1: max(compute, memory)) with a GEMM profile: prefill
+    # attention compute-bound, decode memory-bound; the fit must find which side binds.
+    llama = MODEL_SPECS["llama-3.1-8b"]
+    prof = {**PROFILE, "dtype": "bf16", "layers_s_per_param": [1e-13, 1.1e-13, 1.2e-13, 2e-13],
+            "lm_head_s_per_param": [1e-13, 1.2e-13, 1.3e-13, 2.1e-13]}
+    prior = spec_from_calibration({"fit": {}, "profile": prof}, HARDWARE["h200"])
+    truth = dataclasses.replace(prior, eff_profile=0.9, eff_attn=0.6, eff_bw=0.85,
+                                step_overhead_s=3e-3, per_seq_overhead_s=20e-6)
+    rng = np.random.default_rng(2)
+    shapes = []
+    for i in range(80):
+        nd = int(rng.integers(1, 64))
+        pre = int(rng.integers(256, 2048)) if i % 3 == 0 else 0
+        ctx = float(rng.integers(200, 4000))
+        pairs = pre * (ctx + pre / 2)
+        shapes.append(StepShape(nd + pre, nd + (pre > 0), pairs, ctx + pre, nd * ctx, nd,
+                                [None] * (nd + (pre > 0)), pairs, nd * ctx))  # type: ignore[list-item]
+    kv = llama.num_layers * llama.kv_elems_per_layer * 2
+    m = Measured("synthetic", [], shapes, np.zeros(len(shapes)), 100, kv, arch=llama,
+                 compute="bf16", weight_bytes=2.0)
+    m.step_s = predict(m, truth)
+    w = m.work(StepModel(llama, truth, kv, "bf16", 2.0))
+    fa, bw = 989e12 * 0.6, 4.8e12 * 0.85
+    assert (w.pre_flops / fa > w.pre_bytes / bw)[w.pre_flops > 0].all()  # compute-bound
+    assert (w.dec_bytes / bw > w.dec_flops / fa).all()  # memory-bound
+    got = fit([m], prior)
+    for k in ("eff_profile", "eff_attn", "eff_bw", "step_overhead_s", "per_seq_overhead_s"):
+        assert getattr(got, k) == pytest.approx(getattr(truth, k), rel=1e-6), k
+
+
+def test_the_gpu_calibration_runs_end_to_end_on_the_cpu_as_the_dry_target(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import harness.roofline.hardware as hardware
+    from harness.roofline.calibrate import calibrate
+    from harness.roofline.hardware import calibration_path, get_hardware
+    from harness.roofline.targets import TARGETS
+
+    # The spec's own file (so the held-out replay under executor=roofline reads it), here.
+    monkeypatch.setattr(hardware, "CALIBRATION", tmp_path / "cpu_calibration.json")
+    out = calibration_path("h200")
+    assert out == tmp_path / "h200_calibration.json"
+    report = calibrate(TARGETS["dry"], 1, out)
+    assert report["target"] == "h200" and set(report["fit"]) == {
+        "eff_profile", "eff_attn", "eff_bw", "step_overhead_s", "per_seq_overhead_s"}
+    (held,) = report["held_out"].values()
+    assert held["steps"] > 0 and held["roofline_run_steps"] == held["steps"]
+    assert held["roofline_run_throughput"] == pytest.approx(held["throughput_pred"])
+    spec = get_hardware("h200")  # now read from the file just written
+    assert spec.source == "calibrated" and spec.attention == "fused" and spec.overlap == 1.0
+    assert spec.profiled("float32") and spec.eff_profile == report["fit"]["eff_profile"]
+    assert spec.peak_flops["bf16"] == HARDWARE["h200"].peak_flops["bf16"]  # not measured
+
+
+def test_every_calibration_run_of_every_target_composes_and_validates() -> None:
+    from harness.config import run_config
+    from harness.roofline.calibrate import compose
+    from harness.roofline.targets import TARGETS
+
+    for t in TARGETS.values():
+        assert t.train and t.held_out and not set(t.train) & set(t.held_out)
+        for overrides in [*t.train.values(), *t.held_out.values()]:
+            rc = run_config(compose([*t.base, *overrides]))
+            assert rc.quality.enabled is False, overrides
+            assert getattr(rc.workload, "rate", 0.0) == 0.0, overrides  # all at once

@@ -83,8 +83,8 @@ SectionFn = Callable[[SectionContext], dict[str, Any]]
 def section_names(profile: Profile) -> list[str]:
     """The sections in the order they run."""
     engines = [f"engine-{s.name}" for s in profile.shapes]
-    return ["env", "kernel-correctness", "kernel-bandwidth", *engines, "gpu-tests",
-            "benchmarks", "flash-attn"]
+    return ["env", "kernel-correctness", "kernel-bandwidth", *engines, "roofline-h200",
+            "gpu-tests", "benchmarks", "flash-attn"]
 
 
 def get_section(name: str, profile: Profile) -> SectionFn:
@@ -101,6 +101,9 @@ def get_section(name: str, profile: Profile) -> SectionFn:
     if name in ("gpu-tests", "benchmarks"):
         from harness.gpucheck.pytest_checks import benchmarks_section, gpu_tests_section
         return gpu_tests_section if name == "gpu-tests" else benchmarks_section
+    if name == "roofline-h200":
+        from harness.gpucheck.roofline_check import roofline_section
+        return roofline_section
     if name == "flash-attn":
         from harness.gpucheck.fa4_check import flash_attn_section
         return flash_attn_section

@@ -121,6 +121,21 @@ def benchmarks_lines(d: dict[str, Any]) -> list[str]:
             *_table(["group", "benchmark", "median (us)", "rounds"], table)]
 
 
+def roofline_lines(d: dict[str, Any]) -> list[str]:
+    fit, summ = d.get("fit", {}), d.get("summary", {})
+    lines = ["Fitted: " + ", ".join(f"{k}={_f(v, '{:.4g}')}" for k, v in fit.items()) + ". "
+             f"Held-out: step error {_f(summ.get('held_out_step_mdape_pct'), '{:.1f}')}% "
+             f"(median), throughput {_f(summ.get('held_out_throughput_mdape_pct'), '{:.1f}')}"
+             f"% (median), {_f(summ.get('held_out_throughput_max_ape_pct'), '{:.1f}')}% "
+             f"(worst). Written to {d.get('written_to')}."]
+    rows = [[name, str(e.get("steps")), _f(e.get("step_mdape_pct"), "{:.1f}"),
+             _f(e.get("throughput_ape_pct"), "{:.1f}"),
+             _f(e.get("roofline_run_throughput_ape_pct"), "{:.1f}")]
+            for name, e in d.get("held_out", {}).items()]
+    return [*lines, "", *_table(["held-out run", "steps", "step error %", "throughput error %",
+                                 "roofline replay error %"], rows)]
+
+
 def flash_attn_lines(d: dict[str, Any]) -> list[str]:
     lines = [str(d.get("note", ""))]
     for key in ("kernels", "engine", "timings"):
@@ -133,6 +148,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]]]] = {
     "env": ("Environment", env_lines),
     "kernel-correctness": ("Triton kernels vs torch references", correctness_lines),
     "kernel-bandwidth": ("Decode attention: time and bandwidth", bandwidth_lines),
+    "roofline-h200": ("Roofline executor: h200 spec fitted", roofline_lines),
     "gpu-tests": ("gpu tests", gpu_tests_lines),
     "benchmarks": ("Benchmarks", benchmarks_lines),
     "flash-attn": ("flash-attn (4, CuTe DSL)", flash_attn_lines),

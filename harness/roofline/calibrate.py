@@ -1,24 +1,29 @@
-"""Calibrate the ``cpu`` hardware spec from this machine, then predict held-out runs.
+"""Calibrate a hardware spec from real runs on it, then predict held-out runs.
 
-    python -m harness.roofline.calibrate [--repeats 3] [--out harness/roofline/cpu_calibration.json]
+    python -m harness.roofline.calibrate [--target cpu|h200|dry] [--repeats 3] [--out F]
 
-1. **Profile** (harness.roofline.profile): the default model's own GEMMs at each row count
-   give the spec's GEMM profile, its fp32 peak and its weight-streaming bandwidth.
-2. **Measure**: short real runs (``executor=model``, SmolLM2-135M fp32, 1 thread, all
-   requests at once, so the schedule does not depend on timing: repeats give the same
-   steps, and each step's time is the median over the repeats, taken round-robin over
-   the configs). A recorder around the model executor keeps each step's shape
-   (harness.roofline.shape).
+The targets (harness.roofline.targets): ``cpu`` (this machine, SmolLM2-135M fp32, one
+thread; the default), ``h200`` (the GPU check runs it: Llama-3.1-8B's shape, bf16, the
+Triton kernels) and ``dry`` (the h200 code path on the CPU at tiny sizes). The report goes
+to the spec's calibration file (``hardware.calibration_path``), which
+``roofline.hardware=<spec>`` reads.
+
+1. **Profile** (harness.roofline.profile): the model's own GEMMs at each row count give
+   the spec's GEMM profile, its peak and its weight-streaming bandwidth; and the widening
+   of 1-byte caches.
+2. **Measure**: short real runs (``executor=model``, all requests at once, so the schedule
+   does not depend on timing: repeats give the same steps, and each step's time is the
+   median over the repeats, taken round-robin over the configs). A recorder around the
+   model executor keeps each step's shape (harness.roofline.shape).
 3. **Fit** on the training runs, by bounded linear least squares on the relative error
-   (the spec's step time is linear in its inverse efficiencies on a CPU, where nothing
-   overlaps): ``eff_profile`` (the real GEMMs against the profiled ones: norms, RoPE and
-   activations ride along), ``eff_attn`` and ``eff_bw`` (<= 1: the torch attention path
-   against the peak and the bandwidth), ``step_overhead_s`` and ``per_seq_overhead_s``.
-4. **Validate** on held-out runs (another workload, other batch mixes, two other
-   backends): the median absolute error of step time over their steps, and of each
-   run's throughput (its output tokens over the sum of predicted step times). The random
-   held-out runs are also replayed end to end under ``executor=roofline`` on the written
-   spec.
+   (the step time is linear in the spec's inverse efficiencies, once each attention term's
+   binding side is known; on one CPU core nothing overlaps): ``eff_profile`` (the real
+   GEMMs against the profiled ones: norms, RoPE and activations ride along), ``eff_attn``
+   and ``eff_bw`` (<= 1), ``step_overhead_s`` and ``per_seq_overhead_s``.
+4. **Validate** on held-out runs (another workload, other batch mixes, other backends):
+   the median absolute error of step time over their steps, and of each run's throughput
+   (its output tokens over the sum of predicted step times). The random held-out runs are
+   also replayed end to end under ``executor=roofline`` on the written spec.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,40 +46,20 @@ import torch
 from harness.engine.executor import Executor, StepOutput
 from harness.engine.sampler import Sampler
 from harness.kv.base import StepScores
-from harness.roofline.hardware import CALIBRATION, HardwareSpec, spec_from_calibration
-from harness.roofline.models import MODEL_SPECS
+from harness.roofline.hardware import (
+    CPU_PRIOR,
+    HARDWARE,
+    HardwareSpec,
+    calibration_path,
+    spec_from_calibration,
+)
+from harness.roofline.models import MODEL_SPECS, ArchSpec, arch_of, hf_config_of
 from harness.roofline.profile import GemmProfile, kv_dtype_of, profile_gemms
 from harness.roofline.shape import KVReads, StepShape, step_shape
 from harness.roofline.steptime import StepModel, StepWork
+from harness.roofline.targets import BASE, TARGETS, Target
 from harness.sched.step import StepRecord
 
-BASE = ["device=cpu", "cpu_threads=1", "model.dtype=float32", "quality.enabled=false",
-        "cache.kv_budget=64MiB"]
-RANDOM = ["workload=random", "workload.num_requests=16", "workload.input_max=384",
-          "workload.output_min=4", "workload.output_max=48", "workload.output_mean=24",
-          "workload.output_std=16"]
-TRAIN: dict[str, list[str]] = {
-    "random-paged-b16": [*RANDOM, "scheduler.max_num_seqs=16"],
-    "random-paged-b4-long": [*RANDOM, "scheduler.max_num_seqs=4", "workload.input_mean=300",
-                             "workload.input_min=128", "workload.num_requests=8"],
-    "shared_prefix-paged": ["workload=shared_prefix", "workload.num_requests=12",
-                            "workload.output_tokens=16"],
-    "random-paged-b16-chunk128": [*RANDOM, "scheduler.max_num_seqs=16",
-                                  "scheduler.max_num_batched_tokens=128", "workload.seed=9"],
-}
-HELD_OUT: dict[str, list[str]] = {
-    "multiturn-paged": ["workload=multiturn", "workload.conversations=4", "workload.turns=2",
-                        "workload.answer_tokens=24", "workload.system_words=60"],
-    "random-contiguous-exact-b32": [*RANDOM, "backend=contiguous", "backend.reserve=exact",
-                                    "scheduler.max_num_seqs=32", "workload.num_requests=24",
-                                    "workload.seed=7"],
-    "random-int8-b8": [*RANDOM, "backend=int8", "scheduler.max_num_seqs=8", "workload.seed=3"],
-    # Chunked prefill at 128 tokens a step: every prefill shares its steps with decodes.
-    "random-fp8-b16-chunk128": [*RANDOM, "backend=fp8", "scheduler.max_num_seqs=16",
-                                "scheduler.max_num_batched_tokens=128", "workload.seed=5"],
-    "random-sliding_window-b16": [*RANDOM, "backend=sliding_window", "backend.window=64",
-                                  "scheduler.max_num_seqs=16", "workload.seed=11"],
-}
 FIT_KEYS = ("eff_profile", "eff_attn", "eff_bw", "step_overhead_s", "per_seq_overhead_s")
 
 
@@ -109,6 +95,9 @@ class Measured:
     bytes_per_slot: int
     walls: list[float] = field(default_factory=list)
     kv_dtype: str = ""  # the stored K/V dtype's name (profile.kv_dtype_of)
+    arch: ArchSpec = MODEL_SPECS["smollm2-135m"]  # the model the runs ran
+    compute: str = "fp32"  # its compute dtype, and bytes per weight
+    weight_bytes: float = 4.0
 
     def work(self, model: StepModel) -> StepWork:
         """The steps' work as arrays, one entry per step."""
@@ -132,19 +121,20 @@ def compose(overrides: list[str]) -> Any:
 Run = tuple[list[StepShape], list[float], int, float, int, str]
 
 
-def run_once(overrides: list[str], loaded: Any) -> Run:
+def run_once(overrides: list[str], loaded: Any, base: list[str] = BASE,
+             device: str = "cpu") -> Run:
     """One real run of a config: its step shapes, step seconds, output tokens, wall
     seconds, the backend's bytes per slot and stored dtype."""
     from harness.config import run_config
     from harness.stack import build_stack
     from harness.workloads import make_workload
 
-    rc = run_config(compose([*BASE, *overrides]))
+    rc = run_config(compose([*base, *overrides]))
     if rc.workload.seed is None:
         rc.workload.seed = rc.seed
     torch.manual_seed(rc.seed)
     wl = make_workload(rc.workload, loaded.tokenizer)
-    st = build_stack(loaded, torch.device("cpu"), rc.backend, rc.cache, rc.scheduler,
+    st = build_stack(loaded, torch.device(device), rc.backend, rc.cache, rc.scheduler,
                      Sampler(rc.seed), wl.initial_requests(), quiet=True)
     rec = Recorder(st.engine.executor, KVReads(st.backend))
     st.engine.executor = rec
@@ -154,15 +144,20 @@ def run_once(overrides: list[str], loaded: Any) -> Run:
             st.backend.bytes_per_slot(), kv_dtype_of(st.backend))
 
 
-def measure(configs: dict[str, list[str]], repeats: int, loaded: Any) -> list[Measured]:
+def measure(configs: dict[str, list[str]], repeats: int, loaded: Any,
+            target: Target | None = None) -> list[Measured]:
     """``repeats`` real runs of every config, taken round-robin (repeat 1 of each, then
     repeat 2, ...: this shared machine's speed drifts by several % over minutes, and
     interleaving puts the drift into every config's median alike instead of into the
     gap between training and held-out runs); per-step medians (the steps must agree)."""
+    t = target or TARGETS["cpu"]
+    arch = arch_of(loaded.model.config)
+    compute = {torch.float32: "fp32", torch.bfloat16: "bf16",
+               torch.float16: "fp16"}[loaded.model.dtype]
     runs: dict[str, list[Run]] = {k: [] for k in configs}
     for _ in range(repeats):
         for name, overrides in configs.items():
-            runs[name].append(run_once(overrides, loaded))
+            runs[name].append(run_once(overrides, loaded, t.base, t.device))
     out = []
     for name, rs in runs.items():
         n = {len(r[1]) for r in rs}
@@ -172,12 +167,13 @@ def measure(configs: dict[str, list[str]], repeats: int, loaded: Any) -> list[Me
         step_s = np.median(np.array([r[1] for r in rs]), axis=0)
         shapes, _, tokens, _, bps, kv_dtype = rs[0]
         out.append(Measured(name, configs[name], shapes, step_s, tokens, bps,
-                            [r[3] for r in rs], kv_dtype))
+                            [r[3] for r in rs], kv_dtype, arch, compute,
+                            loaded.model.dtype.itemsize))
     return out
 
 
 def step_model(m: Measured, hw: HardwareSpec) -> StepModel:
-    return StepModel(MODEL_SPECS["smollm2-135m"], hw, m.bytes_per_slot, "fp32", 4.0,
+    return StepModel(m.arch, hw, m.bytes_per_slot, m.compute, m.weight_bytes,
                      kv_dtype=m.kv_dtype)
 
 
@@ -189,14 +185,26 @@ def predict(m: Measured, hw: HardwareSpec) -> np.ndarray:
 def terms(m: Measured, hw: HardwareSpec) -> tuple[np.ndarray, np.ndarray]:
     """(steps, 5): the columns the step time is linear in — profiled GEMM seconds,
     attention FLOPs, attention bytes, 1, running sequences — on ``hw``'s profile; and
-    (steps,) the seconds no factor scales (measured widening, all-reduces)."""
+    (steps,) the seconds no factor scales (measured widening, all-reduces).
+
+    An attention term is max(c, m) + (1 - overlap) min(c, m): linear in its FLOPs and
+    bytes once it is known which side binds, which ``hw``'s current factors decide (one
+    CPU core, overlap 0, adds both whatever binds)."""
     unit = dataclasses.replace(hw, eff_profile=1.0)
     model = step_model(m, unit)
     w = m.work(model)
     t = model.time(w, unit)
     gemm = np.asarray(t.gemm + t.lm_head, dtype=np.float64)
-    cols = np.stack([gemm, w.pre_flops + w.dec_flops, w.pre_bytes + w.dec_bytes,
-                     np.ones_like(gemm), np.asarray(w.seqs, dtype=np.float64)], axis=1)
+    fa, bw, lap = hw.flops(m.compute) * hw.eff_attn, hw.mem_bw * hw.eff_bw, 1.0 - hw.overlap
+    flops_col = np.zeros_like(gemm)
+    bytes_col = np.zeros_like(gemm)
+    for fl, by in ((w.pre_flops, w.pre_bytes), (w.dec_flops, w.dec_bytes)):
+        f, b = np.asarray(fl, dtype=np.float64), np.asarray(by, dtype=np.float64)
+        compute_bound = f / fa >= b / bw
+        flops_col += f * np.where(compute_bound, 1.0, lap)
+        bytes_col += b * np.where(compute_bound, lap, 1.0)
+    cols = np.stack([gemm, flops_col, bytes_col, np.ones_like(gemm),
+                     np.asarray(w.seqs, dtype=np.float64)], axis=1)
     return cols, np.asarray(w.pre_widen_s + w.dec_widen_s + w.ar_seconds, dtype=np.float64)
 
 
@@ -217,18 +225,29 @@ def bounded_lsq(a: np.ndarray, b: np.ndarray, lower: np.ndarray) -> np.ndarray:
     return lower + best_y
 
 
-def fit(train: list[Measured], hw: HardwareSpec) -> HardwareSpec:
+def fit(train: list[Measured], hw: HardwareSpec, rounds: int = 8) -> HardwareSpec:
     """The factors minimizing the training steps' squared relative error, with the
-    attention's efficiencies at most 1 and the overheads at least 0."""
-    parts = [terms(m, hw) for m in train]
-    a = np.concatenate([c / m.step_s[:, None] for (c, _), m in zip(parts, train)])
-    b = np.concatenate([1 - f / m.step_s for (_, f), m in zip(parts, train)])
-    peak, bw = hw.flops("fp32"), hw.mem_bw
-    x = bounded_lsq(a, b, np.array([1e-3, 1 / peak, 1 / bw, 0.0, 0.0]))
-    return dataclasses.replace(hw, eff_profile=float(1 / x[0]),
-                               eff_attn=float(1 / (x[1] * peak)),
-                               eff_bw=float(1 / (x[2] * bw)), step_overhead_s=float(x[3]),
-                               per_seq_overhead_s=float(x[4]), source="calibrated")
+    attention's efficiencies at most 1 and the overheads at least 0. Where compute and
+    memory overlap, which side of each attention term binds depends on the factors: fit,
+    re-decide the sides, refit, until they settle (``rounds`` at most)."""
+    if not train:
+        raise ValueError("calibration needs at least one training run")
+    peak, bw = hw.flops(train[0].compute), hw.mem_bw
+    for _ in range(rounds):
+        parts = [terms(m, hw) for m in train]
+        a = np.concatenate([c / m.step_s[:, None] for (c, _), m in zip(parts, train)])
+        b = np.concatenate([1 - f / m.step_s for (_, f), m in zip(parts, train)])
+        x = bounded_lsq(a, b, np.array([1e-3, 1 / peak, 1 / bw, 0.0, 0.0]))
+        new = dataclasses.replace(hw, eff_profile=float(1 / x[0]),
+                                  eff_attn=float(1 / (x[1] * peak)),
+                                  eff_bw=float(1 / (x[2] * bw)), step_overhead_s=float(x[3]),
+                                  per_seq_overhead_s=float(x[4]), source="calibrated")
+        settled = all(np.array_equal(terms(m, new)[0][:, 1:3], c[:, 1:3])  # same sides
+                      for m, (c, _) in zip(train, parts))
+        hw = new
+        if settled or hw.overlap == 0.0:
+            break
+    return hw
 
 
 def errors(m: Measured, hw: HardwareSpec) -> dict[str, float]:
@@ -242,14 +261,16 @@ def errors(m: Measured, hw: HardwareSpec) -> dict[str, float]:
             "throughput_ape_pct": 100 * abs(tput_pred - tput_meas) / tput_meas}
 
 
-def end_to_end(m: Measured) -> dict[str, float]:
-    """The same config under executor=roofline on the fitted cpu spec (read from disk)."""
+def end_to_end(m: Measured, target: Target, model_json: Path) -> dict[str, float]:
+    """The same config under executor=roofline on the fitted spec (read from disk), for
+    the model the runs ran (``model_json``: its config.json fields)."""
     from harness.config import run_config
     from harness.runner import run
 
-    rc = run_config(compose([*BASE, *m.overrides, "executor=roofline",
-                             "roofline.model=SmolLM2-135M", "roofline.hardware=cpu",
-                             "roofline.dtype=float32", "roofline.weight_dtype=float32",
+    base = [o for o in target.base if not o.startswith(("device=", "model="))]
+    rc = run_config(compose([*base, *m.overrides, "executor=roofline",
+                             f"roofline.hardware={target.hardware}",
+                             f"roofline.model={model_json}", *target.roofline,
                              "progress=false"]))
     r = run(rc).metrics
     meas = m.out_tokens / float(m.step_s.sum())
@@ -259,47 +280,57 @@ def end_to_end(m: Measured) -> dict[str, float]:
                 100 * abs(r["throughput.output_tokens_per_s"] - meas) / meas}
 
 
-def profiled_prior(prof: GemmProfile) -> HardwareSpec:
-    """The prior cpu spec with the profile's peak, bandwidth and table (factors still priors)."""
-    return spec_from_calibration({
-        "fit": {}, "profile": prof.as_json(),
-        "measured": {"peak_flops_fp32": prof.peak_flops, "mem_bw": prof.mem_bw,
-                     "widen_s_per_elem": prof.widen_s_per_elem}})
+def measured_section(prof: GemmProfile) -> dict[str, Any]:
+    return {f"peak_flops_{prof.dtype}": prof.peak_flops, "mem_bw": prof.mem_bw,
+            "widen_s_per_elem": prof.widen_s_per_elem}
 
 
-def main(argv: list[str] | None = None) -> None:
+def profiled_prior(prof: GemmProfile, prior: HardwareSpec = CPU_PRIOR) -> HardwareSpec:
+    """``prior`` with the profile's peak, bandwidth and table (factors still priors)."""
+    return spec_from_calibration({"fit": {}, "profile": prof.as_json(),
+                                  "measured": measured_section(prof)}, prior)
+
+
+def prior_of(target: Target) -> HardwareSpec:
+    return CPU_PRIOR if target.hardware == "cpu" else HARDWARE[target.hardware]
+
+
+def calibrate(target: Target, repeats: int, out: Path) -> dict[str, Any]:
+    """Profile, measure, fit and validate ``target``; write the report to ``out`` (a
+    spec's calibration when ``out`` is :func:`calibration_path` of it) and return it."""
     from harness.model import load_model
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=CALIBRATION)
-    args = ap.parse_args(argv)
-    torch.set_num_threads(1)
+    if target.device == "cpu":
+        torch.set_num_threads(target.threads)
     t0 = time.perf_counter()
-    loaded = load_model("smollm2", dtype=torch.float32, device="cpu")
-    prof = profile_gemms(loaded.model, args.repeats)
-    both = measure({**TRAIN, **HELD_OUT}, args.repeats, loaded)
-    train, held = both[:len(TRAIN)], both[len(TRAIN):]
-    hw = fit(train, profiled_prior(prof))
+    loaded = load_model(target.model, dtype=target.dtype, device=target.device)
+    prof = profile_gemms(loaded.model, repeats)
+    both = measure({**target.train, **target.held_out}, repeats, loaded, target)
+    train, held = both[:len(target.train)], both[len(target.train):]
+    hw = fit(train, profiled_prior(prof, prior_of(target)))
+    threads = f"{torch.get_num_threads()} thread(s) used" if target.device == "cpu" else \
+        torch.cuda.get_device_name() if torch.cuda.is_available() else target.device
     report: dict[str, Any] = {
-        "fit": {k: getattr(hw, k) for k in FIT_KEYS},
-        "measured": {"peak_flops_fp32": prof.peak_flops, "mem_bw": prof.mem_bw,
-                     "widen_s_per_elem": prof.widen_s_per_elem},
-        "profile": prof.as_json(),
-        "model": "SmolLM2-135M-Instruct fp32, 1 thread", "repeats": args.repeats,
-        "machine": f"{platform.processor() or platform.machine()}, "
-                   f"{torch.get_num_threads()} thread(s) used",
+        "target": target.hardware, "fit": {k: getattr(hw, k) for k in FIT_KEYS},
+        "measured": measured_section(prof), "profile": prof.as_json(),
+        "model": f"{loaded.model.config.name} {prof.dtype}", "repeats": repeats,
+        "machine": f"{platform.processor() or platform.machine()}, {threads}",
         "load_average": list(os.getloadavg()),
-        "caveat": "a shared 2-core machine: other processes' load moves step times; each "
-                  "step is the median of the repeats",
+        "caveat": "each step is the median of its repeats, taken round-robin over the "
+                  "configs; other processes' load moves step times",
         "train": {m.name: errors(m, hw) for m in train},
         "held_out": {m.name: errors(m, hw) for m in held},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    for m in held:  # hardware=cpu reads the default file: only when that is the one written
-        if "workload=random" in m.overrides and args.out.resolve() == CALIBRATION:
-            report["held_out"][m.name].update(end_to_end(m))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    # A replay reads the spec's own calibration file: only when that is the one written.
+    if out.resolve() == calibration_path(target.hardware).resolve():
+        with tempfile.TemporaryDirectory() as tmp:
+            model_json = Path(tmp) / "config.json"
+            model_json.write_text(json.dumps(hf_config_of(loaded.model.config)))
+            for m in held:
+                if "workload=random" in m.overrides:
+                    report["held_out"][m.name].update(end_to_end(m, target, model_json))
     ho = report["held_out"].values()
     report["summary"] = {
         "held_out_step_mdape_pct": statistics.median(
@@ -310,7 +341,24 @@ def main(argv: list[str] | None = None) -> None:
         "held_out_throughput_max_ape_pct": max(e["throughput_ape_pct"] for e in ho),
         "seconds": time.perf_counter() - t0,
     }
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", choices=sorted(TARGETS), default="cpu",
+                    help="the spec to calibrate (h200 needs its GPU; dry: the h200 "
+                         "code path on the CPU at tiny sizes)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: the spec's calibration file next to hardware.py")
+    args = ap.parse_args(argv)
+    target = TARGETS[args.target]
+    out = args.out or calibration_path(target.hardware)
+    if args.target == "dry" and args.out is None:
+        ap.error("--target dry needs --out (it must not overwrite the h200 calibration)")
+    report = calibrate(target, args.repeats, out)
     print(json.dumps(report["summary"], indent=2))
     for name, e in report["held_out"].items():
         print(f"{name}: step MdAPE {e['step_mdape_pct']:.1f}%, throughput error "

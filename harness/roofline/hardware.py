@@ -109,25 +109,41 @@ HARDWARE: dict[str, HardwareSpec] = {h.name: h for h in (
 )}
 
 
-def load_cpu(path: Path = CALIBRATION) -> HardwareSpec:
-    """The CPU spec with what a calibration file measured and fitted, when one exists."""
+def calibration_path(name: str) -> Path:
+    """Where ``python -m harness.roofline.calibrate --target <name>`` writes, and
+    :func:`get_hardware` reads, a spec's calibration."""
+    return CALIBRATION.with_name(f"{name}_calibration.json")
+
+
+def load_calibrated(prior: HardwareSpec, path: Path | None = None) -> HardwareSpec:
+    """``prior`` with what its calibration file measured and fitted, when one exists."""
+    path = path or calibration_path(prior.name)
     if not path.is_file():
-        return CPU_PRIOR
+        return prior
     try:
-        return spec_from_calibration(json.loads(path.read_text()))
+        return spec_from_calibration(json.loads(path.read_text()), prior)
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"{path}: not a calibration file ({e}); rerun "
-                        "python -m harness.roofline.calibrate") from e
+                        f"python -m harness.roofline.calibrate --target {prior.name}") from e
 
 
-def spec_from_calibration(report: dict[str, Any]) -> HardwareSpec:
-    """``CPU_PRIOR`` with a calibration report's measured peak, bandwidth, GEMM profile
-    and fitted factors (the ``measured`` / ``profile`` / ``fit`` sections)."""
+def load_cpu(path: Path = CALIBRATION) -> HardwareSpec:
+    """The CPU spec with what a calibration file measured and fitted, when one exists."""
+    return load_calibrated(CPU_PRIOR, path)
+
+
+def spec_from_calibration(report: dict[str, Any],
+                          prior: HardwareSpec = CPU_PRIOR) -> HardwareSpec:
+    """``prior`` with a calibration report's measured peak (``peak_flops_<dtype>``),
+    bandwidth, widening costs, GEMM profile and fitted factors (its ``measured`` /
+    ``profile`` / ``fit`` sections)."""
     fields = {f.name for f in dataclasses.fields(HardwareSpec)}
     m, prof = report.get("measured", {}), report.get("profile")
     kw: dict[str, Any] = {k: v for k, v in report["fit"].items() if k in fields}
-    if "peak_flops_fp32" in m:
-        kw["peak_flops"] = {**CPU_PRIOR.peak_flops, "fp32": float(m["peak_flops_fp32"])}
+    peaks = {k.removeprefix("peak_flops_"): float(v) for k, v in m.items()
+             if k.startswith("peak_flops_")}
+    if peaks:
+        kw["peak_flops"] = {**prior.peak_flops, **peaks}
     if "mem_bw" in m:
         kw["mem_bw"] = float(m["mem_bw"])
     if "widen_s_per_elem" in m:
@@ -137,14 +153,17 @@ def spec_from_calibration(report: dict[str, Any]) -> HardwareSpec:
                                    zip(prof["rows"], prof["layers_s_per_param"],
                                        prof["lm_head_s_per_param"], strict=True))
         kw["profile_dtype"] = str(prof["dtype"])
-    return dataclasses.replace(CPU_PRIOR, source="calibrated", **kw)
+    return dataclasses.replace(prior, source="calibrated", **kw)
 
 
 def get_hardware(name: str) -> HardwareSpec:
+    """A spec by name, with its calibration (``<name>_calibration.json`` next to this
+    module) when one has been written: always for ``cpu``, for ``h200`` once a GPU check
+    has fitted it."""
     key = name.lower()
     if key == "cpu":
         return load_cpu()
     if key not in HARDWARE:
         raise UserError(f"unknown roofline.hardware {name!r}: use one of "
                         f"{', '.join([*HARDWARE, 'cpu'])}")
-    return HARDWARE[key]
+    return load_calibrated(HARDWARE[key])

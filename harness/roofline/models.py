@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from harness.errors import UserError
 
@@ -130,6 +131,29 @@ def from_hf_config(path: str | Path) -> ArchSpec:
             qkv_bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2")))
     except KeyError as e:
         raise UserError(f"roofline.model={str(path)!r}: config.json lacks {e}") from None
+
+
+def hf_config_of(config: Any) -> dict[str, Any]:
+    """A loaded model's ``ModelConfig`` (harness.model.config) as the Hugging Face
+    config.json fields :func:`from_hf_config` reads: ``roofline.model=<that file>`` is the
+    model the real runs ran."""
+    c = config
+    return {"_name_or_path": c.name, "num_hidden_layers": c.num_layers,
+            "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+            "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
+            "head_dim": c.head_dim, "vocab_size": c.vocab_size,
+            "max_position_embeddings": c.max_position_embeddings,
+            "tie_word_embeddings": c.tie_word_embeddings, "attention_bias": c.attention_bias}
+
+
+def arch_of(config: Any) -> ArchSpec:
+    """The spec of a loaded model's ``ModelConfig``."""
+    c = hf_config_of(config)
+    return llama_like(c["_name_or_path"], c["num_hidden_layers"], c["hidden_size"],
+                      c["intermediate_size"], c["num_attention_heads"],
+                      c["num_key_value_heads"], c["vocab_size"], c["max_position_embeddings"],
+                      head_dim=c["head_dim"], tied=c["tie_word_embeddings"],
+                      qkv_bias=c["attention_bias"])
 
 
 def get_model_spec(name: str) -> ArchSpec:

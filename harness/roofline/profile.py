@@ -48,8 +48,8 @@ def kv_dtype_of(backend: object) -> str:
         if isinstance(dt, torch.dtype) else ""
 
 
-def profile_widen(repeats: int = 5, layers: int = 30,
-                  elems: int = 6400 * 192) -> dict[str, float]:
+def profile_widen(repeats: int = 5, layers: int = 30, elems: int = 6400 * 192,
+                  device: torch.device | str = "cpu") -> dict[str, float]:
     """Seconds per element of ``stored.float()`` for int8 and fp8, on ``layers`` distinct
     tensors of ``elems`` each (a decode batch's K of one layer; each repeat converts every
     layer's once, so they come from memory) holding values as the quantizer writes them
@@ -58,12 +58,15 @@ def profile_widen(repeats: int = 5, layers: int = 30,
 
     out = {}
     for name, dt in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
-        xs = [quantize_ref(torch.randn(elems // 64, 64), dt)[0] for _ in range(layers)]
+        xs = [quantize_ref(torch.randn(elems // 64, 64, device=device), dt)[0]
+              for _ in range(layers)]
         times = []
         for _ in range(repeats):
+            _sync(xs[0])
             t = time.perf_counter()
             for x in xs:
                 x.float()
+            _sync(xs[0])
             times.append(time.perf_counter() - t)
         out[name] = statistics.median(times) / (layers * elems)
     return out
@@ -82,13 +85,22 @@ def weights_of(model: torch.nn.Module) -> tuple[list[torch.Tensor], torch.Tensor
     return layers, head
 
 
+def _sync(t: torch.Tensor) -> None:
+    if t.is_cuda:  # kernels run asynchronously: time them to their end
+        torch.cuda.synchronize(t.device)
+
+
 def _time(ws: list[torch.Tensor], m: int, repeats: int) -> float:
-    xs = {w.shape[1]: torch.randn(m, w.shape[1], dtype=w.dtype) for w in ws}
+    xs = {w.shape[1]: torch.randn(m, w.shape[1], dtype=w.dtype, device=w.device) for w in ws}
+    for w in ws[:2]:  # warm the kernels this row count selects
+        F.linear(xs[w.shape[1]], w)
     times = []
     for _ in range(repeats):
+        _sync(ws[0])
         t = time.perf_counter()
         for w in ws:
             F.linear(xs[w.shape[1]], w)
+        _sync(ws[0])
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
@@ -107,4 +119,4 @@ def profile_gemms(model: torch.nn.Module, repeats: int = 3,
     dtype = {torch.float32: "fp32", torch.bfloat16: "bf16",
              torch.float16: "fp16"}.get(head.dtype, str(head.dtype))
     return GemmProfile(dtype, list(rows), lay, lm, peak, head.element_size() / lay[0],
-                       profile_widen(repeats))
+                       profile_widen(repeats, device=head.device))
