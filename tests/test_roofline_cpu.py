@@ -232,6 +232,7 @@ def test_the_gpu_calibration_runs_end_to_end_on_the_cpu_as_the_dry_target(
         "eff_profile", "eff_attn", "eff_bw", "step_overhead_s", "per_seq_overhead_s"}
     (held,) = report["held_out"].values()
     assert held["steps"] > 0 and held["roofline_run_steps"] == held["steps"]
+    assert held["attention"] == "gather"  # the torch path ran, whatever the spec says
     assert held["roofline_run_throughput"] == pytest.approx(held["throughput_pred"])
     spec = get_hardware("h200")  # now read from the file just written
     assert spec.source == "calibrated" and spec.attention == "fused" and spec.overlap == 1.0
@@ -250,3 +251,18 @@ def test_every_calibration_run_of_every_target_composes_and_validates() -> None:
             rc = run_config(compose([*t.base, *overrides]))
             assert rc.quality.enabled is False, overrides
             assert getattr(rc.workload, "rate", 0.0) == 0.0, overrides  # all at once
+
+
+def test_roofline_attention_can_be_forced_and_gather_costs_more_on_a_gpu_spec() -> None:
+    from harness.runner import run
+    from tests.compose import compose_cfg
+
+    base = ["executor=roofline", "cache.kv_budget=auto", "roofline.hardware=h100-sxm",
+            "workload=random", "workload.num_requests=16", "workload.input_max=512"]
+    fused = run(compose_cfg(base)).metrics
+    gather = run(compose_cfg([*base, "roofline.attention=gather"])).metrics
+    assert fused["sched.steps"] == gather["sched.steps"]  # the same schedule, all at t=0
+    assert gather["roofline.decode_attn_s"] > 2 * fused["roofline.decode_attn_s"]
+    assert gather["roofline.gemm_s"] == fused["roofline.gemm_s"]
+    with pytest.raises(UserError, match=r"unknown roofline\.attention 'sparse'"):
+        run(compose_cfg([*base, "roofline.attention=sparse"]))

@@ -98,6 +98,7 @@ class Measured:
     arch: ArchSpec = MODEL_SPECS["smollm2-135m"]  # the model the runs ran
     compute: str = "fp32"  # its compute dtype, and bytes per weight
     weight_bytes: float = 4.0
+    attention: str = ""  # how it ran: "fused" | "gather" ("": as the spec says)
 
     def work(self, model: StepModel) -> StepWork:
         """The steps' work as arrays, one entry per step."""
@@ -118,13 +119,14 @@ def compose(overrides: list[str]) -> Any:
         return hydra_compose(config_name="config", overrides=overrides)
 
 
-Run = tuple[list[StepShape], list[float], int, float, int, str]
+Run = tuple[list[StepShape], list[float], int, float, int, str, str]
 
 
 def run_once(overrides: list[str], loaded: Any, base: list[str] = BASE,
              device: str = "cpu") -> Run:
     """One real run of a config: its step shapes, step seconds, output tokens, wall
-    seconds, the backend's bytes per slot and stored dtype."""
+    seconds, the backend's bytes per slot and stored dtype, and how its attention ran
+    ("fused" kernels, or the torch "gather" path: what the step model then counts)."""
     from harness.config import run_config
     from harness.stack import build_stack
     from harness.workloads import make_workload
@@ -141,7 +143,8 @@ def run_once(overrides: list[str], loaded: Any, base: list[str] = BASE,
     wall = st.engine.run(wl)
     out = sum(len(g.output_ids) for g in st.collector.groups.values())
     return (rec.shapes, [r.step_ms / 1e3 for r in st.collector.steps], out, wall,
-            st.backend.bytes_per_slot(), kv_dtype_of(st.backend))
+            st.backend.bytes_per_slot(), kv_dtype_of(st.backend),
+            "gather" if st.backend.kernel == "torch" else "fused")
 
 
 def measure(configs: dict[str, list[str]], repeats: int, loaded: Any,
@@ -165,14 +168,16 @@ def measure(configs: dict[str, list[str]], repeats: int, loaded: Any,
             raise RuntimeError(f"{name}: repeats disagree on the schedule ({n} steps): the "
                                "calibration runs must not depend on timing")
         step_s = np.median(np.array([r[1] for r in rs]), axis=0)
-        shapes, _, tokens, _, bps, kv_dtype = rs[0]
+        shapes, _, tokens, _, bps, kv_dtype, attention = rs[0]
         out.append(Measured(name, configs[name], shapes, step_s, tokens, bps,
                             [r[3] for r in rs], kv_dtype, arch, compute,
-                            loaded.model.dtype.itemsize))
+                            loaded.model.dtype.itemsize, attention))
     return out
 
 
 def step_model(m: Measured, hw: HardwareSpec) -> StepModel:
+    if m.attention and m.attention != hw.attention:  # a run is modelled as it ran
+        hw = dataclasses.replace(hw, attention=m.attention)
     return StepModel(m.arch, hw, m.bytes_per_slot, m.compute, m.weight_bytes,
                      kv_dtype=m.kv_dtype)
 
@@ -250,12 +255,13 @@ def fit(train: list[Measured], hw: HardwareSpec, rounds: int = 8) -> HardwareSpe
     return hw
 
 
-def errors(m: Measured, hw: HardwareSpec) -> dict[str, float]:
+def errors(m: Measured, hw: HardwareSpec) -> dict[str, Any]:
     pred = predict(m, hw)
     rel = np.abs(pred - m.step_s) / m.step_s
     tput_meas = m.out_tokens / float(m.step_s.sum())
     tput_pred = m.out_tokens / float(pred.sum())
-    return {"steps": len(pred), "step_mdape_pct": 100 * float(np.median(rel)),
+    return {"steps": len(pred), "attention": m.attention or hw.attention,
+            "step_mdape_pct": 100 * float(np.median(rel)),
             "step_p90_ape_pct": 100 * float(np.percentile(rel, 90)),
             "throughput_meas": tput_meas, "throughput_pred": tput_pred,
             "throughput_ape_pct": 100 * abs(tput_pred - tput_meas) / tput_meas}
@@ -271,6 +277,7 @@ def end_to_end(m: Measured, target: Target, model_json: Path) -> dict[str, float
     rc = run_config(compose([*base, *m.overrides, "executor=roofline",
                              f"roofline.hardware={target.hardware}",
                              f"roofline.model={model_json}", *target.roofline,
+                             f"roofline.attention={m.attention or 'spec'}",
                              "progress=false"]))
     r = run(rc).metrics
     meas = m.out_tokens / float(m.step_s.sum())

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.errors import UserError
-from harness.roofline.hardware import HardwareSpec
+from harness.roofline.hardware import ATTENTION, HardwareSpec
 from harness.roofline.models import ArchSpec
 from harness.units import format_bytes, parse_bytes
 from harness.validate import at_least, in_range, one_of
@@ -25,12 +25,16 @@ class RooflineConfig:
     weight_dtype: str = "bfloat16"  # bytes per weight: float32 bfloat16 float16 fp8 int8 int4
     gpu_memory_utilization: float = 0.9  # share of each device's memory the server may use
     activation_reserve: str = "auto"  # per device, kept for activations (auto: the spec's)
+    # How attention runs: the spec's (fused kernels on a GPU, the torch gather on the cpu
+    # spec), or forced: "fused" | "gather" (harness.roofline.shape).
+    attention: str = "spec"
 
     def __post_init__(self) -> None:
         at_least(self, "roofline", 1, "tp")
         one_of(self, "roofline", "dtype", COMPUTE)
         one_of(self, "roofline", "weight_dtype", WEIGHT_BYTES)
         in_range(self, "roofline", "gpu_memory_utilization", 0.0, 1.0, lo_open=True)
+        one_of(self, "roofline", "attention", ("spec", *ATTENTION))
 
     def reserve_bytes(self, hw: HardwareSpec) -> int:
         if self.activation_reserve == "auto":

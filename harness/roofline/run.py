@@ -10,6 +10,7 @@ computed to score (``run.quality`` says so).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import time
 from pathlib import Path
@@ -46,6 +47,8 @@ def build_roofline(rc: RunConfig, workload: Workload,
     """The stack of ``rc`` with a :class:`RooflineExecutor` in place of the model."""
     r = rc.roofline
     arch, hw = get_model_spec(r.model), get_hardware(r.hardware)
+    if r.attention != "spec":
+        hw = dataclasses.replace(hw, attention=r.attention)
     layout = KVLayout(arch.num_layers, arch.num_kv_heads, arch.head_dim, parse_dtype(r.dtype))
     device = torch.device("cpu")  # backends are built for their sizing only: no tensors
     backend = make_backend(rc.backend, layout, device)
