@@ -126,3 +126,30 @@ def test_a_cap_on_active_conversations_starts_the_next_when_one_ends() -> None:
     # Without the cap all four open at once.
     free = run(compose_cfg(MT))
     assert free.metrics["requests.peak_concurrency"] == 4
+
+
+def test_a_rejected_turn_ends_its_conversation_and_passes_its_slot_on() -> None:
+    # max_model_len fits every first turn but no second one (it re-sends the first and
+    # its answer): each conversation's turn 2 is rejected. Under a cap of one, the next
+    # conversation must still start (it once waited forever for the slot: 2 requests).
+    opts = {"conversations": 4, "turns": 3, "system_words": 10, "user_words": 5,
+            "answer_tokens": 4, "seed": 0}
+    wl = make_workload(workload_options("multiturn", opts), ByteTokenizer())
+    longest = max(len(r.prompt_ids) for r in wl.initial_requests())
+    cfg = [*MT, "workload.turns=3", f"scheduler.max_model_len={longest + 5}"]
+    seen = []
+    for cap in (1, 0):
+        r = run(compose_cfg([*cfg, f"workload.max_active_conversations={cap}"]))
+        status = {x["request_id"]: x["status"] for x in r.requests}
+        assert {rid // 3 for rid in status} == {0, 1, 2, 3}, cap  # every conversation ran
+        not_sent = 0
+        for c in range(4):
+            turns = [status.get(3 * c + t) for t in range(3)]
+            assert turns[0] == "finished", (cap, c, turns)
+            if "rejected" in turns:  # a rejection ends the conversation there
+                k = turns.index("rejected")
+                assert turns[k + 1:] == [None] * (2 - k), (cap, c, turns)
+                not_sent += 2 - k
+        assert not_sent > 0 and r.metrics["multiturn.turns_not_sent"] == not_sent
+        seen.append(status)
+    assert seen[0] == seen[1]  # the cap changes when conversations run, not what they do

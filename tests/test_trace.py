@@ -262,3 +262,18 @@ def test_max_tokens_asks_a_servers_limit_and_stops_at_the_rows_length(
     # The row's length ends the request (as an EOS would); max_tokens is what is reserved,
     # never less than the row needs.
     assert [(x.max_tokens, x.stop_after) for x in capped] == [(256, 5), (300, 300)]
+
+
+def test_a_rejected_turns_next_turn_still_arrives_when_the_trace_says(tmp_path: Path) -> None:
+    # The trace is the offered load: conversation a's first turn needs more than the whole
+    # KV pool (64 tokens) and is rejected when it arrives; its second still arrives at its
+    # time (it was never sent before run-time rejections were followed up); b runs.
+    p = write(tmp_path, "c.csv", "arrival_s,prompt_tokens,output_tokens,conversation_id,turn\n"
+              "0,100,4,a,0\n0.5,120,4,a,1\n0,20,4,b,0\n0.2,40,4,b,1\n")
+    r = run(compose_cfg(["model=tiny", "workload=trace", f"workload.path={p}",
+                         "cache.kv_budget=32KiB", "cache.watermark=0"]))
+    rows = {x["request_id"]: x for x in r.requests}
+    assert {i: x["status"] for i, x in rows.items()} == {
+        0: "rejected", 1: "rejected", 2: "finished", 3: "finished"}
+    assert rows[1]["arrival_s"] >= 0.5 - 1e-9
+    assert r.metrics["requests.rejected"] == 2

@@ -15,7 +15,7 @@ from harness.metrics.collector import MetricsCollector
 from harness.model.llama import LlamaModel
 from harness.sched.scheduler import Scheduler
 from harness.sched.sequence import Sequence, SequenceGroup
-from harness.workloads.base import Request, Workload
+from harness.workloads.base import FollowsRejections, Request, Workload
 
 ProgressFn = Callable[[int, int, float], None]  # (requests done, total known, tokens/s)
 
@@ -62,6 +62,7 @@ class Engine:
                 col.on_arrival(g, arrival)
                 if not sch.add(g):
                     done += 1
+                    total += self._follow_up(workload, g, pending, now, rejected=True)
             if not sch.has_unfinished:
                 if pending:
                     clock.sleep(pending[0][0] - (clock.now() - start))
@@ -70,8 +71,11 @@ class Engine:
             rec = sch.schedule()
             self.executor.apply_cache_ops(rec)
             if rec.is_empty:
-                if not rec.preempted and sch.reject_stuck_head() is not None:
+                stuck = None if rec.preempted else sch.reject_stuck_head()
+                if stuck is not None:
                     done += 1
+                    total += self._follow_up(workload, stuck, pending,
+                                             clock.now() - start, rejected=True)
                 idle += 1
                 # An invariant, not a user error: something runs yet nothing is schedulable.
                 assert idle < 10_000, f"no progress: running={sch.running} waiting={sch.waiting}"
@@ -91,12 +95,7 @@ class Engine:
             for g in rec.finished:
                 done += 1
                 self._forget(g)
-                for r in workload.on_finished(g):
-                    arrival = (t_tok - start) + r.arrival_s
-                    if r.earliest_s is not None:  # a trace's own time for a later turn
-                        arrival = max(arrival, r.earliest_s)
-                    heapq.heappush(pending, (arrival, r.request_id, r))
-                    total += 1
+                total += self._follow_up(workload, g, pending, t_tok - start)
             # The row's own bookkeeping is charged to the next step: no step's overhead
             # leaves out the collector (it once hid 2.7 ms per step at 4096 sequences).
             t_end = clock.now()
@@ -105,6 +104,24 @@ class Engine:
             if progress is not None:
                 progress(done, total, out_tokens / max(t_end - start, 1e-9))
         return clock.now() - start
+
+    @staticmethod
+    def _follow_up(workload: Workload, group: SequenceGroup,
+                   pending: list[tuple[float, int, Request]], now: float,
+                   rejected: bool = False) -> int:
+        """Queue what the workload sends after ``group`` finished (or was rejected, for a
+        workload that follows rejections); returns how many requests that added."""
+        if rejected:
+            reqs = workload.on_rejected(group) if isinstance(workload, FollowsRejections) \
+                else []
+        else:
+            reqs = workload.on_finished(group)
+        for r in reqs:
+            arrival = now + r.arrival_s
+            if r.earliest_s is not None:  # a trace's own time for a later turn
+                arrival = max(arrival, r.earliest_s)
+            heapq.heappush(pending, (arrival, r.request_id, r))
+        return len(reqs)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
         """Next token per sampling sequence. A request with n > 1 samples forks them right

@@ -48,6 +48,17 @@ class WorkloadOptions:
 
 
 @runtime_checkable
+class FollowsRejections(Protocol):
+    """A workload whose later requests depend on an earlier one that may be rejected
+    (never run): a conversation whose turn was rejected ends, and the slot it held under a
+    cap passes on; a trace's later turn still arrives when the trace says."""
+
+    def on_rejected(self, group: SequenceGroup) -> list[Request]:
+        """Follow-ups of a rejected request (as ``on_finished``'s: arrival_s from now)."""
+        ...
+
+
+@runtime_checkable
 class ReportsMetrics(Protocol):
     """A workload with metrics of its own (a trace: rows replayed, truncated, rejected),
     merged into metrics.json by the runner."""

@@ -79,6 +79,7 @@ class MultiturnWorkload:
         cap = cfg.max_active_conversations or cfg.conversations
         self._first = [self._first_turn(c) for c in range(min(cap, cfg.conversations))]
         self._next_conv = len(self._first)  # the next conversation waiting for a slot
+        self.turns_not_sent = 0  # later turns of conversations a rejection ended
 
     def request_id(self, conv: int, turn: int) -> int:
         """A request's identity is its place in the workload, never the order in which
@@ -109,13 +110,27 @@ class MultiturnWorkload:
         call)."""
         return list(self._first)
 
+    def _next_conversation(self) -> list[Request]:
+        """A conversation ended: its slot goes to the next one waiting, if any."""
+        if self._next_conv >= self.cfg.conversations:
+            return []
+        self._next_conv += 1
+        return [self._first_turn(self._next_conv - 1, later=True)]
+
+    def on_rejected(self, group: SequenceGroup) -> list[Request]:
+        """A rejected turn has no answer to build the next turn on: its conversation ends
+        there (its later turns are counted in ``multiturn.turns_not_sent``)."""
+        _, turn = self._meta.pop(group.request_id)
+        self.turns_not_sent += self.cfg.turns - turn - 1
+        return self._next_conversation()
+
+    def workload_metrics(self) -> dict[str, float]:
+        return {"multiturn.turns_not_sent": float(self.turns_not_sent)}
+
     def on_finished(self, group: SequenceGroup) -> list[Request]:
         conv, turn = self._meta.pop(group.request_id)
         if turn + 1 >= self.cfg.turns:  # the conversation ends: its slot goes to the next
-            if self._next_conv >= self.cfg.conversations:
-                return []
-            self._next_conv += 1
-            return [self._first_turn(self._next_conv - 1, later=True)]
+            return self._next_conversation()
         msgs = self._history[conv]
         seq = group.seqs[0]
         user = self.user_msgs[conv][turn + 1]

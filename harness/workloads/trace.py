@@ -208,6 +208,11 @@ class TraceWorkload:
                                     n - len(history), add_bos=False)
         return [self._request(nxt, history[:n], earliest=nxt.arrival_s)]
 
+    def on_rejected(self, group: SequenceGroup) -> list[Request]:
+        """A rejected turn's next turn still arrives when the trace says (the trace is
+        the offered load), on the history it had, without an answer."""
+        return self.on_finished(group)
+
     def workload_metrics(self) -> dict[str, float]:
         arrivals = [p.arrival_s for p in self.plans]
         span = max(arrivals) - min(arrivals)
