@@ -89,12 +89,15 @@ def test_victims_equal_a_brute_force_h2o(seed: int) -> None:
     seq.num_computed = budget
     vals = rng.random(budget)
     vals[rng.integers(0, budget, 3)] = 0.25  # some ties
-    pol.on_scores(StepScores(np.asarray(slots, dtype=np.int64), vals))
     recent = pol.recent(budget)
-    n = int(rng.integers(1, budget - recent + 1))
-    got = pol.select(seq, kv, n).slots
-    want = [slots[i] for i in _brute_force_h2o(vals, np.arange(budget), budget, recent, n)]
-    assert sorted(got) == sorted(want)
+    vals[rng.integers(0, budget - recent)] = vals.min()  # a tie at the minimum: n=1's pick
+    pol.on_scores(StepScores(np.asarray(slots, dtype=np.int64), vals))
+    # n=1 (a decode step's usual need, argmin's path) and a random n (argsort's).
+    for n in (1, int(rng.integers(1, budget - recent + 1))):
+        got = pol.select(seq, kv, n).slots
+        want = [slots[i] for i in _brute_force_h2o(vals, np.arange(budget), budget, recent,
+                                                   n)]
+        assert sorted(got) == sorted(want), n
 
 
 def test_narrated_eviction_reuses_slots_and_frees_emptied_blocks() -> None:

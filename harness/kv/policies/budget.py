@@ -99,6 +99,9 @@ class BudgetPolicy(EvictionPolicy):
         cand = self.candidates(seq, pos)
         assert int(cand.sum()) >= need, "a chunk larger than the evictable budget"
         score = np.where(cand, self.scores[slots], np.inf)
-        # Stable: equal scores go oldest slot first, so runs are reproducible.
+        # Stable: equal scores go oldest slot first, so runs are reproducible. One token (a
+        # decode step's usual need) is the first minimum, which argmin gives in O(held).
+        if need == 1:
+            return Eviction(slots=[int(slots[int(np.argmin(score))])])
         order = np.argsort(score, kind="stable")[:need]
         return Eviction(slots=slots[order].tolist())
