@@ -266,3 +266,14 @@ def test_roofline_attention_can_be_forced_and_gather_costs_more_on_a_gpu_spec() 
     assert gather["roofline.gemm_s"] == fused["roofline.gemm_s"]
     with pytest.raises(UserError, match=r"unknown roofline\.attention 'sparse'"):
         run(compose_cfg([*base, "roofline.attention=sparse"]))
+
+
+def test_repeats_that_disagree_on_the_schedule_are_left_out() -> None:
+    from harness.roofline.calibrate import agreeing
+
+    def r(steps: int, tokens: int, tag: float) -> tuple:  # type: ignore[type-arg]
+        return ([], [tag] * steps, tokens, tag, 0, "", "")
+
+    runs = [r(5, 40, 1.0), r(6, 41, 2.0), r(5, 40, 3.0)]
+    assert [x[3] for x in agreeing(runs)] == [1.0, 3.0]  # type: ignore[arg-type]
+    assert [x[3] for x in agreeing(runs[:2])] == [1.0]  # a tie: the first's schedule

@@ -80,7 +80,8 @@ TARGETS: dict[str, Target] = {
                                        "scheduler.max_num_batched_tokens=256",
                                        "workload.seed=9"]},
         {"multiturn-paged": ["workload=multiturn", "workload.conversations=16",
-                             "workload.turns=2", "workload.answer_tokens=64"],
+                             "workload.turns=2", "workload.answer_tokens=64",
+                             "workload.ignore_eos=true"],  # lengths fixed whatever it says
          "random-contiguous-exact-b64": [*GPU_RANDOM, "backend=contiguous",
                                          "backend.reserve=exact", "scheduler.max_num_seqs=64",
                                          "workload.seed=7"],
