@@ -17,10 +17,10 @@ import torch
 
 from harness.backends.attention_ref import attend_chunk, attend_decode
 from harness.backends.base import BackendOptions, CacheSizing, KVBackend, KVLayout
-from harness.errors import UserError
 from harness.kv.base import KVManager
 from harness.kv.contiguous import POLICIES, ContiguousKVManager
 from harness.sched.step import StepRecord
+from harness.validate import one_of
 
 
 @dataclass
@@ -29,9 +29,7 @@ class ContiguousOptions(BackendOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.reserve not in POLICIES:
-            raise UserError(f"unknown backend.reserve {self.reserve!r}; known: "
-                            f"{', '.join(POLICIES)}")
+        one_of(self, "backend", "reserve", POLICIES)
 
 
 class ContiguousBackend(KVBackend):

@@ -18,8 +18,8 @@ import torch
 
 from harness.backends.base import AttentionBatch, BackendOptions, KVLayout
 from harness.backends.paged_storage import PagedStorageBackend
-from harness.errors import UserError
 from harness.kernels.runtime import triton_for
+from harness.validate import one_of
 
 KERNELS = ("auto", "torch", "triton")
 
@@ -30,9 +30,7 @@ class PagedOptions(BackendOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.kernel not in KERNELS:
-            raise UserError(f"unknown backend.kernel {self.kernel!r}; known: "
-                            f"{', '.join(KERNELS)}")
+        one_of(self, "backend", "kernel", KERNELS)
 
 
 @dataclass(slots=True)

@@ -33,6 +33,7 @@ from harness.backends.slotted import SlottedBackend
 from harness.errors import UserError
 from harness.kv.base import StepScores
 from harness.kv.policies.snapkv import SnapKVPolicy, check_snapkv_options
+from harness.validate import one_of
 
 POOLING = ("max", "avg")
 
@@ -52,9 +53,7 @@ class SnapKVOptions(BackendOptions):
         if self.kernel < 1 or self.kernel % 2 == 0:
             raise UserError(f"backend.kernel (SnapKV's pooling width) must be odd and >= 1, "
                             f"got {self.kernel}")
-        if self.pooling not in POOLING:
-            raise UserError(f"unknown backend.pooling {self.pooling!r}; known: "
-                            f"{', '.join(POOLING)}")
+        one_of(self, "backend", "pooling", POOLING)
 
 
 class SnapKVBackend(SlottedBackend):

@@ -24,6 +24,7 @@ import random
 from dataclasses import dataclass
 
 from harness.errors import UserError
+from harness.validate import one_of
 from harness.workloads.base import WorkloadOptions
 
 ARRIVALS = ("poisson", "gamma", "constant", "all_at_once")
@@ -45,9 +46,7 @@ class ArrivalOptions(WorkloadOptions):
 
 def check_arrivals(opts: ArrivalOptions) -> None:
     """The arrival options are valid, or a UserError saying which and why."""
-    if opts.arrival not in ARRIVALS:
-        raise UserError(f"unknown workload.arrival {opts.arrival!r}; known: "
-                        f"{', '.join(ARRIVALS)}")
+    one_of(opts, "workload", "arrival", ARRIVALS)
     if not opts.burstiness > 0:
         raise UserError(f"workload.burstiness must be > 0 (1 = Poisson, < 1 burstier), "
                         f"got {opts.burstiness}")

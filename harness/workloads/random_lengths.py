@@ -14,10 +14,9 @@ import math
 import random
 from dataclasses import dataclass
 
-from harness.errors import UserError
 from harness.model.tokenizer import Tokenizer
 from harness.sched.sequence import SamplingParams, SequenceGroup
-from harness.validate import at_least, in_range, ordered
+from harness.validate import at_least, in_range, one_of, ordered
 from harness.workloads.arrivals import ArrivalOptions, arrival_times
 from harness.workloads.base import Request
 from harness.workloads.common import token_prompt
@@ -41,9 +40,7 @@ class RandomConfig(ArrivalOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.distribution not in DISTRIBUTIONS:
-            raise UserError(f"unknown workload.distribution {self.distribution!r}; known: "
-                            f"{', '.join(DISTRIBUTIONS)}")
+        one_of(self, "workload", "distribution", DISTRIBUTIONS)
         at_least(self, "workload", 1, "num_requests", "input_min", "output_min",
                  "priority_levels")
         at_least(self, "workload", 0, "input_std", "output_std")

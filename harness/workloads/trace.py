@@ -32,6 +32,7 @@ import harness
 from harness.errors import UserError
 from harness.model.tokenizer import Tokenizer
 from harness.sched.sequence import SamplingParams, SequenceGroup
+from harness.validate import one_of
 from harness.workloads.base import Request, WorkloadOptions
 from harness.workloads.common import token_prompt
 from harness.workloads.trace_formats import TraceRow, read_trace
@@ -56,9 +57,7 @@ class TraceConfig(WorkloadOptions):
     temperature: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.over_length not in OVER_LENGTH:
-            raise UserError(f"unknown workload.over_length {self.over_length!r}; known: "
-                            f"{', '.join(OVER_LENGTH)}")
+        one_of(self, "workload", "over_length", OVER_LENGTH)
         if not self.speedup > 0:
             raise UserError(f"workload.speedup must be > 0, got {self.speedup}")
         for key in ("max_requests", "start_s", "duration_s", "max_tokens", "temperature"):
