@@ -246,20 +246,22 @@ def fit(train: list[Measured], hw: HardwareSpec, rounds: int = 8) -> HardwareSpe
     if not train:
         raise ValueError("calibration needs at least one training run")
     peak, bw = hw.flops(train[0].compute), hw.mem_bw
+    parts = [terms(m, hw) for m in train]
     for _ in range(rounds):
-        parts = [terms(m, hw) for m in train]
         a = np.concatenate([c / m.step_s[:, None] for (c, _), m in zip(parts, train)])
         b = np.concatenate([1 - f / m.step_s for (_, f), m in zip(parts, train)])
         x = bounded_lsq(a, b, np.array([1e-3, 1 / peak, 1 / bw, 0.0, 0.0]))
-        new = dataclasses.replace(hw, eff_profile=float(1 / x[0]),
-                                  eff_attn=float(1 / (x[1] * peak)),
-                                  eff_bw=float(1 / (x[2] * bw)), step_overhead_s=float(x[3]),
-                                  per_seq_overhead_s=float(x[4]), source="calibrated")
-        settled = all(np.array_equal(terms(m, new)[0][:, 1:3], c[:, 1:3])  # same sides
-                      for m, (c, _) in zip(train, parts))
-        hw = new
-        if settled or hw.overlap == 0.0:
+        hw = dataclasses.replace(hw, eff_profile=float(1 / x[0]),
+                                 eff_attn=float(1 / (x[1] * peak)),
+                                 eff_bw=float(1 / (x[2] * bw)), step_overhead_s=float(x[3]),
+                                 per_seq_overhead_s=float(x[4]), source="calibrated")
+        if hw.overlap == 0.0:  # both sides always count: nothing to re-decide
             break
+        new = [terms(m, hw) for m in train]
+        if all(np.array_equal(c[:, 1:3], d[:, 1:3])  # the same sides bind: settled
+               for (c, _), (d, _) in zip(parts, new)):
+            break
+        parts = new
     return hw
 
 

@@ -42,11 +42,12 @@ class KVReads:
                 context = min(context, b)
         return context
 
-    def gathered(self, s: ScheduledSeq, context: int) -> int:
-        """Keys the gather path copies for one decode: its table's blocks (a window masks
-        keys but its given-back entries are still gathered; contiguous storage gathers
-        the range itself, no block rounding)."""
-        n = context if self.window else self.decode(s, context)
+    def gathered(self, read: int, context: int) -> int:
+        """Keys the gather path copies for one decode that reads ``read`` of its
+        ``context`` keys (:meth:`decode`): its table's blocks (a window masks keys but its
+        given-back entries are still gathered; contiguous storage gathers the range
+        itself, no block rounding)."""
+        n = context if self.window else read
         if self._block is None:  # known once the cache is sized (never, under roofline)
             paged = getattr(self.backend, "storage", "paged") == "paged"
             self._block = int(getattr(self.backend, "block_size", 1) or 1) if paged else 1
@@ -84,8 +85,9 @@ def step_shape(rec: StepRecord, reads: KVReads) -> StepShape:
     for s in rec.seqs:
         n = s.num_tokens
         if n == 1:  # any one-token chunk is a decode for attention (as batch.py)
-            ctx_dec += reads.decode(s, s.start + 1)
-            widest = max(widest, reads.gathered(s, s.start + 1))
+            read = reads.decode(s, s.start + 1)
+            ctx_dec += read
+            widest = max(widest, reads.gathered(read, s.start + 1))
             nd += 1
             if s.sample:
                 decodes.append(s)

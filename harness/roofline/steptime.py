@@ -53,6 +53,7 @@ Two refinements a spec may switch on (the calibrated ``cpu`` spec uses both):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -183,7 +184,7 @@ class StepModel:
 
         if h.profiled(self.compute_dtype):
             a, tp = self.arch, self.tp
-            prof = np.array(h.gemm_profile, dtype=np.float64)
+            prof = profile_array(h.gemm_profile)
             gemm = a.active_params / tp * profile_tau(w.tokens, prof[:, 0], prof[:, 1])
             lm = a.vocab_size * a.hidden_size / tp * profile_tau(w.rows, prof[:, 0], prof[:, 2])
             gemm, lm = gemm / h.eff_profile, lm / h.eff_profile
@@ -196,6 +197,15 @@ class StepModel:
             decode_attn=mx(w.dec_flops / fa, w.dec_bytes / bw) + w.dec_widen_s,
             allreduce=w.ar_seconds,
             overhead=h.step_overhead_s + h.per_seq_overhead_s * w.seqs)
+
+
+@functools.lru_cache(maxsize=8)
+def profile_array(profile: tuple[tuple[float, float, float], ...]) -> np.ndarray:
+    """A spec's GEMM profile as a read-only (rows, 3) array, built once per profile (a
+    roofline run times every step with it)."""
+    arr = np.array(profile, dtype=np.float64)
+    arr.setflags(write=False)
+    return arr
 
 
 def profile_tau(m: Any, rows: np.ndarray, tau: np.ndarray) -> Any:
