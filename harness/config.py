@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -172,6 +173,19 @@ def _workload_options(values: Any) -> WorkloadOptions:
 
     values = dict(values)
     return workload_options(str(values.get("name", "")), values)
+
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """conf/config.yaml composed with ``overrides``, as ``python -m harness`` composes it
+    (no Hydra run folder, no job callbacks): for the harness's own runs of configs."""
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
 
 
 def register_configs() -> None:

@@ -160,9 +160,7 @@ def _ms(m: dict[str, Any], key: str) -> str:
 def check_overrides(overrides: list[str], backends: list[str], key: str) -> None:
     """The overrides compose into a valid run for every backend (typos fail here, before
     any probe runs) and set at least one SLO target."""
-    from hydra import compose, initialize_config_dir
-
-    from harness.config import register_configs, run_config
+    from harness.config import compose_config, run_config
 
     for o in overrides:
         if o.split("=", 1)[0].lstrip("+~") in ("backend", key):
@@ -171,12 +169,9 @@ def check_overrides(overrides: list[str], backends: list[str], key: str) -> None
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    register_configs()
-    conf = str(Path(__file__).resolve().parents[1] / "conf")
     for b in backends:
         try:
-            with initialize_config_dir(config_dir=conf, version_base="1.3"):
-                cfg = compose(config_name="config", overrides=[*overrides, f"backend={b}"])
+            cfg = compose_config([*overrides, f"backend={b}"])
         except (HydraException, OmegaConfBaseException) as e:
             raise UserError(f"the overrides do not compose with backend={b}: {e}") from None
         rc = run_config(cfg)

@@ -4,18 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, open_dict
 
-from harness.config import register_configs
-
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
+from harness.config import compose_config
 
 
 def compose_cfg(overrides: list[str], out_dir: Path | None = None) -> DictConfig:
-    register_configs()
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
+    cfg = compose_config(overrides)
     with open_dict(cfg):
         cfg.out_dir = str(out_dir) if out_dir is not None else None
         cfg.progress = False

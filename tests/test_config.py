@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from tests.compose import CONF, compose_cfg
+from harness.config import CONF_DIR
+from tests.compose import compose_cfg
 
 GROUPS = ["backend", "workload", "model", "scheduler", "cache", "logger"]
 
 
 def options(group: str) -> list[str]:
-    return sorted(p.stem for p in (Path(CONF) / group).glob("*.yaml"))
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])

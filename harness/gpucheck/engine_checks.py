@@ -12,29 +12,21 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, open_dict
 
-import harness
 from harness.gpucheck.profile import ENGINE_BACKENDS, EngineShape, Profile
 from harness.gpucheck.sections import SectionContext, SectionTimeout, error_text, time_limit
-
-CONF = Path(harness.__file__).resolve().parent.parent / "conf"
 
 
 def compose_run(overrides: list[str]) -> DictConfig:
     """Compose conf/config.yaml with ``overrides`` as ``python -m harness`` does; no
     results folder, no progress bar."""
-    from hydra import compose, initialize_config_dir
+    from harness.config import compose_config
 
-    from harness.config import register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
+    cfg = compose_config(overrides)
     with open_dict(cfg):
         cfg.out_dir = None
         cfg.progress = False

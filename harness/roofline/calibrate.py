@@ -108,15 +108,9 @@ class Measured:
 
 
 def compose(overrides: list[str]) -> Any:
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from harness.config import compose_config
 
-    from harness.config import register_configs
-
-    register_configs()
-    conf = Path(__file__).resolve().parents[2] / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides)
+    return compose_config(overrides)
 
 
 Run = tuple[list[StepShape], list[float], int, float, int, str, str]
