@@ -54,7 +54,7 @@ from harness.roofline.hardware import (
     spec_from_calibration,
 )
 from harness.roofline.models import MODEL_SPECS, ArchSpec, arch_of, hf_config_of
-from harness.roofline.profile import GemmProfile, kv_dtype_of, profile_gemms
+from harness.roofline.profile import GemmProfile, dtype_name, kv_dtype_of, profile_gemms
 from harness.roofline.shape import KVReads, StepShape, step_shape
 from harness.roofline.steptime import StepModel, StepWork
 from harness.roofline.targets import BASE, TARGETS, Target
@@ -149,8 +149,7 @@ def measure(configs: dict[str, list[str]], repeats: int, loaded: Any,
     gap between training and held-out runs); per-step medians (the steps must agree)."""
     t = target or TARGETS["cpu"]
     arch = arch_of(loaded.model.config)
-    compute = {torch.float32: "fp32", torch.bfloat16: "bf16",
-               torch.float16: "fp16"}[loaded.model.dtype]
+    compute = dtype_name(loaded.model.dtype)
     runs: dict[str, list[Run]] = {k: [] for k in configs}
     for _ in range(repeats):
         for name, overrides in configs.items():

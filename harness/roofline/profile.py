@@ -40,6 +40,12 @@ class GemmProfile:
                 "lm_head_s_per_param": self.lm_head_s_per_param}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """A compute dtype by the specs' names ("fp32", "bf16", "fp16")."""
+    return {torch.float32: "fp32", torch.bfloat16: "bf16",
+            torch.float16: "fp16"}.get(dtype, str(dtype))
+
+
 def kv_dtype_of(backend: object) -> str:
     """The widening profile's name for a backend's stored K/V dtype: "int8", "fp8", or ""
     (the compute dtype, or a format of the backend's own)."""
@@ -116,7 +122,6 @@ def profile_gemms(model: torch.nn.Module, repeats: int = 3,
         lay.append(_time(layers, m, repeats) / n_layers)
         lm.append(_time([head], m, repeats) / head.numel())
     peak = max(2.0 * m / t for m, t in zip(rows, lay))
-    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16",
-             torch.float16: "fp16"}.get(head.dtype, str(head.dtype))
+    dtype = dtype_name(head.dtype)
     return GemmProfile(dtype, list(rows), lay, lm, peak, head.element_size() / lay[0],
                        profile_widen(repeats, device=head.device))
