@@ -18,9 +18,10 @@ from typing import Any, ClassVar
 
 import torch
 
+from harness.backends.costs import KVCosts, Read
 from harness.errors import UserError
 from harness.kv.base import KVManager, StepScores
-from harness.sched.step import ScheduledSeq, StepRecord
+from harness.sched.step import CHECKS, ScheduledSeq, StepRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,21 +125,49 @@ class KVBackend(ABC):
         self.device = device
         self.block_size = self.opts.block_size  # paged storage; contiguous ignores it
         self.batch: AttentionBatch | None = None
-        # K/V bytes the decode queries read, summed over the run: a device scalar once the
-        # first step is counted (no host sync per step), and the decode queries counted.
-        self._read_bytes: torch.Tensor | int = 0
-        self._read_queries = 0
+        self._costs: KVCosts | None = None
+        if type(self).declare_costs is KVBackend.declare_costs:
+            raise UserError(
+                f"backend {self.name!r} ({type(self).__name__}) declares no costs: implement "
+                "declare_costs() returning a harness.backends.costs.KVCosts (bytes per slot, "
+                "what a decode query reads, the keys a prefill query sees; "
+                "docs/architecture.md, 'How to add a backend')")
+        # Counting what the attention touched costs a few reductions per layer: on under
+        # KVBENCH_CHECK (the tests), where the engine holds it to the declaration.
+        self.track_touches = CHECKS
+        self._touch_acc: list[torch.Tensor | int] = [0, 0, 0]
 
-    # -- sizing -------------------------------------------------------------------------
+    # -- costs: declared once (harness.backends.costs) --------------------------------
+    def declare_costs(self) -> KVCosts:
+        """What this backend's method costs: bytes per slot, what a decode query reads,
+        the keys a prefill query sees (a :class:`~harness.backends.costs.KVCosts`, from
+        the options and the layout). Every backend declares it; the engine's read metrics
+        and the roofline's step model read nothing else."""
+        raise NotImplementedError
+
+    def costs(self) -> KVCosts:
+        """The declaration, built once per block size (allocate may set the block size)."""
+        c = self._costs
+        if c is None or c.block_size != self._costs_block_size():
+            c = self._costs = self.declare_costs()
+        return c
+
+    def _costs_block_size(self) -> int:
+        return self.block_size if self.storage == "paged" else 1
+
     def bytes_per_slot(self) -> int:
         """Bytes one token takes in the cache, all layers, K and V (scales included)."""
-        lay = self.layout
-        return 2 * lay.num_layers * lay.num_kv_heads * lay.head_dim * lay.elem_bytes
+        return self.costs().slot_bytes
 
     def reserved_bytes(self) -> int:
         """Bytes of the budget held outside the per-slot cache, taken off before the
         budget is divided into slots (kivi: its full-precision residual blocks)."""
-        return 0
+        return self.costs().reserved_bytes
+
+    def full_slot_bytes(self) -> int:
+        """One token's K and V at the layout's dtype, all layers: 2 x L x KV x D x bytes."""
+        lay = self.layout
+        return 2 * lay.num_layers * lay.num_kv_heads * lay.head_dim * lay.elem_bytes
 
     @property
     def kernel(self) -> str:
@@ -161,6 +190,7 @@ class KVBackend(ABC):
 
     def begin_step(self, batch: AttentionBatch) -> None:
         self.batch = batch
+        self._touch_acc = [0, 0, 0]
 
     @abstractmethod
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
@@ -176,28 +206,28 @@ class KVBackend(ABC):
         device-to-host transfer (None: the policy needs none)."""
         return None
 
-    # -- what the decode attention reads (attention.kv_read_bytes_per_token) --------------
-    def decode_read_bytes(self, batch: AttentionBatch) -> torch.Tensor | int:
-        """Bytes of cache (K and V of every layer, with their scales or metadata) that this
-        step's decode queries read, counted after the forward. The default: every token of
-        each decode's context at :meth:`bytes_per_slot`. A backend that reads less (a
-        window, held slots, selected blocks) or other bytes (quantized values) overrides
-        it. What is counted is what the attention needs, as a kernel reads it: the torch
-        reference's gather of padded tables reads more and is not counted."""
-        return batch.decode_lens.sum() * self.bytes_per_slot()
+    # -- what the attention touched (held to costs() under KVBENCH_CHECK) ---------------
+    def touch_decode(self, keys: torch.Tensor | int, nbytes: torch.Tensor | int) -> None:
+        """Count, from the attention's own masks and selections, ``keys`` (key, KV head)
+        pairs one layer's decodes read and the ``nbytes`` they cost (device scalars: no
+        sync). Only while :attr:`track_touches`."""
+        t = self._touch_acc
+        t[0] = t[0] + keys
+        t[1] = t[1] + nbytes
 
-    def count_reads(self) -> None:
-        """After the forward: add this step's decode reads to the run's total."""
-        b = self.batch
-        if b is None or not b.num_decode:
-            return
-        self._read_bytes = self._read_bytes + self.decode_read_bytes(b)
-        self._read_queries += b.num_decode
+    def touch_prefill(self, pairs: torch.Tensor | int) -> None:
+        """Count the (query, key) pairs one layer's prefill masks admitted."""
+        self._touch_acc[2] = self._touch_acc[2] + pairs
 
-    def kv_read_bytes_per_token(self) -> float | None:
-        """Mean cache bytes one decode query read (None: the run had no decode)."""
-        if not self._read_queries:
-            return None
-        total = self._read_bytes
-        return float(total.item() if isinstance(total, torch.Tensor) else total) \
-            / self._read_queries
+    def touched(self) -> tuple[Read, int]:
+        """What this step's attention touched, all layers: the decodes' (tokens, bytes)
+        and the prefill pairs, in the units of :class:`~harness.backends.costs.StepReads`
+        (one host sync; for checks and tests)."""
+        lay = self.layout
+        keys, nbytes, pairs = (int(x.item()) if isinstance(x, torch.Tensor) else int(x)
+                               for x in self._touch_acc)
+        per_token, rem = divmod(keys, lay.num_layers * lay.num_kv_heads)
+        assert not rem, f"{self.name}: layers or KV heads read different token counts"
+        per_layer, rem = divmod(pairs, lay.num_layers)
+        assert not rem, f"{self.name}: layers saw different prefill pairs"
+        return Read(per_token, nbytes), per_layer

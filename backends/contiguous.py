@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
-from harness.backends.attention_ref import attend_chunk, attend_decode
+from harness.backends.attention_ref import attend_chunk, attend_decode, chunk_mask, decode_mask
 from harness.backends.base import BackendOptions, CacheSizing, KVBackend, KVLayout
+from harness.backends.costs import KVCosts
 from harness.kv.base import KVManager
 from harness.kv.contiguous import POLICIES, ContiguousKVManager
 from harness.sched.step import StepRecord
@@ -49,6 +50,9 @@ class ContiguousBackend(KVBackend):
                         for _ in range(lay.num_layers)]
         self.v_cache = [torch.zeros_like(t) for t in self.k_cache]
 
+    def declare_costs(self) -> KVCosts:
+        return KVCosts(self.full_slot_bytes())  # a range per sequence: no block granule
+
     def make_manager(self, sizing: CacheSizing, **options: Any) -> KVManager:
         return ContiguousKVManager(sizing.num_slots, policy=self.reserve, **options)
 
@@ -72,11 +76,18 @@ class ContiguousBackend(KVBackend):
             width = max(d.start + 1 for d in b.decode_seqs)
             idx = b.decode_tables[:, :1] + torch.arange(width, device=q.device)
             idx = idx.clamp_(max=kc.shape[0] - 1)  # past a row's length: masked, any slot
+            if self.track_touches:
+                n = decode_mask(b.decode_lens, width).sum()
+                lay = self.layout
+                self.touch_decode(n * lay.num_kv_heads,
+                                  n * (self.full_slot_bytes() // lay.num_layers))
             out[:nd] = attend_decode(q[:nd], kc[idx].to(q.dtype), vc[idx].to(q.dtype),
                                      b.decode_lens)
         for c in b.prefills:
             n = c.start + c.num_tokens
             first = c.sched.slots[0] - c.start  # the range's first slot, known on the host
+            if self.track_touches:
+                self.touch_prefill(chunk_mask(c.start, c.num_tokens, n, device=q.device).sum())
             out[c.row:c.row + c.num_tokens] = attend_chunk(
                 q[c.row:c.row + c.num_tokens], kc[first:first + n].to(q.dtype),
                 vc[first:first + n].to(q.dtype), c.start)

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import torch
 
 from harness.backends.base import AttentionBatch, BackendOptions, KVLayout
+from harness.backends.costs import KVCosts
 from harness.backends.flash_attn_seam import FlashAttnFns, load_flash_attn
 from harness.backends.paged_storage import PagedStorageBackend
 
@@ -88,6 +89,9 @@ class FlashAttnBackend(PagedStorageBackend):
     def kernel(self) -> str:
         return f"flash_attn-{self.fns.version}"
 
+    def declare_costs(self) -> KVCosts:
+        return KVCosts(self.full_slot_bytes(), self.block_size)  # paged, dense
+
     def begin_step(self, batch: AttentionBatch) -> None:
         super().begin_step(batch)
         i32, dev, bs = torch.int32, self.device, self.block_size
@@ -118,6 +122,8 @@ class FlashAttnBackend(PagedStorageBackend):
         st, b = self._step, self.batch
         assert st is not None and b is not None
         self.store(layer, k, v)
+        if self.track_touches:
+            self.touch_by_bounds(layer)
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         if q.stride(-1) != 1:  # flash-attn's one layout rule for q
             q = q.contiguous()

@@ -38,6 +38,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from harness.backends.base import AttentionBatch, KVLayout
+from harness.backends.costs import KVCosts
 from harness.backends.paged_storage import PagedStorageBackend
 
 Q_BLOCK = 128  # query rows per BlockMask row; flex's default tile
@@ -61,6 +62,8 @@ class FlexStep:
     block_pos: torch.Tensor
     kv_blocks: torch.Tensor | None
     block_mask: BlockMask
+    mask_mod: Callable[..., torch.Tensor]
+    num_kv: int  # KV slots the mask ranges over (gathered blocks or the whole cache)
 
 
 def paged_mask_mod(tables: torch.Tensor, row_seq: torch.Tensor, q_pos: torch.Tensor,
@@ -110,6 +113,9 @@ class FlexBackend(PagedStorageBackend):
     def kernel(self) -> str:
         return "flex_compiled" if self._options is not None else "flex_eager"
 
+    def declare_costs(self) -> KVCosts:
+        return KVCosts(self.full_slot_bytes(), self.block_size)  # paged, dense
+
     def begin_step(self, batch: AttentionBatch) -> None:
         super().begin_step(batch)
         self._step = self._build_step(batch)
@@ -152,7 +158,8 @@ class FlexBackend(PagedStorageBackend):
             torch.tensor(counts, dtype=torch.int64, device=dev), output_size=num_rows)
         mask_mod = paged_mask_mod(tables, row_seq, b.positions, block_pos, bs, kv_blocks)
         block_mask = self._block_mask(b, named, chunk_blocks, num_rows, num_kv, mask_mod)
-        return FlexStep(row_seq, b.positions, tables, block_pos, kv_blocks, block_mask)
+        return FlexStep(row_seq, b.positions, tables, block_pos, kv_blocks, block_mask,
+                        mask_mod, num_kv * bs)
 
     def _block_mask(self, b: AttentionBatch, named: torch.Tensor, chunk_blocks: list[int],
                     num_rows: int, num_kv: int,
@@ -177,11 +184,26 @@ class FlexBackend(PagedStorageBackend):
             BLOCK_SIZE=(Q_BLOCK, self.block_size), mask_mod=mask_mod,
             seq_lengths=(num_rows, num_kv * self.block_size), compute_q_blocks=False)
 
+    def touch_mask(self, st: FlexStep) -> None:
+        """Count the keys the step's mask_mod admits, evaluated on every (row, KV slot):
+        decode rows first, then the prefill chunks' rows."""
+        rows = torch.arange(len(st.q_pos), device=self.device)[:, None]
+        kv = torch.arange(st.num_kv, device=self.device)[None, :]
+        admitted = st.mask_mod(0, 0, rows, kv).sum(-1)  # (T,)
+        b, lay = self.batch, self.layout
+        assert b is not None
+        nd = b.num_decode
+        n = admitted[:nd].sum()
+        self.touch_decode(n * lay.num_kv_heads, n * (self.full_slot_bytes() // lay.num_layers))
+        self.touch_prefill(admitted[nd:].sum())
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
         self.store(layer, k, v)
         st = self._step
         assert st is not None
+        if self.track_touches:
+            self.touch_mask(st)
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         if st.kv_blocks is not None:
             kc, vc = kc[st.kv_blocks], vc[st.kv_blocks]

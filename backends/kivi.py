@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from harness.backends.base import AttentionBatch, CacheSizing, KVLayout
+from harness.backends.costs import KIVICosts, KVCosts
 from harness.backends.kivi_quant import SCALE_DTYPE, dequantize, pack, quantize, unpack
 from harness.backends.kivi_residual import ResidualPool
 from harness.backends.paged import PagedBackend, PagedOptions
@@ -85,18 +86,24 @@ class KIVIBackend(PagedBackend):
         per_head = self.block_size * self._token_bytes() + 2 * lay.head_dim * SCALE_BYTES
         return lay.num_layers * lay.num_kv_heads * per_head
 
-    def bytes_per_slot(self) -> int:
-        return -(-self._block_bytes() // self.block_size)
+    def declare_costs(self) -> KVCosts:
+        full = self.full_slot_bytes()
+        return KIVICosts(self._block_bytes(), full, self.block_size,
+                         self.residual_blocks * self.block_size * full)
 
-    def reserved_bytes(self) -> int:
-        full = super().bytes_per_slot()  # 2 x L x KV x D x compute dtype bytes
-        return self.residual_blocks * self.block_size * full
-
-    def decode_read_bytes(self, batch: AttentionBatch) -> torch.Tensor:
-        # The context's full blocks quantized, its partial last block in full precision.
-        lens, bs = batch.decode_lens, self.block_size
-        return ((lens // bs).sum() * self._block_bytes()
-                + (lens % bs).sum() * super().bytes_per_slot())
+    def touch_decode_mask(self, layer: int, tables: torch.Tensor, mask: torch.Tensor) -> None:
+        # As read_blocks reads: a block with a residual slab in full precision, any other
+        # as codes + value scales per key and the keys' per-channel scales per block.
+        lay, bs = self.layout, self.block_size
+        res = self.residual.slab_map[tables] >= 0  # (B, W)
+        keys = mask.view(*tables.shape, bs).sum(-1)  # (B, W) keys read per block
+        full_keys, quant_keys = keys[res].sum(), keys[~res].sum()
+        quant_blocks = ((keys > 0) & ~res).sum()
+        d = lay.head_dim
+        nbytes = lay.num_kv_heads * (quant_keys * self._token_bytes()
+                                     + quant_blocks * 2 * d * SCALE_BYTES
+                                     + full_keys * 2 * d * lay.elem_bytes)
+        self.touch_decode((full_keys + quant_keys) * lay.num_kv_heads, nbytes)
 
     # -- storage --------------------------------------------------------------------------
     def make_manager(self, sizing: CacheSizing, **options: Any) -> KVManager:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from harness.backends.base import AttentionBatch, BackendOptions, KVLayout
+from harness.backends.costs import KVCosts, WindowCosts
 from harness.backends.paged_storage import PagedStorageBackend
 from harness.kernels.runtime import triton_for
 from harness.validate import one_of
@@ -59,6 +60,13 @@ class PagedBackend(PagedStorageBackend):
     @property
     def kernel(self) -> str:
         return self._kernel
+
+    def declare_costs(self) -> KVCosts:
+        # Every context token at full precision, or what the window knobs let a query see.
+        if self.window:
+            return WindowCosts(self.full_slot_bytes(), self.block_size, self.window,
+                               self.window_sinks)
+        return KVCosts(self.full_slot_bytes(), self.block_size)
 
     def requested_kernel(self) -> str:
         """``backend.kernel`` as this backend can honour it (subclasses narrow it)."""
@@ -113,6 +121,8 @@ class PagedBackend(PagedStorageBackend):
         b = self.batch
         assert b is not None
         self.store_triton(layer, k, v)
+        if self.track_touches:
+            self.touch_by_bounds(layer, self.window or None, self.window_sinks)
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         ks, vs = self.scales(layer)
         shape = {"window": self.window, "sinks": self.window_sinks, "k_scale": ks,

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from harness.backends.attention_ref import attend_chunk, attend_decode
+from harness.backends.attention_ref import attend_chunk, attend_decode, chunk_mask, decode_mask
 from harness.backends.base import CacheSizing, KVBackend
 from harness.kv.base import CopyOp, KVManager
 from harness.kv.paged import PagedKVManager
@@ -119,6 +119,9 @@ class PagedStorageBackend(KVBackend):
         nd = b.num_decode
         if nd:
             kd, vd = self.read_blocks(layer, b.decode_tables)
+            if self.track_touches:
+                self.touch_decode_mask(layer, b.decode_tables, decode_mask(
+                    b.decode_lens, kd.shape[1] * kd.shape[2], window, sinks))
             out[:nd] = attend_decode(q[:nd], kd.flatten(1, 2).to(q.dtype),
                                      vd.flatten(1, 2).to(q.dtype), b.decode_lens, window,
                                      sinks)
@@ -135,6 +138,33 @@ class PagedStorageBackend(KVBackend):
             ctx = c.start + c.num_tokens
             kk, vv = self.read_blocks(layer, c.table[:-(-ctx // bs)])
             rows = slice(c.row, c.row + c.num_tokens)
+            if self.track_touches:
+                self.touch_prefill(chunk_mask(c.start, c.num_tokens, ctx, window, sinks,
+                                              q.device).sum())
             out[rows] = attend_chunk(q[rows], kk.flatten(0, 1)[:ctx].to(q.dtype),
                                      vv.flatten(0, 1)[:ctx].to(q.dtype), c.start, window,
                                      sinks)
+
+    # -- what the attention touched (KVBackend.touched) ---------------------------------
+    def touch_decode_mask(self, layer: int, tables: torch.Tensor, mask: torch.Tensor) -> None:
+        """Count one layer's decode reads from the attention's ``mask``: bool (B, W x
+        block_size), the keys each decode read among its table's positions (``tables``:
+        int64 (B, W)). Here a key costs its K and V for every KV head; a backend that
+        stores other bytes (scales, overlays, codes) overrides it."""
+        lay = self.layout
+        n = mask.sum()
+        self.touch_decode(n * lay.num_kv_heads, n * (self.full_slot_bytes() // lay.num_layers))
+
+    def touch_by_bounds(self, layer: int, window: int | None = None, sinks: int = 0) -> None:
+        """For a kernel whose masks are not visible here (Triton, flex, flash-attn): the
+        keys it reads from the bounds it is given, each decode's length and each chunk's
+        start and length (and the window), which it reads exactly."""
+        b = self.batch
+        assert b is not None
+        if b.num_decode:
+            width = b.decode_tables.shape[1] * self.block_size
+            self.touch_decode_mask(layer, b.decode_tables,
+                                   decode_mask(b.decode_lens, width, window, sinks))
+        for c in b.prefills:
+            self.touch_prefill(chunk_mask(c.start, c.num_tokens, c.start + c.num_tokens,
+                                          window, sinks, self.device).sum())

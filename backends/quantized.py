@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from harness.backends.base import AttentionBatch, CacheSizing, KVLayout
+from harness.backends.base import CacheSizing, KVLayout
+from harness.backends.costs import KVCosts, QuantCosts
 from harness.backends.paged import PagedBackend, PagedOptions
 from harness.errors import UserError
 from harness.kernels.reference import dequantize_ref, store_kv_quant_ref
@@ -56,28 +57,25 @@ class QuantizedBackend(PagedBackend):
         assert isinstance(self.opts, QuantizedOptions)
         return "torch" if self.opts.sink_tokens else self.opts.kernel
 
-    def bytes_per_slot(self) -> int:
+    def declare_costs(self) -> KVCosts:
         lay = self.layout
-        per_head = lay.head_dim * self.cache_dtype.itemsize + SCALE_BYTES
-        base = 2 * lay.num_layers * lay.num_kv_heads * per_head
-        return base + self._sink_bytes_per_slot()
+        quant = 2 * lay.num_layers * lay.num_kv_heads * self._head_bytes()
+        return QuantCosts(quant, self.full_slot_bytes(), self.block_size, self.sink_tokens)
 
-    def decode_read_bytes(self, batch: AttentionBatch) -> torch.Tensor:
-        # 1-byte values and their scales for every context token, plus the full-precision
-        # overlay of the first sink_tokens of each sequence.
-        lens = batch.decode_lens
-        quant = self.bytes_per_slot() - self._sink_bytes_per_slot()
-        out = lens.sum() * quant
+    def _head_bytes(self) -> int:
+        """One token's K or V of one layer and KV head: 1-byte values and the scale."""
+        return self.layout.head_dim * self.cache_dtype.itemsize + SCALE_BYTES
+
+    def touch_decode_mask(self, layer: int, tables: torch.Tensor, mask: torch.Tensor) -> None:
+        # Values and scales of every key read; read_blocks then overlays the first block's
+        # first sink_tokens slots in full precision (positions < sink_tokens of the mask).
+        lay = self.layout
+        n = mask.sum()
+        nbytes = n * lay.num_kv_heads * 2 * self._head_bytes()
         if self.sink_tokens:
-            out = out + lens.clamp(max=self.sink_tokens).sum() * super().bytes_per_slot()
-        return out
-
-    def _sink_bytes_per_slot(self) -> int:
-        if not self.sink_tokens:
-            return 0
-        bs = self.block_size
-        full = super().bytes_per_slot()  # 2 x L x KV x D x compute dtype bytes
-        return -(-full * self.sink_tokens // bs)
+            sinks = mask[:, :self.sink_tokens].sum()
+            nbytes = nbytes + sinks * (self.full_slot_bytes() // lay.num_layers)
+        self.touch_decode(n * lay.num_kv_heads, nbytes)
 
     def allocate(self, sizing: CacheSizing) -> None:
         if self.sink_tokens > sizing.block_size:

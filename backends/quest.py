@@ -27,7 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from harness.backends.base import AttentionBatch, CacheSizing, KVLayout
+from harness.backends.base import CacheSizing, KVLayout
+from harness.backends.costs import KVCosts, QuestCosts
 from harness.backends.paged import PagedBackend, PagedOptions
 from harness.errors import UserError
 from harness.sched.step import StepRecord
@@ -56,7 +57,6 @@ class QuestBackend(PagedBackend):
         super().__init__(layout, device, **options)
         assert isinstance(self.opts, QuestOptions)
         self.token_budget = self.opts.token_budget
-        self._reads: torch.Tensor | int = 0  # this step's decode reads, all layers so far
 
     def requested_kernel(self) -> str:
         return "torch"  # recorded in run.kernel; triton is refused in QuestOptions
@@ -66,8 +66,9 @@ class QuestBackend(PagedBackend):
         lay = self.layout
         return 2 * lay.num_layers * lay.num_kv_heads * lay.head_dim * lay.elem_bytes
 
-    def bytes_per_slot(self) -> int:
-        return super().bytes_per_slot() + -(-self.meta_bytes_per_block() // self.block_size)
+    def declare_costs(self) -> KVCosts:
+        return QuestCosts(self.full_slot_bytes(), self.meta_bytes_per_block(), self.block_size,
+                          self.token_budget)
 
     def allocate(self, sizing: CacheSizing) -> None:
         super().allocate(sizing)
@@ -165,13 +166,11 @@ class QuestBackend(PagedBackend):
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys.to(q.dtype),
                                              vals.to(q.dtype), attn_mask=mask,
                                              enable_gqa=True)
-        # Read: the chosen tokens' K and V (per KV head), and every context block's bounds.
-        per_head_token = 2 * lay.head_dim * lay.elem_bytes
-        meta = self.meta_bytes_per_block() // lay.num_layers
-        self._reads = self._reads + valid.sum() * per_head_token \
-            + b.decode_num_blocks.sum() * meta
+        if self.track_touches:
+            # Read: the chosen tokens' K and V (per KV head), and every context block's
+            # bounds.
+            keys = valid.sum()
+            meta = self.meta_bytes_per_block() // lay.num_layers
+            self.touch_decode(keys, keys * 2 * lay.head_dim * lay.elem_bytes
+                              + b.decode_num_blocks.sum() * meta)
         return out.squeeze(2)
-
-    def decode_read_bytes(self, batch: AttentionBatch) -> torch.Tensor | int:
-        reads, self._reads = self._reads, 0
-        return reads

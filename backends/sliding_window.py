@@ -2,11 +2,13 @@
 ``backend.sink_tokens`` (StreamingLLM's attention sinks; default 4, 0 allowed).
 
 Attention is `paged`'s (torch reference or the Triton kernels' window bound, per
-``backend.kernel``). What is freed is the KV manager's :class:`WindowPolicy`
-(harness.kv.policies.window): after every step, blocks that fall wholly outside both are
-given back (counted in ``cache.evicted_tokens``; steps.csv shows reserved bytes falling),
-so a long sequence holds at most ``window + block_size`` tokens plus its sink blocks. The
-stored K/V are exact: a block's content still matches its hash, so prefix caching stays on.
+``backend.kernel``), and so is its cost declaration (paged's window knobs:
+:class:`~harness.backends.costs.WindowCosts`). What is freed is the KV manager's
+:class:`WindowPolicy` (harness.kv.policies.window): after every step, blocks that fall
+wholly outside both are given back (counted in ``cache.evicted_tokens``; steps.csv shows
+reserved bytes falling), so a long sequence holds at most ``window + block_size`` tokens
+plus its sink blocks. The stored K/V are exact: a block's content still matches its hash,
+so prefix caching stays on.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 import torch
 
-from harness.backends.base import AttentionBatch, CacheSizing, KVLayout
+from harness.backends.base import CacheSizing, KVLayout
 from harness.backends.paged import PagedBackend, PagedOptions
 from harness.kv.base import KVManager
 from harness.kv.evicting import EvictingKVManager
@@ -45,13 +47,6 @@ class SlidingWindowBackend(PagedBackend):
     def make_manager(self, sizing: CacheSizing, **options: Any) -> KVManager:
         return EvictingKVManager(sizing.num_blocks, sizing.block_size, self.policy,
                                  num_cpu_blocks=sizing.num_cpu_blocks, **options)
-
-    def decode_read_bytes(self, batch: AttentionBatch) -> torch.Tensor:
-        # A query sees its last `window` tokens and the sinks before them, nothing else.
-        lens = batch.decode_lens
-        seen = lens.clamp(max=self.window) + (lens - self.window).clamp(
-            min=0, max=self.window_sinks)
-        return seen.sum() * self.bytes_per_slot()
 
 
 class StreamingLLMBackend(SlidingWindowBackend):

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from harness.backends.base import AttentionBatch, CacheSizing, PrefillChunk
+from harness.backends.costs import KVCosts
 from harness.backends.paged_storage import PagedStorageBackend, copy_runs
 from harness.kv.base import KVManager
 from harness.kv.evicting import EvictingKVManager
@@ -82,6 +83,8 @@ class SlottedBackend(PagedStorageBackend):
         out = torch.empty_like(q)
         nd = b.num_decode
         if nd:
+            if self.track_touches:
+                self.touch_slots(self._decode_valid, decode=True)
             out[:nd] = self.attend_rows(layer, q[:nd].unsqueeze(1), self._decode_slots,
                                         self._decode_valid[:, None, :])[:, 0]
         for c, slots in zip(b.prefills, self._chunk_slots):
@@ -97,6 +100,8 @@ class SlottedBackend(PagedStorageBackend):
         kpos = self.slot_pos[slots]
         qpos = b.positions[c.row:c.row + c.num_tokens]
         valid = (kpos[None, :] >= 0) & (kpos[None, :] <= qpos[:, None])
+        if self.track_touches:
+            self.touch_slots(valid, decode=False)
         return self.attend_rows(layer, q.unsqueeze(0), slots[None], valid[None])[0]
 
     def attend_rows(self, layer: int, q: torch.Tensor, slots: torch.Tensor,
@@ -117,6 +122,16 @@ class SlottedBackend(PagedStorageBackend):
         v = self.v_cache[layer].view(-1, kv_heads, d)[slots]
         return k.to(dtype), v.to(dtype)
 
-    def decode_read_bytes(self, batch: AttentionBatch) -> torch.Tensor:
-        # A decode reads the live slots of its held blocks: the tokens its sequence keeps.
-        return self._decode_valid.sum() * self.bytes_per_slot()
+    def declare_costs(self) -> KVCosts:
+        # A query reads the live slots of its held blocks: the tokens its sequence keeps
+        # (a prefill query those at or before it), every one at full precision.
+        return KVCosts(self.full_slot_bytes(), self.block_size)
+
+    def touch_slots(self, valid: torch.Tensor, decode: bool) -> None:
+        """Count one layer's reads from a mask over held slots (B, [n,] L)."""
+        n = valid.sum()
+        lay = self.layout
+        if decode:
+            self.touch_decode(n * lay.num_kv_heads, n * (self.full_slot_bytes() // lay.num_layers))
+        else:
+            self.touch_prefill(n)

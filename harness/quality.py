@@ -26,6 +26,7 @@ from harness.backends.contiguous import ContiguousOptions
 from harness.engine.sampler import Sampler
 from harness.errors import UserError
 from harness.metrics.bootstrap import ci_keys
+from harness.metrics.summary import kv_read_bytes_per_token
 from harness.model import LoadedModel, load_model
 from harness.sched.sequence import SamplingParams, Sequence, SequenceGroup
 from harness.stack import build_stack
@@ -157,12 +158,12 @@ def _stream(loaded: LoadedModel, device: torch.device, backend: BackendOptions,
             rc: RunConfig, sampler: ForcedSampler, texts: list[list[int]],
             prefill: int, budget: str | int) -> tuple[float, float, float | None]:
     """Stream the texts; returns KV bytes held per sequence (mean over steps, peak) and
-    the cache bytes a decode query read (mean; the backend's own count)."""
+    the cache bytes a decode query read (mean; the backend's declared reads)."""
     st = build_stack(loaded, device, backend, rc.cache, rc.scheduler, sampler,
                      quiet=True, kv_budget=budget)
     st.engine.run(_TextsWorkload(texts, prefill))
     per_seq = [s.reserved_bytes / s.running for s in st.collector.steps if s.running]
-    reads = st.backend.kv_read_bytes_per_token()
+    reads = kv_read_bytes_per_token(st.collector.steps)
     if not per_seq:
         return 0.0, 0.0, reads
     return sum(per_seq) / len(per_seq), max(per_seq), reads

@@ -110,8 +110,6 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
         "prefix_caching": st.prefix_caching, "executor": "model",
     }
     metrics = summarize(collector, run_info, sizing.kv_budget_bytes, sizing.num_slots, wall)
-    # Measured by the backend: cache bytes its decode attention read per decode token.
-    metrics["attention.kv_read_bytes_per_token"] = backend.kv_read_bytes_per_token()
     if isinstance(workload, ReportsMetrics):
         metrics.update(workload.workload_metrics())
     rows = request_rows(collector)

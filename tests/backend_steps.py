@@ -11,6 +11,7 @@ import torch
 
 from harness.backends import get_backend
 from harness.backends.base import CacheSizing, KVBackend, KVLayout
+from harness.backends.costs import StepReads, step_reads
 from harness.engine.batch import build_inputs
 from harness.kv.base import Demand, KVManager
 from harness.kv.evicting import EvictingKVManager
@@ -50,6 +51,8 @@ class Driver:
         self.be: KVBackend = get_backend(self.name)(self.layout, CPU,
                                                     block_size=self.block_size,
                                                     **self.options)
+        self.be.track_touches = True
+        self.reads: list[StepReads] = []  # each step's declared reads
         sizing = CacheSizing(kv_budget_bytes=0, bytes_per_slot=self.be.bytes_per_slot(),
                              num_slots=self.num_blocks * self.block_size,
                              block_size=self.block_size, num_blocks=self.num_blocks,
@@ -109,7 +112,13 @@ class Driver:
                            for sc in order])
             qs.append(q)
             outs.append(self.be.attend(layer, q, k, v))
-        self.be.count_reads()
+        # The declaration against the tensors, every step: what the attention touched.
+        declared = step_reads(rec, self.kv, self.be.costs())
+        read, pairs = self.be.touched()
+        assert (read.tokens, read.bytes, pairs) == (
+            declared.decode_tokens, declared.decode_bytes, declared.prefill_pairs), \
+            (self.name, (read, pairs), declared)
+        self.reads.append(declared)
         scores = self.be.take_scores()
         for s, _ in chunks:
             if s.num_computed == s.num_tokens:
@@ -119,6 +128,12 @@ class Driver:
             self.kv.observe([s for s, _ in chunks], scores)
         self.last_scores = scores
         return StepOut(qs, outs, rows)
+
+    def read_bytes_per_token(self) -> float:
+        """Declared cache bytes per decode query over the steps so far."""
+        q = sum(r.decode_queries for r in self.reads)
+        assert q, "no decode ran"
+        return sum(r.decode_bytes for r in self.reads) / q
 
     def held(self, seq: Sequence) -> tuple[list[int], list[int]]:
         """(slots, positions) of the tokens ``seq`` holds, in position order, as the

@@ -217,6 +217,10 @@ def run_scenario(be: KVBackend, sc: PagedScenario,
     for i in range(len(sc.tables)):
         grp = SequenceGroup(i, [1], SamplingParams())
         s = Sequence(i, grp, [1] * len(sc.k[i]))
+        # A one-token item is meant as a decode: the prompt ends before the first one (a
+        # prompt's own last token would be prefill, ScheduledSeq.is_decode).
+        s.num_prompt_tokens = min([st for steps in sc.steps for j, st, n in steps
+                                   if j == i and n == 1], default=len(sc.k[i]))
         s.status = SeqStatus.RUNNING
         seqs.append(s)
     fixed = FixedTables(sc.tables)
@@ -228,9 +232,9 @@ def run_scenario(be: KVBackend, sc: PagedScenario,
             slots = [t[p // bs] * bs + p % bs for p in range(start, start + n)]
             rec.seqs.append(ScheduledSeq(seqs[i], start, n, slots, True))
         inputs = build_inputs(rec, fixed, dev)
-        # build_inputs puts one-token items (decodes) first, then the chunks, in order.
-        order = ([j for j, it in enumerate(items) if it[2] == 1]
-                 + [j for j, it in enumerate(items) if it[2] != 1])
+        # build_inputs puts the decodes first, then the chunks, in order.
+        order = ([j for j, sc_ in enumerate(rec.seqs) if sc_.is_decode]
+                 + [j for j, sc_ in enumerate(rec.seqs) if not sc_.is_decode])
         q = torch.cat([qs[j] for j in order])
         k = torch.cat([sc.k[items[j][0]][items[j][1]:items[j][1] + items[j][2]] for j in order])
         v = torch.cat([sc.v[items[j][0]][items[j][1]:items[j][1] + items[j][2]] for j in order])

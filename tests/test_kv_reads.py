@@ -16,7 +16,7 @@ def _decode_reads(name: str, **opts: object) -> tuple[Driver, float]:
     seqs = [d.add(n) for n in LENS]
     d.step([(s, s.num_prompt_tokens) for s in seqs])
     d.step([(s, 1) for s in seqs])
-    reads = d.be.kv_read_bytes_per_token()
+    reads = d.read_bytes_per_token()
     assert reads is not None
     return d, reads
 

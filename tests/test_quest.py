@@ -67,7 +67,7 @@ def test_chosen_blocks_equal_a_brute_force_topk(seed: int) -> None:
                     torch.testing.assert_close(out.out[layer][i, h], w @ vv,
                                                atol=1e-5, rtol=1e-5)
             want_reads += -(-n // BS) * be.meta_bytes_per_block() // d.layout.num_layers  # type: ignore[attr-defined]
-    assert be.kv_read_bytes_per_token() == pytest.approx(want_reads / len(seqs))
+    assert d.read_bytes_per_token() == pytest.approx(want_reads / len(seqs))
 
 
 def test_context_within_the_budget_is_paged_exactly() -> None:

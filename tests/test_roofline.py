@@ -126,8 +126,9 @@ def test_auto_budget_needs_roofline() -> None:
         run(compose_cfg(["executor=gpu"]))
 
 
-def test_backend_reported_reads_are_used_and_no_cache_is_allocated(
+def test_the_backends_declared_reads_are_used_and_no_cache_is_allocated(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    from harness.backends.costs import KVCosts, Read
     from harness.backends.paged import PagedBackend
     from harness.config import run_config
     from harness.model import ByteTokenizer
@@ -138,8 +139,13 @@ def test_backend_reported_reads_are_used_and_no_cache_is_allocated(
                                  "workload=random", "workload.num_requests=4"]))
     st, _ = build_roofline(rc, make_workload(rc.workload, ByteTokenizer()), quiet=True)
     assert not hasattr(st.backend, "k_cache")  # the roofline never allocates K/V
-    monkeypatch.setattr(PagedBackend, "kv_read_tokens", lambda self, seq, ctx: 5,
-                        raising=False)
+
+    class FiveTokens(KVCosts):  # a method whose decodes read 5 tokens, whatever they hold
+        def decode_read(self, context: int, held: int) -> Read:
+            return Read(min(5, context), min(5, context) * self.slot_bytes)
+
+    monkeypatch.setattr(PagedBackend, "declare_costs",
+                        lambda self: FiveTokens(self.full_slot_bytes(), self.block_size))
     m = roof("backend=paged")
     assert m["attention.kv_read_bytes_per_token"] == 5 * m["roofline.kv_bytes_per_token"]
 

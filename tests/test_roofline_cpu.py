@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from harness.backends.costs import KVCosts
 from harness.errors import UserError
 from harness.roofline.calibrate import Measured, bounded_lsq, fit, predict
 from harness.roofline.hardware import (
@@ -23,8 +24,10 @@ from harness.roofline.hardware import (
     spec_from_calibration,
 )
 from harness.roofline.models import MODEL_SPECS
-from harness.roofline.shape import KVReads, StepShape, step_shape
+from harness.roofline.shape import StepShape, step_shape
 from harness.roofline.steptime import StepModel, profile_tau
+from harness.sched.sequence import SamplingParams, Sequence, SequenceGroup
+from harness.sched.step import ScheduledSeq
 
 SMOL = MODEL_SPECS["smollm2-135m"]
 FP32_BYTES = 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 KV heads of 64, fp32
@@ -101,21 +104,40 @@ def test_fused_hardware_ignores_the_gather_counts() -> None:
     assert w.dec_bytes == 50 * FP32_BYTES // 2 and w.pre_flops == m.attn_flops_per_pair * 10
 
 
-def sched(n: int, start: int, sample: bool = True) -> SimpleNamespace:
-    return SimpleNamespace(num_tokens=n, start=start, sample=sample, seq=None)
+def sched(n: int, start: int, sample: bool = True, prompt: int = 2) -> ScheduledSeq:
+    g = SequenceGroup(0, [1] * prompt, SamplingParams())
+    seq = Sequence(0, g, [1] * prompt)
+    seq.token_ids += [1] * max(0, start + n - prompt)  # outputs so far
+    seq.num_computed = start + n
+    return ScheduledSeq(seq, start, n, list(range(n)), sample)
+
+
+class Held:
+    """Every computed token held (a manager without eviction)."""
+
+    def held_tokens(self, seq: Sequence) -> int:
+        return seq.num_computed
 
 
 def test_step_shape_counts_padded_decodes_and_full_prefill_pairs() -> None:
-    paged = SimpleNamespace(storage="paged", block_size=16)
     rec = SimpleNamespace(num_tokens=1 + 1 + 5, seqs=[sched(1, 40), sched(1, 3),
-                                                      sched(5, 10)])
-    sh = step_shape(rec, KVReads(paged))  # type: ignore[arg-type]
+                                                      sched(5, 10, prompt=15)])
+    sh = step_shape(rec, KVCosts(FP32_BYTES, 16), Held())  # type: ignore[arg-type]
     # Decodes at 41 and 4 keys: both gathered to the widest table, 3 blocks of 16.
     assert sh.ctx_decode == 45 and sh.gather_decode == 2 * 48
     assert sh.pairs_full == 5 * 15 and sh.pairs == 5 * (10 + 3) and sh.ctx_prefill == 15
-    contiguous = SimpleNamespace(storage="contiguous", block_size=16)
-    assert step_shape(rec, KVReads(contiguous)).gather_decode == 2 * 41  # type: ignore[arg-type]
-    assert StepShape(1, 1, 0, 0, 1, 1, [sched(1, 0)]).rows == 1  # type: ignore[list-item]
+    assert sh.dec_bytes == 45 * FP32_BYTES and sh.pre_bytes == 15 * FP32_BYTES
+    contiguous = KVCosts(FP32_BYTES)  # no block granule: a range gathers its context
+    assert step_shape(rec, contiguous, Held()).gather_decode == 2 * 41  # type: ignore[arg-type]
+    assert StepShape(1, 1, 0, 0, 1, 1, [sched(1, 0)]).rows == 1
+
+
+def test_a_prompts_last_token_alone_is_prefill_in_the_step_shape() -> None:
+    # A 1-token chunk at the prompt's last position (prompt 41): prefill, not a decode.
+    rec = SimpleNamespace(num_tokens=1, seqs=[sched(1, 40, prompt=41)])
+    sh = step_shape(rec, KVCosts(FP32_BYTES, 16), Held())  # type: ignore[arg-type]
+    assert sh.num_decode == 0 and sh.ctx_decode == 0 and sh.pairs == 41
+    assert sh.reads.decode_queries == 0 and sh.reads.prefill_pairs == 41
 
 
 def test_bounded_lsq_recovers_coefficients_and_respects_bounds() -> None:

@@ -71,7 +71,7 @@ def test_kept_tokens_equal_a_brute_force_snapkv(pooling: str, chunks: list[int])
         k, v = d.k[s.seq_id][layer, pos], d.v[s.seq_id][layer, pos]
         ref = attend_decode(out.q[layer][:1], k[None], v[None], torch.tensor([len(pos)]))
         torch.testing.assert_close(out.out[layer][:1], ref, atol=1e-5, rtol=1e-5)
-    assert d.be.kv_read_bytes_per_token() == len(pos) * d.be.bytes_per_slot()
+    assert d.read_bytes_per_token() == len(pos) * d.be.bytes_per_slot()
 
 
 def test_max_tokens_caps_what_a_decoding_sequence_holds() -> None:

@@ -19,12 +19,14 @@ import numpy as np
 import torch
 
 from harness.backends.base import KVBackend
-from harness.engine.batch import TableSource, build_inputs
-from harness.kv.base import StepScores
+from harness.backends.costs import StepReads, step_reads
+from harness.engine.batch import build_inputs
+from harness.kv.base import KVManager, StepScores
+from harness.kv.evicting import EvictingKVManager
 from harness.model.llama import LlamaModel
-from harness.roofline.shape import KVReads, step_shape
+from harness.roofline.shape import step_shape
 from harness.roofline.steptime import StepModel, StepTime
-from harness.sched.step import ScheduledSeq, StepRecord
+from harness.sched.step import CHECKS, ScheduledSeq, StepRecord
 
 
 class Clock(Protocol):
@@ -64,17 +66,23 @@ class VirtualClock:
 class StepOutput:
     """``logits``: float32 (S, vocab), one row per entry of ``samplers`` (decodes first,
     then prefill chunks, as batch.build_inputs orders them); ``forward_s``: the forward's
-    seconds on the executor's clock."""
+    seconds on the executor's clock; ``reads``: the backend's declared reads of the step
+    (harness.backends.costs), the same count under both executors."""
 
     logits: torch.Tensor
     samplers: list[ScheduledSeq]
     forward_s: float
+    reads: StepReads  # what the step's attention read, as the backend declares it
 
 
 class Executor(Protocol):
     @property
     def clock(self) -> Clock:
         """The time the engine reads: arrivals, token times and step rows."""
+        ...
+
+    def bind(self, kv: KVManager) -> None:
+        """The KV manager of the stack (block tables, held tokens), once it is built."""
         ...
 
     def apply_cache_ops(self, rec: StepRecord) -> None:
@@ -91,27 +99,49 @@ class Executor(Protocol):
 
 
 class ModelExecutor:
-    """The real forward: inputs as tensors, the model, the backend's attention."""
+    """The real forward: inputs as tensors, the model, the backend's attention. Under
+    ``KVBENCH_CHECK=1`` every step also holds the backend's declared reads to what its
+    attention touched (:func:`check_touched`)."""
 
-    def __init__(self, model: LlamaModel, backend: KVBackend, kv: TableSource,
-                 device: torch.device) -> None:
-        self.model, self.backend, self.kv, self.device = model, backend, kv, device
+    def __init__(self, model: LlamaModel, backend: KVBackend, device: torch.device) -> None:
+        self.model, self.backend, self.device = model, backend, device
         self.clock: Clock = WallClock()
+        self.kv: KVManager | None = None
+
+    def bind(self, kv: KVManager) -> None:
+        self.kv = kv
 
     def apply_cache_ops(self, rec: StepRecord) -> None:
         self.backend.apply_cache_ops(rec)
 
     def forward(self, rec: StepRecord) -> StepOutput:
-        inputs = build_inputs(rec, self.kv, self.device)
+        kv = self.kv
+        assert kv is not None, "bind() the KV manager first"
+        inputs = build_inputs(rec, kv, self.device)
         self.backend.begin_step(inputs.attn)
         tf = time.perf_counter()
         with torch.inference_mode():
             logits = self.model(inputs.input_ids, inputs.positions, self.backend.attend,
                                 inputs.logits_rows)
-        return StepOutput(logits, inputs.samplers, time.perf_counter() - tf)
+        forward_s = time.perf_counter() - tf
+        reads = step_reads(rec, kv, self.backend.costs())
+        if CHECKS and self.backend.track_touches:
+            check_touched(rec, reads, self.backend)
+        return StepOutput(logits, inputs.samplers, forward_s, reads)
 
     def take_scores(self) -> StepScores | None:
         return self.backend.take_scores()
+
+
+def check_touched(rec: StepRecord, declared: StepReads, backend: KVBackend) -> None:
+    """The backend's declared reads of ``rec`` equal what its attention touched."""
+    read, pairs = backend.touched()
+    got = (read.tokens, read.bytes, pairs)
+    want = (declared.decode_tokens, declared.decode_bytes, declared.prefill_pairs)
+    assert got == want, (
+        f"backend {backend.name}, step {rec.step}: its attention touched (decode tokens, "
+        f"decode bytes, prefill pairs) = {got}, its declare_costs() says {want}: the "
+        "declaration (harness.backends.costs) and the attention disagree")
 
 
 # Synthetic outputs: lowercase ASCII bytes (the byte tokenizer's ids 97..122), never EOS,
@@ -142,25 +172,28 @@ class RooflineExecutor:
     """No forward: the step's time from :class:`StepModel`, logits from
     :func:`synthetic_token`.
 
-    Decode attention reads what the backend reads (harness.roofline.shape.KVReads: its
-    own count, a window, or an eviction budget). A policy that needs attention scores
-    (h2o, tova) gets a stand-in: each token, in the step that writes it, earns a
-    pseudo-random score in [0, 1) fixed by its request and position (no attention exists
-    to score it). Its victims are then a random choice among the old tokens; what the run
-    measures is the budget's effect on memory and batch size, not which tokens a model
-    would keep.
+    Attention reads what the backend declares (``backend.costs()``, of what the KV
+    manager holds: harness.backends.costs), as the model executor counts it. A policy
+    that needs attention scores (h2o, tova, snapkv) gets a stand-in: each token, in the
+    step that writes it, earns a pseudo-random score in [0, 1) fixed by its request and
+    position (no attention exists to score it). Its victims are then a random choice
+    among the old tokens; what the run measures is the budget's effect on memory and
+    batch size, not which tokens a model would keep.
     """
 
     def __init__(self, model: StepModel, backend: KVBackend) -> None:
         self.model, self.backend = model, backend
         self.clock = VirtualClock()
         self.totals = RooflineTotals()
-        self.reads = KVReads(backend)
-        self.needs_scores = bool(getattr(self.reads.policy, "needs_scores", False))
+        self.costs = backend.costs()
+        self.kv: KVManager | None = None
+        self.needs_scores = False
         self._written: list[ScheduledSeq] = []
         self._ops_s = 0.0  # cache operations' time, charged to the next forward
-        self.read_tokens_total = 0  # decode keys read, summed (attention.kv_read_bytes_*)
-        self.decode_queries = 0
+
+    def bind(self, kv: KVManager) -> None:
+        self.kv = kv
+        self.needs_scores = isinstance(kv, EvictingKVManager) and kv.policy.needs_scores
 
     def apply_cache_ops(self, rec: StepRecord) -> None:
         """No tensors to move: the copies' and swaps' bytes are charged as time instead
@@ -171,13 +204,12 @@ class RooflineExecutor:
         self._ops_s = 2 * slots * bps / (hw.mem_bw * hw.eff_bw) + swapped * bps / hw.host_bw
 
     def forward(self, rec: StepRecord) -> StepOutput:
-        sh = step_shape(rec, self.reads)
+        assert self.kv is not None, "bind() the KV manager first"
+        sh = step_shape(rec, self.costs, self.kv)
         samplers = sh.samplers
         t = self.model.time(self.model.work_of(sh))
         t.overhead += self._ops_s
         self._ops_s = 0.0
-        self.read_tokens_total += int(sh.ctx_decode)
-        self.decode_queries += sh.num_decode
         self.totals.add(t)
         self.clock.advance(float(t.total))
         if self.needs_scores:
@@ -188,7 +220,7 @@ class RooflineExecutor:
                                q.num_tokens) for q, g in ((s.seq, s.seq.group) for s in samplers)]
         logits = torch.nn.functional.one_hot(torch.tensor(ids, dtype=torch.int64),
                                              VOCAB).to(torch.float32)
-        return StepOutput(logits, samplers, float(t.forward))
+        return StepOutput(logits, samplers, float(t.forward), sh.reads)
 
     def take_scores(self) -> StepScores | None:
         if not self.needs_scores or not self._written:

@@ -141,6 +141,12 @@ class KVManager(Protocol):
         """Whether ``seq`` holds any K/V here."""
         ...
 
+    def held_tokens(self, seq: Sequence) -> int:
+        """Tokens whose K/V ``seq`` holds now (an eviction method's count; every computed
+        token without one): what a method's declared reads are a function of
+        (harness.backends.costs)."""
+        ...
+
     def tables(self, seqs: list[Sequence]) -> list[list[int]]:
         """Each sequence's table in the form attention reads it (see the manager)."""
         ...

@@ -102,6 +102,10 @@ class ContiguousKVManager:
     def holds(self, seq: Sequence) -> bool:
         return seq.seq_id in self._range
 
+    def held_tokens(self, seq: Sequence) -> int:
+        """Tokens whose K/V ``seq`` holds: every computed one."""
+        return seq.num_computed if seq.seq_id in self._range else 0
+
     def tables(self, seqs: list[Sequence]) -> list[list[int]]:
         """One entry per sequence: the first slot of its range (a single block as long as
         the range; attention reads slots ``start + j``)."""

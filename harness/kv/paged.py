@@ -92,6 +92,10 @@ class PagedKVManager:
         st = self._seqs.get(seq.seq_id)
         return st is not None and bool(st.table)
 
+    def held_tokens(self, seq: Sequence) -> int:
+        """Tokens whose K/V ``seq`` holds: every computed one (nothing is evicted here)."""
+        return seq.num_computed if seq.seq_id in self._seqs else 0
+
     def tables(self, seqs: list[Sequence]) -> list[list[int]]:
         """Block tables as attention reads them: a given-back entry reads as block 0. The
         policy that gave it back guarantees no query of the sequence reads those

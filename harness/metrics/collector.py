@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from harness.backends.costs import StepReads
 from harness.kv.base import KVManager, KVUsage
 from harness.sched.scheduler import Scheduler
 from harness.sched.sequence import SequenceGroup
@@ -38,6 +39,11 @@ class StepRow:
     external_frag_bytes: int
     preempted: int
     finished: int
+    # What the step's attention read, as the backend declares it (harness.backends.costs):
+    # the decodes' cached tokens and bytes (K/V, scales, metadata), the prefill pairs.
+    kv_read_tokens: int = 0
+    kv_read_bytes: int = 0
+    prefill_pairs: int = 0
 
 
 @dataclass(slots=True)
@@ -84,10 +90,11 @@ class MetricsCollector:
             self.requests[g.request_id].finished = now
 
     def on_step(self, rec: StepRecord, u: KVUsage, t_start: float, t_end: float,
-                forward_s: float, run_start: float) -> None:
+                forward_s: float, run_start: float, reads: StepReads | None = None) -> None:
         """``u``: the KV usage while the step's forward ran (the ledger integrates the same
         state, so summing rows reproduces its reserved and used slot-steps)."""
         sch, bps = self.scheduler, self.bytes_per_slot
+        r = reads if reads is not None else StepReads()
         step_ms = (t_end - t_start) * 1e3
         self.steps.append(StepRow(
             step=rec.step, time_s=t_end - run_start, step_ms=step_ms,
@@ -101,4 +108,6 @@ class MetricsCollector:
             held_blocks=u.held_blocks,
             external_frag_bytes=rec.external_slots * bps, preempted=len(rec.preempted),
             finished=len(rec.finished),
+            kv_read_tokens=r.decode_tokens, kv_read_bytes=r.decode_bytes,
+            prefill_pairs=r.prefill_pairs,
         ))

@@ -6,12 +6,18 @@ from typing import Any
 
 import numpy as np
 
-from harness.metrics.collector import MetricsCollector
+from harness.metrics.collector import MetricsCollector, StepRow
 from harness.metrics.goodput import peak_concurrency
 
 
 def _pct(xs: list[float], q: float) -> float | None:
     return float(np.percentile(xs, q)) if xs else None
+
+
+def kv_read_bytes_per_token(steps: list[StepRow]) -> float | None:
+    """Mean cache bytes a decode query read over ``steps`` (None: no decode ran)."""
+    queries = sum(s.decode_tokens for s in steps)
+    return sum(s.kv_read_bytes for s in steps) / queries if queries else None
 
 
 def request_rows(col: MetricsCollector) -> list[dict[str, Any]]:
@@ -92,6 +98,9 @@ def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: 
         "memory.internal_frag_pct": 100.0 * tot.internal / denom if denom else 0.0,
         "memory.external_frag_pct": 100.0 * tot.external / denom if denom else 0.0,
         "memory.max_running_seqs": max((s.running for s in steps), default=0),
+        # The backend's declared reads (harness.backends.costs), the same under both
+        # executors: cache bytes one decode query read, K/V with scales and metadata.
+        "attention.kv_read_bytes_per_token": kv_read_bytes_per_token(steps),
         # Hits on blocks other requests computed, over every prompt token looked up. A
         # request re-finding its own blocks after a recompute preemption is not a prefix
         # hit (it rises with memory pressure): cache.self_hit_tokens counts those.

@@ -43,9 +43,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from harness.backends.costs import KVCosts
 from harness.engine.executor import Executor, StepOutput
 from harness.engine.sampler import Sampler
-from harness.kv.base import StepScores
+from harness.kv.base import KVManager, StepScores
 from harness.roofline.hardware import (
     CPU_PRIOR,
     HARDWARE,
@@ -55,7 +56,7 @@ from harness.roofline.hardware import (
 )
 from harness.roofline.models import MODEL_SPECS, ArchSpec, arch_of, hf_config_of
 from harness.roofline.profile import GemmProfile, dtype_name, kv_dtype_of, profile_gemms
-from harness.roofline.shape import KVReads, StepShape, step_shape
+from harness.roofline.shape import StepShape, step_shape
 from harness.roofline.steptime import StepModel, StepWork
 from harness.roofline.targets import BASE, TARGETS, Target
 from harness.sched.step import StepRecord
@@ -64,21 +65,28 @@ FIT_KEYS = ("eff_profile", "eff_attn", "eff_bw", "step_overhead_s", "per_seq_ove
 
 
 class Recorder:
-    """An executor around another that keeps every step's shape."""
+    """An executor around another that keeps every step's shape (as the roofline reads
+    it: the backend's declared costs of what the KV manager holds)."""
 
-    def __init__(self, inner: Executor, reads: KVReads) -> None:
-        self.inner, self.reads = inner, reads
+    def __init__(self, inner: Executor, costs: KVCosts) -> None:
+        self.inner, self.costs = inner, costs
+        self.kv: KVManager | None = None
         self.shapes: list[StepShape] = []
 
     @property
     def clock(self) -> Any:
         return self.inner.clock
 
+    def bind(self, kv: KVManager) -> None:
+        self.kv = kv
+        self.inner.bind(kv)
+
     def apply_cache_ops(self, rec: StepRecord) -> None:
         self.inner.apply_cache_ops(rec)
 
     def forward(self, rec: StepRecord) -> StepOutput:
-        self.shapes.append(step_shape(rec, self.reads))
+        assert self.kv is not None
+        self.shapes.append(step_shape(rec, self.costs, self.kv))
         return self.inner.forward(rec)
 
     def take_scores(self) -> StepScores | None:
@@ -132,7 +140,8 @@ def run_once(overrides: list[str], loaded: Any, base: list[str] = BASE,
     wl = make_workload(rc.workload, loaded.tokenizer)
     st = build_stack(loaded, torch.device(device), rc.backend, rc.cache, rc.scheduler,
                      Sampler(rc.seed), wl.initial_requests(), quiet=True)
-    rec = Recorder(st.engine.executor, KVReads(st.backend))
+    rec = Recorder(st.engine.executor, st.backend.costs())
+    rec.bind(st.kv)
     st.engine.executor = rec
     wall = st.engine.run(wl)
     out = sum(len(g.output_ids) for g in st.collector.groups.values())

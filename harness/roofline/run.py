@@ -90,9 +90,6 @@ def run_roofline(rc: RunConfig, config_yaml: str) -> RunResult:
     }
     m = summarize(st.collector, run_info, st.sizing.kv_budget_bytes, st.sizing.num_slots,
                   modelled_s)
-    m["attention.kv_read_bytes_per_token"] = (
-        ex.read_tokens_total * st.sizing.bytes_per_slot / ex.decode_queries
-        if ex.decode_queries else None)
     m.update({f"roofline.{k}_s": v for k, v in ex.totals.terms.items()})
     m["roofline.kv_bytes_per_token"] = st.sizing.bytes_per_slot
     m["engine.sim_wall_s"] = sim_s  # this CPU's seconds to simulate the run

@@ -21,10 +21,11 @@ less the terms are max + (1 - overlap) x min: one CPU core, ``overlap=0``, adds 
 ``pairs`` are the (query, key) pairs of the step's prefill chunks (a chunk of n tokens
 after s cached ones: n s + n (n + 1) / 2, a window bounding each query's keys);
 ``ctx_prefill`` the keys those chunks read (s + n each); ``ctx_decode`` the keys the
-decodes read, as the backend reads them (bounded by a window or an eviction budget; a
-backend that reports its own count is used as is). ``tp_kv`` is tp for caches split by KV
-head, 1 for MLA's latent, which every rank holds. ``E_touched(T)`` is the expected share of
-routed experts T tokens read.
+decodes read. What a fused kernel's K/V bytes are (``b_kv ctx`` above) is the backend's
+declaration (harness.backends.costs: a window's keys, a budget's held tokens, quest's
+chosen blocks plus every block's bounds, 1-byte values with their scales and sinks).
+``tp_kv`` is tp for caches split by KV head, 1 for MLA's latent, which every rank holds.
+``E_touched(T)`` is the expected share of routed experts T tokens read.
 
 The H100 in numbers: 989 TFLOP/s bf16 and 3.35 TB/s give a ridge of ~295 FLOP/byte. A
 bf16 weight GEMM does 2 T FLOPs per 2 bytes of weight, T FLOP/byte: memory-bound below
@@ -118,7 +119,8 @@ class StepModel:
         self.act_bytes = 2.0 if compute_dtype in ("bf16", "fp16", "bfloat16", "float16",
                                                   "fp8") else 4.0
         # K/V bytes per token on one rank: split by KV head, or every rank holds all (MLA).
-        self.kv_rank_bytes = kv_bytes_per_token / (1 if arch.kv_replicated else tp)
+        self.kv_split = 1 if arch.kv_replicated else tp
+        self.kv_rank_bytes = kv_bytes_per_token / self.kv_split
         self.attn_flops_per_pair = 2.0 * arch.num_heads * (arch.attn_qk_dim + arch.attn_v_dim) \
             * arch.num_layers / tp
         # Bytes a gathered key moves on the torch path (module docstring), per rank.
@@ -135,15 +137,19 @@ class StepModel:
     def work_of(self, sh: StepShape) -> StepWork:
         """:meth:`work` of a step's shape."""
         return self.work(sh.tokens, sh.rows, sh.seqs, sh.pairs, sh.ctx_prefill,
-                         sh.ctx_decode, sh.pairs_full, sh.gather_decode)
+                         sh.ctx_decode, sh.pairs_full, sh.gather_decode, sh.pre_bytes,
+                         sh.dec_bytes)
 
     def work(self, tokens: int, rows: int, seqs: int, pairs: float, ctx_prefill: float,
-             ctx_decode: float, pairs_full: float = 0.0,
-             gather_decode: float = 0.0) -> StepWork:
+             ctx_decode: float, pairs_full: float = 0.0, gather_decode: float = 0.0,
+             pre_bytes: float | None = None, dec_bytes: float | None = None) -> StepWork:
         """FLOPs and bytes of a step: ``tokens`` rows through the GEMMs, ``rows`` through
         the lm_head, prefill ``pairs`` (fused) / ``pairs_full`` (gather) over
         ``ctx_prefill`` keys, decodes over ``ctx_decode`` keys (fused) / ``gather_decode``
-        (gather); which of each pair counts is the hardware's ``attention``."""
+        (gather); which of each pair counts is the hardware's ``attention``. Fused
+        kernels read ``pre_bytes`` / ``dec_bytes`` of cache, the whole model's, as the
+        backend declares them (harness.backends.costs: scales, overlays and metadata
+        included); without them, the keys at the backend's bytes per slot."""
         a, tp, wb = self.arch, self.tp, self.weight_bytes
         touched = a.expert_params * a.expert_share_touched(tokens) if a.num_experts else 0.0
         vh = a.vocab_size * a.hidden_size
@@ -156,16 +162,19 @@ class StepModel:
         if self.hw.attention == "gather":
             pairs, ctx_decode, kvb = pairs_full, gather_decode, self.gather_rank_bytes
             widen = self.widen_s_per_key
+            pre_b, dec_b = kvb * ctx_prefill, kvb * ctx_decode
         else:
-            kvb = self.kv_rank_bytes
+            kvb, split = self.kv_rank_bytes, self.kv_split
+            pre_b = kvb * ctx_prefill if pre_bytes is None else pre_bytes / split
+            dec_b = kvb * ctx_decode if dec_bytes is None else dec_bytes / split
         return StepWork(
             gemm_flops=2.0 * a.active_params * tokens / tp,
             gemm_bytes=wb * (a.dense_params + touched) / tp,
             lm_flops=2.0 * vh * rows / tp, lm_bytes=(wb * vh / tp) if rows else 0.0,
             pre_flops=self.attn_flops_per_pair * pairs,
-            pre_bytes=kvb * ctx_prefill,
+            pre_bytes=pre_b,
             dec_flops=self.attn_flops_per_pair * ctx_decode,
-            dec_bytes=kvb * ctx_decode,
+            dec_bytes=dec_b,
             ar_seconds=ar, seqs=seqs, tokens=tokens, rows=rows,
             pre_widen_s=widen * ctx_prefill, dec_widen_s=widen * ctx_decode)
 

@@ -280,10 +280,9 @@ class Scheduler:
             start = seq.num_computed
             seq.num_computed += d.num_tokens
             sample = seq.num_computed == seq.num_tokens
-            rec.seqs.append(ScheduledSeq(seq, start, d.num_tokens, sl, sample))
-            # An output token computed for the first time is a decode; prompt tokens and
-            # recomputed outputs are prefill.
-            if d.num_tokens == 1 and sample and start >= seq.num_prompt_tokens:
+            sched = ScheduledSeq(seq, start, d.num_tokens, sl, sample)
+            rec.seqs.append(sched)
+            if sched.is_decode:
                 rec.num_decode_tokens += 1
             else:
                 rec.num_prefill_tokens += d.num_tokens

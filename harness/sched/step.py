@@ -24,6 +24,15 @@ class ScheduledSeq:
     slots: list[int]
     sample: bool
 
+    @property
+    def is_decode(self) -> bool:
+        """One new output token, sampled from: a decode (one query over the context). A
+        prompt's tokens are prefill whatever the chunking, its last one included even
+        alone in its chunk (a method acting at a prompt's end, as snapkv, must see it as
+        prefill; so must the read counts). The one rule the forward (engine/batch.py),
+        the scheduler's token counts and the roofline's step shape all use."""
+        return self.num_tokens == 1 and self.sample and self.start >= self.seq.num_prompt_tokens
+
 
 @dataclass(slots=True)
 class StepRecord:
