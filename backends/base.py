@@ -219,6 +219,12 @@ class KVBackend(ABC):
         """Count the (query, key) pairs one layer's prefill masks admitted."""
         self._touch_acc[2] = self._touch_acc[2] + pairs
 
+    def held_slots(self) -> int | None:
+        """Slots whose tensors hold a live token, counted on the device (None: the
+        storage keeps no per-slot liveness; checked against the KV manager's used slots
+        under KVBENCH_CHECK)."""
+        return None
+
     def touched(self) -> tuple[Read, int]:
         """What this step's attention touched, all layers: the decodes' (tokens, bytes)
         and the prefill pairs, in the units of :class:`~harness.backends.costs.StepReads`

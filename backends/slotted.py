@@ -127,6 +127,9 @@ class SlottedBackend(PagedStorageBackend):
         # (a prefill query those at or before it), every one at full precision.
         return KVCosts(self.full_slot_bytes(), self.block_size)
 
+    def held_slots(self) -> int | None:
+        return int((self.slot_pos >= 0).sum())
+
     def touch_slots(self, valid: torch.Tensor, decode: bool) -> None:
         """Count one layer's reads from a mask over held slots (B, [n,] L)."""
         n = valid.sum()

@@ -46,7 +46,7 @@ FORKS = ["workload=parallel_sampling", "workload.num_requests=4", "workload.prom
 PREFIX = ["workload=shared_prefix", "workload.num_requests=4", "workload.prefix_tokens=40",
           "workload.suffix_tokens=5", "workload.output_tokens=9"]
 WORKLOADS = {"forks_preempted": FORKS, "prefix_hits": PREFIX}
-TOKENS = {"forks_preempted": 150, "prefix_hits": 400}  # cache tokens each run gets
+TOKENS = {"forks_preempted": 200, "prefix_hits": 400}  # cache tokens each run gets
 
 
 @pytest.fixture
@@ -80,9 +80,9 @@ def _recorded_run(name: str, workload: str,
     seen: list[Any] = []
     real = executor_mod.check_touched
 
-    def record(rec: Any, declared: StepReads, backend: Any) -> None:
+    def record(rec: Any, declared: StepReads, backend: Any, kv: Any) -> None:
         seen.append((declared, backend.touched()))
-        real(rec, declared, backend)
+        real(rec, declared, backend, kv)
 
     monkeypatch.setattr(executor_mod, "check_touched", record)
     return run(compose_cfg(_overrides(name, workload))), seen
@@ -105,8 +105,9 @@ def test_declared_reads_equal_what_the_attention_touched(
     assert sum(d.decode_queries for d, _ in seen) == sum(s.decode_tokens for s in r.steps)
     assert sum(d.decode_tokens for d, _ in seen) > 0 and sum(p for _, (_, p) in seen) > 0
     if workload == "forks_preempted":  # the scenario happened: forks and a preemption
-        assert m["sched.preemptions_recompute"] + m["sched.preemptions_swap"] > 0
         assert max(s.running for s in r.steps) >= 3
+        if name != "contiguous":  # it reserves a request's whole range at admission
+            assert m["sched.preemptions_recompute"] + m["sched.preemptions_swap"] > 0
     elif m["run.prefix_caching"]:
         assert m["cache.prefix_hit_rate"] > 0
 
@@ -117,15 +118,20 @@ def _tiny_config(tmp: Path) -> Path:
     return path
 
 
-def _counts(steps: list[StepRow]) -> list[tuple[int, ...]]:
+def _reads(steps: list[StepRow]) -> list[tuple[int, ...]]:
     return [(s.batch_tokens, s.decode_tokens, s.kv_read_tokens, s.kv_read_bytes,
-             s.prefill_pairs, s.used_bytes, s.reserved_bytes) for s in steps]
+             s.prefill_pairs) for s in steps]
+
+
+def _memory(steps: list[StepRow]) -> list[tuple[int, ...]]:
+    return [(s.used_bytes, s.reserved_bytes) for s in steps]
 
 
 ROOFLINE = [n for n in BACKENDS if n != "flash_attn"]  # needs its kernels to be built at all
-# h2o and tova free a block only when all its tokens go: which tokens, the roofline's
-# stand-in scores decide, so under memory pressure their schedules may part. They are
-# compared where nothing preempts.
+# h2o and tova give back the tokens their scores rank lowest, and the roofline's scores are
+# stand-ins: which blocks empty (and which shared blocks a fork must copy) differs, so
+# their held bytes may, and under memory pressure so may the schedule (they are compared
+# where nothing preempts); the tokens they hold, and so what they read, may not.
 CHOSEN_BY_SCORES = {"h2o", "tova"}
 
 
@@ -140,7 +146,9 @@ def test_the_roofline_counts_the_same_reads_step_by_step(name: str, workload: st
     roof = run(compose_cfg([*ovr, "executor=roofline", f"roofline.model={_tiny_config(tmp_path)}",
                             "roofline.dtype=float32", "roofline.hardware=cpu"]))
     assert roof.metrics["run.executor"] == "roofline"
-    assert _counts(roof.steps) == _counts(model.steps)
+    assert _reads(roof.steps) == _reads(model.steps)
+    if name not in CHOSEN_BY_SCORES:
+        assert _memory(roof.steps) == _memory(model.steps)
     assert roof.metrics["attention.kv_read_bytes_per_token"] == pytest.approx(
         model.metrics["attention.kv_read_bytes_per_token"], rel=1e-12)
 

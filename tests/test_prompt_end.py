@@ -80,6 +80,8 @@ def test_a_prompt_chunked_any_way_selects_and_decodes_as_unchunked(
         name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     whole, ev_whole = _run(name, PLANS["whole"], monkeypatch)
     assert whole.steps[0].prefill_tokens == P and whole.steps[0].decode_tokens == 0
+    if name in ("paged", "contiguous", "quest", "kivi", "fp8", "int8", "flex"):
+        assert whole.steps[0].prefill_pairs == P * (P + 1) // 2
     for label, plan in PLANS.items():
         if label == "whole":
             continue
@@ -89,5 +91,10 @@ def test_a_prompt_chunked_any_way_selects_and_decodes_as_unchunked(
         assert all(s.decode_tokens == 0 for s in r.steps[:len(plan)]), label
         assert r.outputs == whole.outputs, label
         assert ev == ev_whole, label
+        # ... and it was counted as the unchunked prompt is: every prompt token a prefill
+        # query (P (P + 1) / 2 causal pairs where nothing bounds them), the same decodes.
+        for col in ("prefill_pairs", "kv_read_tokens", "kv_read_bytes", "decode_tokens"):
+            assert sum(getattr(s, col) for s in r.steps) == \
+                sum(getattr(s, col) for s in whole.steps), (label, col)
         if name == "snapkv":  # it selected once, at the prompt's end, as unchunked
             assert len(ev[0]) == P - 16 - WINDOW, label

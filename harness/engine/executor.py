@@ -126,15 +126,17 @@ class ModelExecutor:
         forward_s = time.perf_counter() - tf
         reads = step_reads(rec, kv, self.backend.costs())
         if CHECKS and self.backend.track_touches:
-            check_touched(rec, reads, self.backend)
+            check_touched(rec, reads, self.backend, kv)
         return StepOutput(logits, inputs.samplers, forward_s, reads)
 
     def take_scores(self) -> StepScores | None:
         return self.backend.take_scores()
 
 
-def check_touched(rec: StepRecord, declared: StepReads, backend: KVBackend) -> None:
-    """The backend's declared reads of ``rec`` equal what its attention touched."""
+def check_touched(rec: StepRecord, declared: StepReads, backend: KVBackend,
+                  kv: KVManager) -> None:
+    """The backend's declared reads of ``rec`` equal what its attention touched, and the
+    slots its tensors hold live (where it keeps that) are the KV manager's used slots."""
     read, pairs = backend.touched()
     got = (read.tokens, read.bytes, pairs)
     want = (declared.decode_tokens, declared.decode_bytes, declared.prefill_pairs)
@@ -142,6 +144,11 @@ def check_touched(rec: StepRecord, declared: StepReads, backend: KVBackend) -> N
         f"backend {backend.name}, step {rec.step}: its attention touched (decode tokens, "
         f"decode bytes, prefill pairs) = {got}, its declare_costs() says {want}: the "
         "declaration (harness.backends.costs) and the attention disagree")
+    held = backend.held_slots()
+    used = kv.usage().used_slots
+    assert held is None or held == used, (
+        f"backend {backend.name}, step {rec.step}: {held} slots hold a live token on the "
+        f"device, the KV manager counts {used}")
 
 
 # Synthetic outputs: lowercase ASCII bytes (the byte tokenizer's ids 97..122), never EOS,
