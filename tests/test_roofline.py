@@ -158,3 +158,21 @@ def test_experiments_at_tiny_scale() -> None:
     rows = [r.split("|") for r in waste(0.02).splitlines()[2:]]
     share = {r[1].strip(): float(r[2]) for r in rows}
     assert share["paged (block 16)"] > 90 > share["contiguous max"]
+
+
+def test_long_prompts_quest_reads_less_than_paged_and_snapkv_what_it_holds() -> None:
+    # What KVReads once got wrong by guessing from attribute names: quest read more than
+    # paged, snapkv's observation window was taken for a sliding window (32 tokens read).
+    from harness.kv.policies.snapkv import SnapKVPolicy
+
+    p, out = 1000, 32
+    long = ["workload.distribution=uniform", f"workload.input_min={p}",
+            f"workload.input_max={p}", f"workload.output_min={out}",
+            f"workload.output_max={out}", "workload.num_requests=8"]
+    paged, quest, snap = (roof(f"backend={b}", *long) for b in ("paged", "quest", "snapkv"))
+    bps, key = paged["roofline.kv_bytes_per_token"], "attention.kv_read_bytes_per_token"
+    # out - 1 decodes (the prefill samples the first) at contexts p + 1 .. p + out - 1
+    assert paged[key] == pytest.approx(bps * (p + out / 2))  # the whole context
+    assert quest[key] < 0.4 * paged[key]  # 256 tokens of 1000+ and every block's bounds
+    keep = SnapKVPolicy(0, 0.2, 32, 0).keep(p)  # what it holds after the prompt
+    assert snap[key] == pytest.approx(bps * (keep + out / 2))
