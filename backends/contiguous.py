@@ -76,8 +76,8 @@ class ContiguousBackend(KVBackend):
             width = max(d.start + 1 for d in b.decode_seqs)
             idx = b.decode_tables[:, :1] + torch.arange(width, device=q.device)
             idx = idx.clamp_(max=kc.shape[0] - 1)  # past a row's length: masked, any slot
-            if self.track_touches:
-                n = decode_mask(b.decode_lens, width).sum()
+            if f := self.touch_factor(layer):
+                n = decode_mask(b.decode_lens, width).sum() * f
                 lay = self.layout
                 self.touch_decode(n * lay.num_kv_heads,
                                   n * (self.full_slot_bytes() // lay.num_layers))
@@ -86,8 +86,9 @@ class ContiguousBackend(KVBackend):
         for c in b.prefills:
             n = c.start + c.num_tokens
             first = c.sched.slots[0] - c.start  # the range's first slot, known on the host
-            if self.track_touches:
-                self.touch_prefill(chunk_mask(c.start, c.num_tokens, n, device=q.device).sum())
+            if f := self.touch_factor(layer):
+                self.touch_prefill(chunk_mask(c.start, c.num_tokens, n, device=q.device).sum()
+                                   * f)
             out[c.row:c.row + c.num_tokens] = attend_chunk(
                 q[c.row:c.row + c.num_tokens], kc[first:first + n].to(q.dtype),
                 vc[first:first + n].to(q.dtype), c.start)

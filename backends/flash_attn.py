@@ -122,8 +122,7 @@ class FlashAttnBackend(PagedStorageBackend):
         st, b = self._step, self.batch
         assert st is not None and b is not None
         self.store(layer, k, v)
-        if self.track_touches:
-            self.touch_by_bounds(layer)
+        self.touch_by_bounds(layer)
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         if q.stride(-1) != 1:  # flash-attn's one layout rule for q
             q = q.contiguous()

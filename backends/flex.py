@@ -184,12 +184,12 @@ class FlexBackend(PagedStorageBackend):
             BLOCK_SIZE=(Q_BLOCK, self.block_size), mask_mod=mask_mod,
             seq_lengths=(num_rows, num_kv * self.block_size), compute_q_blocks=False)
 
-    def touch_mask(self, st: FlexStep) -> None:
-        """Count the keys the step's mask_mod admits, evaluated on every (row, KV slot):
-        decode rows first, then the prefill chunks' rows."""
+    def touch_mask(self, st: FlexStep, layers: int) -> None:
+        """Count the keys the step's mask_mod admits for ``layers`` layers, evaluated on
+        every (row, KV slot): decode rows first, then the prefill chunks' rows."""
         rows = torch.arange(len(st.q_pos), device=self.device)[:, None]
         kv = torch.arange(st.num_kv, device=self.device)[None, :]
-        admitted = st.mask_mod(0, 0, rows, kv).sum(-1)  # (T,)
+        admitted = st.mask_mod(0, 0, rows, kv).sum(-1) * layers  # (T,)
         b, lay = self.batch, self.layout
         assert b is not None
         nd = b.num_decode
@@ -202,8 +202,8 @@ class FlexBackend(PagedStorageBackend):
         self.store(layer, k, v)
         st = self._step
         assert st is not None
-        if self.track_touches:
-            self.touch_mask(st)
+        if f := self.touch_factor(layer):
+            self.touch_mask(st, f)
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         if st.kv_blocks is not None:
             kc, vc = kc[st.kv_blocks], vc[st.kv_blocks]

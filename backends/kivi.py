@@ -91,14 +91,14 @@ class KIVIBackend(PagedBackend):
         return KIVICosts(self._block_bytes(), full, self.block_size,
                          self.residual_blocks * self.block_size * full)
 
-    def touch_decode_mask(self, layer: int, tables: torch.Tensor, mask: torch.Tensor) -> None:
+    def touch_decode_mask(self, tables: torch.Tensor, mask: torch.Tensor, layers: int) -> None:
         # As read_blocks reads: a block with a residual slab in full precision, any other
         # as codes + value scales per key and the keys' per-channel scales per block.
         lay, bs = self.layout, self.block_size
         res = self.residual.slab_map[tables] >= 0  # (B, W)
-        keys = mask.view(*tables.shape, bs).sum(-1)  # (B, W) keys read per block
+        keys = mask.view(*tables.shape, bs).sum(-1) * layers  # (B, W) keys read per block
         full_keys, quant_keys = keys[res].sum(), keys[~res].sum()
-        quant_blocks = ((keys > 0) & ~res).sum()
+        quant_blocks = ((keys > 0) & ~res).sum() * layers
         d = lay.head_dim
         nbytes = lay.num_kv_heads * (quant_keys * self._token_bytes()
                                      + quant_blocks * 2 * d * SCALE_BYTES

@@ -121,8 +121,7 @@ class PagedBackend(PagedStorageBackend):
         b = self.batch
         assert b is not None
         self.store_triton(layer, k, v)
-        if self.track_touches:
-            self.touch_by_bounds(layer, self.window or None, self.window_sinks)
+        self.touch_by_bounds(layer, self.window or None, self.window_sinks)
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         ks, vs = self.scales(layer)
         shape = {"window": self.window, "sinks": self.window_sinks, "k_scale": ks,

@@ -119,9 +119,9 @@ class PagedStorageBackend(KVBackend):
         nd = b.num_decode
         if nd:
             kd, vd = self.read_blocks(layer, b.decode_tables)
-            if self.track_touches:
-                self.touch_decode_mask(layer, b.decode_tables, decode_mask(
-                    b.decode_lens, kd.shape[1] * kd.shape[2], window, sinks))
+            if f := self.touch_factor(layer):
+                self.touch_decode_mask(b.decode_tables, decode_mask(
+                    b.decode_lens, kd.shape[1] * kd.shape[2], window, sinks), f)
             out[:nd] = attend_decode(q[:nd], kd.flatten(1, 2).to(q.dtype),
                                      vd.flatten(1, 2).to(q.dtype), b.decode_lens, window,
                                      sinks)
@@ -134,25 +134,26 @@ class PagedStorageBackend(KVBackend):
         b = self.batch
         assert b is not None
         bs = self.block_size
+        f = self.touch_factor(layer)
         for c in b.prefills:
             ctx = c.start + c.num_tokens
             kk, vv = self.read_blocks(layer, c.table[:-(-ctx // bs)])
             rows = slice(c.row, c.row + c.num_tokens)
-            if self.track_touches:
+            if f:
                 self.touch_prefill(chunk_mask(c.start, c.num_tokens, ctx, window, sinks,
-                                              q.device).sum())
+                                              q.device).sum() * f)
             out[rows] = attend_chunk(q[rows], kk.flatten(0, 1)[:ctx].to(q.dtype),
                                      vv.flatten(0, 1)[:ctx].to(q.dtype), c.start, window,
                                      sinks)
 
     # -- what the attention touched (KVBackend.touched) ---------------------------------
-    def touch_decode_mask(self, layer: int, tables: torch.Tensor, mask: torch.Tensor) -> None:
-        """Count one layer's decode reads from the attention's ``mask``: bool (B, W x
-        block_size), the keys each decode read among its table's positions (``tables``:
-        int64 (B, W)). Here a key costs its K and V for every KV head; a backend that
-        stores other bytes (scales, overlays, codes) overrides it."""
+    def touch_decode_mask(self, tables: torch.Tensor, mask: torch.Tensor, layers: int) -> None:
+        """Count the decode reads of ``layers`` layers from the attention's ``mask``: bool
+        (B, W x block_size), the keys each decode read among its table's positions
+        (``tables``: int64 (B, W)). Here a key costs its K and V for every KV head; a
+        backend that stores other bytes (scales, overlays, codes) overrides it."""
         lay = self.layout
-        n = mask.sum()
+        n = mask.sum() * layers
         self.touch_decode(n * lay.num_kv_heads, n * (self.full_slot_bytes() // lay.num_layers))
 
     def touch_by_bounds(self, layer: int, window: int | None = None, sinks: int = 0) -> None:
@@ -161,10 +162,13 @@ class PagedStorageBackend(KVBackend):
         start and length (and the window), which it reads exactly."""
         b = self.batch
         assert b is not None
+        f = self.touch_factor(layer)
+        if not f:
+            return
         if b.num_decode:
             width = b.decode_tables.shape[1] * self.block_size
-            self.touch_decode_mask(layer, b.decode_tables,
-                                   decode_mask(b.decode_lens, width, window, sinks))
+            self.touch_decode_mask(b.decode_tables,
+                                   decode_mask(b.decode_lens, width, window, sinks), f)
         for c in b.prefills:
             self.touch_prefill(chunk_mask(c.start, c.num_tokens, c.start + c.num_tokens,
-                                          window, sinks, self.device).sum())
+                                          window, sinks, self.device).sum() * f)

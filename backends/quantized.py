@@ -66,14 +66,14 @@ class QuantizedBackend(PagedBackend):
         """One token's K or V of one layer and KV head: 1-byte values and the scale."""
         return self.layout.head_dim * self.cache_dtype.itemsize + SCALE_BYTES
 
-    def touch_decode_mask(self, layer: int, tables: torch.Tensor, mask: torch.Tensor) -> None:
+    def touch_decode_mask(self, tables: torch.Tensor, mask: torch.Tensor, layers: int) -> None:
         # Values and scales of every key read; read_blocks then overlays the first block's
         # first sink_tokens slots in full precision (positions < sink_tokens of the mask).
         lay = self.layout
-        n = mask.sum()
+        n = mask.sum() * layers
         nbytes = n * lay.num_kv_heads * 2 * self._head_bytes()
         if self.sink_tokens:
-            sinks = mask[:, :self.sink_tokens].sum()
+            sinks = mask[:, :self.sink_tokens].sum() * layers
             nbytes = nbytes + sinks * (self.full_slot_bytes() // lay.num_layers)
         self.touch_decode(n * lay.num_kv_heads, nbytes)
 

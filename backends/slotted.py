@@ -83,8 +83,8 @@ class SlottedBackend(PagedStorageBackend):
         out = torch.empty_like(q)
         nd = b.num_decode
         if nd:
-            if self.track_touches:
-                self.touch_slots(self._decode_valid, decode=True)
+            if f := self.touch_factor(layer):
+                self.touch_slots(self._decode_valid, f, decode=True)
             out[:nd] = self.attend_rows(layer, q[:nd].unsqueeze(1), self._decode_slots,
                                         self._decode_valid[:, None, :])[:, 0]
         for c, slots in zip(b.prefills, self._chunk_slots):
@@ -100,8 +100,8 @@ class SlottedBackend(PagedStorageBackend):
         kpos = self.slot_pos[slots]
         qpos = b.positions[c.row:c.row + c.num_tokens]
         valid = (kpos[None, :] >= 0) & (kpos[None, :] <= qpos[:, None])
-        if self.track_touches:
-            self.touch_slots(valid, decode=False)
+        if f := self.touch_factor(layer):
+            self.touch_slots(valid, f, decode=False)
         return self.attend_rows(layer, q.unsqueeze(0), slots[None], valid[None])[0]
 
     def attend_rows(self, layer: int, q: torch.Tensor, slots: torch.Tensor,
@@ -130,9 +130,10 @@ class SlottedBackend(PagedStorageBackend):
     def held_slots(self) -> int | None:
         return int((self.slot_pos >= 0).sum())
 
-    def touch_slots(self, valid: torch.Tensor, decode: bool) -> None:
-        """Count one layer's reads from a mask over held slots (B, [n,] L)."""
-        n = valid.sum()
+    def touch_slots(self, valid: torch.Tensor, layers: int, decode: bool) -> None:
+        """Count ``layers`` layers' reads from a mask over held slots (B, [n,] L): the
+        slots' positions are the step's, the same for every layer."""
+        n = valid.sum() * layers
         lay = self.layout
         if decode:
             self.touch_decode(n * lay.num_kv_heads, n * (self.full_slot_bytes() // lay.num_layers))
