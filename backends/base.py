@@ -174,6 +174,12 @@ class KVBackend(ABC):
         """The attention implementation actually used (part of the run's record)."""
         return "torch"
 
+    @property
+    def trigger(self) -> str | None:
+        """When an eviction method compresses a prompt (``run.prefill``: ``full``, once
+        after the whole prompt; ``streaming``, while it is read); None for the others."""
+        return None
+
     @abstractmethod
     def allocate(self, sizing: CacheSizing) -> None:
         """Create the cache tensors for ``sizing`` (device slots, and CPU swap blocks)."""

@@ -20,7 +20,9 @@ import torch
 
 from harness.backends.base import BackendOptions, KVLayout
 from harness.backends.scored import ScoredBackend
+from harness.kv.policies.budget import PREFILL
 from harness.kv.policies.h2o import H2OPolicy
+from harness.validate import one_of
 
 
 @dataclass
@@ -28,6 +30,13 @@ class H2OOptions(BackendOptions):
     budget: int = 0  # tokens per sequence; or
     budget_ratio: float = 0.2  # share of prompt + max_tokens (set exactly one)
     heavy_ratio: float = 0.5  # heavy hitters' share of the budget; the rest is recent
+    # When the prompt is compressed: streaming (bounded memory while it is read, H2O's
+    # step-by-step eviction: the paper's algorithm) | full (once, after the whole prompt)
+    prefill: str = "streaming"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        one_of(self, "backend", "prefill", PREFILL)
 
 
 class H2OBackend(ScoredBackend):
@@ -38,7 +47,7 @@ class H2OBackend(ScoredBackend):
         super().__init__(layout, device, **options)
         o = self.opts
         assert isinstance(o, H2OOptions)
-        self.policy = H2OPolicy(o.budget, o.budget_ratio, o.heavy_ratio)
+        self.policy = H2OPolicy(o.budget, o.budget_ratio, o.prefill, o.heavy_ratio)
 
     def score_weights(self, w: torch.Tensor) -> torch.Tensor:
         # Attention received, summed over KV heads, their query heads and the queries.

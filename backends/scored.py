@@ -17,9 +17,16 @@ import torch
 from harness.backends.base import AttentionBatch, CacheSizing
 from harness.backends.slotted import SlottedBackend
 from harness.kv.base import StepScores
+from harness.kv.policies.budget import BudgetPolicy
 
 
 class ScoredBackend(SlottedBackend):
+    policy: BudgetPolicy
+
+    @property
+    def trigger(self) -> str | None:
+        return self.policy.prefill
+
     def allocate(self, sizing: CacheSizing) -> None:
         super().allocate(sizing)
         n = sizing.num_blocks * sizing.block_size

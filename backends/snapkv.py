@@ -59,6 +59,9 @@ class SnapKVOptions(BackendOptions):
 class SnapKVBackend(SlottedBackend):
     name = "snapkv"
     Options = SnapKVOptions
+    @property
+    def trigger(self) -> str | None:
+        return "full"  # its one selection, at a prompt's end
 
     def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:
         super().__init__(layout, device, **options)

@@ -5,8 +5,11 @@ prompt + max_tokens); once full, every step drops the token the current query at
 least, by its attention weight averaged over layers and query heads. The decision is the
 KV manager's :class:`~harness.kv.policies.tova.TOVAPolicy`; this backend is h2o's
 machinery (backends.scored) with another score: the weights of each sequence's last query
-of the step only, and no accumulation across steps. Prompts longer than half the budget
-are prefilled in chunks of half the budget, the last query of each choosing what stays.
+of the step only, and no accumulation across steps. ``backend.prefill=full`` (the
+default, as the paper's long-context runs and kvpress): the whole prompt with full
+attention, then one selection by its last query's weights, the kept tokens compacted;
+``streaming``: prompts longer than half the budget are prefilled in chunks of half the
+budget, the last query of each choosing what stays (bounded memory while prefilling).
 """
 
 from __future__ import annotations
@@ -18,13 +21,23 @@ import torch
 
 from harness.backends.base import BackendOptions, KVLayout
 from harness.backends.scored import ScoredBackend
+from harness.kv.policies.budget import PREFILL
 from harness.kv.policies.tova import TOVAPolicy
+from harness.validate import one_of
 
 
 @dataclass
 class TOVAOptions(BackendOptions):
     budget: int = 0  # tokens per sequence; or
     budget_ratio: float = 0.2  # share of prompt + max_tokens (set exactly one)
+    # When the prompt is compressed: full (once, after the whole prompt, by its last
+    # query: the TOVA paper's long-context runs, kvpress) | streaming (bounded memory
+    # while it is read: chunks of half the budget, each chunk's last query choosing)
+    prefill: str = "full"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        one_of(self, "backend", "prefill", PREFILL)
 
 
 class TOVABackend(ScoredBackend):
@@ -35,7 +48,7 @@ class TOVABackend(ScoredBackend):
         super().__init__(layout, device, **options)
         o = self.opts
         assert isinstance(o, TOVAOptions)
-        self.policy = TOVAPolicy(o.budget, o.budget_ratio)
+        self.policy = TOVAPolicy(o.budget, o.budget_ratio, o.prefill)
 
     def score_weights(self, w: torch.Tensor) -> torch.Tensor:
         # The last query's weights (the current token), averaged over the query heads here

@@ -108,6 +108,7 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
         "dtype": str(backend.layout.dtype).removeprefix("torch."),
         "block_size": sizing.block_size,
         "prefix_caching": st.prefix_caching, "executor": "model",
+        **({"prefill": backend.trigger} if backend.trigger else {}),
     }
     metrics = summarize(collector, run_info, sizing.kv_budget_bytes, sizing.num_slots, wall)
     if isinstance(workload, ReportsMetrics):

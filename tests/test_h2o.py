@@ -32,7 +32,8 @@ def test_budget_covering_the_sequence_is_exact(backend: str) -> None:
 def test_never_holds_more_than_its_budget(backend: str) -> None:
     budget = 40
     r = run(tiny(f"backend={backend}", f"backend.budget={budget}", "backend.budget_ratio=0",
-                 *ONE_LONG))
+                 "backend.prefill=streaming", *ONE_LONG))
+    assert r.metrics["run.prefill"] == "streaming"
     m = r.metrics
     per_slot = m["memory.kv_budget_bytes"] // m["memory.token_capacity"]
     chunk = budget // 2  # h2o: the heavy part; tova: half the budget
@@ -51,6 +52,29 @@ def test_never_holds_more_than_its_budget(backend: str) -> None:
     assert max(s.prefill_tokens for s in r.steps) <= budget // 2
     # A decode reads the tokens it keeps: at most the budget.
     assert m["attention.kv_read_bytes_per_token"] <= budget * per_slot
+
+
+@pytest.mark.parametrize("backend", ["h2o", "tova"])
+def test_full_prefill_holds_the_prompt_then_compresses_it_once(backend: str) -> None:
+    budget = 40
+    r = run(tiny(f"backend={backend}", f"backend.budget={budget}", "backend.budget_ratio=0",
+                 "backend.prefill=full", "scheduler.max_num_batched_tokens=64", *ONE_LONG))
+    m = r.metrics
+    assert m["run.prefill"] == "full"
+    per_slot = m["memory.kv_budget_bytes"] // m["memory.token_capacity"]
+    prompt = r.requests[0]["prompt_tokens"]
+    assert prompt > 64  # prefilled in several chunks, none of them evicting
+    chunks = [s for s in r.steps if s.prefill_tokens]
+    assert len(chunks) > 1 and [s.prefill_tokens for s in chunks[:-1]] == [64] * (
+        len(chunks) - 1)
+    # The whole prompt is held until its last chunk ran (memory peaks at the prompt)...
+    assert chunks[-1].used_bytes == prompt * per_slot
+    # ... then one selection down to the budget, compacted: whole blocks go back at once.
+    decoding = [s for s in r.steps if s.prefill_tokens == 0]
+    assert decoding[0].used_bytes == budget * per_slot
+    assert decoding[0].held_blocks == -(-budget // 8)
+    assert max(s.used_bytes for s in decoding) <= budget * per_slot
+    assert m["cache.evicted_tokens"] == prompt + 63 - budget
 
 
 @pytest.mark.parametrize("budget", [11, 13, 7, 29])

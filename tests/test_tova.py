@@ -45,3 +45,26 @@ def test_victims_equal_a_brute_force_tova(seed: int) -> None:
         _, after = d.held(s)
         assert sorted(set(pos) - set(after)) == want
         assert len(after) == budget - 1  # room for the next token, never more
+
+
+@pytest.mark.parametrize("chunks", [[40], [25, 15], [39, 1]])
+def test_full_prefill_selects_once_by_the_prompts_last_query(chunks: list[int]) -> None:
+    # prefill=full (the default, as the paper's long-context runs and kvpress): the whole
+    # prompt is held, however it is chunked, and its last query's weights choose, once.
+    budget = 17
+    d = Driver("tova", options={"budget": budget, "budget_ratio": 0.0, "prefill": "full"})
+    s = d.add(prompt_len=sum(chunks), max_tokens=4)
+    for i, n in enumerate(chunks):
+        last = i == len(chunks) - 1
+        out = d.step([(s, n)], observe=False)
+        _, pos = d.held(s)
+        if not last:
+            d.kv.observe([s], d.last_scores)
+            assert len(d.held(s)[1]) == s.num_computed  # nothing goes before the end
+    need = len(pos) + 1 - budget  # down to the budget, room for the first decode
+    row = out.rows[s.seq_id].stop - 1  # the prompt's last token
+    want = _brute_force_tova(d, s.seq_id, row, out.q, pos, need)
+    d.kv.observe([s], d.last_scores)
+    _, after = d.held(s)
+    assert sorted(set(pos) - set(after)) == want
+    assert len(after) == budget - 1

@@ -87,6 +87,7 @@ def run_roofline(rc: RunConfig, config_yaml: str) -> RunResult:
         "executor": "roofline", "hardware": ex.model.hw.name,
         "hardware_source": ex.model.hw.source, "tp": r.tp, "weight_dtype": r.weight_dtype,
         "quality": QUALITY_ABSENT,
+        **({"prefill": st.backend.trigger} if st.backend.trigger else {}),
     }
     m = summarize(st.collector, run_info, st.sizing.kv_budget_bytes, st.sizing.num_slots,
                   modelled_s)

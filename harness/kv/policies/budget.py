@@ -31,6 +31,9 @@ def ratio_budget(budget: int, ratio: float, prompt_len: int, max_tokens: int) ->
     return max(-(-round(ratio * 1_000_000) * total // 1_000_000), 2)
 
 
+PREFILL = ("full", "streaming")  # when a scored method compresses a prompt (its trigger)
+
+
 def check_budget_options(budget: int, budget_ratio: float) -> None:
     if budget < 0 or not 0.0 <= budget_ratio <= 1.0:
         raise UserError(f"need backend.budget >= 0 and 0 <= backend.budget_ratio <= 1, got "
@@ -44,15 +47,35 @@ def check_budget_options(budget: int, budget_ratio: float) -> None:
 class BudgetPolicy(EvictionPolicy):
     """A per-sequence budget of ``budget_tokens`` (or ``budget_ratio`` of prompt +
     max_tokens) and per-slot ``scores``; subclasses say how scores arrive
-    (:meth:`on_scores`) and which tokens may go (:meth:`candidates`)."""
+    (:meth:`on_scores`) and which tokens may go (:meth:`candidates`).
+
+    ``prefill`` is the trigger, when a prompt is compressed: ``streaming`` keeps memory
+    bounded while the prompt is read (chunks of :meth:`max_chunk`, each followed by an
+    eviction down to the budget, by the scores that chunk gave); ``full`` holds the whole
+    prompt under full attention and compresses it once, at its end, by the scores of the
+    prompt's own queries (the papers' long-context evaluations, kvpress), the kept tokens
+    compacted into fewer blocks; memory then peaks at the prompt. Both then keep the
+    budget while decoding."""
 
     budget_tokens: int = 0
     budget_ratio: float = 0.2
+    prefill: str = "streaming"
     needs_scores = True
 
     def __post_init__(self) -> None:
         check_budget_options(self.budget_tokens, self.budget_ratio)
+        if self.prefill not in PREFILL:
+            raise UserError(f"unknown backend.prefill {self.prefill!r}; known: "
+                            f"{', '.join(PREFILL)}")
+        # One selection leaves holes in every block of the prompt: move the kept tokens
+        # together so that whole blocks go back (as snapkv). Streaming evictions refill
+        # their holes with the next tokens instead.
+        self.compacts = self.prefill == "full"
         self.scores = np.zeros(0)
+
+    @property
+    def streaming(self) -> bool:
+        return self.prefill == "streaming"
 
     def budget(self, prompt_len: int, max_tokens: int) -> int:
         return ratio_budget(self.budget_tokens, self.budget_ratio, prompt_len, max_tokens)
@@ -61,12 +84,22 @@ class BudgetPolicy(EvictionPolicy):
         return self.budget(seq.num_prompt_tokens, seq.group.params.max_tokens)
 
     def peak(self, prompt_len: int, max_tokens: int) -> int:
-        """The budget plus one prefill chunk (see :meth:`held_limit`)."""
+        """Streaming: the budget plus one prefill chunk (see :meth:`held_limit`); full:
+        the whole prompt, until its selection."""
         b = self.budget(prompt_len, max_tokens)
+        if not self.streaming:
+            return max(prompt_len, b)
         chunk = self.max_chunk(b)
         return b + (chunk if chunk is not None else 0)
 
-    def held_limit(self, seq: Sequence, n: int) -> int:
+    def max_chunk(self, budget: int | None) -> int | None:
+        """Streaming: most tokens one prefill chunk may bring (the method's own bound)."""
+        return self.streaming_chunk(budget) if self.streaming else None
+
+    def streaming_chunk(self, budget: int | None) -> int | None:
+        return None
+
+    def held_limit(self, seq: Sequence, n: int) -> int | None:
         """The budget; while the prompt is prefilled in chunks, the budget plus the chunk.
 
         A chunk comes on top of the full budget and its tokens are chosen among after it
@@ -77,6 +110,8 @@ class BudgetPolicy(EvictionPolicy):
         prompt is prefilled, and by the budget once it decodes."""
         b = self.seq_budget(seq)
         prefilling = seq.num_computed < seq.num_prompt_tokens or seq.num_uncomputed > 1
+        if prefilling and not self.streaming:
+            return None  # full: the prompt is held whole until its last chunk has run
         return b + n if prefilling else b
 
     def reset(self, num_slots: int) -> None:

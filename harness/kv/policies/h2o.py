@@ -38,7 +38,7 @@ class H2OPolicy(BudgetPolicy):
         """The recent window's share of ``budget`` (the rest is for heavy hitters)."""
         return max(1, budget - max(1, round(self.heavy_ratio * budget)))
 
-    def max_chunk(self, budget: int | None) -> int:
+    def streaming_chunk(self, budget: int | None) -> int:
         """The heavy part of the budget: a chunk never has to evict the recent window."""
         assert budget is not None
         return max(1, budget - self.recent(budget))

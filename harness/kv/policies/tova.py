@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 class TOVAPolicy(BudgetPolicy):
     name = "tova"
 
-    def max_chunk(self, budget: int | None) -> int:
+    def streaming_chunk(self, budget: int | None) -> int:
         """Half the budget: a prompt chunk always sees at least as many kept tokens as it
         brings, and its last query then chooses among them."""
         assert budget is not None
