@@ -24,6 +24,8 @@ ROWS = [
     (["backend=h2o", "backend.budget_ratio=1.5"], "0 <= backend.budget_ratio <= 1"),
     (["backend=h2o", "backend.budget=10", "backend.budget_ratio=0.5"], "exactly one"),
     (["backend=h2o", "backend.heavy_ratio=1"], "backend.heavy_ratio must be in (0, 1)"),
+    (["backend=tova", "backend.prefill=once"], "unknown backend.prefill 'once'; known: "
+                                               "full, streaming"),
     (["backend=sliding_window", "backend.window=0"], "backend.window >= 1"),
     (["backend=int8", "backend.sink_tokens=-1"], "backend.sink_tokens must be >= 0"),
     (["backend.kernel=cuda"], "unknown backend.kernel"),
