@@ -11,6 +11,7 @@ from harness.backends.fp8 import Fp8Backend
 from harness.backends.h2o import H2OBackend
 from harness.backends.int8 import Int8Backend
 from harness.backends.kivi import KIVIBackend
+from harness.backends.knorm import KnormBackend
 from harness.backends.paged import PagedBackend
 from harness.backends.quest import QuestBackend
 from harness.backends.sliding_window import SlidingWindowBackend, StreamingLLMBackend
@@ -31,6 +32,7 @@ BACKENDS: dict[str, type[KVBackend]] = {
     "h2o": H2OBackend,
     "tova": TOVABackend,
     "snapkv": SnapKVBackend,
+    "knorm": KnormBackend,
 }
 
 

@@ -18,25 +18,18 @@ from typing import Any
 
 import torch
 
-from harness.backends.base import BackendOptions, KVLayout
-from harness.backends.scored import ScoredBackend
-from harness.kv.policies.budget import PREFILL
+from harness.backends.base import KVLayout
+from harness.backends.scored import ScoredBackend, ScorerOptions
 from harness.kv.policies.h2o import H2OPolicy
-from harness.validate import one_of
 
 
 @dataclass
-class H2OOptions(BackendOptions):
-    budget: int = 0  # tokens per sequence; or
-    budget_ratio: float = 0.2  # share of prompt + max_tokens (set exactly one)
+class H2OOptions(ScorerOptions):
+    budget_ratio: float = 0.2  # share of prompt + max_tokens (or budget: tokens)
     heavy_ratio: float = 0.5  # heavy hitters' share of the budget; the rest is recent
-    # When the prompt is compressed: streaming (bounded memory while it is read, H2O's
-    # step-by-step eviction: the paper's algorithm) | full (once, after the whole prompt)
+    # The trigger: streaming (H2O's step-by-step eviction, the paper's algorithm: bounded
+    # memory while the prompt is read) | full (once, after the whole prompt)
     prefill: str = "streaming"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        one_of(self, "backend", "prefill", PREFILL)
 
 
 class H2OBackend(ScoredBackend):
@@ -45,10 +38,10 @@ class H2OBackend(ScoredBackend):
 
     def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:
         super().__init__(layout, device, **options)
-        o = self.opts
-        assert isinstance(o, H2OOptions)
-        self.policy = H2OPolicy(o.budget, o.budget_ratio, o.prefill, o.heavy_ratio)
+        assert isinstance(self.opts, H2OOptions)
+        self.policy = H2OPolicy(self.opts)
 
-    def score_weights(self, w: torch.Tensor) -> torch.Tensor:
+    def score(self, w: torch.Tensor | None, k: torch.Tensor) -> torch.Tensor:
         # Attention received, summed over KV heads, their query heads and the queries.
+        assert w is not None
         return w.sum(dim=(1, 2, 3))

@@ -19,25 +19,18 @@ from typing import Any
 
 import torch
 
-from harness.backends.base import BackendOptions, KVLayout
-from harness.backends.scored import ScoredBackend
-from harness.kv.policies.budget import PREFILL
+from harness.backends.base import KVLayout
+from harness.backends.scored import ScoredBackend, ScorerOptions
 from harness.kv.policies.tova import TOVAPolicy
-from harness.validate import one_of
 
 
 @dataclass
-class TOVAOptions(BackendOptions):
-    budget: int = 0  # tokens per sequence; or
-    budget_ratio: float = 0.2  # share of prompt + max_tokens (set exactly one)
-    # When the prompt is compressed: full (once, after the whole prompt, by its last
-    # query: the TOVA paper's long-context runs, kvpress) | streaming (bounded memory
-    # while it is read: chunks of half the budget, each chunk's last query choosing)
+class TOVAOptions(ScorerOptions):
+    budget_ratio: float = 0.2  # share of prompt + max_tokens (or budget: tokens)
+    # The trigger: full (once, after the whole prompt, by its last query: the TOVA paper's
+    # long-context runs, kvpress) | streaming (bounded memory while it is read: chunks of
+    # half the budget, each chunk's last query choosing)
     prefill: str = "full"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        one_of(self, "backend", "prefill", PREFILL)
 
 
 class TOVABackend(ScoredBackend):
@@ -46,11 +39,11 @@ class TOVABackend(ScoredBackend):
 
     def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:
         super().__init__(layout, device, **options)
-        o = self.opts
-        assert isinstance(o, TOVAOptions)
-        self.policy = TOVAPolicy(o.budget, o.budget_ratio, o.prefill)
+        assert isinstance(self.opts, TOVAOptions)
+        self.policy = TOVAPolicy(self.opts)
 
-    def score_weights(self, w: torch.Tensor) -> torch.Tensor:
+    def score(self, w: torch.Tensor | None, k: torch.Tensor) -> torch.Tensor:
         # The last query's weights (the current token), averaged over the query heads here
         # and over layers by the 1 / num_layers: summed over layers, they are the mean.
+        assert w is not None
         return w[:, :, :, -1, :].mean(dim=(1, 2)) / self.layout.num_layers

@@ -16,6 +16,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from harness.backends.h2o import H2OOptions
 from harness.kv.base import Demand, StepScores
 from harness.kv.evicting import BudgetBlocks, EvictingKVManager
 from harness.kv.policies.h2o import H2OPolicy
@@ -191,8 +192,8 @@ class BudgetMachine(_Machine):
     """h2o: single tokens given back, slots reused, forks copy-on-write."""
 
     def _manager(self) -> EvictingKVManager:
-        return EvictingKVManager(NUM_BLOCKS, BS, H2OPolicy(budget_tokens=7, budget_ratio=0.0,
-                                                           heavy_ratio=0.5), watermark=0.0)
+        opts = H2OOptions(budget=7, budget_ratio=0.0, heavy_ratio=0.5)
+        return EvictingKVManager(NUM_BLOCKS, BS, H2OPolicy(opts), watermark=0.0)
 
     @invariant()
     def recent_window_is_kept(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from harness.backends.h2o import H2OOptions
 from harness.kv.base import Demand, StepScores
 from harness.kv.evicting import EvictingKVManager
 from harness.kv.policies.h2o import H2OPolicy
@@ -88,7 +89,7 @@ def test_odd_budgets_write_every_token_to_its_own_slot(budget: int) -> None:
     m = r.metrics
     assert m["requests.finished"] == len(r.requests) and m["cache.evicted_tokens"] > 0
     per_slot = m["memory.kv_budget_bytes"] // m["memory.token_capacity"]
-    peak = H2OPolicy(budget_tokens=budget, budget_ratio=0.0).peak(0, 0)  # + one chunk
+    peak = H2OPolicy(H2OOptions(budget=budget, budget_ratio=0.0)).peak(0, 0)  # + one chunk
     assert max(s.used_bytes for s in r.steps) <= peak * m["memory.max_running_seqs"] \
         * per_slot
 
@@ -105,8 +106,8 @@ def _brute_force_h2o(scores: np.ndarray, positions: np.ndarray, next_pos: int, r
 def test_victims_equal_a_brute_force_h2o(seed: int) -> None:
     rng = np.random.default_rng(seed)
     budget, bs = int(rng.integers(6, 30)), 4
-    pol = H2OPolicy(budget_tokens=budget, budget_ratio=0.0,
-                    heavy_ratio=float(rng.uniform(0.2, 0.8)))
+    pol = H2OPolicy(H2OOptions(budget=budget, budget_ratio=0.0,
+                               heavy_ratio=float(rng.uniform(0.2, 0.8))))
     kv = EvictingKVManager(64, bs, pol, watermark=0.0)
     seq = make_seq(list(range(budget)), max_tokens=50)
     slots = kv.allocate(Demand(seq, budget))
@@ -129,7 +130,7 @@ def test_narrated_eviction_reuses_slots_and_frees_emptied_blocks() -> None:
     # at most 3 (the heavy part). Each chunk comes on top of the full budget (it attends to
     # every kept token, heavy hitters included), so while the prompt is prefilled the
     # sequence holds up to 6 + 3 = 9 tokens; once it decodes, at most 6.
-    pol = H2OPolicy(budget_tokens=6, budget_ratio=0.0, heavy_ratio=0.5)
+    pol = H2OPolicy(H2OOptions(budget=6, budget_ratio=0.0, heavy_ratio=0.5))
     kv = EvictingKVManager(8, 4, pol, watermark=0.0)
     seq = make_seq([*range(9), 99], max_tokens=4)  # 9 prompt tokens + 1 sampled
     seq.num_prompt_tokens = 9
@@ -167,7 +168,7 @@ def test_narrated_eviction_reuses_slots_and_frees_emptied_blocks() -> None:
 def test_admission_waits_for_the_budget_not_the_first_chunk() -> None:
     # A pool of 4 blocks; each request will hold 8 tokens (2 blocks) though its first
     # chunk needs one block: only two are admitted (bug: 20 admitted, then 65 preemptions).
-    pol = H2OPolicy(budget_tokens=8, budget_ratio=0.0, heavy_ratio=0.5)
+    pol = H2OPolicy(H2OOptions(budget=8, budget_ratio=0.0, heavy_ratio=0.5))
     kv = EvictingKVManager(4, 4, pol, watermark=0.0)
     seqs = [make_seq(list(range(20)), max_tokens=8) for _ in range(3)]
     for s in seqs[:2]:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from harness.backends.h2o import H2OOptions
 from harness.engine.batch import build_inputs
 from harness.engine.sampler import Sampler
 from harness.kv.base import StepScores
@@ -57,7 +58,7 @@ def test_non_forward_step_256(benchmark: Any) -> None:
 def test_h2o_eviction_bookkeeping_64(benchmark: Any) -> None:
     # Budget 128 tokens, prompts of 160: every decode step evicts one token per sequence,
     # scored over its 128 held slots.
-    pol = H2OPolicy(budget_tokens=128, budget_ratio=0.0, heavy_ratio=0.5)
+    pol = H2OPolicy(H2OOptions(budget=128, budget_ratio=0.0, heavy_ratio=0.5))
     kv = EvictingKVManager(4096, BS, pol, watermark=0.0)
     s = decode_ready(kv, 64)
     rng = np.random.default_rng(0)

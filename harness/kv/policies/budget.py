@@ -9,8 +9,7 @@ is written there, carried along by copies).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -18,6 +17,7 @@ from harness.errors import UserError
 from harness.kv.policies.base import Eviction, EvictionPolicy
 
 if TYPE_CHECKING:
+    from harness.kv.base import StepScores
     from harness.kv.evicting import EvictingKVManager
     from harness.sched.sequence import Sequence
 
@@ -43,11 +43,23 @@ def check_budget_options(budget: int, budget_ratio: float) -> None:
                         "backend.budget_ratio (share of prompt + max_tokens)")
 
 
-@dataclass
+class ScorerOpts(Protocol):
+    """The options every scored eviction method has: its one options dataclass
+    (backends/scored.py ``ScorerOptions``, extended per method), read by its backend and
+    its policy alike."""
+
+    budget: int  # tokens per sequence; or
+    budget_ratio: float  # a share of the request (set exactly one)
+    prefill: str  # the trigger: full | streaming
+
+
 class BudgetPolicy(EvictionPolicy):
-    """A per-sequence budget of ``budget_tokens`` (or ``budget_ratio`` of prompt +
-    max_tokens) and per-slot ``scores``; subclasses say how scores arrive
-    (:meth:`on_scores`) and which tokens may go (:meth:`candidates`).
+    """A per-sequence budget of ``opts.budget`` tokens (or ``opts.budget_ratio`` of prompt
+    + max_tokens) and per-slot ``scores``; subclasses say how scores arrive
+    (``accumulates``: summed over steps, or each step's replacing the last), which tokens
+    may go (:meth:`candidates`) and whether the budget holds while decoding
+    (``decode_budget``: else a prompt is compressed to ``budget_ratio`` of itself and what
+    is generated is all kept, as kvpress's presses do).
 
     ``prefill`` is the trigger, when a prompt is compressed: ``streaming`` keeps memory
     bounded while the prompt is read (chunks of :meth:`max_chunk`, each followed by an
@@ -57,12 +69,14 @@ class BudgetPolicy(EvictionPolicy):
     compacted into fewer blocks; memory then peaks at the prompt. Both then keep the
     budget while decoding."""
 
-    budget_tokens: int = 0
-    budget_ratio: float = 0.2
-    prefill: str = "streaming"
     needs_scores = True
+    accumulates = False
+    decode_budget = True
 
-    def __post_init__(self) -> None:
+    def __init__(self, opts: ScorerOpts) -> None:
+        self.opts = opts
+        self.budget_tokens, self.budget_ratio = opts.budget, opts.budget_ratio
+        self.prefill = opts.prefill
         check_budget_options(self.budget_tokens, self.budget_ratio)
         if self.prefill not in PREFILL:
             raise UserError(f"unknown backend.prefill {self.prefill!r}; known: "
@@ -78,6 +92,9 @@ class BudgetPolicy(EvictionPolicy):
         return self.prefill == "streaming"
 
     def budget(self, prompt_len: int, max_tokens: int) -> int:
+        if not self.decode_budget:  # the prompt's share, what it is compressed to
+            return min(prompt_len, ratio_budget(self.budget_tokens, self.budget_ratio,
+                                                prompt_len, 0))
         return ratio_budget(self.budget_tokens, self.budget_ratio, prompt_len, max_tokens)
 
     def seq_budget(self, seq: Sequence) -> int:
@@ -112,10 +129,19 @@ class BudgetPolicy(EvictionPolicy):
         prefilling = seq.num_computed < seq.num_prompt_tokens or seq.num_uncomputed > 1
         if prefilling and not self.streaming:
             return None  # full: the prompt is held whole until its last chunk has run
-        return b + n if prefilling else b
+        if prefilling:
+            return b + n
+        # Decoding: the budget, or the compressed prompt + everything generated since.
+        return b if self.decode_budget else b + seq.num_computed + n - seq.num_prompt_tokens
 
     def reset(self, num_slots: int) -> None:
         self.scores = np.zeros(num_slots)
+
+    def on_scores(self, scores: StepScores) -> None:
+        if self.accumulates:
+            self.scores[scores.slots] += scores.values
+        else:
+            self.scores[scores.slots] = scores.values
 
     def on_write(self, slots: list[int]) -> None:
         self.scores[slots] = 0.0

@@ -9,28 +9,30 @@ accumulated score outside the recent window.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from harness.errors import UserError
-from harness.kv.policies.budget import BudgetPolicy, check_budget_options, ratio_budget
+from harness.kv.policies.budget import BudgetPolicy, ScorerOpts, check_budget_options, ratio_budget
 
 if TYPE_CHECKING:
-    from harness.kv.base import StepScores
     from harness.sched.sequence import Sequence
 
 __all__ = ["H2OPolicy", "check_budget_options", "ratio_budget"]
 
 
-@dataclass
-class H2OPolicy(BudgetPolicy):
-    heavy_ratio: float = 0.5
-    name = "h2o"
+class H2OOpts(ScorerOpts, Protocol):
+    heavy_ratio: float  # heavy hitters' share of the budget; the rest is recent
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+
+class H2OPolicy(BudgetPolicy):
+    name = "h2o"
+    accumulates = True
+
+    def __init__(self, opts: H2OOpts) -> None:
+        super().__init__(opts)
+        self.heavy_ratio = opts.heavy_ratio
         if not 0.0 < self.heavy_ratio < 1.0:
             raise UserError(f"backend.heavy_ratio must be in (0, 1), got {self.heavy_ratio}")
 
@@ -42,9 +44,6 @@ class H2OPolicy(BudgetPolicy):
         """The heavy part of the budget: a chunk never has to evict the recent window."""
         assert budget is not None
         return max(1, budget - self.recent(budget))
-
-    def on_scores(self, scores: StepScores) -> None:
-        self.scores[scores.slots] += scores.values
 
     def candidates(self, seq: Sequence, positions: np.ndarray) -> np.ndarray:
         return positions < seq.num_computed - self.recent(self.seq_budget(seq))

@@ -9,16 +9,9 @@ token is a candidate, the newest included, as in the paper.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 from harness.kv.policies.budget import BudgetPolicy
 
-if TYPE_CHECKING:
-    from harness.kv.base import StepScores
 
-
-@dataclass
 class TOVAPolicy(BudgetPolicy):
     name = "tova"
 
@@ -27,6 +20,3 @@ class TOVAPolicy(BudgetPolicy):
         brings, and its last query then chooses among them."""
         assert budget is not None
         return max(1, budget // 2)
-
-    def on_scores(self, scores: StepScores) -> None:
-        self.scores[scores.slots] = scores.values

@@ -1,0 +1,67 @@
+"""knorm: after the prompt, the kept tokens are those whose keys have the lowest L2 norm,
+the norm averaged over layers and KV heads (one slot holds a token for all of them); a
+brute force over the random keys the Driver drew says which. What is generated afterwards
+is kept (no decode budget), and the kept prompt is compacted into whole blocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.kv.evicting import EvictingKVManager
+from harness.runner import run
+from tests.backend_steps import Driver
+from tests.compose import tiny
+
+
+def _brute_force_knorm(d: Driver, seq_id: int, prompt: int, keep: int) -> list[int]:
+    """The ``keep`` prompt positions of lowest mean key norm: norm per (layer, KV head),
+    mean over both; ties to the earlier position."""
+    k = d.k[seq_id][:, :prompt]  # (layers, positions, KV, D)
+    norm = k.double().norm(dim=-1).mean(dim=(0, 2))  # (positions,)
+    order = sorted(range(prompt), key=lambda p: (float(norm[p]), p))
+    return sorted(order[:keep])
+
+
+@pytest.mark.parametrize("chunks", [[40], [23, 17], [39, 1]])
+@pytest.mark.parametrize("seed", range(3))
+def test_kept_prompt_is_the_lowest_key_norms(chunks: list[int], seed: int) -> None:
+    keep = 11
+    d = Driver("knorm", options={"budget": keep, "budget_ratio": 0.0}, seed=seed)
+    s = d.add(prompt_len=sum(chunks), max_tokens=6)
+    for n in chunks:
+        d.step([(s, n)])
+        if s.num_computed < s.num_prompt_tokens:  # full: nothing goes before the end
+            assert len(d.held(s)[1]) == s.num_computed
+    _, pos = d.held(s)
+    assert pos == _brute_force_knorm(d, s.seq_id, s.num_prompt_tokens, keep)
+    kv = d.kv
+    assert isinstance(kv, EvictingKVManager)
+    assert len(kv.table_of(s)) == -(-keep // d.block_size)  # compacted: whole blocks back
+    for _ in range(5):  # decoding keeps every generated token
+        d.step([(s, 1)])
+    _, after = d.held(s)
+    assert after[:keep] == pos and len(after) == keep + 5
+
+
+def test_streaming_bounds_memory_while_prefilling() -> None:
+    keep = 10
+    d = Driver("knorm", options={"budget": keep, "budget_ratio": 0.0, "prefill": "streaming"})
+    s = d.add(prompt_len=40, max_tokens=4)
+    assert d.kv.max_chunk(s) == keep // 2
+    while s.num_computed < s.num_prompt_tokens:
+        d.step([(s, min(keep // 2, s.num_uncomputed))])
+        assert len(d.held(s)[1]) <= keep + keep // 2
+    assert len(d.held(s)[1]) == keep
+
+
+def test_engine_run_records_the_trigger_and_frees_memory() -> None:
+    r = run(tiny("backend=knorm", "backend.budget_ratio=0.25", "workload.answer_tokens=16",
+                 "workload.ignore_eos=true", "backend.block_size=8"))
+    m = r.metrics
+    assert m["run.prefill"] == "full" and m["run.prefix_caching"] is False
+    assert m["cache.evicted_tokens"] > 0 and m["requests.finished"] == len(r.requests)
+    paged = run(tiny("backend=paged", "workload.answer_tokens=16", "workload.ignore_eos=true",
+                     "backend.block_size=8", "cache.enable_prefix_caching=false"))
+    assert m["attention.kv_read_bytes_per_token"] < \
+        0.6 * paged.metrics["attention.kv_read_bytes_per_token"]
+
