@@ -241,6 +241,8 @@ class EvictingKVManager(PagedKVManager):
         for seq in seqs:
             if seq.seq_id in self._seqs:
                 ev = self.policy.select(seq, self, self._over(seq, self._next_tokens(seq)))
+                if ev.considered is not None:  # the policy decides, the manager keeps books
+                    self._seqs[seq.seq_id].cursor = ev.considered
                 if ev:
                     self.evict(seq, ev)
                     if self.policy.compacts:
@@ -254,6 +256,8 @@ class EvictingKVManager(PagedKVManager):
 
     def _select(self, seq: Sequence, need: int) -> Eviction:
         ev = self.policy.select(seq, self, need)
+        if ev.considered is not None:
+            self._seqs[seq.seq_id].cursor = ev.considered
         assert len(ev.slots) >= need, f"policy {self.policy.name} freed too little"
         return ev
 

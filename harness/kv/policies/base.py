@@ -32,10 +32,13 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class Eviction:
-    """What to give back: logical ``blocks`` (positional policies) or token ``slots``."""
+    """What to give back: logical ``blocks`` (positional policies) or token ``slots``.
+    ``considered``: a positional policy has decided about every block before this index
+    (the manager keeps it as the sequence's cursor, so the next decision starts there)."""
 
     blocks: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
+    considered: int | None = None
 
     def __bool__(self) -> bool:
         return bool(self.blocks or self.slots)

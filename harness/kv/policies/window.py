@@ -31,12 +31,12 @@ class WindowPolicy(EvictionPolicy):
                             f"{self.window} and {self.sinks}")
 
     def select(self, seq: Sequence, kv: EvictingKVManager, need: int) -> Eviction:
-        st = kv.blocks_of(seq)
+        st = kv.blocks_of(seq)  # read only: the manager moves the cursor (considered)
         bs = kv.block_size
         # The next query sits at position num_computed and sees from num_computed+1-window.
         upto = max(0, seq.num_computed + 1 - self.window) // bs
         first = max(-(-self.sinks // bs), st.cursor)
         if upto <= first:
             return Eviction()
-        st.cursor = upto
-        return Eviction(blocks=[i for i in range(first, upto) if st.table[i] >= 0])
+        return Eviction(blocks=[i for i in range(first, upto) if st.table[i] >= 0],
+                        considered=upto)
