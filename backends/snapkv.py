@@ -28,7 +28,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from harness.backends.base import BackendOptions, KVLayout, PrefillChunk
+from harness.backends.base import KVLayout, PrefillChunk
+from harness.backends.scored import ScorerOptions
 from harness.backends.slotted import SlottedBackend
 from harness.errors import UserError
 from harness.kv.base import StepScores
@@ -39,9 +40,13 @@ POOLING = ("max", "avg")
 
 
 @dataclass
-class SnapKVOptions(BackendOptions):
+class SnapKVOptions(ScorerOptions):
     budget: int = 0  # prompt tokens kept besides the window; or
     budget_ratio: float = 0.2  # their share of the prompt (set exactly one)
+    # Its one trigger, the paper's: the prompt's end (its window is the prompt's last
+    # queries). A streaming snapkv (scoring each chunk by its own last queries) is not
+    # built: streaming is refused.
+    prefill: str = "full"
     window: int = 32  # observation window: the prompt's last queries
     kernel: int = 7  # pooling width over neighbouring positions (odd; not an attention kernel)
     pooling: str = "max"  # max | avg
@@ -50,6 +55,11 @@ class SnapKVOptions(BackendOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_snapkv_options(self.budget, self.budget_ratio, self.window, self.max_tokens)
+        if self.prefill != "full":
+            raise UserError(f"backend.prefill={self.prefill!r}: snapkv selects once, at a "
+                            "prompt's end (its observation window is the prompt's last "
+                            "queries); use backend.prefill=full, or h2o / tova / knorm with "
+                            "backend.prefill=streaming for bounded memory while prefilling")
         if self.kernel < 1 or self.kernel % 2 == 0:
             raise UserError(f"backend.kernel (SnapKV's pooling width) must be odd and >= 1, "
                             f"got {self.kernel}")
@@ -67,7 +77,7 @@ class SnapKVBackend(SlottedBackend):
         super().__init__(layout, device, **options)
         o = self.opts
         assert isinstance(o, SnapKVOptions)
-        self.policy = SnapKVPolicy(o.budget, o.budget_ratio, o.window, o.max_tokens)
+        self.policy = SnapKVPolicy(o)
         self.window, self.pool_width, self.pooling = o.window, o.kernel, o.pooling
         # seq id -> (layers, query heads, P - window): its window queries' weights so far
         self._obs: dict[int, torch.Tensor] = {}

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from harness.backends.h2o import H2OOptions
+from harness.backends.snapkv import SnapKVOptions
 from harness.kv.base import Demand, StepScores
 from harness.kv.evicting import BudgetBlocks, EvictingKVManager
 from harness.kv.policies.h2o import H2OPolicy
@@ -235,7 +236,7 @@ class SnapKVMachine(_Machine):
     a prompt ends, then compaction; forks share and copy-on-write."""
 
     def _manager(self) -> EvictingKVManager:
-        pol = SnapKVPolicy(budget_tokens=3, budget_ratio=0.0, window=2, max_tokens=9)
+        pol = SnapKVPolicy(SnapKVOptions(budget=3, budget_ratio=0.0, window=2, max_tokens=9))
         return EvictingKVManager(NUM_BLOCKS, BS, pol, watermark=0.0)
 
     @invariant()

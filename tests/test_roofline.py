@@ -163,6 +163,7 @@ def test_experiments_at_tiny_scale() -> None:
 def test_long_prompts_quest_reads_less_than_paged_and_snapkv_what_it_holds() -> None:
     # What KVReads once got wrong by guessing from attribute names: quest read more than
     # paged, snapkv's observation window was taken for a sliding window (32 tokens read).
+    from harness.backends.snapkv import SnapKVOptions
     from harness.kv.policies.snapkv import SnapKVPolicy
 
     p, out = 1000, 32
@@ -174,5 +175,5 @@ def test_long_prompts_quest_reads_less_than_paged_and_snapkv_what_it_holds() -> 
     # out - 1 decodes (the prefill samples the first) at contexts p + 1 .. p + out - 1
     assert paged[key] == pytest.approx(bps * (p + out / 2))  # the whole context
     assert quest[key] < 0.4 * paged[key]  # 256 tokens of 1000+ and every block's bounds
-    keep = SnapKVPolicy(0, 0.2, 32, 0).keep(p)  # what it holds after the prompt
+    keep = SnapKVPolicy(SnapKVOptions()).keep(p)  # what it holds after the prompt
     assert snap[key] == pytest.approx(bps * (keep + out / 2))

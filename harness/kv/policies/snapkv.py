@@ -18,14 +18,13 @@ lowest-scored prompt tokens. The manager compacts the kept tokens into fewer blo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from harness.errors import UserError
 from harness.kv.policies.base import Eviction, EvictionPolicy
-from harness.kv.policies.budget import check_budget_options, ratio_budget
+from harness.kv.policies.budget import ScorerOpts, check_budget_options, ratio_budget
 
 if TYPE_CHECKING:
     from harness.kv.base import StepScores
@@ -44,17 +43,25 @@ def check_snapkv_options(budget: int, budget_ratio: float, window: int,
                         f"{window} (0: no cap)")
 
 
-@dataclass
+class SnapKVOpts(ScorerOpts, Protocol):
+    """backends/snapkv.py's ``SnapKVOptions``: ``budget`` (or ``budget_ratio`` of the
+    prompt) are the prompt tokens kept besides the window."""
+
+    window: int  # the prompt's last queries, whose attention scores the rest
+    max_tokens: int  # cap on tokens held while decoding (0: none)
+
+
 class SnapKVPolicy(EvictionPolicy):
-    budget_tokens: int = 0  # prompt tokens kept besides the window; or
-    budget_ratio: float = 0.2  # their share of the prompt (set exactly one)
-    window: int = 32  # the prompt's last queries, whose attention scores the rest
-    max_tokens: int = 0  # cap on tokens held while decoding (0: none)
+    """Reads the backend's one options dataclass (``opts``), as every scored method's."""
+
     name = "snapkv"
     needs_scores = True
     compacts = True
 
-    def __post_init__(self) -> None:
+    def __init__(self, opts: SnapKVOpts) -> None:
+        self.opts = opts
+        self.budget_tokens, self.budget_ratio = opts.budget, opts.budget_ratio
+        self.window, self.max_tokens = opts.window, opts.max_tokens
         check_snapkv_options(self.budget_tokens, self.budget_ratio, self.window,
                              self.max_tokens)
         self.scores = np.zeros(0)
