@@ -43,9 +43,9 @@ POOLING = ("max", "avg")
 class SnapKVOptions(ScorerOptions):
     budget: int = 0  # prompt tokens kept besides the window; or
     budget_ratio: float = 0.2  # their share of the prompt (set exactly one)
-    # Its one trigger, the paper's: the prompt's end (its window is the prompt's last
-    # queries). A streaming snapkv (scoring each chunk by its own last queries) is not
-    # built: streaming is refused.
+    # The trigger: full (the paper's: one selection at the prompt's end, by the prompt's
+    # last `window` queries) | streaming (bounded memory while prefilling: chunks of the
+    # kept prompt, each chunk's own last `window` queries selecting after it ran)
     prefill: str = "full"
     window: int = 32  # observation window: the prompt's last queries
     kernel: int = 7  # pooling width over neighbouring positions (odd; not an attention kernel)
@@ -55,11 +55,6 @@ class SnapKVOptions(ScorerOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_snapkv_options(self.budget, self.budget_ratio, self.window, self.max_tokens)
-        if self.prefill != "full":
-            raise UserError(f"backend.prefill={self.prefill!r}: snapkv selects once, at a "
-                            "prompt's end (its observation window is the prompt's last "
-                            "queries); use backend.prefill=full, or h2o / tova / knorm with "
-                            "backend.prefill=streaming for bounded memory while prefilling")
         if self.kernel < 1 or self.kernel % 2 == 0:
             raise UserError(f"backend.kernel (SnapKV's pooling width) must be odd and >= 1, "
                             f"got {self.kernel}")
@@ -71,7 +66,7 @@ class SnapKVBackend(SlottedBackend):
     Options = SnapKVOptions
     @property
     def trigger(self) -> str | None:
-        return "full"  # its one selection, at a prompt's end
+        return self.policy.prefill
 
     def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:
         super().__init__(layout, device, **options)
@@ -88,10 +83,13 @@ class SnapKVBackend(SlottedBackend):
         out = super().attend_chunk(layer, q, c, slots)
         seq = c.sched.seq
         p = seq.num_prompt_tokens
-        lo = p - self.window  # the first window query; scored keys are [0, lo)
-        first, last = max(c.start, lo), min(c.start + c.num_tokens, p)
-        if self.policy.keep(p) >= p or first >= last:
-            return out  # nothing to select, or no window query in this chunk
+        end = min(c.start + c.num_tokens, p)
+        # The first window query; scored keys are [0, lo). Full: the prompt's last `window`
+        # (they may span chunks); streaming: this chunk's own last ones (at most all of it).
+        lo = max(c.start, end - self.window) if self.policy.streaming else p - self.window
+        first, last = max(c.start, lo), end
+        if self.policy.keep(p) >= p or first >= last or lo <= 0:
+            return out  # nothing to select, no window query in this chunk, or no key before it
         if layer == 0 and c.start <= lo:  # the window starts here: (re)start its buffer
             self._obs[seq.seq_id] = torch.zeros(
                 (self.layout.num_layers, q.shape[1], lo), dtype=torch.float32,
@@ -102,9 +100,12 @@ class SnapKVBackend(SlottedBackend):
                                 first)
         scored = (kpos >= 0) & (kpos < lo)
         acc.index_add_(1, kpos[scored], w[:, scored])
-        if last == p and layer == self.layout.num_layers - 1:
-            self._emit.append((slots[scored][kpos[scored].argsort()],
-                               self.pooled_scores(self._obs.pop(seq.seq_id))))
+        if (last == p or self.policy.streaming) and layer == self.layout.num_layers - 1:
+            # Pooled by position; each held key takes its position's score (streaming: the
+            # positions evicted by earlier chunks hold nothing, and pool as zeros).
+            order = kpos[scored].argsort()
+            pooled = self.pooled_scores(self._obs.pop(seq.seq_id))
+            self._emit.append((slots[scored][order], pooled[kpos[scored][order]]))
         return out
 
     def window_weights(self, layer: int, q: torch.Tensor, slots: torch.Tensor,

@@ -26,7 +26,7 @@ ROWS = [
     (["backend=h2o", "backend.heavy_ratio=1"], "backend.heavy_ratio must be in (0, 1)"),
     (["backend=tova", "backend.prefill=once"], "unknown backend.prefill 'once'; known: "
                                                "full, streaming"),
-    (["backend=snapkv", "backend.prefill=streaming"], "snapkv selects once, at a prompt's end"),
+    (["backend=snapkv", "backend.prefill=chunked"], "unknown backend.prefill 'chunked'"),
     (["backend=sliding_window", "backend.window=0"], "backend.window >= 1"),
     (["backend=int8", "backend.sink_tokens=-1"], "backend.sink_tokens must be >= 0"),
     (["backend.kernel=cuda"], "unknown backend.kernel"),

@@ -74,6 +74,34 @@ def test_kept_tokens_equal_a_brute_force_snapkv(pooling: str, chunks: list[int])
     assert d.read_bytes_per_token() == len(pos) * d.be.bytes_per_slot()
 
 
+@pytest.mark.parametrize("pooling", ["max", "avg"])
+def test_streaming_selects_after_each_chunk_by_its_own_window(pooling: str) -> None:
+    # prefill=streaming: memory bounded while prefilling. Chunks of the kept prompt (here
+    # 8 + 12 = 20): the second chunk's last 8 queries score the 32 tokens before them, all
+    # still held (the first chunk brought no more than the kept count), so what stays is a
+    # brute-force SnapKV over the first 40 positions; never more than kept + a chunk.
+    p, window, kernel, budget = 60, 8, 5, 12
+    opts = {"budget": budget, "budget_ratio": 0.0, "window": window, "kernel": kernel,
+            "pooling": pooling, "prefill": "streaming"}
+    d = Driver("snapkv", block_size=BS, options=opts, seed=7)
+    s = d.add(p, max_tokens=4)
+    keep = window + budget
+    assert d.kv.max_chunk(s) == keep
+    q: dict[int, list[torch.Tensor]] = {}
+    while s.num_computed < p:
+        start, n = s.num_computed, min(keep, p - s.num_computed)
+        out = d.step([(s, n)])
+        rows = out.rows[s.seq_id]
+        for i in range(n):
+            q[start + i] = [ql[rows.start + i] for ql in out.q]
+        _, kept = d.held(s)
+        assert len(kept) == min(s.num_computed, keep)
+        if s.num_computed == 2 * keep:
+            assert set(kept) == _brute_force_snapkv(d, s.seq_id, q, 2 * keep, window,
+                                                    kernel, pooling, budget)
+    assert d.be.trigger == "streaming"
+
+
 def test_max_tokens_caps_what_a_decoding_sequence_holds() -> None:
     opts = {"budget": 10, "budget_ratio": 0.0, "window": 8, "max_tokens": 24}
     d = Driver("snapkv", block_size=BS, options=opts)
@@ -100,3 +128,20 @@ def test_freed_prompt_blocks_let_more_sequences_run() -> None:
     assert snap["requests.finished"] == paged["requests.finished"] == 12
     assert snap["memory.max_running_seqs"] > paged["memory.max_running_seqs"]
     assert snap["cache.evicted_tokens"] > 0
+
+
+def test_streaming_bounds_memory_in_the_engine() -> None:
+    # One long prompt, prefilled in chunks of the kept count (window 8 + 24): the allocator
+    # never holds more than kept + one chunk, and the run's record names the trigger.
+    common = ["model=tiny", "backend=snapkv", "backend.window=8", "backend.budget=24",
+              "backend.budget_ratio=0", "backend.block_size=8", "workload=shared_prefix",
+              "workload.num_requests=1", "workload.prefix_tokens=200",
+              "workload.suffix_tokens=0", "workload.output_tokens=8", "cache.kv_budget=1MiB"]
+    full = run(compose_cfg([*common, "backend.prefill=full"]))
+    stream = run(compose_cfg([*common, "backend.prefill=streaming"]))
+    per_slot = stream.metrics["memory.kv_budget_bytes"] // stream.metrics["memory.token_capacity"]
+    assert stream.metrics["run.prefill"] == "streaming" and full.metrics["run.prefill"] == "full"
+    assert max(s.used_bytes for s in stream.steps) <= (32 + 32) * per_slot
+    assert max(s.used_bytes for s in full.steps) == 200 * per_slot  # the whole prompt
+    # Both end the prompt holding the same count: the window + 24.
+    assert [s.used_bytes for s in stream.steps][-1] == [s.used_bytes for s in full.steps][-1]

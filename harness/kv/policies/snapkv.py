@@ -49,6 +49,7 @@ class SnapKVOpts(ScorerOpts, Protocol):
 
     window: int  # the prompt's last queries, whose attention scores the rest
     max_tokens: int  # cap on tokens held while decoding (0: none)
+    prefill: str  # full: one selection at the prompt's end | streaming: one per chunk
 
 
 class SnapKVPolicy(EvictionPolicy):
@@ -64,6 +65,8 @@ class SnapKVPolicy(EvictionPolicy):
         self.window, self.max_tokens = opts.window, opts.max_tokens
         check_snapkv_options(self.budget_tokens, self.budget_ratio, self.window,
                              self.max_tokens)
+        self.prefill = opts.prefill
+        self.streaming = opts.prefill == "streaming"
         self.scores = np.zeros(0)
 
     def keep(self, prompt_len: int) -> int:
@@ -81,13 +84,27 @@ class SnapKVPolicy(EvictionPolicy):
         keep + max_tokens up front admitted 3 sequences where paged ran 16."""
         return self._capped(self.keep(prompt_len))
 
+    def max_chunk(self, budget: int | None) -> int | None:
+        """Streaming: chunks of the kept prompt, at least the window (each chunk's own last
+        ``window`` queries score what came before; fewer in a shorter last chunk)."""
+        if not self.streaming:
+            return None
+        assert budget is not None
+        return max(self.window, budget)
+
     def peak(self, prompt_len: int, max_tokens: int) -> int:
-        return max(prompt_len, self._capped(self.keep(prompt_len) + max_tokens))
+        generating = self._capped(self.keep(prompt_len) + max_tokens)
+        if self.streaming:  # the kept prompt + one chunk while prefilling
+            chunk = self.max_chunk(self.budget(prompt_len, max_tokens)) or 0
+            return max(min(prompt_len, self.keep(prompt_len) + chunk), generating)
+        return max(prompt_len, generating)
 
     def held_limit(self, seq: Sequence, n: int) -> int | None:
         p = seq.num_prompt_tokens
         if seq.num_computed < p:
-            return None  # the prompt is still being prefilled: it is all held
+            # Full: the prompt is still being prefilled, it is all held. Streaming: the kept
+            # prompt, the next chunk on top of it (chosen among after it ran).
+            return self.keep(p) + n if self.streaming else None
         return self._capped(self.keep(p) + seq.num_computed + n - p)
 
     def reset(self, num_slots: int) -> None:
@@ -107,12 +124,15 @@ class SnapKVPolicy(EvictionPolicy):
             return Eviction()
         slots, pos = kv.live_slots(seq)
         p = seq.num_prompt_tokens
-        scored = np.flatnonzero(pos < p - self.window)  # prompt tokens the window scores
+        # The prompt so far (all of it once prefilled; streaming: up to the chunk just run),
+        # of which the tokens before its last `window` are what the window scored.
+        end = min(p, seq.num_computed)
+        scored = np.flatnonzero(pos < end - self.window)
         # Lowest score first; ties (max-pooling makes neighbours equal) go latest first,
         # so the earliest of equals is kept.
         by_score = scored[np.lexsort((-pos[scored], self.scores[slots[scored]]))]
         # The selection proper: the prompt down to keep(p), lowest scores first.
-        excess = max(0, int((pos < p).sum()) - self.keep(p))
+        excess = max(0, int((pos < end).sum()) - self.keep(p))
         first = by_score[:min(need, excess)]
         rest = need - len(first)
         if rest:  # the cap: old generated tokens, then more of the prompt, then the rest
