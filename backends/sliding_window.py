@@ -21,7 +21,7 @@ import torch
 from harness.backends.base import CacheSizing, KVLayout
 from harness.backends.paged import PagedBackend, PagedOptions
 from harness.kv.base import KVManager
-from harness.kv.evicting import EvictingKVManager
+from harness.kv.evicting import WindowKVManager
 from harness.kv.policies.window import WindowPolicy
 
 
@@ -45,7 +45,7 @@ class SlidingWindowBackend(PagedBackend):
         self.window_sinks = self.sink_tokens = o.sink_tokens
 
     def make_manager(self, sizing: CacheSizing, **options: Any) -> KVManager:
-        return EvictingKVManager(sizing.num_blocks, sizing.block_size, self.policy,
+        return WindowKVManager(sizing.num_blocks, sizing.block_size, self.policy,
                                  num_cpu_blocks=sizing.num_cpu_blocks, **options)
 
 

@@ -25,7 +25,7 @@ from hypothesis.stateful import (
 
 from harness.kv.base import Demand
 from harness.kv.contiguous import POLICIES, ContiguousKVManager
-from harness.kv.evicting import EvictingKVManager
+from harness.kv.evicting import WindowKVManager
 from harness.kv.paged import PagedKVManager
 from harness.kv.policies.base import Eviction
 from harness.kv.policies.window import WindowPolicy
@@ -378,16 +378,16 @@ class PagedEvictionMachine(PagedMachine):
     CACHING = False
 
     def _manager(self) -> PagedKVManager:
-        return EvictingKVManager(NUM_BLOCKS, BS, WindowPolicy(window=1, sinks=0),
-                                 num_cpu_blocks=NUM_CPU_BLOCKS, enable_prefix_caching=False,
-                                 watermark=0.0)
+        return WindowKVManager(NUM_BLOCKS, BS, WindowPolicy(window=1, sinks=0),
+                               num_cpu_blocks=NUM_CPU_BLOCKS, enable_prefix_caching=False,
+                               watermark=0.0)
 
     @precondition(lambda self: any(g.seqs for g in self._device_groups()))
     @rule(i=pick, upto=st.integers(0, 16))
     def give_back_leading(self, i: int, upto: int) -> None:
         _, seq = self._pick_seq(i)
         m = self.m
-        assert isinstance(m, EvictingKVManager)
+        assert isinstance(m, WindowKVManager)
         upto = min(upto, seq.num_computed) // BS  # a window never reaches past computed
         table = m.table_of(seq)
         blocks = [j for j in range(upto) if table[j] >= 0]

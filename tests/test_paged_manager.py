@@ -7,7 +7,7 @@ and queue orders after each step, saying why that order is the right one.
 from __future__ import annotations
 
 from harness.kv.base import CopyOp, Demand
-from harness.kv.evicting import EvictingKVManager
+from harness.kv.evicting import WindowKVManager
 from harness.kv.paged import PagedKVManager
 from harness.kv.policies.window import WindowPolicy
 from tests.helpers import decode, make_seq
@@ -169,7 +169,7 @@ def test_swap_out_and_in_round_trip() -> None:
 
 def test_window_policy_gives_back_whole_blocks_outside_the_window() -> None:
     pol = WindowPolicy(window=6, sinks=0)
-    m = EvictingKVManager(10, BS, pol, watermark=0.0, enable_prefix_caching=False)
+    m = WindowKVManager(10, BS, pol, watermark=0.0, enable_prefix_caching=False)
     s = make_seq([*range(13), 99])  # 13 computed, the 14th sampled
     d = Demand(s, 13)
     m.allocate(d)
@@ -189,7 +189,7 @@ def test_window_policy_gives_back_whole_blocks_outside_the_window() -> None:
 
 def test_window_keeps_the_sink_blocks() -> None:
     pol = WindowPolicy(window=4, sinks=5)  # sinks span blocks 0 and 1
-    m = EvictingKVManager(10, BS, pol, watermark=0.0, enable_prefix_caching=False)
+    m = WindowKVManager(10, BS, pol, watermark=0.0, enable_prefix_caching=False)
     s = make_seq(list(range(21)))
     m.allocate(Demand(s, 20))
     s.num_computed = 20

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from harness.backends import BACKENDS
-from harness.kv.evicting import EvictingKVManager
+from harness.kv.evicting import EvictingKVManager, PolicyKVManager, WindowKVManager
 from harness.kv.policies.base import Eviction
 from harness.runner import run
 from harness.sched.scheduler import Scheduler
@@ -56,16 +56,21 @@ def _run(name: str, plan: list[int],
         return min(n, end - seq.num_computed, cap if cap is not None else n)
 
     evictions: list[list[int]] = [[], []]
-    real_evict = EvictingKVManager.evict
+    def recording(cls: type[PolicyKVManager]) -> Any:
+        real = cls.evict
 
-    def evict(self: EvictingKVManager, seq: Sequence, ev: Eviction) -> None:
-        if ev:
-            evictions[0] += sorted(int(p) for p in self._pos[ev.slots])
-            evictions[1] += list(ev.blocks)
-        real_evict(self, seq, ev)
+        def evict(self: PolicyKVManager, seq: Sequence, ev: Eviction) -> None:
+            if ev:
+                if ev.slots:
+                    assert isinstance(self, EvictingKVManager)
+                    evictions[0] += sorted(int(p) for p in self._pos[ev.slots])
+                evictions[1] += list(ev.blocks)
+            real(self, seq, ev)
+        return evict
 
     monkeypatch.setattr(Scheduler, "_chunk_len", chunk_len)
-    monkeypatch.setattr(EvictingKVManager, "evict", evict)
+    for cls in (EvictingKVManager, WindowKVManager):
+        monkeypatch.setattr(cls, "evict", recording(cls))
     r = run(compose_cfg(["model=tiny", f"backend={name}", "backend.block_size=8",
                          "workload=shared_prefix", "workload.num_requests=1",
                          f"workload.prefix_tokens={P}", "workload.suffix_tokens=0",

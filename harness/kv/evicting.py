@@ -1,10 +1,14 @@
-"""A paged KV manager with an eviction policy: one seam for every lossy method.
+"""Paged KV managers with an eviction policy: one seam for every lossy method, one
+manager per granularity.
 
-The policy (harness.kv.policies) decides; this manager keeps the books and frees through
-one path, :meth:`EvictingKVManager.evict`, called from :meth:`observe` after each step's
+The policy (harness.kv.policies) decides; the manager keeps the books and frees through
+one path, ``evict``, called from :meth:`PolicyKVManager.observe` after each step's
 forward (and, as a safety net, when a sequence would otherwise exceed its budget at
-allocation). Costs per step are O(tokens the step touches): a policy scores a sequence's
-held slots with numpy over arrays indexed by slot, never a Python loop over the budget.
+allocation). :class:`WindowKVManager` serves positional policies (a window: whole blocks
+at their positional slots given back, paged allocation, prefix caching and swap kept);
+:class:`EvictingKVManager` the token-granular ones (h2o, tova, snapkv, knorm). Costs per
+step are O(tokens the step touches): a policy scores a sequence's held slots with numpy
+over arrays indexed by slot, never a Python loop over the budget.
 
 Token-granular policies (``positional = False``): a sequence's slots need not follow
 position order. Each sequence keeps a stack of free slots inside the blocks it holds
@@ -44,26 +48,17 @@ class BudgetBlocks(SeqBlocks):
     owed: int = 0
 
 
-class EvictingKVManager(PagedKVManager):
-    """Paged bookkeeping + an :class:`EvictionPolicy` (sliding window, h2o, ...)."""
+class PolicyKVManager(PagedKVManager):
+    """Paged bookkeeping + an :class:`EvictionPolicy`: the budgets the policy states, and
+    :meth:`observe`, where the policy decides and the manager changes its own state (a
+    policy never writes the manager's fields: what it considered comes back in its
+    :class:`Eviction`). Subclasses give back what an eviction names (``evict``)."""
 
     def __init__(self, num_blocks: int, block_size: int, policy: EvictionPolicy,
                  **options: object) -> None:
-        if not policy.positional:
-            # Token-granular policies keep per-slot state (scores, positions) beside the
-            # cache: their blocks do not swap, and rewritten blocks are not cacheable.
-            options["enable_prefix_caching"] = False
-            options["num_cpu_blocks"] = 0
         super().__init__(num_blocks, block_size, **options)  # type: ignore[arg-type]
-        self.supports_swap = policy.positional
         self.policy = policy
-        self.positional = policy.positional
         policy.reset(num_blocks * block_size)
-        self._pos = np.full(num_blocks * block_size, -1, dtype=np.int64)
-        # Blocks promised to admitted budgeted sequences that they do not hold yet: an
-        # admission must leave them free, or it over-admits and then thrashes (20 admitted
-        # and 65 preemptions recomputing 93% of the prompts, before this was counted).
-        self._owed = 0
 
     # -- budgets -----------------------------------------------------------------------
     def budget_of(self, seq: Sequence) -> int | None:
@@ -80,13 +75,109 @@ class EvictingKVManager(PagedKVManager):
         return n * cdiv(min(b, prompt_len + max_tokens), self.block_size) * self.block_size
 
     def held_tokens(self, seq: Sequence) -> int:
-        """Tokens ``seq`` holds now (its budget's count, not a mask)."""
+        """Tokens ``seq`` holds now (what its blocks hold, the given-back ones not)."""
         st = self._seqs.get(seq.seq_id)
         if st is None:
             return 0
-        if isinstance(st, BudgetBlocks):
-            return st.live
         return seq.num_computed - st.given_back * self.block_size
+
+    def _over(self, seq: Sequence, n: int) -> int:
+        """Tokens ``seq`` must give back before ``n`` more fit its budget."""
+        b = self.policy.held_limit(seq, n)
+        return 0 if b is None else max(0, self.held_tokens(seq) + n - b)
+
+    # -- eviction --------------------------------------------------------------------------
+    def observe(self, seqs: list[Sequence], scores: StepScores | None) -> None:
+        if scores is not None:
+            self.policy.on_scores(scores)
+        for seq in seqs:
+            if seq.seq_id in self._seqs:
+                ev = self._select(seq, self._over(seq, self._next_tokens(seq)))
+                if ev:
+                    self.evict(seq, ev)
+                    self.after_eviction(seq)
+
+    def after_eviction(self, seq: Sequence) -> None:
+        """After ``seq`` gave something back in :meth:`observe` (token managers compact)."""
+
+    def _next_tokens(self, seq: Sequence) -> int:
+        """Tokens ``seq``'s next step adds: its sampled token, or its next prefill chunk."""
+        left = seq.num_uncomputed
+        cap = self.max_chunk(seq)
+        return left if cap is None else min(left, cap)
+
+    def _select(self, seq: Sequence, need: int) -> Eviction:
+        ev = self.policy.select(seq, self, need)
+        if ev.considered is not None:  # the policy decides, the manager keeps the books
+            self._seqs[seq.seq_id].cursor = ev.considered
+        assert len(ev.slots) + len(ev.blocks) * self.block_size >= need, \
+            f"policy {self.policy.name} freed too little"
+        return ev
+
+    def evict(self, seq: Sequence, ev: Eviction) -> None:
+        """Give back ``ev``'s blocks or slots of ``seq``: the one path the policy frees
+        through. O(tokens given back)."""
+        raise NotImplementedError
+
+    def live_slots(self, seq: Sequence) -> tuple[np.ndarray, np.ndarray]:
+        """(slots, positions) of the tokens ``seq`` holds: int64 (held,) each. Here, at
+        their positional slots: every computed position of a block not given back."""
+        st = self._seqs[seq.seq_id]
+        bs = self.block_size
+        table = np.asarray(st.table, dtype=np.int64)
+        pos = np.arange(len(table) * bs, dtype=np.int64)
+        slots = (table[:, None] * bs + np.arange(bs, dtype=np.int64)).ravel()
+        keep = (np.repeat(table, bs) >= 0) & (pos < seq.num_computed)
+        return slots[keep], pos[keep]
+
+
+class WindowKVManager(PolicyKVManager):
+    """A positional policy (a window): paged allocation as it is, whole blocks given back
+    at their positional slots (their K/V still what their hashes name: prefix caching and
+    swap stay on)."""
+
+    def evict(self, seq: Sequence, ev: Eviction) -> None:
+        if not ev:
+            return
+        assert not ev.slots, "a positional policy gives back whole blocks"
+        st = self._seqs[seq.seq_id]
+        for i in ev.blocks:
+            b = st.table[i]
+            assert b >= 0, "blocks are given back once, positionally"
+            self.pool.release(b)
+            st.table[i] = GIVEN_BACK
+            st.given_back += 1
+            self.logical_blocks -= 1
+            self.stats.evicted_tokens += self.block_size
+
+
+class EvictingKVManager(PolicyKVManager):
+    """A token-granular policy (h2o, tova, snapkv, knorm): single slots given back and
+    reused, per-slot positions, compaction after a one-shot selection. Per-slot state
+    lives beside the cache: blocks do not swap, and rewritten blocks are not cacheable."""
+
+    def __init__(self, num_blocks: int, block_size: int, policy: EvictionPolicy,
+                 **options: object) -> None:
+        if policy.positional:
+            raise ValueError(f"policy {policy.name} is positional: use WindowKVManager")
+        options["enable_prefix_caching"] = False
+        options["num_cpu_blocks"] = 0
+        super().__init__(num_blocks, block_size, policy, **options)
+        self.supports_swap = False
+        self._pos = np.full(num_blocks * block_size, -1, dtype=np.int64)
+        # Blocks promised to admitted budgeted sequences that they do not hold yet: an
+        # admission must leave them free, or it over-admits and then thrashes (20 admitted
+        # and 65 preemptions recomputing 93% of the prompts, before this was counted).
+        self._owed = 0
+
+    def held_tokens(self, seq: Sequence) -> int:
+        """Tokens ``seq`` holds now (its budget's count, not a mask)."""
+        st = self._seqs.get(seq.seq_id)
+        return st.live if isinstance(st, BudgetBlocks) else 0
+
+    def after_eviction(self, seq: Sequence) -> None:
+        if self.policy.compacts:
+            self._compact(seq)
 
     def live_slots(self, seq: Sequence) -> tuple[np.ndarray, np.ndarray]:
         """(slots, positions) of the tokens ``seq`` holds: int64 (held,) each."""
@@ -102,13 +193,8 @@ class EvictingKVManager(PagedKVManager):
     def blocks_of(self, seq: Sequence) -> SeqBlocks:
         st = self._seqs.get(seq.seq_id)
         if st is None:
-            st = self._seqs[seq.seq_id] = SeqBlocks() if self.positional else BudgetBlocks()
+            st = self._seqs[seq.seq_id] = BudgetBlocks()
         return st
-
-    def _over(self, seq: Sequence, n: int) -> int:
-        """Tokens ``seq`` must give back before ``n`` more fit its budget."""
-        b = self.policy.held_limit(seq, n)
-        return 0 if b is None else max(0, self.held_tokens(seq) + n - b)
 
     def _cap_blocks(self, seq: Sequence) -> int:
         """Blocks ``seq`` holds once its budget is full (all its tokens, if fewer)."""
@@ -124,8 +210,6 @@ class EvictingKVManager(PagedKVManager):
         st.owed = owed
 
     def can_allocate(self, demands: list[Demand], watermark: bool) -> bool:
-        if self.positional:
-            return super().can_allocate(demands, watermark)
         need = sum(self._new_blocks(d) for d in demands)
         limit = self.pool.num_free - self._owed - (self.watermark_blocks if watermark else 0)
         return need <= limit
@@ -134,8 +218,6 @@ class EvictingKVManager(PagedKVManager):
         """Blocks beyond what is promised to ``d.seq``: for an admission, all it will hold
         (its budget, not just its first chunk); for a running sequence, new blocks past
         its promise, plus copies of shared blocks it must write."""
-        if self.positional:
-            return super()._new_blocks(d)
         seq, bs = d.seq, self.block_size
         st = self._seqs.get(seq.seq_id)
         if not isinstance(st, BudgetBlocks) or not st.table:
@@ -149,13 +231,9 @@ class EvictingKVManager(PagedKVManager):
         return need
 
     def allocate_group(self, demands: list[Demand]) -> list[list[int]]:
-        if self.positional:
-            return super().allocate_group(demands)
         return [self._take_slots(d.seq, d.num_tokens) for d in demands]
 
     def append_slot(self, seq: Sequence) -> int | None:
-        if self.positional:
-            return super().append_slot(seq)
         if not self.can_allocate([Demand(seq, 1)], watermark=False):
             return None
         return self._take_slots(seq, 1)[0]
@@ -235,49 +313,12 @@ class EvictingKVManager(PagedKVManager):
         self._ops.invalidated += live.tolist()
 
     # -- eviction --------------------------------------------------------------------------
-    def observe(self, seqs: list[Sequence], scores: StepScores | None) -> None:
-        if scores is not None:
-            self.policy.on_scores(scores)
-        for seq in seqs:
-            if seq.seq_id in self._seqs:
-                ev = self.policy.select(seq, self, self._over(seq, self._next_tokens(seq)))
-                if ev.considered is not None:  # the policy decides, the manager keeps books
-                    self._seqs[seq.seq_id].cursor = ev.considered
-                if ev:
-                    self.evict(seq, ev)
-                    if self.policy.compacts:
-                        self._compact(seq)
-
-    def _next_tokens(self, seq: Sequence) -> int:
-        """Tokens ``seq``'s next step adds: its sampled token, or its next prefill chunk."""
-        left = seq.num_uncomputed
-        cap = self.max_chunk(seq)
-        return left if cap is None else min(left, cap)
-
-    def _select(self, seq: Sequence, need: int) -> Eviction:
-        ev = self.policy.select(seq, self, need)
-        if ev.considered is not None:
-            self._seqs[seq.seq_id].cursor = ev.considered
-        assert len(ev.slots) >= need, f"policy {self.policy.name} freed too little"
-        return ev
-
     def evict(self, seq: Sequence, ev: Eviction) -> None:
-        """Give back ``ev``'s blocks or slots of ``seq``: the one path every policy frees
-        through. O(tokens given back)."""
         if not ev:
             return
+        assert not ev.blocks, "a token-granular policy gives back single slots"
         st = self._seqs[seq.seq_id]
         pool, bs = self.pool, self.block_size
-        for i in ev.blocks:
-            b = st.table[i]
-            assert self.positional and b >= 0, "blocks are given back once, positionally"
-            pool.release(b)
-            st.table[i] = GIVEN_BACK
-            st.given_back += 1
-            self.logical_blocks -= 1
-            self.stats.evicted_tokens += bs
-        if not ev.slots:
-            return
         assert isinstance(st, BudgetBlocks), "single tokens are given back by budget policies"
         by_block: dict[int, list[int]] = {}
         for slot in ev.slots:

@@ -1,11 +1,12 @@
 """The eviction-policy seam: what a policy decides, and what it is told.
 
-A policy lives with the KV manager (:class:`~harness.kv.evicting.EvictingKVManager`), as
+A policy lives with the KV manager (harness.kv.evicting: ``WindowKVManager`` for a
+positional one, ``EvictingKVManager`` for a token-granular one), as
 vLLM v1 frees sliding-window blocks inside its manager. After every step's forward the
 backend hands the manager the scores the policy asked for (one batched device-to-host
 transfer, :class:`~harness.kv.base.StepScores`); the manager calls :meth:`select` for
 every running sequence of the step and frees what it returns through one path,
-:meth:`EvictingKVManager.evict`. No policy touches tensors; no backend calls the manager.
+the manager's ``evict``. No policy touches tensors; no backend calls the manager.
 
 Two granularities, because one slot holds a token's K/V for every layer and head:
 
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from harness.kv.base import StepScores
-    from harness.kv.evicting import EvictingKVManager
+    from harness.kv.evicting import PolicyKVManager
     from harness.sched.sequence import Sequence
 
 
@@ -88,7 +89,7 @@ class EvictionPolicy(ABC):
         """Slots ``[src, src + n)`` were copied to ``[dst, dst + n)`` (copy-on-write)."""
 
     @abstractmethod
-    def select(self, seq: Sequence, kv: EvictingKVManager, need: int) -> Eviction:
+    def select(self, seq: Sequence, kv: PolicyKVManager, need: int) -> Eviction:
         """What ``seq`` gives back now. ``need``: tokens it must give back to keep within
         its budget before its next step (0 when unbounded or within it); a policy may give
         back more (a window returns every block it no longer sees), never fewer."""

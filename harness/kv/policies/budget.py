@@ -18,7 +18,7 @@ from harness.kv.policies.base import Eviction, EvictionPolicy
 
 if TYPE_CHECKING:
     from harness.kv.base import StepScores
-    from harness.kv.evicting import EvictingKVManager
+    from harness.kv.evicting import PolicyKVManager
     from harness.sched.sequence import Sequence
 
 
@@ -153,7 +153,7 @@ class BudgetPolicy(EvictionPolicy):
         """Which of ``seq``'s live tokens (at ``positions``, int64 (held,)) may go: bool."""
         return np.ones(len(positions), dtype=bool)
 
-    def select(self, seq: Sequence, kv: EvictingKVManager, need: int) -> Eviction:
+    def select(self, seq: Sequence, kv: PolicyKVManager, need: int) -> Eviction:
         if need <= 0:
             return Eviction()
         slots, pos = kv.live_slots(seq)

@@ -28,7 +28,7 @@ from harness.kv.policies.budget import ScorerOpts, check_budget_options, ratio_b
 
 if TYPE_CHECKING:
     from harness.kv.base import StepScores
-    from harness.kv.evicting import EvictingKVManager
+    from harness.kv.evicting import PolicyKVManager
     from harness.sched.sequence import Sequence
 
 
@@ -119,7 +119,7 @@ class SnapKVPolicy(EvictionPolicy):
     def on_copy(self, src: int, dst: int, num_slots: int) -> None:
         self.scores[dst:dst + num_slots] = self.scores[src:src + num_slots]
 
-    def select(self, seq: Sequence, kv: EvictingKVManager, need: int) -> Eviction:
+    def select(self, seq: Sequence, kv: PolicyKVManager, need: int) -> Eviction:
         if need <= 0:
             return Eviction()
         slots, pos = kv.live_slots(seq)

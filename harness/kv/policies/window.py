@@ -14,7 +14,7 @@ from harness.errors import UserError
 from harness.kv.policies.base import Eviction, EvictionPolicy
 
 if TYPE_CHECKING:
-    from harness.kv.evicting import EvictingKVManager
+    from harness.kv.evicting import PolicyKVManager
     from harness.sched.sequence import Sequence
 
 
@@ -30,7 +30,7 @@ class WindowPolicy(EvictionPolicy):
             raise UserError(f"need backend.window >= 1 and backend.sink_tokens >= 0, got "
                             f"{self.window} and {self.sinks}")
 
-    def select(self, seq: Sequence, kv: EvictingKVManager, need: int) -> Eviction:
+    def select(self, seq: Sequence, kv: PolicyKVManager, need: int) -> Eviction:
         st = kv.blocks_of(seq)  # read only: the manager moves the cursor (considered)
         bs = kv.block_size
         # The next query sits at position num_computed and sees from num_computed+1-window.
