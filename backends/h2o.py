@@ -14,11 +14,9 @@ than its budget (the allocator's count, not a mask).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from harness.backends.base import KVLayout
 from harness.backends.scored import ScoredBackend, ScorerOptions
 from harness.kv.policies.h2o import H2OPolicy
 
@@ -35,11 +33,7 @@ class H2OOptions(ScorerOptions):
 class H2OBackend(ScoredBackend):
     name = "h2o"
     Options = H2OOptions
-
-    def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:
-        super().__init__(layout, device, **options)
-        assert isinstance(self.opts, H2OOptions)
-        self.policy = H2OPolicy(self.opts)
+    Policy = H2OPolicy
 
     def score(self, w: torch.Tensor | None, k: torch.Tensor) -> torch.Tensor:
         # Attention received, summed over KV heads, their query heads and the queries.

@@ -15,11 +15,9 @@ no decode budget). ``backend.prefill=streaming`` bounds memory while prefilling 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from harness.backends.base import KVLayout
 from harness.backends.scored import ScoredBackend, ScorerOptions
 from harness.kv.policies.budget import BudgetPolicy
 
@@ -42,12 +40,8 @@ class KnormPolicy(BudgetPolicy):
 class KnormBackend(ScoredBackend):
     name = "knorm"
     Options = KnormOptions
+    Policy = KnormPolicy
     uses_weights = False
-
-    def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:
-        super().__init__(layout, device, **options)
-        assert isinstance(self.opts, KnormOptions)
-        self.policy = KnormPolicy(self.opts)
 
     def score(self, w: torch.Tensor | None, k: torch.Tensor) -> torch.Tensor:
         # k: (T, KV, D) -> (T,): minus the norm, the mean over KV heads here and over

@@ -18,13 +18,14 @@ one compression by the score at its end (the papers' long-context evaluations, k
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from harness.backends.base import AttentionBatch, BackendOptions, CacheSizing
+from harness.backends.base import AttentionBatch, BackendOptions, CacheSizing, KVLayout
 from harness.backends.slotted import SlottedBackend
 from harness.kv.base import StepScores
 from harness.kv.policies.budget import PREFILL, BudgetPolicy, check_budget_options
@@ -47,11 +48,19 @@ class ScorerOptions(BackendOptions):
 
 
 class ScoredBackend(SlottedBackend):
+    """The base of a scored method: subclasses set ``Options``, ``Policy`` (the KV
+    manager's side, built from the same options) and write :meth:`score`."""
+
     policy: BudgetPolicy
     Options: ClassVar[type[BackendOptions]] = ScorerOptions
+    Policy: ClassVar[Callable[[Any], BudgetPolicy]]
     # The score reads the step's attention weights (explicit softmax over every key read);
     # False: keys only, scored once when written, and attention stays SDPA.
     uses_weights: ClassVar[bool] = True
+
+    def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:
+        super().__init__(layout, device, **options)
+        self.policy = type(self).Policy(self.opts)
 
     @property
     def trigger(self) -> str | None:

@@ -15,11 +15,9 @@ budget, the last query of each choosing what stays (bounded memory while prefill
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from harness.backends.base import KVLayout
 from harness.backends.scored import ScoredBackend, ScorerOptions
 from harness.kv.policies.tova import TOVAPolicy
 
@@ -36,11 +34,7 @@ class TOVAOptions(ScorerOptions):
 class TOVABackend(ScoredBackend):
     name = "tova"
     Options = TOVAOptions
-
-    def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:
-        super().__init__(layout, device, **options)
-        assert isinstance(self.opts, TOVAOptions)
-        self.policy = TOVAPolicy(self.opts)
+    Policy = TOVAPolicy
 
     def score(self, w: torch.Tensor | None, k: torch.Tensor) -> torch.Tensor:
         # The last query's weights (the current token), averaged over the query heads here
