@@ -221,6 +221,12 @@ class KVBackend(ABC):
         t[0] = t[0] + keys
         t[1] = t[1] + nbytes
 
+    def touch_full_keys(self, n: torch.Tensor | int) -> None:
+        """Count ``n`` decode keys read (layers counted) at the layout's dtype: K and V
+        for every KV head, nothing beside them."""
+        lay = self.layout
+        self.touch_decode(n * lay.num_kv_heads, n * (self.full_slot_bytes() // lay.num_layers))
+
     def touch_factor(self, layer: int) -> int:
         """How many layers to count a layer-independent mask for at ``layer``: all of them
         at layer 0, none after (0 also when not tracking). Most masks come from the step's

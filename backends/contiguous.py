@@ -77,10 +77,7 @@ class ContiguousBackend(KVBackend):
             idx = b.decode_tables[:, :1] + torch.arange(width, device=q.device)
             idx = idx.clamp_(max=kc.shape[0] - 1)  # past a row's length: masked, any slot
             if f := self.touch_factor(layer):
-                n = decode_mask(b.decode_lens, width).sum() * f
-                lay = self.layout
-                self.touch_decode(n * lay.num_kv_heads,
-                                  n * (self.full_slot_bytes() // lay.num_layers))
+                self.touch_full_keys(decode_mask(b.decode_lens, width).sum() * f)
             out[:nd] = attend_decode(q[:nd], kc[idx].to(q.dtype), vc[idx].to(q.dtype),
                                      b.decode_lens)
         for c in b.prefills:

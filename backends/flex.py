@@ -190,11 +190,10 @@ class FlexBackend(PagedStorageBackend):
         rows = torch.arange(len(st.q_pos), device=self.device)[:, None]
         kv = torch.arange(st.num_kv, device=self.device)[None, :]
         admitted = st.mask_mod(0, 0, rows, kv).sum(-1) * layers  # (T,)
-        b, lay = self.batch, self.layout
+        b = self.batch
         assert b is not None
         nd = b.num_decode
-        n = admitted[:nd].sum()
-        self.touch_decode(n * lay.num_kv_heads, n * (self.full_slot_bytes() // lay.num_layers))
+        self.touch_full_keys(admitted[:nd].sum())
         self.touch_prefill(admitted[nd:].sum())
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,

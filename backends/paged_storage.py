@@ -152,9 +152,7 @@ class PagedStorageBackend(KVBackend):
         (B, W x block_size), the keys each decode read among its table's positions
         (``tables``: int64 (B, W)). Here a key costs its K and V for every KV head; a
         backend that stores other bytes (scales, overlays, codes) overrides it."""
-        lay = self.layout
-        n = mask.sum() * layers
-        self.touch_decode(n * lay.num_kv_heads, n * (self.full_slot_bytes() // lay.num_layers))
+        self.touch_full_keys(mask.sum() * layers)
 
     def touch_by_bounds(self, layer: int, window: int | None = None, sinks: int = 0) -> None:
         """For a kernel whose masks are not visible here (Triton, flex, flash-attn): the

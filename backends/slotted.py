@@ -134,8 +134,7 @@ class SlottedBackend(PagedStorageBackend):
         """Count ``layers`` layers' reads from a mask over held slots (B, [n,] L): the
         slots' positions are the step's, the same for every layer."""
         n = valid.sum() * layers
-        lay = self.layout
         if decode:
-            self.touch_decode(n * lay.num_kv_heads, n * (self.full_slot_bytes() // lay.num_layers))
+            self.touch_full_keys(n)
         else:
             self.touch_prefill(n)

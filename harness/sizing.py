@@ -12,7 +12,7 @@ def size_cache(backend: KVBackend, kv_budget: str | int, swap_space: str | int) 
         raise ValueError(f"cache.kv_budget must be positive, got {kv_budget!r}")
     budget = parse_bytes(kv_budget)
     bps = backend.bytes_per_slot()
-    bs = backend.block_size if backend.storage == "paged" else 1
+    bs = backend.costs().block_size  # the storage granule (1: contiguous ranges)
     # May be 0: the runner then reports the budget the workload needs (harness.runner).
     # What a backend holds outside its slots (kivi's full-precision residual) comes first.
     num_blocks = max(0, budget - backend.reserved_bytes()) // (bps * bs)
