@@ -41,7 +41,7 @@ class KnormBackend(ScoredBackend):
     name = "knorm"
     Options = KnormOptions
     Policy = KnormPolicy
-    uses_weights = False
+    reads = "keys"
 
     def score(self, w: torch.Tensor | None, k: torch.Tensor) -> torch.Tensor:
         # k: (T, KV, D) -> (T,): minus the norm, the mean over KV heads here and over

@@ -2,13 +2,22 @@
 
 A method writes one options dataclass (deriving from :class:`ScorerOptions`: its budget,
 its trigger ``prefill``, its own knobs), read by its backend and its policy alike, and one
-:meth:`ScoredBackend.score`: what each key is worth this layer, from the step's attention
-weights (``uses_weights``: the base then runs an explicit float32 softmax, as SDPA does
-not return them), from the keys alone, or both. The base does the rest once: the weights
-when asked for, per-slot scores summed over layers on the device, the one device-to-host
-transfer per step (:meth:`take_scores`); the KV manager's policy (a
-:class:`~harness.kv.policies.budget.BudgetPolicy`) keeps them, selects at the trigger,
-frees and compacts.
+:meth:`ScoredBackend.score`: what each key is worth this layer. ``reads`` says from what:
+
+* ``weights``: every query's attention weights over the keys it reads (h2o, tova; the
+  base then runs an explicit float32 softmax, as SDPA does not return them);
+* ``keys``: the keys alone, scored once, in the step that writes them (knorm; attention
+  stays SDPA);
+* ``window``: the weights of the prompt's last ``opts.window`` queries (the observation
+  window) over the prompt tokens before them, kept by position across prefill chunks
+  (a window may span chunks) and finished by :meth:`ScoredBackend.pool` when the chunk
+  that ends the window has run (snapkv; attention stays SDPA, the window's rows computed
+  again for their weights).
+
+The base does the rest once: the weights when asked for, per-slot scores summed over
+layers on the device, the one device-to-host transfer per step (:meth:`take_scores`); the
+KV manager's policy (a :class:`~harness.kv.policies.budget.BudgetPolicy`) keeps them,
+selects at the trigger, frees and compacts.
 
 The trigger (``backend.prefill``): ``full``, the whole prompt under full attention, then
 one compression by the score at its end (the papers' long-context evaluations, kvpress);
@@ -25,7 +34,13 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from harness.backends.base import AttentionBatch, BackendOptions, CacheSizing, KVLayout
+from harness.backends.base import (
+    AttentionBatch,
+    BackendOptions,
+    CacheSizing,
+    KVLayout,
+    PrefillChunk,
+)
 from harness.backends.slotted import SlottedBackend
 from harness.kv.base import StepScores
 from harness.kv.policies.budget import PREFILL, BudgetPolicy, check_budget_options
@@ -47,20 +62,25 @@ class ScorerOptions(BackendOptions):
         one_of(self, "backend", "prefill", PREFILL)
 
 
+READS = ("weights", "keys", "window")  # what a method's score reads
+
+
 class ScoredBackend(SlottedBackend):
     """The base of a scored method: subclasses set ``Options``, ``Policy`` (the KV
-    manager's side, built from the same options) and write :meth:`score`."""
+    manager's side, built from the same options), ``reads`` and write :meth:`score`."""
 
     policy: BudgetPolicy
     Options: ClassVar[type[BackendOptions]] = ScorerOptions
     Policy: ClassVar[Callable[[Any], BudgetPolicy]]
-    # The score reads the step's attention weights (explicit softmax over every key read);
-    # False: keys only, scored once when written, and attention stays SDPA.
-    uses_weights: ClassVar[bool] = True
+    reads: ClassVar[str] = "weights"  # weights | keys | window (module docstring)
 
     def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:
         super().__init__(layout, device, **options)
+        assert self.reads in READS, f"{type(self).__name__}.reads: one of {READS}"
         self.policy = type(self).Policy(self.opts)
+        # reads == "window": seq id -> (layers, query heads, first window position): the
+        # layer's scores by key position so far (scratch beside the cache, not charged).
+        self._obs: dict[int, torch.Tensor] = {}
 
     @property
     def trigger(self) -> str | None:
@@ -70,9 +90,21 @@ class ScoredBackend(SlottedBackend):
     def score(self, w: torch.Tensor | None, k: torch.Tensor) -> torch.Tensor:
         """One layer's contribution to each key's score (higher: kept longer).
 
-        With ``uses_weights``: w (B, KV, G, n, L) softmax weights of n queries (G query
-        heads per KV head) over the L keys read, k (B, L, KV, D) those keys -> (B, L).
-        Without: w None, k (T, KV, D) the step's new keys -> (T,)."""
+        ``weights``: w (B, KV, G, n, L) softmax weights of n queries (G query heads per KV
+        head) over the L keys read, k (B, L, KV, D) those keys -> (B, L).
+        ``keys``: w None, k (T, KV, D) the step's new keys -> (T,).
+        ``window``: w (KV, G, n, L) the window queries' weights (those of this chunk) over
+        the L keys before the window, k (L, KV, D) -> (H, L), per query head (pooled by
+        :meth:`pool` once the window is complete)."""
+
+    def pool(self, acc: torch.Tensor) -> torch.Tensor:
+        """``window``: acc (layers, H, P) the window's scores by key position, summed over
+        its chunks -> each position's score (P,). Default: the sum over layers and heads."""
+        return acc.sum(dim=(0, 1))
+
+    def window_size(self) -> int:
+        """``window``: how many of the prompt's last queries score the rest."""
+        raise NotImplementedError(f"{type(self).__name__} reads a window: say its size")
 
     def allocate(self, sizing: CacheSizing) -> None:
         super().allocate(sizing)
@@ -82,8 +114,12 @@ class ScoredBackend(SlottedBackend):
 
     def begin_step(self, batch: AttentionBatch) -> None:
         super().begin_step(batch)
-        if not self.uses_weights:  # a key is scored once, in the step that writes it
+        self._window_slots: list[torch.Tensor] = []
+        if self.reads == "keys":  # a key is scored once, in the step that writes it
             self._touched = batch.slot_mapping if batch.slot_mapping.numel() else None
+            return
+        if self.reads == "window":  # set by the chunks that end a window
+            self._touched = None
             return
         touched = list(self._chunk_slots)
         if batch.num_decode:
@@ -92,27 +128,78 @@ class ScoredBackend(SlottedBackend):
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         super().store(layer, k, v)
-        if not self.uses_weights:
+        if self.reads == "keys":
             b = self.batch
             assert b is not None
             self._received.index_add_(0, b.slot_mapping, self.score(None, k.float()))
 
     def attend_rows(self, layer: int, q: torch.Tensor, slots: torch.Tensor,
                     valid: torch.Tensor) -> torch.Tensor:
-        if not self.uses_weights:
+        if self.reads != "weights":
             return super().attend_rows(layer, q, slots, valid)
-        kv_heads, d = self.layout.num_kv_heads, self.layout.head_dim
-        bsz, n, h, _ = q.shape
         k, v = self.gather(layer, slots, torch.float32)  # (B, L, KV, D)
-        qg = q.to(torch.float32).view(bsz, n, kv_heads, h // kv_heads, d)
-        logits = torch.einsum("bnkgd,blkd->bkgnl", qg, k) * d ** -0.5
-        logits = logits.masked_fill(~valid[:, None, None, :, :], float("-inf"))
-        w = torch.softmax(logits, dim=-1)
+        w = self.weights(q, k, valid)
+        bsz, n, h, d = q.shape
         out = torch.einsum("bkgnl,blkd->bnkgd", w, v).reshape(bsz, n, h, d)
         self._received.index_add_(0, slots.flatten(), self.score(w, k).flatten())
         return out.to(q.dtype)
 
+    def weights(self, q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Float32 softmax weights of q (B, n, H, D) over k (B, L, KV, D) where ``valid``
+        (B, n, L): (B, KV, G, n, L), G query heads per KV head."""
+        kv_heads, d = self.layout.num_kv_heads, self.layout.head_dim
+        bsz, n, h, _ = q.shape
+        qg = q.to(torch.float32).view(bsz, n, kv_heads, h // kv_heads, d)
+        logits = torch.einsum("bnkgd,blkd->bkgnl", qg, k) * d ** -0.5
+        logits = logits.masked_fill(~valid[:, None, None, :, :], float("-inf"))
+        return torch.softmax(logits, dim=-1)
+
+    def attend_chunk(self, layer: int, q: torch.Tensor, c: PrefillChunk,
+                     slots: torch.Tensor) -> torch.Tensor:
+        out = super().attend_chunk(layer, q, c, slots)
+        if self.reads == "window":
+            self.observe_window(layer, q, c, slots)
+        return out
+
+    def observe_window(self, layer: int, q: torch.Tensor, c: PrefillChunk,
+                       slots: torch.Tensor) -> None:
+        """``window``: add this chunk's window queries' scores (q: (n, H, D) the chunk's
+        queries; slots (L,) its table's) by key position; the chunk that ends the window
+        pools them onto the held slots. Full trigger: the prompt's last ``window`` queries
+        (they may span chunks) score the keys before them; streaming: each chunk's own last
+        ones score what is held before them."""
+        seq = c.sched.seq
+        p, win = seq.num_prompt_tokens, self.window_size()
+        end = min(c.start + c.num_tokens, p)
+        lo = max(c.start, end - win) if self.policy.streaming else p - win
+        first = max(c.start, lo)
+        if self.policy.keep(p, seq.group.params.max_tokens) >= p or first >= end \
+                or lo <= 0:
+            return  # nothing to select, no window query in this chunk, or no key before it
+        if layer == 0 and c.start <= lo:  # the window starts here: (re)start its buffer
+            self._obs[seq.seq_id] = torch.zeros(
+                (self.layout.num_layers, q.shape[1], lo), dtype=torch.float32,
+                device=self.device)
+        kpos = self.slot_pos[slots]
+        k, _ = self.gather(layer, slots, torch.float32)  # (L, KV, D)
+        qpos = torch.arange(first, end, device=q.device)
+        seen = (kpos[None, :] >= 0) & (kpos[None, :] <= qpos[:, None])  # causal (n, L)
+        w = self.weights(q[first - c.start:end - c.start].unsqueeze(0), k.unsqueeze(0),
+                         seen.unsqueeze(0))[0]
+        scored = (kpos >= 0) & (kpos < lo)
+        self._obs[seq.seq_id][layer].index_add_(
+            1, kpos[scored], self.score(w[..., scored], k[scored]))
+        if (end == p or self.policy.streaming) and layer == self.layout.num_layers - 1:
+            # Pooled by position; each held key takes its position's score (streaming: the
+            # positions evicted by earlier chunks hold nothing, and pool as zeros).
+            pooled = self.pool(self._obs.pop(seq.seq_id))
+            held = slots[scored]
+            self._received[held] += pooled[kpos[scored]]
+            self._window_slots.append(held)
+
     def take_scores(self) -> StepScores | None:
+        if self.reads == "window" and self._window_slots:
+            self._touched = torch.cat(self._window_slots)
         if self._touched is None:
             return None
         t = self._touched

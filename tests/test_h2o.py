@@ -119,7 +119,7 @@ def test_victims_equal_a_brute_force_h2o(seed: int) -> None:
     pol.on_scores(StepScores(np.asarray(slots, dtype=np.int64), vals))
     # n=1 (a decode step's usual need, argmin's path) and a random n (argsort's).
     for n in (1, int(rng.integers(1, budget - recent + 1))):
-        got = pol.select(seq, kv, n).slots
+        got = pol.select(seq, kv.held_view(seq, n), n).slots
         want = [slots[i] for i in _brute_force_h2o(vals, np.arange(budget), budget, recent,
                                                    n)]
         assert sorted(got) == sorted(want), n

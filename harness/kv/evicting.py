@@ -29,7 +29,7 @@ import numpy as np
 from harness.kv.base import CopyOp, Demand, StepScores
 from harness.kv.compaction import plan_compaction
 from harness.kv.paged import GIVEN_BACK, PagedKVManager, SeqBlocks, cdiv
-from harness.kv.policies.base import Eviction, EvictionPolicy
+from harness.kv.policies.base import Eviction, EvictionPolicy, HeldBlocks, HeldTokens
 
 if TYPE_CHECKING:
     from harness.sched.sequence import Sequence
@@ -107,12 +107,17 @@ class PolicyKVManager(PagedKVManager):
         return left if cap is None else min(left, cap)
 
     def _select(self, seq: Sequence, need: int) -> Eviction:
-        ev = self.policy.select(seq, self, need)
+        held = self.held_view(seq, need)
+        ev = Eviction() if held is None else self.policy.select(seq, held, need)
         if ev.considered is not None:  # the policy decides, the manager keeps the books
             self._seqs[seq.seq_id].cursor = ev.considered
         assert len(ev.slots) + len(ev.blocks) * self.block_size >= need, \
             f"policy {self.policy.name} freed too little"
         return ev
+
+    def held_view(self, seq: Sequence, need: int) -> HeldBlocks | HeldTokens | None:
+        """What the policy is handed to decide on (None: nothing to ask it)."""
+        raise NotImplementedError
 
     def evict(self, seq: Sequence, ev: Eviction) -> None:
         """Give back ``ev``'s blocks or slots of ``seq``: the one path the policy frees
@@ -135,6 +140,11 @@ class WindowKVManager(PolicyKVManager):
     """A positional policy (a window): paged allocation as it is, whole blocks given back
     at their positional slots (their K/V still what their hashes name: prefix caching and
     swap stay on)."""
+
+    def held_view(self, seq: Sequence, need: int) -> HeldBlocks:
+        # Every step: a window gives back what it no longer sees, whatever the budget.
+        st = self._seqs[seq.seq_id]
+        return HeldBlocks(st.table, st.cursor, self.block_size)
 
     def evict(self, seq: Sequence, ev: Eviction) -> None:
         if not ev:
@@ -174,6 +184,11 @@ class EvictingKVManager(PolicyKVManager):
         """Tokens ``seq`` holds now (its budget's count, not a mask)."""
         st = self._seqs.get(seq.seq_id)
         return st.live if isinstance(st, BudgetBlocks) else 0
+
+    def held_view(self, seq: Sequence, need: int) -> HeldTokens | None:
+        # A token policy is asked only when the sequence is over its limit: building the
+        # view is O(held), and within the limit there is nothing to give back.
+        return HeldTokens(*self.live_slots(seq)) if need > 0 else None
 
     def after_eviction(self, seq: Sequence) -> None:
         if self.policy.compacts:

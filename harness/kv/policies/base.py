@@ -4,9 +4,11 @@ A policy lives with the KV manager (harness.kv.evicting: ``WindowKVManager`` for
 positional one, ``EvictingKVManager`` for a token-granular one), as
 vLLM v1 frees sliding-window blocks inside its manager. After every step's forward the
 backend hands the manager the scores the policy asked for (one batched device-to-host
-transfer, :class:`~harness.kv.base.StepScores`); the manager calls :meth:`select` for
-every running sequence of the step and frees what it returns through one path,
-the manager's ``evict``. No policy touches tensors; no backend calls the manager.
+transfer, :class:`~harness.kv.base.StepScores`); the manager calls :meth:`select` with
+what the sequence holds (:class:`HeldBlocks` or :class:`HeldTokens`, the manager's own
+view, handed over: a policy never calls back into the manager nor writes its fields) and
+frees what it returns through one path, the manager's ``evict``. No policy touches
+tensors; no backend calls the manager.
 
 Two granularities, because one slot holds a token's K/V for every layer and head:
 
@@ -23,12 +25,31 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from harness.kv.base import StepScores
-    from harness.kv.evicting import PolicyKVManager
     from harness.sched.sequence import Sequence
+
+
+class HeldBlocks(NamedTuple):
+    """What a sequence holds, block by block (a positional policy's view): ``table`` its
+    logical blocks (a negative entry: given back), ``cursor`` the first block not yet
+    decided about, ``block_size`` tokens per block. Read only."""
+
+    table: list[int]
+    cursor: int
+    block_size: int
+
+
+class HeldTokens(NamedTuple):
+    """What a sequence holds, token by token (a token policy's view): ``slots`` and their
+    ``positions``, int64 (held,) each, in no particular order."""
+
+    slots: np.ndarray
+    positions: np.ndarray
 
 
 @dataclass(slots=True)
@@ -89,7 +110,9 @@ class EvictionPolicy(ABC):
         """Slots ``[src, src + n)`` were copied to ``[dst, dst + n)`` (copy-on-write)."""
 
     @abstractmethod
-    def select(self, seq: Sequence, kv: PolicyKVManager, need: int) -> Eviction:
-        """What ``seq`` gives back now. ``need``: tokens it must give back to keep within
-        its budget before its next step (0 when unbounded or within it); a policy may give
-        back more (a window returns every block it no longer sees), never fewer."""
+    def select(self, seq: Sequence, held: HeldBlocks | HeldTokens, need: int) -> Eviction:
+        """What ``seq`` gives back now, of what it ``held`` (a positional policy gets
+        :class:`HeldBlocks` every step; a token policy :class:`HeldTokens`, asked only
+        when ``need`` > 0). ``need``: tokens it must give back to keep within its budget
+        before its next step; a policy may give back more (a window returns every block
+        it no longer sees), never fewer."""

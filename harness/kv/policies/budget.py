@@ -14,11 +14,10 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from harness.errors import UserError
-from harness.kv.policies.base import Eviction, EvictionPolicy
+from harness.kv.policies.base import Eviction, EvictionPolicy, HeldBlocks, HeldTokens
 
 if TYPE_CHECKING:
     from harness.kv.base import StepScores
-    from harness.kv.evicting import PolicyKVManager
     from harness.sched.sequence import Sequence
 
 
@@ -97,6 +96,10 @@ class BudgetPolicy(EvictionPolicy):
                                                 prompt_len, 0))
         return ratio_budget(self.budget_tokens, self.budget_ratio, prompt_len, max_tokens)
 
+    def keep(self, prompt_len: int, max_tokens: int = 0) -> int:
+        """Prompt tokens a full-trigger compression keeps (the prompt, when it fits)."""
+        return min(prompt_len, self.budget(prompt_len, max_tokens))
+
     def seq_budget(self, seq: Sequence) -> int:
         return self.budget(seq.num_prompt_tokens, seq.group.params.max_tokens)
 
@@ -153,10 +156,11 @@ class BudgetPolicy(EvictionPolicy):
         """Which of ``seq``'s live tokens (at ``positions``, int64 (held,)) may go: bool."""
         return np.ones(len(positions), dtype=bool)
 
-    def select(self, seq: Sequence, kv: PolicyKVManager, need: int) -> Eviction:
+    def select(self, seq: Sequence, held: HeldBlocks | HeldTokens, need: int) -> Eviction:
+        assert isinstance(held, HeldTokens), "a token policy decides by slots"
         if need <= 0:
             return Eviction()
-        slots, pos = kv.live_slots(seq)
+        slots, pos = held
         cand = self.candidates(seq, pos)
         assert int(cand.sum()) >= need, "a chunk larger than the evictable budget"
         score = np.where(cand, self.scores[slots], np.inf)

@@ -23,12 +23,15 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from harness.errors import UserError
-from harness.kv.policies.base import Eviction, EvictionPolicy
-from harness.kv.policies.budget import ScorerOpts, check_budget_options, ratio_budget
+from harness.kv.policies.base import Eviction, HeldBlocks, HeldTokens
+from harness.kv.policies.budget import (
+    BudgetPolicy,
+    ScorerOpts,
+    check_budget_options,
+    ratio_budget,
+)
 
 if TYPE_CHECKING:
-    from harness.kv.base import StepScores
-    from harness.kv.evicting import PolicyKVManager
     from harness.sched.sequence import Sequence
 
 
@@ -52,24 +55,23 @@ class SnapKVOpts(ScorerOpts, Protocol):
     prefill: str  # full: one selection at the prompt's end | streaming: one per chunk
 
 
-class SnapKVPolicy(EvictionPolicy):
-    """Reads the backend's one options dataclass (``opts``), as every scored method's."""
+class SnapKVPolicy(BudgetPolicy):
+    """A :class:`BudgetPolicy` (the scored methods' per-slot scores, options and trigger)
+    whose budget is the kept prompt and whose window is never a candidate. Reads the
+    backend's one options dataclass (``opts``), as every scored method's."""
 
     name = "snapkv"
-    needs_scores = True
-    compacts = True
 
     def __init__(self, opts: SnapKVOpts) -> None:
-        self.opts = opts
-        self.budget_tokens, self.budget_ratio = opts.budget, opts.budget_ratio
+        super().__init__(opts)
         self.window, self.max_tokens = opts.window, opts.max_tokens
         check_snapkv_options(self.budget_tokens, self.budget_ratio, self.window,
                              self.max_tokens)
-        self.prefill = opts.prefill
-        self.streaming = opts.prefill == "streaming"
-        self.scores = np.zeros(0)
+        # Both triggers leave holes in every block of the prompt (streaming: one selection
+        # per chunk of the kept prompt), so the kept tokens always move together.
+        self.compacts = True
 
-    def keep(self, prompt_len: int) -> int:
+    def keep(self, prompt_len: int, max_tokens: int = 0) -> int:
         """Prompt tokens kept after the selection: the window + the selected ones."""
         before = max(0, prompt_len - self.window)
         chosen = ratio_budget(self.budget_tokens, self.budget_ratio, prompt_len, 0)
@@ -107,22 +109,11 @@ class SnapKVPolicy(EvictionPolicy):
             return self.keep(p) + n if self.streaming else None
         return self._capped(self.keep(p) + seq.num_computed + n - p)
 
-    def reset(self, num_slots: int) -> None:
-        self.scores = np.zeros(num_slots)
-
-    def on_scores(self, scores: StepScores) -> None:
-        self.scores[scores.slots] = scores.values
-
-    def on_write(self, slots: list[int]) -> None:
-        self.scores[slots] = 0.0
-
-    def on_copy(self, src: int, dst: int, num_slots: int) -> None:
-        self.scores[dst:dst + num_slots] = self.scores[src:src + num_slots]
-
-    def select(self, seq: Sequence, kv: PolicyKVManager, need: int) -> Eviction:
+    def select(self, seq: Sequence, held: HeldBlocks | HeldTokens, need: int) -> Eviction:
+        assert isinstance(held, HeldTokens), "a token policy decides by slots"
         if need <= 0:
             return Eviction()
-        slots, pos = kv.live_slots(seq)
+        slots, pos = held
         p = seq.num_prompt_tokens
         # The prompt so far (all of it once prefilled; streaming: up to the chunk just run),
         # of which the tokens before its last `window` are what the window scored.

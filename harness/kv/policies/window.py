@@ -11,10 +11,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from harness.errors import UserError
-from harness.kv.policies.base import Eviction, EvictionPolicy
+from harness.kv.policies.base import Eviction, EvictionPolicy, HeldBlocks, HeldTokens
 
 if TYPE_CHECKING:
-    from harness.kv.evicting import PolicyKVManager
     from harness.sched.sequence import Sequence
 
 
@@ -30,13 +29,14 @@ class WindowPolicy(EvictionPolicy):
             raise UserError(f"need backend.window >= 1 and backend.sink_tokens >= 0, got "
                             f"{self.window} and {self.sinks}")
 
-    def select(self, seq: Sequence, kv: PolicyKVManager, need: int) -> Eviction:
-        st = kv.blocks_of(seq)  # read only: the manager moves the cursor (considered)
-        bs = kv.block_size
+    def select(self, seq: Sequence, held: HeldBlocks | HeldTokens, need: int) -> Eviction:
+        assert isinstance(held, HeldBlocks), "a positional policy decides by blocks"
+        bs = held.block_size
         # The next query sits at position num_computed and sees from num_computed+1-window.
         upto = max(0, seq.num_computed + 1 - self.window) // bs
-        first = max(-(-self.sinks // bs), st.cursor)
+        first = max(-(-self.sinks // bs), held.cursor)
         if upto <= first:
             return Eviction()
-        return Eviction(blocks=[i for i in range(first, upto) if st.table[i] >= 0],
+        # The manager moves the cursor to what this decided about (considered).
+        return Eviction(blocks=[i for i in range(first, upto) if held.table[i] >= 0],
                         considered=upto)
