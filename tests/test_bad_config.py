@@ -60,6 +60,15 @@ ROWS = [
     (["roofline.weight_dtype=int3"], "unknown roofline.weight_dtype 'int3'; known:"),
     (["roofline.gpu_memory_utilization=0"],
      "roofline.gpu_memory_utilization=0.0 is out of range: it must be in (0.0, 1.0]"),
+    # The what-if's specs (issue 27): a tp vLLM refuses, a reserve above the memory.
+    (["executor=roofline", "roofline.tp=3"],
+     "roofline.tp=3 must divide its 32 query heads for Llama-3.1-8B (vLLM refuses it too): "
+     "use one of 1, 2, 4, 8, 16, 32"),
+    (["executor=roofline", "roofline.model=Qwen2.5-7B", "roofline.tp=7"],
+     "roofline.tp=7 must divide its 4 KV heads or be a multiple of them for Qwen2.5-7B"),
+    (["executor=roofline", "roofline.activation_reserve=100GiB", "cache.kv_budget=auto"],
+     "roofline.activation_reserve=100GiB is not below the usable memory of one h100-sxm "
+     "(67.06GiB: 74.51GiB at gpu_memory_utilization 0.9): lower roofline.activation_reserve"),
     (["scheduler.policy=lifo"], "unknown scheduler.policy"),
     (["quality.enabled=true", "quality.prefill_tokens=0"], "1 <= quality.prefill_tokens"),
     (["quality.enabled=true", "quality.num_texts=0"], "quality.num_texts must be >= 1"),

@@ -66,6 +66,9 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         f[name] = t / name
         f[name].mkdir()
         (f[name] / "config.json").write_text(text)
+    for name, raw in ROOFLINE_JSON.items():
+        f[name] = t / f"{name}.json"
+        f[name].write_text(raw)
     f["hf_truncated_weights"] = t / "hf_cut"
     save_hf(load_model("tiny").model, f["hf_truncated_weights"], byte_tokenizer=True)
     weights = f["hf_truncated_weights"] / "model.safetensors"
@@ -98,6 +101,8 @@ CLI = [
     (["model=gguf", "model.path={truncated_gguf}"], 2,
      "{truncated_gguf} cannot be read as GGUF", "Traceback"),
     (["hydra.run.dir={finished_run}"], 2, "already holds another run's results", "Traceback"),
+    (["executor=roofline", "roofline.model={rf_zero_heads}"], 2,
+     "{rf_zero_heads}: num_attention_heads=0 must be >= 1", "Traceback"),
     (["--help"], 0, "== Configuration groups ==", "_schema"),
 ]
 
@@ -143,6 +148,52 @@ def test_model_file(files: dict[str, str], source: str, path: str, phrase: str) 
     with pytest.raises(UserError) as e:
         load_model(source, where)
     assert phrase in str(e.value) and Path(where).name in str(e.value), str(e.value)
+
+
+# --- roofline specs from a config.json (issue 27): one error naming the file and the key --
+_LLAMA = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,
+          "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+          "vocab_size": 128256}
+ROOFLINE_JSON = {
+    "rf_list": "[1, 2]",
+    "rf_zero_heads": json.dumps({**_LLAMA, "num_attention_heads": 0}),
+    "rf_null_heads": json.dumps({**_LLAMA, "num_attention_heads": None}),
+    "rf_str_heads": json.dumps({**_LLAMA, "num_key_value_heads": "8"}),
+    "rf_float_layers": json.dumps({**_LLAMA, "num_hidden_layers": 32.5}),
+    "rf_no_layers": json.dumps({**_LLAMA, "num_hidden_layers": 0}),
+    "rf_neg_layers": json.dumps({**_LLAMA, "num_hidden_layers": -2}),
+    "rf_kv_not_dividing": json.dumps({**_LLAMA, "num_key_value_heads": 5}),
+    "rf_deepseek": json.dumps({**_LLAMA, "model_type": "deepseek_v3",
+                               "n_routed_experts": 256, "num_experts_per_tok": 8}),
+    "rf_gpt_oss": json.dumps({**_LLAMA, "model_type": "gpt_oss", "num_local_experts": 32,
+                              "num_experts_per_tok": 4}),
+    "rf_llama4": json.dumps({**_LLAMA, "model_type": "llama4_text", "num_local_experts": 16,
+                             "num_experts_per_tok": 1, "interleave_moe_layer_step": 1}),
+}
+# (file, phrase: the key and what is wrong); the message must also name the file
+ROOFLINE_SPECS = [
+    ("rf_list", "holds a JSON list, not an object"),
+    ("rf_zero_heads", "num_attention_heads=0 must be >= 1"),
+    ("rf_null_heads", "lacks 'num_attention_heads' (a positive integer)"),
+    ("rf_str_heads", "num_key_value_heads='8' is not an integer"),
+    ("rf_float_layers", "num_hidden_layers=32.5 is not an integer"),
+    ("rf_no_layers", "num_hidden_layers=0 must be >= 1"),
+    ("rf_neg_layers", "num_hidden_layers=-2 must be >= 1"),
+    ("rf_kv_not_dividing", "num_attention_heads=32 is not a multiple of num_key_value_heads=5"),
+    ("rf_deepseek", "a mixture-of-experts model (n_routed_experts=256, model_type "
+                    "'deepseek_v3') whose layout this reader does not know"),
+    ("rf_gpt_oss", "(num_local_experts=32, model_type 'gpt_oss')"),
+    ("rf_llama4", "(num_local_experts=16, model_type 'llama4_text')"),
+]
+
+
+@pytest.mark.parametrize(("name", "phrase"), ROOFLINE_SPECS, ids=[n for n, _ in ROOFLINE_SPECS])
+def test_roofline_spec_file(files: dict[str, str], name: str, phrase: str) -> None:
+    from harness.roofline.models import get_model_spec
+
+    with pytest.raises(UserError) as e:
+        get_model_spec(files[name])
+    assert phrase in str(e.value) and files[name] in str(e.value), str(e.value)
 
 
 # --- report and gate -------------------------------------------------------------------------

@@ -11,7 +11,8 @@ import pytest
 from harness.errors import UserError
 from harness.roofline.config import RooflineConfig, auto_kv_budget
 from harness.roofline.hardware import HARDWARE, get_hardware
-from harness.roofline.models import MODEL_SPECS, from_hf_config, get_model_spec
+from harness.roofline.hf_config import from_hf_config
+from harness.roofline.models import MODEL_SPECS, get_model_spec
 from harness.roofline.steptime import StepModel
 from harness.runner import run
 from tests.compose import compose_cfg

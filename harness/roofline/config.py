@@ -52,12 +52,21 @@ def weights_bytes(arch: ArchSpec, cfg: RooflineConfig) -> int:
 
 def auto_kv_budget(arch: ArchSpec, hw: HardwareSpec, cfg: RooflineConfig) -> int:
     """``cache.kv_budget=auto``, as serving engines size it: memory x utilization minus
-    the weights minus an activation reserve, over the tensor-parallel group. A cache split
-    by KV head adds up over the ranks; MLA's latent is held whole by every rank, so its
-    budget is one rank's room."""
-    per_rank = hw.mem_bytes * cfg.gpu_memory_utilization - cfg.reserve_bytes(hw)
+    the weights minus an activation reserve, per rank, over the tensor-parallel group, as
+    distinct cache content: a cache split by KV head adds up over its shards, and a KV
+    head replicated on ``tp / kv_heads`` ranks (MLA's latent: on every rank) is counted
+    once (:meth:`ArchSpec.kv_shards`), so the tokens it holds are what the group holds."""
+    arch.check_tp(cfg.tp)
+    usable = hw.mem_bytes * cfg.gpu_memory_utilization
+    reserve = cfg.reserve_bytes(hw)
+    if reserve >= usable:
+        raise UserError(f"roofline.activation_reserve={cfg.activation_reserve} "
+                        f"is not below the usable memory of one "
+                        f"{hw.name} ({format_bytes(int(usable))}: "
+                        f"{format_bytes(hw.mem_bytes)} at gpu_memory_utilization "
+                        f"{cfg.gpu_memory_utilization}): lower roofline.activation_reserve")
     w = weights_bytes(arch, cfg)
-    budget = per_rank - w / cfg.tp if arch.kv_replicated else cfg.tp * per_rank - w
+    budget = arch.kv_shards(cfg.tp) * (usable - reserve - w / cfg.tp)
     if budget <= 0:
         raise UserError(f"{arch.name}'s weights ({format_bytes(w)} in {cfg.weight_dtype}) "
                         f"leave no room for a KV cache on {cfg.tp} x {hw.name} "

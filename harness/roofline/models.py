@@ -16,7 +16,6 @@ the backends is one "head" of 288 elements for K and 288 for V, so that a backen
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,25 @@ class ArchSpec:
     expert_params: int = 0  # routed experts' weights, all layers (MoE)
     num_experts: int = 0
     experts_per_token: int = 0
-    kv_replicated: bool = False  # MLA: every tensor-parallel rank holds the whole latent
+
+    def check_tp(self, tp: int) -> None:
+        """Refuse a tensor-parallel degree the engines refuse (vLLM: the query heads split
+        evenly; KV heads split evenly, or, with more ranks than KV heads, each replicated
+        on ``tp / kv_heads`` ranks)."""
+        h, kv = self.num_heads, self.num_kv_heads
+        ok = [d for d in range(1, h + 1) if h % d == 0 and (kv % d == 0 or d % kv == 0)]
+        if tp not in ok:
+            why = (f"must divide its {h} query heads" if h % tp else
+                   f"must divide its {kv} KV heads or be a multiple of them")
+            raise UserError(f"roofline.tp={tp} {why} for {self.name} (vLLM refuses it too): "
+                            f"use one of {', '.join(map(str, ok))}")
+
+    def kv_shards(self, tp: int) -> int:
+        """Distinct KV-head shards over ``tp`` ranks: each rank holds ``kv_heads /
+        kv_shards`` heads; past ``tp = kv_heads`` a head is replicated on ``tp /
+        kv_heads`` ranks (vLLM's QKVParallelLinear), so the cache content is held
+        ``tp / kv_shards`` times. MLA (one latent "head") is held whole by every rank."""
+        return min(tp, self.num_kv_heads)
 
     @property
     def kv_elems_per_layer(self) -> int:
@@ -91,8 +108,7 @@ def _deepseek_v3() -> ArchSpec:
     routed = moe_layers * 256 * 3 * h * 2048
     return ArchSpec("DeepSeek-V3", layers, h, 129280, heads, 1, 288, 512 + 64, 512,
                     layers * attn + dense_ffn + shared + router, 163840,
-                    expert_params=routed, num_experts=256, experts_per_token=8,
-                    kv_replicated=True)
+                    expert_params=routed, num_experts=256, experts_per_token=8)
 
 
 MODEL_SPECS: dict[str, ArchSpec] = {s.name.lower(): s for s in (
@@ -108,35 +124,10 @@ MODEL_SPECS: dict[str, ArchSpec] = {s.name.lower(): s for s in (
 )}
 
 
-def from_hf_config(path: str | Path) -> ArchSpec:
-    """A Llama-family spec from a Hugging Face ``config.json`` (a file or its folder)."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
-    try:
-        c = json.loads(p.read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"roofline.model={str(path)!r}: cannot read a config.json ({e})") \
-            from None
-    try:
-        heads = int(c["num_attention_heads"])
-        hidden = int(c["hidden_size"])
-        return llama_like(
-            str(c.get("_name_or_path") or p.parent.name or "hf-model"),
-            int(c["num_hidden_layers"]), hidden, int(c["intermediate_size"]), heads,
-            int(c.get("num_key_value_heads", heads)), int(c["vocab_size"]),
-            int(c.get("max_position_embeddings", 4096)),
-            head_dim=int(c.get("head_dim") or hidden // heads),
-            tied=bool(c.get("tie_word_embeddings", False)),
-            qkv_bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2")))
-    except KeyError as e:
-        raise UserError(f"roofline.model={str(path)!r}: config.json lacks {e}") from None
-
-
 def hf_config_of(config: Any) -> dict[str, Any]:
     """A loaded model's ``ModelConfig`` (harness.model.config) as the Hugging Face
-    config.json fields :func:`from_hf_config` reads: ``roofline.model=<that file>`` is the
-    model the real runs ran."""
+    config.json fields :func:`~harness.roofline.hf_config.from_hf_config` reads:
+    ``roofline.model=<that file>`` is the model the real runs ran."""
     c = config
     return {"_name_or_path": c.name, "num_hidden_layers": c.num_layers,
             "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
@@ -162,6 +153,8 @@ def get_model_spec(name: str) -> ArchSpec:
     if spec is not None:
         return spec
     if name.endswith(".json") or Path(name).is_dir():
+        from harness.roofline.hf_config import from_hf_config  # it builds on this module
+
         return from_hf_config(name)
     names = ", ".join(s.name for s in MODEL_SPECS.values())
     raise UserError(f"unknown roofline.model {name!r}: use one of {names}, or a path to a "

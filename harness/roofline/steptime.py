@@ -112,25 +112,26 @@ class StepModel:
     def __init__(self, arch: ArchSpec, hw: HardwareSpec, kv_bytes_per_token: int,
                  compute_dtype: str = "bf16", weight_bytes: float = 2.0, tp: int = 1,
                  kv_dtype: str = "") -> None:
+        arch.check_tp(tp)
         self.arch, self.hw, self.tp = arch, hw, tp
         self.compute_dtype = compute_dtype
         self.peak = hw.flops(compute_dtype)
         self.weight_bytes = weight_bytes
         self.act_bytes = 2.0 if compute_dtype in ("bf16", "fp16", "bfloat16", "float16",
                                                   "fp8") else 4.0
-        # K/V bytes per token on one rank: split by KV head, or every rank holds all (MLA).
-        self.kv_split = 1 if arch.kv_replicated else tp
+        # K/V bytes per token on one rank: split by KV head, a head replicated past tp =
+        # kv_heads (MLA's one latent: every rank holds it all).
+        self.kv_split = arch.kv_shards(tp)
         self.kv_rank_bytes = kv_bytes_per_token / self.kv_split
         self.attn_flops_per_pair = 2.0 * arch.num_heads * (arch.attn_qk_dim + arch.attn_v_dim) \
             * arch.num_layers / tp
         # Bytes a gathered key moves on the torch path (module docstring), per rank.
-        full = arch.num_layers * arch.kv_elems_per_layer * self.act_bytes \
-            / (1 if arch.kv_replicated else tp)
+        full = arch.num_layers * arch.kv_elems_per_layer * self.act_bytes / self.kv_split
         quantized = self.kv_rank_bytes < full
         self.gather_rank_bytes = 2 * self.kv_rank_bytes + full \
             + ((self.kv_rank_bytes + 3 * full) if quantized else 0.0)
         # kv_dtype: the stored dtype's name (profile.kv_dtype_of), for its widening cost.
-        elems = arch.num_layers * arch.kv_elems_per_layer / (1 if arch.kv_replicated else tp)
+        elems = arch.num_layers * arch.kv_elems_per_layer / self.kv_split
         self.widen_s_per_key = elems * hw.widen_s_per_elem.get(kv_dtype, 0.0) \
             if quantized else 0.0
 

@@ -1,0 +1,136 @@
+"""A roofline spec from a Hugging Face ``config.json``: read strictly, never guessed.
+
+Every number the step model multiplies comes from a named key, checked to be a positive
+integer; a key that is missing, zero, null, a string or a float stops the run with one
+error naming the file and the key. Dense Llama-family models (llama, mistral, qwen2,
+qwen3, ...) are read as :func:`~harness.roofline.models.llama_like`. Mixtures of experts
+are read as such (active parameters for FLOPs, every expert's weights for bytes) in the
+layouts this reader knows:
+
+* ``mixtral``: every layer's MLP is ``num_local_experts`` SwiGLU experts of
+  ``intermediate_size``, ``num_experts_per_tok`` per token, and a router;
+* ``qwen2_moe`` / ``qwen3_moe`` / ``olmoe``: ``num_experts`` experts of
+  ``moe_intermediate_size`` (+ a shared expert of ``shared_expert_intermediate_size``
+  and its gate, qwen2_moe), ``num_experts_per_tok`` per token, every layer sparse.
+
+Any other config with experts (DeepSeek's ``n_routed_experts``, gpt-oss, Llama 4, a
+Qwen-MoE with dense layers between sparse ones) is refused with what to use instead: read
+as dense it would be a wrong number (a Mixtral read as dense put 50 GiB of KV on one
+A100-80GB).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from harness.errors import UserError
+from harness.roofline.models import ArchSpec, llama_like
+
+# Keys that mean "this model has routed experts", in the configs we know of.
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
+
+class _Config:
+    """A config.json's object, its keys read as checked positive integers."""
+
+    def __init__(self, path: Path, raw: dict[str, Any]) -> None:
+        self.path, self.raw = path, raw
+
+    def fail(self, what: str) -> UserError:
+        return UserError(f"roofline.model: {self.path}: {what}")
+
+    def int(self, key: str, default: int | None = None, minimum: int = 1) -> int:
+        """``key`` as an integer >= ``minimum`` (``default`` when absent or null)."""
+        if self.raw.get(key) is None:
+            if default is None:
+                raise self.fail(f"lacks {key!r} (a positive integer)")
+            return default
+        v = self.raw[key]
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise self.fail(f"{key}={v!r} is not an integer")
+        if v < minimum:
+            raise self.fail(f"{key}={v} must be >= {minimum}")
+        return v
+
+
+def read_hf_json(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """The config.json at ``path`` (a file or its folder) as an object; UserError naming
+    the file otherwise."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        raw = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"roofline.model={str(path)!r}: cannot read a config.json ({e})") \
+            from None
+    except ValueError as e:  # JSONDecodeError
+        raise UserError(f"roofline.model: {p} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"roofline.model: {p} holds a JSON {type(raw).__name__}, not an "
+                        "object (a Hugging Face config.json is one object)")
+    return p, raw
+
+
+def from_hf_config(path: str | Path) -> ArchSpec:
+    """The spec of the model a Hugging Face ``config.json`` (a file or its folder)
+    describes: a dense Llama-family decoder or a known mixture of experts."""
+    p, raw = read_hf_json(path)
+    c = _Config(p, raw)
+    layers, hidden = c.int("num_hidden_layers"), c.int("hidden_size")
+    heads = c.int("num_attention_heads")
+    kv_heads = c.int("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise c.fail(f"num_attention_heads={heads} is not a multiple of "
+                     f"num_key_value_heads={kv_heads}")
+    if raw.get("head_dim") is None and hidden % heads:
+        raise c.fail(f"hidden_size={hidden} is not a multiple of num_attention_heads="
+                     f"{heads}, and there is no head_dim")
+    head_dim = c.int("head_dim", hidden // heads)
+    model_type = str(raw.get("model_type", ""))
+    name = str(raw.get("_name_or_path") or p.parent.name or "hf-model")
+    bias = raw.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))
+    common = dict(vocab=c.int("vocab_size"),
+                  max_pos=c.int("max_position_embeddings", 4096),
+                  head_dim=head_dim, tied=bool(raw.get("tie_word_embeddings", False)),
+                  qkv_bias=bool(bias))
+    experts = {k: raw[k] for k in EXPERT_KEYS if raw.get(k)}
+    if not experts:
+        return llama_like(name, layers, hidden, c.int("intermediate_size"), heads,
+                          kv_heads, **common)  # type: ignore[arg-type]
+    return _moe(c, name, model_type, experts, layers, hidden, heads, kv_heads, common)
+
+
+def _moe(c: _Config, name: str, model_type: str, experts: dict[str, Any], layers: int,
+         hidden: int, heads: int, kv_heads: int, common: dict[str, Any]) -> ArchSpec:
+    """A known mixture-of-experts layout (module docstring), or a refusal."""
+    found = ", ".join(f"{k}={v!r}" for k, v in experts.items())
+    if model_type not in MOE_TYPES:
+        raise c.fail(f"a mixture-of-experts model ({found}, model_type {model_type!r}) "
+                     f"whose layout this reader does not know (it knows "
+                     f"{', '.join(MOE_TYPES)}); read as dense its FLOPs, weights and KV "
+                     "room would be wrong. Use a preset (roofline.model=DeepSeek-V3 for "
+                     "DeepSeek-V3/R1) or a config of a known layout")
+    if model_type == "mixtral":
+        n, ffn, shared = c.int("num_local_experts"), c.int("intermediate_size"), 0
+    else:
+        n, ffn = c.int("num_experts"), c.int("moe_intermediate_size")
+        shared = c.int("shared_expert_intermediate_size", 0, minimum=0)
+        if c.int("decoder_sparse_step", 1) != 1 or c.raw.get("mlp_only_layers"):
+            raise c.fail("decoder_sparse_step / mlp_only_layers make some layers dense: "
+                         "this reader takes every layer sparse; not supported")
+    k = c.int("num_experts_per_tok")
+    if k > n:
+        raise c.fail(f"num_experts_per_tok={k} exceeds the {n} experts")
+    # Attention from the dense reader (no MLP), then the experts apart: each a SwiGLU of
+    # `ffn`; the router (hidden x n) and a shared expert with its gate run for every token.
+    attn = llama_like(name, layers, hidden, 0, heads, kv_heads, **common)
+    per_layer = hidden * n + (3 * hidden * shared + hidden if shared else 0)
+    return ArchSpec(attn.name, layers, hidden, attn.vocab_size, heads, kv_heads,
+                    attn.head_dim, attn.attn_qk_dim, attn.attn_v_dim,
+                    attn.dense_params + layers * per_layer, attn.max_position_embeddings,
+                    attn.tie_word_embeddings, expert_params=layers * n * 3 * hidden * ffn,
+                    num_experts=n, experts_per_token=k)

@@ -1,0 +1,112 @@
+"""The what-if's specs read right (issue 27): mixture-of-experts config.json files read as
+such, KV heads replicated past tp = KV heads as vLLM does, capacity following.
+
+Published figures the MoE reads are held to: Mixtral 8x7B 46.7B parameters, 12.9B active
+per token (mistral.ai, "Mixtral of experts", 2023-12-11); Qwen1.5-MoE-A2.7B 14.3B total,
+2.7B activated (qwenlm.github.io, 2024-03-28). The config.json files are theirs (Hugging
+Face, the keys this reader uses)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness.errors import UserError
+from harness.roofline.config import RooflineConfig, auto_kv_budget
+from harness.roofline.hardware import get_hardware
+from harness.roofline.hf_config import from_hf_config
+from harness.roofline.models import MODEL_SPECS
+from harness.roofline.steptime import StepModel
+
+MIXTRAL = {"architectures": ["MixtralForCausalLM"], "hidden_size": 4096,
+           "intermediate_size": 14336, "max_position_embeddings": 32768,
+           "model_type": "mixtral", "num_attention_heads": 32, "num_experts_per_tok": 2,
+           "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+           "tie_word_embeddings": False, "vocab_size": 32000}
+QWEN_MOE = {"architectures": ["Qwen2MoeForCausalLM"], "hidden_size": 2048,
+            "intermediate_size": 5632, "moe_intermediate_size": 1408,
+            "shared_expert_intermediate_size": 5632, "num_experts": 60,
+            "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_attention_heads": 16,
+            "num_key_value_heads": 16, "vocab_size": 151936, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "model_type": "qwen2_moe", "tie_word_embeddings": False,
+            "max_position_embeddings": 8192}
+
+
+def _write(tmp_path: Path, cfg: dict[str, object]) -> Path:
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    return p
+
+
+@pytest.mark.parametrize(("cfg", "total", "active"), [(MIXTRAL, 46.7e9, 12.9e9),
+                                                      (QWEN_MOE, 14.3e9, 2.7e9)],
+                         ids=["mixtral-8x7b", "qwen1.5-moe-a2.7b"])
+def test_moe_config_reads_as_moe(tmp_path: Path, cfg: dict[str, object], total: float,
+                                 active: float) -> None:
+    a = from_hf_config(_write(tmp_path, cfg))
+    embed = 2 * a.vocab_size * a.hidden_size  # untied: embedding + lm_head
+    assert a.num_experts > 0
+    assert a.total_params() == pytest.approx(total, rel=0.01)
+    assert a.active_params + embed == pytest.approx(active, rel=0.02)
+    # Read as dense (the bug) its weights were the attention + one MLP: far too few.
+    dense = from_hf_config(_write(tmp_path, {k: v for k, v in cfg.items()
+                                             if k not in ("num_local_experts",
+                                                          "num_experts")} | {
+        "model_type": "llama"}))
+    assert dense.total_params() < total / 3
+
+
+def test_mixtral_does_not_fit_one_a100_80gb(tmp_path: Path) -> None:
+    # Before: read as dense (~7.2B), it left ~50 GiB of KV on one A100-80GB. Its 46.7B
+    # parameters in bf16 (93 GB) do not fit at all; on two they leave ~41 GB.
+    a = from_hf_config(_write(tmp_path, MIXTRAL))
+    hw = get_hardware("a100-80gb")
+    with pytest.raises(UserError, match="leave no room for a KV cache"):
+        auto_kv_budget(a, hw, RooflineConfig(model="mixtral", hardware="a100-80gb"))
+    two = auto_kv_budget(a, hw, RooflineConfig(hardware="a100-80gb", tp=2))
+    assert two == pytest.approx(2 * (80e9 * 0.9 - 2**31) - a.total_params() * 2, rel=1e-6)
+
+
+def test_kv_heads_replicate_past_tp_and_capacity_follows() -> None:
+    # Llama-3.1-8B has 8 KV heads: at tp=32 each is held by 4 ranks, so the 32 ranks hold
+    # 8 distinct shards of the cache. Before, the budget summed 32 ranks' room as if each
+    # held a distinct shard: ~4x the real capacity.
+    a, hw = MODEL_SPECS["llama-3.1-8b"], get_hardware("h100-sxm")
+    per_rank = 80e9 * 0.9 - 2**31
+    w = a.total_params() * 2
+    b32 = auto_kv_budget(a, hw, RooflineConfig(tp=32))
+    assert b32 == pytest.approx(8 * (per_rank - w / 32), rel=1e-6)
+    assert b32 < 0.26 * (32 * per_rank - w)  # the old figure
+    b8 = auto_kv_budget(a, hw, RooflineConfig(tp=8))
+    assert b8 == pytest.approx(8 * per_rank - w, rel=1e-6)
+    assert 1.0 < b32 / b8 < 1.05  # 4x the ranks: only the weights' share shrinks
+    # A decode key's bytes on one rank: one KV head's worth at tp >= 8, split below.
+    kvb = a.num_layers * a.kv_elems_per_layer * 2
+    for tp, heads_per_rank in ((4, 2), (8, 1), (16, 1), (32, 1)):
+        m = StepModel(a, hw, kvb, tp=tp)
+        assert m.kv_rank_bytes == pytest.approx(kvb * heads_per_rank / a.num_kv_heads)
+
+
+def test_deepseek_latent_is_one_replicated_head() -> None:
+    # MLA's latent is held whole by every rank: the same rule with one KV "head".
+    a, hw = MODEL_SPECS["deepseek-v3"], get_hardware("h200")
+    cfg = RooflineConfig(model="DeepSeek-V3", hardware="h200", tp=8, weight_dtype="fp8")
+    want = 141e9 * 0.9 - 2**31 - a.total_params() / 8
+    assert auto_kv_budget(a, hw, cfg) == pytest.approx(want, rel=1e-3)
+    kvb = a.num_layers * a.kv_elems_per_layer * 2
+    assert StepModel(a, hw, kvb, tp=8).kv_rank_bytes == kvb
+
+
+@pytest.mark.parametrize(("model", "tp", "ok"), [
+    ("llama-3.1-8b", 3, False), ("llama-3.1-8b", 6, False), ("llama-3.1-8b", 16, True),
+    ("llama-3.1-8b", 64, False), ("qwen2.5-7b", 7, False), ("qwen2.5-7b", 14, False),
+    ("qwen2.5-7b", 28, True), ("smollm2-135m", 9, True), ("smollm2-135m", 2, False)])
+def test_tp_follows_vllms_rule(model: str, tp: int, ok: bool) -> None:
+    a = MODEL_SPECS[model]
+    if ok:
+        a.check_tp(tp)
+    else:
+        with pytest.raises(UserError, match=rf"roofline\.tp={tp} must divide"):
+            a.check_tp(tp)
