@@ -9,14 +9,17 @@ rel_tol, abs_floor), the config keys that tell its runs apart, and per run key
 derives the same keys from the runs given and compares metric by metric: a value worse
 than the baseline by more than ``max(rel_tol * |baseline|, abs_floor)`` is a regression
 (for direction ``match``, a change either way); better by more than that is an
-improvement, which passes. A run whose config differs from the baseline's is gated all the
-same, and the differences are printed above the table.
+improvement, which passes. Runs whose config differs from the baseline's (in a key the
+baseline recorded) are not gated: the gate says "baseline from another config", lists the
+differing keys first and exits 2; a NaN anywhere (a baseline value, a tolerance, a run's
+value) fails closed.
 
 Exit status: 0 pass; 1 a regression, a gated metric missing from a run (it is part of the
 results contract), a run whose metrics.json cannot be read (named, with what is wrong), a
 baseline run that did not finish (failed, interrupted, killed) or is missing (unless
 ``--partial``), or a baseline file that cannot be written; 2 a usage error (no runs, an
-unreadable baseline, runs that match none of its keys, bad options). Stale runs (not jobs
+unreadable baseline, runs that match none of its keys, runs of another config, bad
+options). Stale runs (not jobs
 of their sweep folder's multirun.yaml) are left out, with a note.
 ``--write-baseline`` writes or refreshes a file from finished runs; it keeps the spec
 already in the file unless ``--metrics`` is given, and starts from :data:`DEFAULT_SPEC`
@@ -26,6 +29,7 @@ otherwise.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,7 +120,10 @@ class Row:
 
 
 def judge(spec: MetricSpec, base: float, cur: float) -> str:
-    """ok, improved or REGRESSED: ``cur`` against ``base`` under ``spec``."""
+    """ok, improved or REGRESSED: ``cur`` against ``base`` under ``spec``. Fails closed:
+    a value that is not finite is REGRESSED (NaN compares false with every tolerance)."""
+    if not (math.isfinite(base) and math.isfinite(cur)):
+        return "REGRESSED"
     worse = {"higher": base - cur, "lower": cur - base, "match": abs(cur - base)}[
         spec.direction]
     tol = spec.allowed(base) * (1 + 1e-9) + 1e-12  # float rounding is not a regression
@@ -202,6 +209,14 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--metrics goes with --write-baseline (a gate uses the spec in "
                              "the baseline file)")
         base = Baseline.load(args.baseline)
+        if diffs := config_diffs(base, keyed(runs, base.key_fields)):
+            print(f"kvbench gate: baseline from another config: {args.baseline} was taken "
+                  "from runs whose configs differ from these in:", file=sys.stderr)
+            print("\n".join(f"  {d}" for d in diffs), file=sys.stderr)
+            print("Gate runs of the baseline's config, or, if the change is intended, "
+                  f"refresh it: python -m harness.gate --write-baseline {args.baseline} "
+                  "<runs>", file=sys.stderr)
+            return 2
         rows = check(base, runs, args.partial)
     except ValueError as e:
         print(f"kvbench gate: {e}", file=sys.stderr)
@@ -211,9 +226,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{e.strerror or e}", file=sys.stderr)
         return 1
     print(f"kvbench gate: {', '.join(map(str, args.folders))} against {args.baseline}")
-    if diffs := config_diffs(base, keyed(runs, base.key_fields)):
-        print("\nnote: these runs' configs differ from the baseline's:")
-        print("\n".join(f"  {d}" for d in diffs))
     print("\n" + format_rows(rows, base.spec) + "\n")
     gated = sum(1 for r in rows if r.metric != "(run)")
     if bad := [r for r in rows if r.failing]:

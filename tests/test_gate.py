@@ -194,3 +194,48 @@ def test_committed_cpu_baseline_matches_the_ci_smoke_sweep() -> None:
                  if k in now and fmt_value(now[k]) != v}
         assert not stale, (f"{key}: ci_smoke changed since the baseline (baseline, now): "
                            f"{stale}; refresh it: scripts/ci_smoke.sh --write-baseline")
+
+
+# --- issue 27: a NaN never passes; a baseline of another config is said to be one --------
+def test_a_nan_tolerance_is_refused_where_it_enters(sweep: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "b.json"
+    assert main(["--write-baseline", str(path), str(sweep), "--metrics",
+                 "requests.finished:higher:nan"]) == 2
+    assert "rel_tol=nan: must be a finite number >= 0" in capsys.readouterr().err
+    assert not path.exists()
+
+
+def test_a_nan_baseline_value_fails_closed(copy: Path, baseline: Path, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: a NaN baseline value turned a 21% drop in finished requests into "ok".
+    d = json.loads(baseline.read_text())
+    d["runs"]["paged/multiturn"]["requests.finished"] = float("nan")
+    bad = tmp_path / "nan.json"
+    bad.write_text(json.dumps(d))  # json writes NaN, and reads it back
+    run = next(copy.glob("*-paged-multiturn"))
+    edit_metrics(run, requests__finished=round(metric(run, "requests.finished") * 0.79))
+    assert main([str(copy), "--baseline", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"baseline {bad}: run paged/multiturn: requests.finished=nan is not a finite " \
+           "number" in err
+    assert judge(MetricSpec("higher", 0.0, 0.0), float("nan"), 3.0) == "REGRESSED"
+    assert judge(MetricSpec("lower", 0.0, 0.0), 3.0, float("inf")) == "REGRESSED"
+
+
+def test_a_baseline_from_another_config_says_so_first(copy: Path, baseline: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    d = json.loads(baseline.read_text())
+    key = "paged/multiturn"
+    recorded = d["configs"][key]
+    ck = next(k for k in sorted(recorded) if k.startswith("workload."))
+    recorded[ck] = recorded[ck] + "0"  # the baseline ran another value
+    recorded.pop("seed", None)
+    d["configs"][key] = recorded  # and never recorded seed: not a difference
+    baseline.with_name("other.json").write_text(json.dumps(d))
+    assert main([str(copy), "--baseline", str(baseline.with_name("other.json"))]) == 2
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert lines[0].startswith("kvbench gate: baseline from another config:")
+    assert lines[1].startswith(f"  {key}: {ck} ") and len(lines) == 3, err
+    assert "(unset)" not in err and "REGRESSED" not in err

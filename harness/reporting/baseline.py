@@ -46,8 +46,11 @@ class MetricSpec:
 def make_spec(direction: str, rel_tol: float, abs_floor: float) -> MetricSpec:
     if direction not in ("higher", "lower", "match"):
         raise ValueError(f"direction {direction!r}: expected higher, lower or match")
-    if rel_tol < 0 or abs_floor < 0:
-        raise ValueError("rel_tol and abs_floor must be >= 0")
+    for name, x in (("rel_tol", rel_tol), ("abs_floor", abs_floor)):
+        # NaN compares false with everything: a NaN tolerance would pass any change.
+        if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x) \
+                or x < 0:
+            raise ValueError(f"{name}={x!r}: must be a finite number >= 0")
     return MetricSpec(direction, float(rel_tol), float(abs_floor))  # type: ignore[arg-type]
 
 
@@ -81,6 +84,13 @@ class Baseline:
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"baseline {path}: malformed ({e})") from e
         for key, values in base.runs.items():
+            if not isinstance(values, dict):
+                raise ValueError(f"baseline {path}: run {key} is not an object of metrics")
+            for m, v in values.items():
+                if number(v) is None or not math.isfinite(v):
+                    raise ValueError(f"baseline {path}: run {key}: {m}={v!r} is not a "
+                                     "finite number (a NaN baseline passes every value); "
+                                     "refresh it with --write-baseline")
             if unknown := set(values) - set(spec):
                 raise ValueError(f"baseline {path}: run {key} has values for "
                                  f"{sorted(unknown)} but its spec does not gate them")
@@ -121,15 +131,17 @@ def comparable_config(run: Run) -> dict[str, str]:
 
 
 def config_diffs(base: Baseline, current: dict[str, Run]) -> list[str]:
-    """``key: config.key baseline -> current`` for every run the baseline also has."""
+    """``key: config.key baseline -> current`` for every run the baseline also has, over
+    the keys the baseline recorded: a key added since (a new option at its default) is not
+    a difference; one the baseline has and the run lacks is (``(not in this run)``)."""
     out = []
     for k, r in current.items():
         if k not in base.configs:
             continue
         old, new = base.configs[k], comparable_config(r)
-        for ck in sorted(set(old) | set(new)):
-            if old.get(ck) != new.get(ck):
-                out.append(f"{k}: {ck} {old.get(ck, '(unset)')} -> {new.get(ck, '(unset)')}")
+        for ck in sorted(old):
+            if old[ck] != new.get(ck):
+                out.append(f"{k}: {ck} {old[ck]} -> {new.get(ck, '(not in this run)')}")
     return out
 
 
@@ -146,7 +158,8 @@ def take_baseline(runs: list[Run], spec: dict[str, MetricSpec],
     values: dict[str, dict[str, float]] = {}
     for k, r in by_key.items():
         m = r.metrics or {}
-        values[k] = {name: m[name] for name in spec if number(m.get(name)) is not None}
+        values[k] = {name: m[name] for name in spec
+                     if (x := number(m.get(name))) is not None and math.isfinite(x)}
     if require_all and (absent := [m for m in spec if not any(m in v for v in values.values())]):
         raise ValueError(f"no run has {', '.join(absent)}")
     shas = sorted({str((r.metrics or {}).get("run.git_sha")) for r in runs})
