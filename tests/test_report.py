@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from harness.report import build_report, main
-from harness.reporting.runs import find_runs, run_key, variant_keys
+from harness.reporting.runs import find_runs, label, run_key, variant_keys
 from harness.reporting.table import RATIO, compare
 from harness.runner import run
 from tests.compose import compose_cfg
@@ -245,3 +245,34 @@ def test_a_reused_sweep_folder_stale_runs_and_jobs_never_started(
     assert len(pd.read_csv(tmp_path / "rep" / "comparison.csv")) == 1
     assert main([str(tmp_path), "--out", str(tmp_path / "rep2"), "--include-stale"]) == 0
     assert len(pd.read_csv(tmp_path / "rep2" / "comparison.csv")) == 2
+
+
+def test_roofline_runs_are_labelled_by_their_roofline_model(tmp_path: Path) -> None:
+    # Issue 27: a sweep of roofline runs over model=smollm2,tiny (which they never load)
+    # and roofline.model was labelled "source=smollm2"; the model they modelled is
+    # roofline.model, and model.* did not shape them.
+    for i, (src, arch) in enumerate((("smollm2", "Llama-3.1-8B"), ("tiny", "Qwen2.5-7B"))):
+        f = tmp_path / f"{i}-paged-random"
+        write_run(f, {"name": "paged", "block_size": 16}, {"requests.finished": 4})
+        cfg = yaml.safe_load((f / "config.yaml").read_text())
+        cfg |= {"executor": "roofline", "model": {"source": src},
+                "roofline": {"model": arch, "tp": 1}}
+        (f / "config.yaml").write_text(yaml.safe_dump(cfg))
+    runs = find_runs([tmp_path])
+    keys = variant_keys(runs)
+    assert keys == ["roofline.model"]
+    assert sorted(label(r, keys) for r in runs) == ["paged model=Llama-3.1-8B",
+                                                    "paged model=Qwen2.5-7B"]
+    # A model run beside them: its roofline.* defaults did not shape it either.
+    f = tmp_path / "2-paged-random"
+    write_run(f, {"name": "paged", "block_size": 16}, {"requests.finished": 4})
+    cfg = yaml.safe_load((f / "config.yaml").read_text())
+    cfg |= {"executor": "model", "model": {"source": "tiny"},
+            "roofline": {"model": "Llama-3.1-8B", "tp": 1}}
+    (f / "config.yaml").write_text(yaml.safe_dump(cfg))
+    runs = find_runs([tmp_path])
+    by = {r.path.name: r for r in runs}
+    keys = variant_keys(runs)
+    assert keys == ["executor", "roofline.model"]
+    assert label(by["0-paged-random"], keys) == "paged executor=roofline,model=Llama-3.1-8B"
+    assert label(by["2-paged-random"], keys) == "paged executor=model"

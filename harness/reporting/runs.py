@@ -262,12 +262,20 @@ def fmt_value(v: Any) -> str:
     return "null" if v is None else str(v)
 
 
+def relevant(run: Run, key: str) -> bool:
+    """Whether ``key`` of the run's config shaped it: a roofline run loads no model (its
+    model is ``roofline.model``), a model run reads no ``roofline.*``."""
+    roofline = run.config.get("executor") == "roofline"
+    return not key.startswith("roofline." if not roofline else "model.")
+
+
 def _differing(members: list[Run], keep: Any) -> set[str]:
     names = set().union(*(r.config for r in members))
     return {k for k in names
             if keep(k) and not k.startswith(IGNORED_CONFIG_PREFIXES)
             and k not in ("backend.name", "workload.name")
-            and len({fmt_value(r.config[k]) for r in members if k in r.config}) > 1}
+            and len({fmt_value(r.config[k]) for r in members
+                     if k in r.config and relevant(r, k)}) > 1}
 
 
 def variant_keys(runs: list[Run]) -> list[str]:
@@ -291,8 +299,8 @@ def variant_keys(runs: list[Run]) -> list[str]:
 
 
 def variant(run: Run, keys: list[str]) -> dict[str, str]:
-    """The run's values of ``keys`` (those its config has)."""
-    return {k: fmt_value(run.config[k]) for k in keys if k in run.config}
+    """The run's values of ``keys`` (those its config has and that shaped it)."""
+    return {k: fmt_value(run.config[k]) for k in keys if k in run.config and relevant(run, k)}
 
 
 def run_key(run: Run, keys: list[str]) -> str:
