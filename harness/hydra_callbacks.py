@@ -68,7 +68,7 @@ class FolderGuard(Callback):
         HydraConfig.instance().set_config(config)  # the dir may use ${hydra:...}
         try:
             refuse_schema_choices(config.hydra.runtime.choices)
-            claim_folder(Path(str(config.hydra.run.dir)).absolute())
+            claim_folder(Path(str(config.hydra.run.dir)).absolute(), empty=True)
         except (UserError, OSError) as e:
             _exit(e)
 

@@ -153,14 +153,27 @@ def _create_claim(folder: Path, name: str, kind: str) -> None:
         f.write(json.dumps(owner) + "\n")
 
 
-def claim_folder(folder: Path) -> None:
+def claim_folder(folder: Path, empty: bool = False) -> None:
     """Make ``folder`` this run's: create it and, atomically, its claim file.
 
     Idempotent within one process; raises :class:`FolderTaken` when another run owns or
-    used the folder, so of two runs racing for one folder exactly one goes on.
+    used the folder, so of two runs racing for one folder exactly one goes on. ``empty``
+    (a single run's folder, claimed before Hydra writes into it): a folder that already
+    holds anything is refused too, whatever it holds (a user's own files, a sweep), unless
+    this process claimed it already.
     """
     folder.mkdir(parents=True, exist_ok=True)
     check_not_taken(folder)
+    if empty and (read_claim(folder) or {}).get("token") != _token:
+        if held := sorted(p.name for p in folder.iterdir()):
+            runs = [n for n in held if (folder / n).is_dir()
+                    and ((folder / n / CLAIM).exists() or _outcomes(folder / n))]
+            what = "a sweep" if SWEEP_CLAIM in held or runs else "files"
+            raise FolderTaken(
+                f"results folder {folder} is not empty: it holds {what} ({', '.join(held[:5])}"
+                f"{', ...' if len(held) > 5 else ''}); kvbench writes a run only into a new "
+                "or empty folder: choose another hydra.run.dir (or leave it to the default, "
+                "which is unique per run)")
     _create_claim(folder, CLAIM, "run")
 
 

@@ -73,6 +73,10 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     save_hf(load_model("tiny").model, f["hf_truncated_weights"], byte_tokenizer=True)
     weights = f["hf_truncated_weights"] / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
+    f["user_folder"] = t / "user_folder"  # a user's own files, named like a run's
+    f["user_folder"].mkdir()
+    (f["user_folder"] / "config.yaml").write_text("mine: true\n")
+    (f["user_folder"] / "requests.csv").write_text("id\n1\n")
     f["finished_run"] = t / "finished_run"
     f["finished_run"].mkdir()
     (f["finished_run"] / "metrics.json").write_text("{}")
@@ -101,6 +105,11 @@ CLI = [
     (["model=gguf", "model.path={truncated_gguf}"], 2,
      "{truncated_gguf} cannot be read as GGUF", "Traceback"),
     (["hydra.run.dir={finished_run}"], 2, "already holds another run's results", "Traceback"),
+    (["hydra.run.dir={user_folder}"], 2,
+     "results folder {user_folder} is not empty: it holds files (config.yaml, requests.csv)",
+     "Traceback"),
+    (["hydra.run.dir={sweep}"], 2, "results folder {sweep} is not empty: it holds a sweep",
+     "Traceback"),
     (["executor=roofline", "roofline.model={rf_zero_heads}"], 2,
      "{rf_zero_heads}: num_attention_heads=0 must be >= 1", "Traceback"),
     (["--help"], 0, "== Configuration groups ==", "_schema"),
@@ -125,6 +134,10 @@ def test_cli(files: dict[str, str], args: list[str], code: int, phrase: str, abs
 def test_a_refused_folder_is_left_as_it_was(files: dict[str, str]) -> None:
     # (after the CLI rows: the refused run wrote nothing into the other run's folder)
     assert sorted(p.name for p in Path(files["finished_run"]).iterdir()) == ["metrics.json"]
+    user = Path(files["user_folder"])
+    assert sorted(p.name for p in user.iterdir()) == ["config.yaml", "requests.csv"]
+    assert (user / "config.yaml").read_text() == "mine: true\n"
+    assert sorted(p.name for p in Path(files["sweep"]).iterdir()) == ["0-paged", "1-contiguous"]
 
 
 # --- model files -----------------------------------------------------------------------------
