@@ -17,6 +17,11 @@ os.environ.setdefault("KVBENCH_CHECK", "1")
 import pytest
 import torch
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Workers run side by side, one per core (scripts/test.sh: -n logical): one thread each,
+    # or in-process model tests oversubscribe the cores and all of them slow down.
+    torch.set_num_threads(1)
+
 import harness.model as hm
 from harness.model import load_model
 

@@ -161,6 +161,26 @@ def test_tiny_run_reports_task_keys_and_columns(tmp_path: Path) -> None:
     assert m["cache.prefix_hit_rate"] > 0.2
 
 
+def test_requests_that_never_ran_are_not_scored(tmp_path: Path) -> None:
+    # Issue 27: rejected requests (longer than max_model_len) were scored 0.0 and averaged
+    # in: a cell that could not run read as wrong answers (0.5 where what ran scored 1.0).
+    cfg = compose_cfg(["model=tiny", "+experiment=ruler", "cache.kv_budget=8MiB",
+                       "workload.tasks=[niah_single_1]", "workload.lengths=[1024,2048]",
+                       "workload.depths=[0,100]", "scheduler.max_model_len=1200"], tmp_path)
+    run(cfg)
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert m["requests.rejected"] == 2 and m["quality.task_not_run"] == 2
+    assert m["quality.task_requests"] == 2
+    assert "quality.task_accuracy.all.2048" not in m
+    assert "quality.task_accuracy.niah_single_1.2048" not in m
+    # What ran alone makes the averages.
+    assert m["quality.task_accuracy"] == m["quality.task_accuracy.all.1024"]
+    with open(tmp_path / "requests.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert sorted(r["score"] == "" for r in rows) == [False, False, True, True]
+    assert all(r["status"] == "rejected" for r in rows if r["score"] == "")
+
+
 def test_report_draws_heatmaps_frontier_and_table(tmp_path: Path) -> None:
     from harness.report import build_report
 

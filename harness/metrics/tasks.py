@@ -9,7 +9,12 @@ module decodes the outputs, asks for the scores and aggregates them. Keys:
 - ``quality.task_accuracy.<task>`` and ``quality.task_accuracy.<task>.<length>``;
 - ``quality.task_accuracy.all.<length>``: every task at one prompt length;
 - each with ``_ci95_low`` / ``_ci95_high``: a seeded bootstrap over requests;
-- ``quality.task_requests``: requests scored (a request that got no output scores 0).
+- ``quality.task_requests``: requests scored (a request that ran and got no output
+  scores 0);
+- ``quality.task_not_run``: requests that never ran (rejected: longer than the model's
+  context, say). They are left out of every average: scored 0 they would pass for wrong
+  answers (a cell that could not run read 0.5 where what ran scored 1.0), and their
+  requests.csv rows carry no score.
 """
 
 from __future__ import annotations
@@ -49,10 +54,13 @@ class Scored:
 
 
 def score_requests(workload: ScoresTasks, outputs: dict[int, list[int]],
-                   tok: Tokenizer) -> dict[int, Scored]:
-    """Every request of the workload, scored on its decoded output ("" if it had none)."""
+                   tok: Tokenizer, not_run: frozenset[int] = frozenset()) -> dict[int, Scored]:
+    """Every request of the workload that ran (all but ``not_run``), scored on its decoded
+    output ("" if it had none)."""
     out = {}
     for r in workload.initial_requests():
+        if r.request_id in not_run:
+            continue
         m = workload.task_meta(r.request_id)
         text = tok.decode(outputs.get(r.request_id, []))
         out[r.request_id] = Scored(str(m["task"]), int(m["length"]), float(m["depth"]),
@@ -66,15 +74,18 @@ def _macro(rows: np.ndarray) -> float:
     return float(np.mean([rows[rows[:, 1] == t, 0].mean() for t in tasks]))
 
 
-def task_metrics(scored: dict[int, Scored], seed: int = 0) -> dict[str, float]:
+def task_metrics(scored: dict[int, Scored], seed: int = 0,
+                 not_run: int = 0) -> dict[str, float]:
     """The quality.task_* keys (see the module's docstring)."""
     if not scored:
-        return {}
+        return {"quality.task_requests": 0.0, "quality.task_not_run": float(not_run)} \
+            if not_run else {}
     rows = sorted(scored.items())
     names = sorted({s.task for _, s in rows})
     table = np.array([[s.score, names.index(s.task)] for _, s in rows])
     base = "quality.task_accuracy"
-    m: dict[str, float] = {base: _macro(table), "quality.task_requests": float(len(rows))}
+    m: dict[str, float] = {base: _macro(table), "quality.task_requests": float(len(rows)),
+                           "quality.task_not_run": float(not_run)}
     m.update(ci_keys(base, table, _macro, seed=seed))
     groups: dict[str, list[float]] = defaultdict(list)
     for _, s in rows:
@@ -105,6 +116,7 @@ def add_task_scores(workload: object, tok: Tokenizer, outputs: dict[int, list[in
     into ``metrics`` and its task columns into ``rows``; nothing for any other workload."""
     if not isinstance(workload, ScoresTasks):
         return
-    scored = score_requests(workload, outputs, tok)
-    metrics.update(task_metrics(scored, seed))
+    not_run = frozenset(r["request_id"] for r in rows if r["status"] == "rejected")
+    scored = score_requests(workload, outputs, tok, not_run)
+    metrics.update(task_metrics(scored, seed, len(not_run)))
     task_columns(rows, scored)
