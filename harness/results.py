@@ -164,16 +164,16 @@ def claim_folder(folder: Path, empty: bool = False) -> None:
     """
     folder.mkdir(parents=True, exist_ok=True)
     check_not_taken(folder)
-    if empty and (read_claim(folder) or {}).get("token") != _token:
-        if held := sorted(p.name for p in folder.iterdir()):
-            runs = [n for n in held if (folder / n).is_dir()
-                    and ((folder / n / CLAIM).exists() or _outcomes(folder / n))]
-            what = "a sweep" if SWEEP_CLAIM in held or runs else "files"
-            raise FolderTaken(
-                f"results folder {folder} is not empty: it holds {what} ({', '.join(held[:5])}"
-                f"{', ...' if len(held) > 5 else ''}); kvbench writes a run only into a new "
-                "or empty folder: choose another hydra.run.dir (or leave it to the default, "
-                "which is unique per run)")
+    mine = (read_claim(folder) or {}).get("token") == _token
+    if empty and not mine and (held := sorted(p.name for p in folder.iterdir())):
+        runs = [n for n in held if (folder / n).is_dir()
+                and ((folder / n / CLAIM).exists() or _outcomes(folder / n))]
+        what = "a sweep" if SWEEP_CLAIM in held or runs else "files"
+        raise FolderTaken(
+            f"results folder {folder} is not empty: it holds {what} ({', '.join(held[:5])}"
+            f"{', ...' if len(held) > 5 else ''}); kvbench writes a run only into a new "
+            "or empty folder: choose another hydra.run.dir (or leave it to the default, "
+            "which is unique per run)")
     _create_claim(folder, CLAIM, "run")
 
 

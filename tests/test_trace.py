@@ -43,18 +43,18 @@ def test_the_example_traces_are_ours_and_regenerate_identically() -> None:
 
 
 def test_each_format_is_detected_and_read() -> None:
-    fmt, rows = read_trace(MOONCAKE)
+    fmt, rows, shift = read_trace(MOONCAKE)
     first = json.loads(MOONCAKE.read_text().splitlines()[0])
     assert fmt == "mooncake" and len(rows) == 24
-    assert (rows[0].arrival_s, rows[0].prompt_tokens, rows[0].output_tokens,
+    assert (rows[0].arrival_s + shift, rows[0].prompt_tokens, rows[0].output_tokens,
             rows[0].hash_ids) == (first["timestamp"] / 1e3, first["input_length"],
                                   first["output_length"], tuple(first["hash_ids"]))
-    fmt, rows = read_trace(FOLDER / "azure_example.csv")
+    fmt, rows, _ = read_trace(FOLDER / "azure_example.csv")
     assert fmt == "azure" and rows[0].arrival_s == 0.0
     # The second stamp is 18:15:47.4064190, the first 18:15:47.1963380: 0.210081 s later.
     assert rows[1].arrival_s == pytest.approx(0.210081, abs=1e-9)
-    fmt, csv_rows = read_trace(FOLDER / "kvbench_example.csv")
-    _, jsonl_rows = read_trace(FOLDER / "kvbench_example.jsonl")
+    fmt, csv_rows, _ = read_trace(FOLDER / "kvbench_example.csv")
+    _, jsonl_rows, _ = read_trace(FOLDER / "kvbench_example.jsonl")
     assert fmt == "kvbench" and [r.line for r in csv_rows][:2] == [2, 3]  # after the header
     assert [replace(r, line=0) for r in csv_rows] == [replace(r, line=0) for r in jsonl_rows]
     assert {r.conversation for r in csv_rows} == {None, "c0", "c1", "c2", "c3"}
@@ -277,3 +277,34 @@ def test_a_rejected_turns_next_turn_still_arrives_when_the_trace_says(tmp_path: 
         0: "rejected", 1: "rejected", 2: "finished", 3: "finished"}
     assert rows[1]["arrival_s"] >= 0.5 - 1e-9
     assert r.metrics["requests.rejected"] == 2
+
+
+@pytest.mark.parametrize(("name", "text", "first"), [
+    ("epoch.jsonl", '{"timestamp": 1733000000000, "input_length": 8, "output_length": 2}\n'
+                    '{"timestamp": 1733000000250, "input_length": 8, "output_length": 2}\n',
+     1733000000.0),
+    ("epoch.csv", "arrival_s,prompt_tokens,output_tokens\n1733000000.5,8,2\n1733000000.75,8,2\n",
+     1733000000.5),
+])
+def test_epoch_times_are_rebased_to_the_first_row_and_recorded(tmp_path: Path, name: str,
+                                                               text: str, first: float) -> None:
+    # Issue 27: mooncake and kvbench times were not rebased (Azure's were): epoch times
+    # made a run wait decades for its first request.
+    p = tmp_path / name
+    p.write_text(text)
+    _, rows, shift = read_trace(p)
+    assert [r.arrival_s for r in rows] == [0.0, 0.25] and shift == pytest.approx(first)
+    w = trace(p)
+    assert [r.arrival_s for r in w.initial_requests()] == [0.0, 0.25]
+    assert w.workload_metrics()["trace.rebased_s"] == pytest.approx(first)
+
+
+def test_an_azure_trace_mixing_time_zones_is_refused(tmp_path: Path) -> None:
+    p = tmp_path / "mixed.csv"
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                 "2023-11-16 18:15:46.680+00:00,8,2\n2023-11-16 13:15:47.000-05:00,8,2\n"
+                 "2023-11-16 18:15:48.000,8,2\n")
+    with pytest.raises(UserError, match=r"its TIMESTAMPs mix time zones \(line 2: "
+                                        r"UTC\+0000; line 3: UTC-0500; line 4: no UTC "
+                                        r"offset\)"):
+        read_trace(p)

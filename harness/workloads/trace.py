@@ -103,7 +103,7 @@ class TraceWorkload:
     def __init__(self, cfg: TraceConfig, tok: Tokenizer) -> None:
         self.cfg, self.tok = cfg, tok
         path = cfg.resolved_path()
-        self.format, rows = read_trace(path, cfg.format)
+        self.format, rows, self.rebased_s = read_trace(path, cfg.format)
         self.num_rows = len(rows)
         self.truncated = self.rejected = self.raised_outputs = 0
         self._blocks: dict[int, list[int]] = {}
@@ -217,6 +217,8 @@ class TraceWorkload:
         span = max(arrivals) - min(arrivals)
         return {
             "trace.rows": float(self.num_rows),
+            # Seconds subtracted from the file's times: arrivals count from its first row.
+            "trace.rebased_s": self.rebased_s,
             "trace.requests": float(len(self.plans)),
             "trace.span_s": span,
             "trace.offered_rps": (len(self.plans) - 1) / span if span > 0 else 0.0,

@@ -11,6 +11,12 @@
   and optionally ``conversation_id`` with ``turn`` (a conversation's later turn re-sends
   its history) and ``priority`` (lower runs first under ``scheduler.policy=priority``).
 
+Arrival times are rebased to the earliest row whatever the format (a trace of epoch
+timestamps would otherwise wait decades for its first request): ``read_trace`` returns
+the seconds it subtracted, and the workload records them (``trace.rebased_s``). An Azure
+file mixing time zones (stamps with different UTC offsets, or some with and some
+without one) is refused: which offset a naive stamp means cannot be known.
+
 Every malformed line is reported as ``<file>:<line>: <what is wrong>`` in one UserError
 (the first few, and how many more), never skipped: a replay that silently drops rows
 replays another trace.
@@ -52,6 +58,7 @@ class TraceRow:
     conversation: str | None = None  # kvbench only
     turn: int | None = None
     priority: int = 0
+    tz: str | None = None  # azure only: the stamp's UTC offset ("none": a naive stamp)
 
 
 class _Bad(Exception):
@@ -89,16 +96,17 @@ def _seconds(rec: dict[str, Any], key: str, scale: float) -> float:
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
 
-def _azure_time(v: Any) -> float:
+def _azure_time(v: Any) -> tuple[float, str | None]:
     """Microseconds since the epoch of an Azure TIMESTAMP (a date-time, or seconds), as a
-    whole number: differences of such stamps are then exact to the microsecond."""
+    whole number (differences of such stamps are then exact to the microsecond), and its
+    UTC offset (``none`` for a naive date-time, None for seconds)."""
     if v is None or v == "":
         raise _Bad("missing 'TIMESTAMP'")
     try:
         f = float(v)
         if not math.isfinite(f):
             raise _Bad(f"TIMESTAMP={v!r} is not a finite number")
-        return float(round(f * 1e6))
+        return float(round(f * 1e6)), None
     except (TypeError, ValueError):
         pass
     try:
@@ -106,9 +114,10 @@ def _azure_time(v: Any) -> float:
     except ValueError:
         raise _Bad(f"TIMESTAMP={v!r} is neither a date-time (2023-11-16 18:15:46.68) "
                    "nor seconds") from None
+    tz = "none" if t.tzinfo is None else f"UTC{t.strftime('%z')}"
     if t.tzinfo is None:
         t = t.replace(tzinfo=dt.UTC)
-    return float((t - _EPOCH) // dt.timedelta(microseconds=1))
+    return float((t - _EPOCH) // dt.timedelta(microseconds=1)), tz
 
 
 def _mooncake(rec: dict[str, Any], index: int, line: int) -> TraceRow:
@@ -122,9 +131,10 @@ def _mooncake(rec: dict[str, Any], index: int, line: int) -> TraceRow:
 
 
 def _azure(rec: dict[str, Any], index: int, line: int) -> TraceRow:
-    # Arrival is made relative to the first timestamp once every row is read.
-    return TraceRow(index, line, _azure_time(rec.get("TIMESTAMP")),
-                    _int(rec, "ContextTokens", 1), _int(rec, "GeneratedTokens", 0))
+    # Microseconds: made seconds from the first timestamp once every row is read.
+    us, tz = _azure_time(rec.get("TIMESTAMP"))
+    return TraceRow(index, line, us, _int(rec, "ContextTokens", 1),
+                    _int(rec, "GeneratedTokens", 0), tz=tz)
 
 
 def _kvbench(rec: dict[str, Any], index: int, line: int) -> TraceRow:
@@ -188,8 +198,9 @@ def detect(rec: dict[str, Any], path: Path) -> str:
                     "(or set workload.format)")
 
 
-def read_trace(path: Path, fmt: str = "auto") -> tuple[str, list[TraceRow]]:
-    """The trace's format and its rows in file order; a UserError lists malformed lines."""
+def read_trace(path: Path, fmt: str = "auto") -> tuple[str, list[TraceRow], float]:
+    """The trace's format, its rows in file order (arrivals from the earliest row) and the
+    seconds subtracted to get there; a UserError lists malformed lines."""
     if fmt not in FORMATS:
         raise UserError(f"unknown workload.format {fmt!r}; known: {', '.join(FORMATS)}")
     if not path.is_file():
@@ -219,8 +230,22 @@ def read_trace(path: Path, fmt: str = "auto") -> tuple[str, list[TraceRow]]:
                         + (f"\n  ... and {more} more" if more > 0 else ""))
     if not rows:
         raise UserError(f"workload.path={path} holds no requests")
-    if fmt == "azure":  # microseconds since the epoch -> seconds from the first request
-        t0 = min(r.arrival_s for r in rows)
-        for r in rows:
-            r.arrival_s = (r.arrival_s - t0) / 1e6
-    return fmt, rows
+    scale = 1e-6 if fmt == "azure" else 1.0  # azure: microseconds since the epoch
+    if fmt == "azure":
+        _one_time_zone(path, rows)
+    t0 = min(r.arrival_s for r in rows)
+    for r in rows:
+        r.arrival_s = (r.arrival_s - t0) * scale
+    return fmt, rows, t0 * scale
+
+
+def _one_time_zone(path: Path, rows: list[TraceRow]) -> None:
+    first: dict[str | None, TraceRow] = {}
+    for r in rows:
+        first.setdefault(r.tz, r)
+    if len(first) > 1:
+        seen = "; ".join(f"line {r.line}: {'no UTC offset' if tz == 'none' else tz or 'seconds'}"
+                         for tz, r in first.items())
+        raise UserError(f"workload.path={path}: its TIMESTAMPs mix time zones ({seen}); "
+                        "arrivals between them would be off by the offsets (hours): write "
+                        "every stamp with the same UTC offset, or none")
