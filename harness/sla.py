@@ -101,6 +101,47 @@ class Searcher:
     def folder(self, backend: str, rate: float) -> Path:
         return self.out / backend / f"{self.key.rsplit('.', 1)[-1]}_{fmt_rate(rate)}"
 
+    def overrides_of(self, backend: str, rate: float) -> list[str]:
+        """The overrides of the probe run at ``rate``."""
+        return [*self.overrides, f"backend={backend}", f"{self.key}={rate!r}"]
+
+    def planned(self, backend: str, rate: float) -> dict[str, Any]:
+        """The config the probe at ``rate`` runs, resolved (as its config.yaml holds it)."""
+        from omegaconf import OmegaConf
+
+        from harness.config import compose_config
+
+        c = OmegaConf.to_container(compose_config(self.overrides_of(backend, rate)),
+                                   resolve=True)
+        assert isinstance(c, dict)
+        return {str(k): v for k, v in c.items()}
+
+    def check_reuse(self, backend: str, rate: float, folder: Path) -> None:
+        """Refuse a finished probe whose config is not what this search would run (another
+        SLO, model, workload: its pass or fail is not this search's)."""
+        import yaml
+
+        from harness.reporting.runs import IGNORED_CONFIG_PREFIXES, flatten, fmt_value
+
+        def flat(d: Any) -> dict[str, str]:
+            return {k: fmt_value(v) for k, v in flatten(d if isinstance(d, dict) else {}).items()
+                    if not k.startswith((*IGNORED_CONFIG_PREFIXES, "hydra."))}
+
+        try:
+            had = flat(yaml.safe_load((folder / "config.yaml").read_text()))
+        except (OSError, yaml.YAMLError) as e:
+            raise ProbeFailed(f"{folder} holds a finished probe whose config.yaml cannot be "
+                              f"read ({e}): remove it, or use another --out") from None
+        want = flat(self.planned(backend, rate))
+        diff = [f"{k}: {had.get(k, '(unset)')} here, {want.get(k, '(unset)')} now"
+                for k in sorted(set(had) | set(want)) if had.get(k) != want.get(k)]
+        if diff:
+            raise UserError(f"{folder} holds a probe of another config ("
+                            + "; ".join(diff[:4]) + (f"; {len(diff) - 4} more" if len(diff) > 4
+                                                     else "")
+                            + "): its pass or fail is not this search's. Use another --out "
+                            "(the default is new per search) or remove that folder")
+
     def probe(self, backend: str, rate: float) -> Probe:
         rate = float(fmt_rate(rate))  # the rate the folder is named by is the one run
         folder = self.folder(backend, rate)
@@ -113,6 +154,8 @@ class Searcher:
                               "this rate again")
         if end is None:
             self._run(backend, rate, folder)
+        else:
+            self.check_reuse(backend, rate, folder)
         m = json.loads((folder / METRICS).read_text())
         att = m.get("latency.slo_attainment")
         if att is None:
@@ -125,8 +168,8 @@ class Searcher:
         return p
 
     def _run(self, backend: str, rate: float, folder: Path) -> None:
-        cmd = [self.python, "-m", "harness", *self.overrides, f"backend={backend}",
-               f"{self.key}={rate!r}", f"hydra.run.dir={folder}", "progress=false"]
+        cmd = [self.python, "-m", "harness", *self.overrides_of(backend, rate),
+               f"hydra.run.dir={folder}", "progress=false"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         log = done.stdout + done.stderr
         if folder.is_dir():
@@ -220,6 +263,29 @@ def write_outputs(out: Path, results: list[SlaResult], key: str, attainment: flo
     latency_vs_rate(find_runs([out]), out / "latency_vs_rate.png")
 
 
+def check_earlier_search(out: Path, key: str, attainment: float, overrides: list[str]) -> None:
+    """``--out`` naming a file, or the folder of an earlier search with other settings (its
+    summary would be overwritten by this one's): a UserError saying what differs."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file: give a folder (the default is "
+                        "results/sla/<time>)")
+    summary = out / "sla.json"
+    if not summary.is_file():
+        return
+    try:
+        was = json.loads(summary.read_text())
+        diff = [f"{name}: {was[name]!r} there, {now!r} now"
+                for name, now in (("key", key), ("attainment", attainment),
+                                  ("overrides", overrides)) if was[name] != now]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--out {out} holds an sla.json that cannot be read ({e}): use "
+                        "another --out") from None
+    if diff:
+        raise UserError(f"--out {out} holds an earlier search with other settings ("
+                        + "; ".join(diff) + "): use another --out (the default is new per "
+                        "search); the same settings reuse its probes")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     head, overrides = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) \
@@ -246,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         if not backends:
             raise UserError("--backends names no backend")
         check_overrides(overrides, backends, args.key)
+        check_earlier_search(out, args.key, args.attainment, overrides)
         out.mkdir(parents=True, exist_ok=True)
         print(f"kvbench sla: {args.key} in [{fmt_rate(args.lo)}, {fmt_rate(args.hi)}], "
               f"attainment >= {args.attainment}, into {out}/", flush=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from harness.errors import UserError
 from harness.report import build_report
 from harness.reporting.rate import rate_series
 from harness.reporting.runs import find_runs
@@ -42,9 +43,7 @@ class FakeRuns(Searcher):
         folder.mkdir(parents=True)
         cap = 2.0 if backend == "paged" else 0.4
         att = 1.0 if rate <= cap else cap / rate
-        cfg = {"backend": {"name": backend}, "workload": {"name": "random", "rate": rate},
-               "slo": {"ttft_ms": 1000.0}}
-        (folder / "config.yaml").write_text(yaml.safe_dump(cfg))
+        (folder / "config.yaml").write_text(yaml.safe_dump(self.planned(backend, rate)))
         (folder / "metrics.json").write_text(json.dumps({
             "run.backend": backend, "run.workload": "random", "latency.slo_attainment": att,
             "latency.goodput_rps": att * rate, "throughput.requests_per_s": rate,
@@ -55,7 +54,7 @@ class FakeRuns(Searcher):
 
 def test_a_search_finds_each_backends_rate_and_reuses_its_probes(tmp_path: Path) -> None:
     FakeRuns.runs = 0
-    s = FakeRuns(tmp_path, ["slo.ttft_ms=1000"], "workload.rate", 0.9)
+    s = FakeRuns(tmp_path, ["workload=random", "slo.ttft_ms=1000"], "workload.rate", 0.9)
     results = [s.search(b, 0.5, 8.0, 4) for b in ("paged", "contiguous")]
     paged, cont = results
     assert paged.best is not None and paged.first_fail is not None
@@ -63,9 +62,16 @@ def test_a_search_finds_each_backends_rate_and_reuses_its_probes(tmp_path: Path)
     assert cont.best is None and cont.first_fail == 0.5  # misses already at lo
     assert (tmp_path / "paged" / "rate_8" / "metrics.json").is_file()
     assert FakeRuns.runs == 6 + 2
-    again = FakeRuns(tmp_path, ["slo.ttft_ms=1000"], "workload.rate", 0.9).search(
-        "paged", 0.5, 8.0, 4)
+    again = FakeRuns(tmp_path, ["workload=random", "slo.ttft_ms=1000"], "workload.rate",
+                     0.9).search("paged", 0.5, 8.0, 4)
     assert FakeRuns.runs == 8 and again.best == paged.best  # every probe was on disk
+    # Issue 27: a stricter SLO found the old probes and reported their pass. A probe of
+    # another config is refused, saying what differs.
+    with pytest.raises(UserError, match=r"paged/rate_8 holds a probe of another config "
+                                        r"\(slo.ttft_ms: 1000.0 here, 200.0 now\)"):
+        FakeRuns(tmp_path, ["workload=random", "slo.ttft_ms=200"], "workload.rate",
+                 0.9).search("paged", 0.5, 8.0, 4)
+    assert FakeRuns.runs == 8
     write_outputs(tmp_path, results, "workload.rate", 0.9, ["slo.ttft_ms=1000"])
     md = (tmp_path / "sla.md").read_text()
     assert f"| paged | {paged.best:.4g} | {paged.first_fail:.4g} |" in md
@@ -76,7 +82,7 @@ def test_a_search_finds_each_backends_rate_and_reuses_its_probes(tmp_path: Path)
 
 
 def test_the_report_draws_latency_against_rate_for_a_rate_sweep(tmp_path: Path) -> None:
-    s = FakeRuns(tmp_path / "sweep", [], "workload.rate", 0.9)
+    s = FakeRuns(tmp_path / "sweep", ["workload=random"], "workload.rate", 0.9)
     for rate in (0.5, 1.0, 2.0, 4.0):
         s.probe("paged", rate)
         s.probe("contiguous", rate)
@@ -101,6 +107,21 @@ def test_the_command_runs_real_probes_and_refuses_bad_searches(
     m = json.loads((probe / "metrics.json").read_text())
     assert m["latency.slo_attainment"] == 1.0 and (probe / "config.yaml").is_file()
     assert "| paged | 50 (never failed: raise --hi) |" in (out / "sla.md").read_text()
+    capsys.readouterr()
+    # The same search again reuses the real probe (its config is what would run) ...
+    assert main(["--lo", "1", "--hi", "50", "--out", str(out), "--",
+                 *run, "slo.e2e_ms=600000"]) == 0
+    assert "attainment 1.000 pass" in capsys.readouterr().out
+    # ... and one with a stricter SLO into the same --out is refused before it overwrites
+    # the earlier summary (issue 27: it reported the old pass).
+    before = (out / "sla.md").read_text()
+    assert main(["--lo", "1", "--hi", "50", "--out", str(out), "--",
+                 *run, "slo.e2e_ms=1"]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out} holds an earlier search with other settings (overrides:" in err
+    assert (out / "sla.md").read_text() == before
+    assert main(["--out", str(probe / "metrics.json"), "--", *run, "slo.e2e_ms=1"]) == 2
+    assert "metrics.json is a file: give a folder" in capsys.readouterr().err
     assert main(["--out", str(out), "--", *run]) == 2
     assert "no SLO target" in capsys.readouterr().err
     assert main(["--out", str(out), "--", *run, "backend=contiguous", "slo.ttft_ms=1"]) == 2
