@@ -32,6 +32,10 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("gpu_check")
     env = {**os.environ, "PYTHON": sys.executable}
     env.pop("TRITON_INTERPRET", None)  # the script sets it for the dry run itself
+    for k in [k for k in env if k.startswith("PYTEST_XDIST")]:
+        # Run as on the GPU machine, not as a test worker: pytest-benchmark disables
+        # itself (no JSON) when it sees an xdist worker's environment.
+        del env[k]
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out), "--dry-run"],
                        env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
