@@ -66,7 +66,7 @@ def test_each_format_is_detected_and_read() -> None:
                 '{"timestamp": 5, "input_length": 8\n', ":2:", "not valid JSON"),
     ("a.jsonl", '{"timestamp": 0, "input_length": 8, "output_length": 2}\n\n'
                 '{"timestamp": 5, "input_length": 0, "output_length": 2}\n', ":3:",
-     "input_length=0 must be >= 1"),
+     "input_length=0 must be in [1, 10,000,000]"),
     ("a.jsonl", '{"timestamp": 0, "input_length": 8, "output_length": 2, "hash_ids": [1]}\n'
                 '{"timestamp": 1, "input_length": 8, "output_length": 2, "hash_ids": "x"}\n',
      ":2:", "not a list of integers"),
@@ -84,6 +84,20 @@ def test_each_format_is_detected_and_read() -> None:
               "0,12,3,a,0\n1,20,3,a,0\n", ":3:", "turn 0 of conversation 'a' appears twice"),
     ("c.csv", "arrival_s,prompt_tokens,output_tokens\n0,12,\n", ":2:",
      "missing 'output_tokens'"),
+    # Issue 27: hostile rows, each once silent or a traceback.
+    ("d.csv", "arrival_s,prompt_tokens,output_tokens\n0,1000000000000,3\n", ":2:",
+     "prompt_tokens='1000000000000' must be in [1, 10,000,000]"),
+    ("d.csv", "arrival_s,prompt_tokens,output_tokens\n0," + "9" * 400 + ",3\n", ":2:",
+     "prompt_tokens has 400 digits: must be in [1, 10,000,000]"),
+    ("d.jsonl", '{"timestamp": 0, "input_length": ' + "9" * 400 + ', "output_length": 2}\n',
+     ":1:", "input_length has 400 digits"),
+    ("e.jsonl", '{"timestamp": 0, "input_length": 8, "output_length": 2}\n'
+                + "[" * 100_000 + "\n", ":2:", "JSON nested too deeply to be a trace row"),
+    ("f.txt", "arrival_s,prompt_tokens,output_tokens\n0,12,x\n", ":2:",
+     "(read as CSV with a header: its first line does not start with '{' (whatever its .txt "
+     "suffix says))"),
+    ("g.csv", '{"timestamp": 0, "input_length": 8, "output_length": 2}\n{"timestamp": 1}\n',
+     ":2:", "(read as JSONL: its first line starts with '{' (whatever its .csv suffix says))"),
 ])
 def test_malformed_lines_are_reported_with_file_and_line(tmp_path: Path, name: str,
                                                          text: str, where: str,
@@ -92,6 +106,43 @@ def test_malformed_lines_are_reported_with_file_and_line(tmp_path: Path, name: s
     with pytest.raises(UserError, match="malformed") as e:
         trace(p)
     assert f"{p}{where}" in str(e.value) and what in str(e.value)
+
+
+def test_a_bom_is_stripped_and_a_huge_csv_field_is_named_by_line(tmp_path: Path) -> None:
+    # Issue 27: Excel's byte-order mark made the first column "\ufeffarrival_s" (format
+    # unknown); a field over csv's 128 KiB limit was a traceback.
+    p = tmp_path / "bom.csv"
+    p.write_bytes(b"\xef\xbb\xbfarrival_s,prompt_tokens,output_tokens\n0,12,3\n1,9,2\n")
+    assert [r.prompt_tokens for r in read_trace(p)[1]] == [12, 9]
+    q = write(tmp_path, "huge.csv", "arrival_s,prompt_tokens,output_tokens,note\n0,12,3,x\n"
+              f"1,9,2,{'y' * 200_000}\n")
+    with pytest.raises(UserError, match=rf"{q}:3: not a CSV row \(field larger than field "
+                                        r"limit"):
+        read_trace(q)
+
+
+def test_hash_ids_that_do_not_match_the_length_are_warned_and_counted(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    p = write(tmp_path, "m.jsonl", '{"timestamp": 0, "input_length": 1024, "output_length": 2,'
+              ' "hash_ids": [1, 2]}\n{"timestamp": 5, "input_length": 1024, '
+              '"output_length": 2, "hash_ids": [1, 2, 3, 4, 5, 6, 7, 8]}\n')
+    wl = trace(p)  # 512 tokens per id: the second row's 8 ids say 4096 tokens
+    assert wl.workload_metrics()["trace.hash_ids_mismatched"] == 1.0
+    err = capsys.readouterr().err
+    assert "1 of 2 trace rows have hash_ids that do not match their input_length at " \
+           "workload.hash_block_tokens=512 (e.g. line 2: 8 ids for 1024 tokens, 2 expected)" \
+           in err
+    assert trace(p, hash_block_tokens=128).workload_metrics()[
+        "trace.hash_ids_mismatched"] == 1.0  # now the first row is the odd one
+    assert "(e.g. line 1: 2 ids for 1024 tokens, 8 expected)" in capsys.readouterr().err
+
+
+def test_a_trace_whose_every_row_is_too_long_is_refused_at_start(tmp_path: Path) -> None:
+    p = write(tmp_path, "long.csv", "arrival_s,prompt_tokens,output_tokens\n"
+              "0,5000,3\n86400,6000,2\n")  # a day apart: replaying the span took a day
+    with pytest.raises(UserError, match=r"every one of the 2 trace rows in the window is "
+                                        r"longer than max_model_len=2048"):
+        trace(p, over_length="reject", max_model_len=2048)
 
 
 def test_every_malformed_line_is_counted_and_unknown_formats_name_the_columns(

@@ -25,6 +25,7 @@ the rows' places in the file, never their scheduling order.
 from __future__ import annotations
 
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,7 +154,29 @@ class TraceWorkload:
                     p.follows = prev.row.index
                 last_turn[r.conversation] = p
             plans.append(p)
+        if plans and all(p.rejected is not None for p in plans):
+            raise UserError(f"every one of the {len(plans)} trace rows in the window is longer "
+                            f"than max_model_len={limit} (workload.over_length=reject): "
+                            "nothing would run; raise scheduler.max_model_len or use "
+                            "workload.over_length=truncate")
+        self.hash_mismatch = self._check_hash_ids(kept)
         return plans
+
+    def _check_hash_ids(self, rows: list[TraceRow]) -> int:
+        """Rows whose hash ids do not cover their prompt as ``hash_block_tokens`` says
+        (ceil(input_length / hash_block_tokens) ids): warned about with the count, as a
+        wrong block size makes every shared prefix the wrong length."""
+        bt = self.cfg.hash_block_tokens
+        bad = [r for r in rows if r.hash_ids
+               and len(r.hash_ids) != -(-r.prompt_tokens // bt)]
+        if bad:
+            r = bad[0]
+            print(f"kvbench: warning: {len(bad)} of {len(rows)} trace rows have hash_ids that "
+                  f"do not match their input_length at workload.hash_block_tokens={bt} "
+                  f"(e.g. line {r.line}: {len(r.hash_ids or ())} ids for {r.prompt_tokens} "
+                  f"tokens, {-(-r.prompt_tokens // bt)} expected): is hash_block_tokens "
+                  "the trace's block size?", file=sys.stderr)
+        return len(bad)
 
     # -- prompts -----------------------------------------------------------------------
     def _rng(self, *key: object) -> random.Random:
@@ -225,4 +248,5 @@ class TraceWorkload:
             "trace.truncated": float(self.truncated),
             "trace.rejected_too_long": float(self.rejected),
             "trace.outputs_raised_to_1": float(self.raised_outputs),
+            "trace.hash_ids_mismatched": float(self.hash_mismatch),
         }

@@ -43,6 +43,9 @@ REQUIRED = {
     "kvbench": ("arrival_s", "prompt_tokens", "output_tokens"),
 }
 _MAX_REPORTED = 8  # malformed lines listed in the error; the rest are counted
+# Most tokens a row's length may say: far past any model's context (a row of 1e12 tokens
+# is a broken file, not a request to cut down silently).
+MAX_ROW_TOKENS = 10_000_000
 
 
 @dataclass(slots=True)
@@ -77,12 +80,17 @@ def _number(rec: dict[str, Any], key: str) -> tuple[Any, float]:
         raise _Bad(f"{key}={v!r} is not a number") from None
 
 
-def _int(rec: dict[str, Any], key: str, minimum: int) -> int:
+def _int(rec: dict[str, Any], key: str, minimum: int,
+         maximum: int = MAX_ROW_TOKENS) -> int:
+    v = rec.get(key)
+    if isinstance(v, int | str) and not isinstance(v, bool) and len(str(v)) > 20:
+        raise _Bad(f"{key} has {len(str(v).strip().lstrip('+-'))} digits: must be in "
+                   f"[{minimum}, {maximum:,}]")
     v, f = _number(rec, key)
     if not math.isfinite(f) or f != int(f):
         raise _Bad(f"{key}={v!r} is not a whole number")
-    if int(f) < minimum:
-        raise _Bad(f"{key}={v!r} must be >= {minimum}")
+    if not minimum <= int(f) <= maximum:
+        raise _Bad(f"{key}={v!r} must be in [{minimum}, {maximum:,}]")
     return int(f)
 
 
@@ -140,10 +148,11 @@ def _azure(rec: dict[str, Any], index: int, line: int) -> TraceRow:
 def _kvbench(rec: dict[str, Any], index: int, line: int) -> TraceRow:
     conv = rec.get("conversation_id")
     conv = None if conv is None or conv == "" else str(conv)
-    turn = _int(rec, "turn", 0) if rec.get("turn") not in (None, "") else None
+    turn = _int(rec, "turn", 0, 2**31 - 1) if rec.get("turn") not in (None, "") else None
     if turn is not None and conv is None:
         raise _Bad("a turn without a conversation_id")
-    prio = _int(rec, "priority", -(2**31)) if rec.get("priority") not in (None, "") else 0
+    prio = _int(rec, "priority", -(2**31), 2**31 - 1) \
+        if rec.get("priority") not in (None, "") else 0
     return TraceRow(index, line, _seconds(rec, "arrival_s", 1.0),
                     _int(rec, "prompt_tokens", 1), _int(rec, "output_tokens", 0),
                     conversation=conv, turn=turn, priority=prio)
@@ -152,29 +161,52 @@ def _kvbench(rec: dict[str, Any], index: int, line: int) -> TraceRow:
 PARSERS = {"mooncake": _mooncake, "azure": _azure, "kvbench": _kvbench}
 
 
-def _records(path: Path, errors: list[str]) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, record) per data row of a CSV (header first) or JSONL file."""
+def sniff(path: Path) -> tuple[str, str]:
+    """How the file's rows are written, from its content (its first non-blank line), not
+    its name: ``("jsonl" | "csv", why)``; ``why`` says from what, for messages."""
     try:
-        f = path.open(newline="", encoding="utf-8")
+        with path.open(encoding="utf-8-sig", errors="replace") as f:
+            first = next((ln for ln in f if ln.strip()), "")
+    except OSError as e:
+        raise UserError(f"workload.path={path}: cannot read it ({e.strerror or e})") from None
+    kind = "jsonl" if first.lstrip().startswith("{") else "csv"
+    why = ("read as JSONL: its first line starts with '{'" if kind == "jsonl" else
+           "read as CSV with a header: its first line does not start with '{'")
+    if (kind == "csv") != (path.suffix.lower() == ".csv"):
+        why += f" (whatever its {path.suffix or 'missing'} suffix says)"
+    return kind, why
+
+
+def _records(path: Path, kind: str, errors: list[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, record) per data row of a CSV (header first) or JSONL file."""
+    try:  # utf-8-sig: a byte-order mark (Excel's CSVs) is not part of the first column
+        f = path.open(newline="", encoding="utf-8-sig")
     except OSError as e:
         raise UserError(f"workload.path={path}: cannot read it ({e.strerror or e})") from None
     with f:
         try:
-            if path.suffix.lower() == ".csv":
+            if kind == "csv":
                 reader = csv.DictReader(f)
-                for rec in reader:
-                    if None in rec:  # more fields than the header names
-                        n = len(rec) - 1  # the header's fields (None holds the extra)
-                        errors.append(f"{path}:{reader.line_num}: {n + len(rec[None])} "
-                                      f"fields, the header has {n}")
-                        continue
-                    yield reader.line_num, rec
+                try:
+                    for rec in reader:
+                        if None in rec:  # more fields than the header names
+                            n = len(rec) - 1  # the header's fields (None holds the extra)
+                            errors.append(f"{path}:{reader.line_num}: {n + len(rec[None])} "
+                                          f"fields, the header has {n}")
+                            continue
+                        yield reader.line_num, rec
+                except csv.Error as e:  # a field over csv's 128 KiB limit, a NUL byte
+                    raise UserError(f"{path}:{reader.line_num + 1}: not a CSV row ({e}): a "
+                                    "trace's fields are numbers and short ids") from None
                 return
             for no, text in enumerate(f, 1):
                 if not text.strip():
                     continue
                 try:
                     rec = json.loads(text)
+                except RecursionError:
+                    errors.append(f"{path}:{no}: JSON nested too deeply to be a trace row")
+                    continue
                 except ValueError as e:
                     errors.append(f"{path}:{no}: not valid JSON ({e})")
                     continue
@@ -187,15 +219,16 @@ def _records(path: Path, errors: list[str]) -> Iterator[tuple[int, dict[str, Any
                             f"{e.start})") from None
 
 
-def detect(rec: dict[str, Any], path: Path) -> str:
+def detect(rec: dict[str, Any], path: Path, why: str = "") -> str:
     """The format whose required keys the first record holds."""
     for fmt, keys in REQUIRED.items():
         if all(k in rec for k in keys):
             return fmt
     wanted = "; ".join(f"{fmt}: {', '.join(keys)}" for fmt, keys in REQUIRED.items())
+    got = ", ".join(str(k)[:40] for k in list(rec)[:8]) + (", ..." if len(rec) > 8 else "")
     raise UserError(f"workload.path={path}: cannot tell the trace format from its first "
-                    f"row's keys ({', '.join(map(str, rec))}); expected one of {wanted} "
-                    "(or set workload.format)")
+                    f"row's keys ({got}{'; ' + why if why else ''}); expected one of "
+                    f"{wanted} (or set workload.format)")
 
 
 def read_trace(path: Path, fmt: str = "auto") -> tuple[str, list[TraceRow], float]:
@@ -208,9 +241,10 @@ def read_trace(path: Path, fmt: str = "auto") -> tuple[str, list[TraceRow], floa
     errors: list[str] = []
     rows: list[TraceRow] = []
     seen_turns: set[tuple[str, int]] = set()
-    for line, rec in _records(path, errors):
+    kind, why = sniff(path)
+    for line, rec in _records(path, kind, errors):
         if fmt == "auto":
-            fmt = detect(rec, path)
+            fmt = detect(rec, path, why)
         try:
             row = PARSERS[fmt](rec, len(rows), line)
             if row.conversation is not None and row.turn is not None:
@@ -226,7 +260,7 @@ def read_trace(path: Path, fmt: str = "auto") -> tuple[str, list[TraceRow], floa
     if errors:
         more = len(errors) - _MAX_REPORTED
         raise UserError(f"{len(errors)} malformed line(s) in the {fmt} trace "
-                        f"{path}:\n  " + "\n  ".join(errors[:_MAX_REPORTED])
+                        f"{path} ({why}):\n  " + "\n  ".join(errors[:_MAX_REPORTED])
                         + (f"\n  ... and {more} more" if more > 0 else ""))
     if not rows:
         raise UserError(f"workload.path={path} holds no requests")
