@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,8 @@ from harness.workloads.ruler_tasks import TASKS
 from harness.workloads.ruler_text import Needle, fill, noise_stream
 from tests.compose import compose_cfg
 
-SMALL = {"tasks": list(TASKS), "lengths": [1024, 1200], "depths": [0.0, 50.0, 100.0]}
+SMALL = {"tasks": list(TASKS), "lengths": [1024, 1200], "depths": [0.0, 50.0, 100.0],
+         "num_queries": 3}
 
 
 def _workload(**kw: object) -> RulerWorkload:
@@ -115,9 +117,24 @@ def test_bad_options_are_user_errors() -> None:
                 {"depths": [120.0]}, {"samples": 0}, {"tasks": []}):
         with pytest.raises(UserError):
             workload_options("ruler", bad)
-    # A length the options allow but the prompt cannot fit in: said when it is built.
-    with pytest.raises(UserError, match=r"raise workload\.lengths"):
+    # A length the options allow but the prompt cannot fit in: said when it is built,
+    # with the task, the length and the real minimum (issue 27: "a -30-token haystack").
+    with pytest.raises(UserError, match=r"workload\.tasks \w+ at workload\.lengths 100: a "
+                                        r"100-token prompt cannot hold its header, question "
+                                        r"and needles \(\d+ tokens with this tokenizer\): the "
+                                        r"shortest it can be is (\d+) tokens") as e:
         _workload(lengths=[100])
+    shortest = int(str(e.value).split("shortest it can be is ")[1].split()[0])
+    assert shortest > 100
+    # Duplicates would run a cell twice and count it double; more queries than keys.
+    for bad, phrase in (({"lengths": [1024, 1024]}, "workload.lengths=[1024, 1024]: 1024 "
+                                                    "given more than once"),
+                        ({"depths": [0.0, 50.0, 0.0]}, "0.0 given more than once"),
+                        ({"tasks": ["niah_single_1", "niah_single_1"]}, "niah_single_1 given"),
+                        ({"tasks": ["niah_multiquery"], "depths": [0.0, 50.0],
+                          "num_queries": 4}, "workload.num_queries=4 exceeds the 2 keys")):
+        with pytest.raises(UserError, match=re.escape(phrase)):
+            workload_options("ruler", bad)
 
 
 def test_task_metrics_by_hand() -> None:

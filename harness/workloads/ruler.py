@@ -61,6 +61,16 @@ class RulerConfig(WorkloadOptions):
                             f"[64, {MAX_LENGTH}] prompt tokens")
         if not self.depths or any(not 0 <= d <= 100 for d in self.depths):
             raise UserError(f"workload.depths={list(self.depths)}: each must be in [0, 100] %")
+        for name in ("tasks", "lengths", "depths"):
+            values = list(getattr(self, name))
+            if twice := sorted({v for v in values if values.count(v) > 1}, key=values.index):
+                raise UserError(f"workload.{name}={values}: {', '.join(map(str, twice))} "
+                                "given more than once (its cells would run twice and count "
+                                "double in every average): list each once")
+        if "niah_multiquery" in self.tasks and self.num_queries > len(self.depths):
+            raise UserError(f"workload.num_queries={self.num_queries} exceeds the "
+                            f"{len(self.depths)} keys of niah_multiquery's haystack (one per "
+                            "workload.depths entry): lower it or add depths")
 
 
 class RulerWorkload:
@@ -78,7 +88,11 @@ class RulerWorkload:
                         rng = random.Random(f"{cfg.seed_value}:{task}:{length}:{sample}:{i}")
                         c = Cell(tok, cfg.seed_value, length, depths, i, sample,
                                  cfg.value_digits, rng, knobs)
-                        items += TASKS[task](c)
+                        try:
+                            items += TASKS[task](c)
+                        except UserError as e:
+                            raise UserError(f"workload.tasks {task} at workload.lengths "
+                                            f"{length}: {e}") from None
         # Ids follow the generation order (what a request is); the run order groups the
         # requests that share a haystack, longest and deepest first, for the prefix cache.
         self.items = dict(enumerate(items))

@@ -99,7 +99,8 @@ def _prompt(c: Cell, header: str, stream: UnitStream, needles: list[Needle],
     tok = c.tok
     head = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(header, add_bos=False)
     tail = tok.encode("\n" + question, add_bos=False)
-    body, depths = fill(stream, tok, c.length - len(head) - len(tail), needles)
+    body, depths = fill(stream, tok, c.length - len(head) - len(tail), needles,
+                        overhead=len(head) + len(tail))
     return head + body + tail, depths
 
 

@@ -82,16 +82,18 @@ def essay_stream(tok: Tokenizer, seed: str) -> UnitStream:
 
 
 def fill(stream: UnitStream, tok: Tokenizer, num_tokens: int,
-         needles: list[Needle]) -> tuple[list[int], list[float]]:
+         needles: list[Needle], overhead: int = 0) -> tuple[list[int], list[float]]:
     """``num_tokens`` ids: the stream's filler with the needles inserted between units,
     each at the unit boundary nearest its depth. Returns the ids and each needle's
     realised depth (its first token's position / the filler's length), in input order."""
     needle_ids = [_unit_ids(tok, n.text) for n in needles]
     filler_len = num_tokens - sum(len(x) for x in needle_ids)
     if filler_len < 1:
-        raise UserError(f"a {num_tokens}-token haystack cannot hold its needles "
-                        f"({sum(len(x) for x in needle_ids)} tokens with this tokenizer): "
-                        "raise workload.lengths")
+        # overhead: the prompt's tokens around the haystack (header, question).
+        need = overhead + sum(len(x) for x in needle_ids) + 1
+        raise UserError(f"a {num_tokens + overhead}-token prompt cannot hold its header, "
+                        f"question and needles ({need - 1} tokens with this tokenizer): "
+                        f"the shortest it can be is {need} tokens; raise workload.lengths")
     units = stream.take(filler_len)
     starts = [0]
     for u in units:
