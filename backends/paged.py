@@ -19,10 +19,12 @@ import torch
 from harness.backends.base import AttentionBatch, BackendOptions, KVLayout
 from harness.backends.costs import KVCosts, WindowCosts
 from harness.backends.paged_storage import PagedStorageBackend
+from harness.errors import UserError
 from harness.kernels.runtime import triton_for
 from harness.validate import one_of
 
 KERNELS = ("auto", "torch", "triton")
+MIN_TRITON_BLOCK = 8  # the kernels' smallest block (kernels/runtime.py check_cache)
 
 
 @dataclass
@@ -32,6 +34,10 @@ class PagedOptions(BackendOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         one_of(self, "backend", "kernel", KERNELS)
+        if self.kernel == "triton" and self.block_size < MIN_TRITON_BLOCK:
+            raise UserError(f"backend.kernel=triton needs backend.block_size >= "
+                            f"{MIN_TRITON_BLOCK}, got {self.block_size}: raise the block size "
+                            "or use backend.kernel=torch")
 
 
 @dataclass(slots=True)
@@ -53,7 +59,9 @@ class PagedBackend(PagedStorageBackend):
     def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:
         super().__init__(layout, device, **options)
         kernel = self.requested_kernel()
-        use_triton = kernel != "torch" and triton_for(device, required=kernel == "triton")
+        # auto with blocks too small for the kernels: the torch path, as without Triton.
+        use_triton = kernel != "torch" and self.block_size >= MIN_TRITON_BLOCK \
+            and triton_for(device, required=kernel == "triton")
         self._kernel = "triton" if use_triton else "torch"
         self._prefill: PrefillTables | None = None
 

@@ -29,19 +29,24 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf, open_dict
+try:  # Ctrl-C while the imports run (seconds: Hydra, torch): one line, exit 130
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import DictConfig, OmegaConf, open_dict
 
-from harness.config import register_configs
+    from harness.config import register_configs
+
+    register_configs()
+except KeyboardInterrupt:
+    print("\nkvbench: stopped by SIGINT (Ctrl-C) while starting; nothing was run",
+          file=sys.stderr)
+    sys.exit(130)
 
 if TYPE_CHECKING:
     from harness.results import ResultsWriteError
     from harness.runner import RunResult
     from harness.supervisor import Interrupted
-
-register_configs()
 
 EXIT_CRASH, EXIT_USER, EXIT_WANDB, EXIT_WRITE = 1, 2, 3, 4
 

@@ -79,11 +79,43 @@ class FolderGuard(Callback):
         try:
             if bad := schema_overrides(overrides):
                 refuse_schema_choices(bad)
+            check_every_job(config, overrides)
             sweep = Path(str(config.hydra.sweep.dir)).absolute()
             claim_sweep(sweep)
         except (UserError, OSError) as e:
             _exit(e)
         coordinate(sweep)  # a stop signal reaches the running jobs before the launcher's
+
+
+def check_every_job(config: DictConfig, overrides: list[str]) -> None:
+    """Compose and check every job's config before any job starts (docs/errors.md): a
+    value the schema allows but a check refuses (``workload.rate=1,-1``) fails the sweep
+    with exit 2 and a message naming the job, instead of failing its job after the others
+    ran. The jobs are split as the basic sweeper splits them (a later override of a key
+    wins over the sweeper's params)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import open_dict
+
+    from harness.config import run_config
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    if len(jobs) < 2:
+        return  # one job: it is checked where it runs, as a single run is
+    loader = GlobalHydra.instance().config_loader()
+    swept = {o.key_or_group for o in parsed if o.is_sweep_override()}
+    for i, job in enumerate(jobs):
+        cfg = loader.load_sweep_config(config, list(job))
+        with open_dict(cfg):
+            del cfg["hydra"]
+        try:
+            run_config(cfg)
+        except UserError as e:
+            which = " ".join(o for o in job if o.split("=", 1)[0].lstrip("+~") in swept)
+            raise UserError(f"sweep job #{i} ({which or ' '.join(job)}): {e}; no job was "
+                            "started") from None
 
 
 def hide_schemas() -> None:

@@ -324,6 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     except ProbeFailed as e:
         print(f"kvbench sla: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the probe running got the signal too, and marks its folder
+        print(f"\nkvbench sla: stopped by SIGINT (Ctrl-C); the probes that finished are in "
+              f"{out}/ and the same command reuses them", file=sys.stderr)
+        return 130
     write_outputs(out, results, args.key, args.attainment, overrides)
     print("\n" + to_markdown(results, args.key, args.attainment, overrides))
     print(f"written to {out}/: sla.md, sla.json, latency_vs_rate.png")
@@ -331,4 +335,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # during start-up (imports, composing the overrides)
+        print("\nkvbench sla: stopped by SIGINT (Ctrl-C) while starting; nothing was run",
+              file=sys.stderr)
+        sys.exit(130)

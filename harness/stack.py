@@ -88,6 +88,11 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
         # Before any per-block bookkeeping: a 1 TiB pool is 50M Python list entries.
         check_memory(device, sizing)
     max_model_len = min(sched.max_model_len, max_position)
+    if backend.storage == "paged" and sizing.block_size > max_model_len and not quiet:
+        print(f"kvbench: warning: backend.block_size={sizing.block_size} exceeds the longest "
+              f"sequence (max_model_len={max_model_len}): every sequence takes a block it "
+              f"cannot fill ({sizing.block_size - max_model_len}+ slots wasted each); lower "
+              "backend.block_size", file=sys.stderr)
     prefix_caching = bool(cache.enable_prefix_caching and backend.supports_prefix_caching
                           and backend.storage == "paged")
     if cache.enable_prefix_caching and not backend.supports_prefix_caching and not quiet:

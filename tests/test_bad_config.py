@@ -31,6 +31,9 @@ ROWS = [
     (["backend=int8", "backend.sink_tokens=-1"], "backend.sink_tokens must be >= 0"),
     (["backend.kernel=cuda"], "unknown backend.kernel"),
     (["backend.block_size=0"], "backend.block_size must be >= 1"),
+    (["backend.block_size=3", "backend.kernel=triton"],  # issue 27: was an assertion
+     "backend.kernel=triton needs backend.block_size >= 8, got 3: raise the block size or "
+     "use backend.kernel=torch"),
     (["backend=contiguous", "backend.reserve=all"], "unknown backend.reserve"),
     (["workload.turns=0"], "workload.turns=0 is out of range: it must be >= 1"),
     (["workload.answer_tokens=0"], "workload.answer_tokens=0 is out of range"),
@@ -126,3 +129,11 @@ def test_triton_on_cpu_says_it_is_the_interpreter(capsys) -> None:  # type: igno
              "workload.answer_tokens=2"))
     assert "Triton's interpreter: correctness only, about 1000x slower" in \
         capsys.readouterr().err
+
+
+def test_a_block_larger_than_any_sequence_is_a_warning(capsys) -> None:  # type: ignore[no-untyped-def]
+    # Issue 27: accepted silently.
+    run(tiny("backend.block_size=512", "scheduler.max_model_len=400", "cache.kv_budget=4MiB",
+             "workload.conversations=1", "workload.turns=1", "workload.answer_tokens=2"))
+    assert "warning: backend.block_size=512 exceeds the longest sequence " \
+           "(max_model_len=400)" in capsys.readouterr().err

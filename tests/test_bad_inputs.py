@@ -86,6 +86,11 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     f["metrics_list"] = t / "metrics_list"
     shutil.copytree(f["sweep"], f["metrics_list"])
     (f["metrics_list"] / "1-contiguous" / "metrics.json").write_text("[1, 2]")
+    f["metrics_string"] = t / "metrics_string"  # a number stored as a string (issue 27)
+    shutil.copytree(f["sweep"], f["metrics_string"])
+    m = json.loads((f["metrics_string"] / "1-contiguous" / "metrics.json").read_text())
+    m["requests.finished"] = "4"
+    (f["metrics_string"] / "1-contiguous" / "metrics.json").write_text(json.dumps(m))
     f["metrics_broken"] = t / "metrics_broken"
     shutil.copytree(f["sweep"], f["metrics_broken"])
     (f["metrics_broken"] / "1-contiguous" / "metrics.json").write_text('{"requests.fin')
@@ -105,6 +110,9 @@ CLI = [
     (["model=gguf", "model.path={truncated_gguf}"], 2,
      "{truncated_gguf} cannot be read as GGUF", "Traceback"),
     (["hydra.run.dir={finished_run}"], 2, "already holds another run's results", "Traceback"),
+    (["-m", "workload=random", "workload.rate=1,-1"], 2,  # issue 27: job #0 ran first
+     "sweep job #1 (workload.rate=-1): workload.rate=-1.0 is out of range",
+     "Traceback"),
     (["hydra.run.dir={user_folder}"], 2,
      "results folder {user_folder} is not empty: it holds files (config.yaml, requests.csv)",
      "Traceback"),
@@ -213,6 +221,10 @@ def test_roofline_spec_file(files: dict[str, str], name: str, phrase: str) -> No
 # (tool, arguments, exit status, phrase)
 TOOLS = [
     ("report", ["{metrics_list}"], 0, "holds a JSON list, not an object of metrics"),
+    ("report", ["{metrics_string}"], 0, "{metrics_string}/1-contiguous/metrics.json: "
+     "requests.finished='4' is stored as a str, not a number"),
+    ("gate", ["{metrics_string}", "--baseline", "{baseline}"], 1,
+     "UNREADABLE: {metrics_string}/1-contiguous/metrics.json: requests.finished='4' is stored"),
     ("gate", ["{metrics_list}", "--baseline", "{baseline}"], 1,
      "UNREADABLE: {metrics_list}/1-contiguous/metrics.json: holds a JSON list"),
     ("report", ["{metrics_broken}"], 0, "{metrics_broken}/1-contiguous/metrics.json: not valid"),

@@ -236,3 +236,20 @@ def test_a_stopped_parallel_sweep_marks_every_running_job(tmp_path: Path) -> Non
     assert "Traceback" not in err
     seen = assert_complete_or_marked(sweep)
     assert seen["0-paged-shared_prefix"] == seen["1-contiguous-shared_prefix"] == "INTERRUPTED"
+
+
+def test_ctrl_c_while_starting_is_one_line_and_130(tmp_path: Path) -> None:
+    # Issue 27: Ctrl-C during the start-up imports printed a traceback. The interrupt is
+    # raised by an import hook at the moment hydra is imported (no timing involved).
+    (tmp_path / "sitecustomize.py").write_text(
+        "import builtins\n_imp = builtins.__import__\n"
+        "def _hook(name, *a, **k):\n"
+        "    if name == 'hydra':\n        raise KeyboardInterrupt\n"
+        "    return _imp(name, *a, **k)\n"
+        "builtins.__import__ = _hook\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    p = subprocess.run([sys.executable, "-m", "harness"], capture_output=True, text=True,
+                       cwd=tmp_path, env=env, timeout=120)
+    assert p.returncode == 130, p.stderr
+    assert p.stderr.strip() == "kvbench: stopped by SIGINT (Ctrl-C) while starting; " \
+                               "nothing was run"

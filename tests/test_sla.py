@@ -127,3 +127,18 @@ def test_the_command_runs_real_probes_and_refuses_bad_searches(
     assert main(["--out", str(out), "--", *run, "backend=contiguous", "slo.ttft_ms=1"]) == 2
     assert "sets backend= and workload.rate= itself" in capsys.readouterr().err
     assert main(["--lo", "4", "--hi", "2", "--", *run, "slo.ttft_ms=1"]) == 2
+
+
+def test_ctrl_c_during_a_probe_is_one_line_and_130(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    # Issue 27: a traceback. (The probe run itself gets the signal too and marks its folder.)
+    def stopped(self: Searcher, backend: str, rate: float, folder: Path) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Searcher, "_run", stopped)
+    out = tmp_path / "sla"
+    assert main(["--out", str(out), "--", "model=tiny", "workload=random",
+                 "slo.e2e_ms=1000"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == (f"kvbench sla: stopped by SIGINT (Ctrl-C); the probes that "
+                           f"finished are in {out}/ and the same command reuses them")

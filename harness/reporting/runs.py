@@ -108,6 +108,21 @@ def _read_json_object(path: Path) -> dict[str, Any]:
     return d
 
 
+def _read_metrics(path: Path) -> dict[str, Any]:
+    """metrics.json: an object whose values are numbers (or null), ``run.*`` aside (what
+    ran: names, shas, notes). A number stored as a string would otherwise be left out of
+    every table and gate without a word."""
+    d = _read_json_object(path)
+    bad = [(k, v) for k, v in d.items() if not str(k).startswith("run.") and v is not None
+           and (isinstance(v, bool) or not isinstance(v, int | float))]
+    if bad:
+        k, v = bad[0]
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise Unreadable(f"{path}: {k}={v!r} is stored as a {type(v).__name__}, not a "
+                         f"number{more}")
+    return d
+
+
 def _read_yaml(path: Path) -> Any:
     try:
         return yaml.safe_load(path.read_text())
@@ -161,7 +176,7 @@ def _load(folder: Path) -> Run:
         status = FAILED_RUN if end == FAILED else INTERRUPTED_RUN
         return Run(folder, config, None, text, status, overrides)
     try:
-        return Run(folder, config, _read_json_object(folder / METRICS), None, FINISHED,
+        return Run(folder, config, _read_metrics(folder / METRICS), None, FINISHED,
                    overrides)
     except Unreadable as e:
         return Run(folder, config, None, str(e), UNREADABLE, overrides)
