@@ -1,8 +1,9 @@
 """Progress of a run, so that no run looks hung: the engine's ``progress(done, total, tps)``
 callback (harness.engine.engine.ProgressFn) drawn as
 
-- a progress bar on a terminal (stderr is a TTY): requests done / known, tokens/s, elapsed,
-  ETA; redrawn at most 10 times a second;
+- a progress bar on a terminal (stderr is a TTY), rendered by tqdm (``format_meter``:
+  requests done / known, tokens/s, elapsed, ETA) from this tracker's own clock and counts;
+  redrawn at most 10 times a second;
 - one status line on stderr every ``KVBENCH_STATUS_INTERVAL`` seconds (default 10) when
   stderr is not a terminal (sweeps, CI logs), each line naming its run, plus one at the
   first step and one at the end.
@@ -26,7 +27,9 @@ from typing import TextIO
 
 REDRAW_S = 0.1  # the bar's redraw limit: the engine calls back once per step
 DEFAULT_INTERVAL_S = 10.0
-BAR_WIDTH = 24
+# tqdm puts ", " before the postfix; the bar takes the width that is left.
+BAR_FORMAT = ("{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} requests{postfix} "
+              "[{elapsed} elapsed, ETA {remaining}]")
 
 _label = ""  # the run's name on status lines (set by the CLI: the results folder's name)
 _current: Progress | None = None
@@ -129,12 +132,12 @@ class Progress:
         stats = (f"{self.done}/{self.total} requests  {self.tps:7.1f} tok/s  "
                  f"{clock(elapsed)} elapsed  ETA {self._eta(elapsed)}")
         if self.tty:
-            share = self.done / self.total if self.total else 0.0
-            room = shutil.get_terminal_size((80, 24)).columns - len(stats) - 6
-            width = max(0, min(BAR_WIDTH, room))
-            fill = round(share * width)
-            bar = f"[{'#' * fill}{'.' * (width - fill)}] " if width >= 5 else ""
-            line = f"  {bar}{stats} "
+            from tqdm import tqdm  # the bar: tqdm's meter, our clock (an engine step is a tick)
+
+            cols = shutil.get_terminal_size((80, 24)).columns
+            line = "  " + tqdm.format_meter(
+                self.done, max(self.total, self.done), elapsed, ncols=cols - 3,
+                postfix=f"{self.tps:.1f} tok/s", bar_format=BAR_FORMAT) + " "
             # Pad over a longer previous line ("\r" only moves the cursor back).
             self.stream.write(f"\r{line}{' ' * max(0, self._width - len(line))}")
             self._width = len(line)

@@ -27,8 +27,8 @@ def test_terminal_bar_shows_requests_rate_elapsed_and_eta(
     now[0] += 0.01
     p(3, 10, 51.0)  # within the redraw limit: not drawn
     last = out.getvalue().split("\r")[-1]
-    assert "2/10 requests" in last and "50.0 tok/s" in last
-    assert "0:04 elapsed" in last and "ETA 0:16" in last and "[" in last
+    assert "2/10 requests" in last and "50.0 tok/s" in last and " 20%|" in last
+    assert "00:04 elapsed" in last and "ETA 00:16" in last
     p.close()
     assert out.getvalue().endswith("\n") and "3/10 requests" in out.getvalue().split("\r")[-1]
 

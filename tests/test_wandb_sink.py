@@ -28,7 +28,25 @@ def logged(tmp_path_factory: pytest.TempPathFactory) -> tuple[RunResult, Path]:
     result = run(cfg)
     run_dir = log_run_to_wandb(cfg, result, cfg.logger, default_group="sweep-x")
     assert run_dir is not None
+    wait_until_complete(Path(run_dir))
     return result, Path(run_dir)
+
+
+def wait_until_complete(run_dir: Path, timeout_s: float = 120.0) -> None:
+    """Until the offline run file ends with its exit record: W&B's service process may
+    still be flushing it after ``finish`` returns (read early under load, the run record
+    came back empty). An event, not a sleep: the file is re-read until it is whole."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if read_run(run_dir).exit_code is not None:
+                return
+        except Exception:  # a record cut short mid-write
+            pass
+        assert time.monotonic() < deadline, f"{run_dir}: no exit record after {timeout_s} s"
+        time.sleep(0.05)
 
 
 def test_offline_run_lands_in_the_results_folder(logged: tuple[RunResult, Path]) -> None:
