@@ -121,11 +121,11 @@ class Searcher:
         SLO, model, workload: its pass or fail is not this search's)."""
         import yaml
 
-        from harness.reporting.runs import IGNORED_CONFIG_PREFIXES, flatten, fmt_value
+        from harness.reporting.runs import comparable, flatten
 
-        def flat(d: Any) -> dict[str, str]:
-            return {k: fmt_value(v) for k, v in flatten(d if isinstance(d, dict) else {}).items()
-                    if not k.startswith((*IGNORED_CONFIG_PREFIXES, "hydra."))}
+        def flat(d: Any) -> dict[str, str]:  # compared as the gate compares configs
+            return {k: v for k, v in comparable(flatten(d if isinstance(d, dict) else {})).items()
+                    if not k.startswith("hydra.")}
 
         try:
             had = flat(yaml.safe_load((folder / "config.yaml").read_text()))

@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from harness.reporting.runs import (
-    IGNORED_CONFIG_PREFIXES,
     Run,
-    fmt_value,
+    comparable,
     one_line,
     run_key,
     variant_keys,
@@ -126,8 +125,7 @@ def keyed(runs: list[Run], fields: list[str]) -> dict[str, Run]:
 
 
 def comparable_config(run: Run) -> dict[str, str]:
-    return {k: fmt_value(v) for k, v in sorted(run.config.items())
-            if not k.startswith(IGNORED_CONFIG_PREFIXES)}
+    return comparable(run.config)
 
 
 def config_diffs(base: Baseline, current: dict[str, Run]) -> list[str]:

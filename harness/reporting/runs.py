@@ -284,6 +284,14 @@ def relevant(run: Run, key: str) -> bool:
     return not key.startswith("roofline." if not roofline else "model.")
 
 
+def comparable(config: dict[str, Any]) -> dict[str, str]:
+    """A flattened config as runs are compared by it (the gate's baseline, the SLA search's
+    probe reuse): each value as Hydra spells it, the keys that never shape a run (out_dir,
+    progress, logger, ...) left out."""
+    return {k: fmt_value(v) for k, v in sorted(config.items())
+            if not k.startswith(IGNORED_CONFIG_PREFIXES)}
+
+
 def _differing(members: list[Run], keep: Any) -> set[str]:
     names = set().union(*(r.config for r in members))
     return {k for k in names
