@@ -27,7 +27,7 @@ from harness.backends import BACKENDS
 from harness.backends.base import BackendOptions
 from harness.errors import UserError
 from harness.metrics.goodput import SLOConfig, check_slo
-from harness.quality import QualityConfig
+from harness.quality_config import QualityConfig
 from harness.roofline.config import RooflineConfig
 from harness.sched.scheduler import SchedulerConfig
 from harness.units import parse_bytes

@@ -28,6 +28,7 @@ from harness.errors import UserError
 from harness.metrics.bootstrap import ci_keys
 from harness.metrics.summary import kv_read_bytes_per_token
 from harness.model import LoadedModel, load_model
+from harness.quality_config import QualityConfig
 from harness.sched.sequence import SamplingParams, Sequence, SequenceGroup
 from harness.stack import build_stack
 from harness.workloads import make_workload
@@ -40,23 +41,6 @@ if TYPE_CHECKING:
 # The exact reference every backend is scored against: its own reservation per sequence,
 # nothing shared, nothing evicted, fp32 (reference_model).
 REFERENCE = ContiguousOptions(name="contiguous", reserve="exact")
-
-
-@dataclass
-class QualityConfig:
-    enabled: bool = False
-    text_file: str | None = None  # default: Python's own help texts (pydoc_data.topics)
-    num_texts: int = 2
-    text_tokens: int = 512
-    prefill_tokens: int = 32
-    generation_agreement: bool = True  # also rerun the workload on the reference
-
-    def __post_init__(self) -> None:
-        if self.num_texts < 1:
-            raise UserError(f"quality.num_texts must be >= 1, got {self.num_texts}")
-        if self.text_tokens <= self.prefill_tokens or self.prefill_tokens < 1:
-            raise UserError(f"need 1 <= quality.prefill_tokens < quality.text_tokens, got "
-                            f"{self.prefill_tokens} and {self.text_tokens}")
 
 
 def load_texts(cfg: QualityConfig, loaded: LoadedModel) -> list[list[int]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,17 +14,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from harness.config import RunConfig, run_config
-from harness.engine.sampler import Sampler
 from harness.errors import UserError
 from harness.metrics.collector import StepRow
 from harness.metrics.goodput import slo_metrics
 from harness.metrics.summary import request_rows, summarize
-from harness.metrics.tasks import add_task_scores
-from harness.model import load_model
+from harness.model_target import ModelTarget
 from harness.progress import Progress, make_progress
-from harness.quality import load_texts, measure
 from harness.results import write_results
-from harness.stack import build_stack
+from harness.roofline.run import RooflineTarget
+from harness.target import RunTarget
 from harness.workloads import make_workload
 from harness.workloads.base import ReportsMetrics
 from harness.workloads.trace import TraceConfig
@@ -36,23 +35,6 @@ class RunResult:
     out_dir: Path | None
     outputs: dict[int, list[int]]  # request id -> output ids (the best beam for beams)
     steps: list[StepRow]
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"device={name!r} is not a device: use auto, cpu, cuda or cuda:N") \
-            from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"device={name} but this machine has no CUDA device (torch "
-                        f"{torch.__version__}): use device=cpu or device=auto")
-    if dev.type == "cuda" and dev.index is not None \
-            and dev.index >= torch.cuda.device_count():
-        raise UserError(f"device={name}: only {torch.cuda.device_count()} CUDA device(s)")
-    return dev
 
 
 def _git_sha() -> str:
@@ -70,64 +52,52 @@ def _progress(enabled: bool) -> Progress:
 
 def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
     """Compose nothing, just run: ``cfg`` is a composed config (see harness.config),
-    converted once into the typed :class:`RunConfig` that every layer below receives."""
+    converted once into the typed :class:`RunConfig` that every layer below receives.
+
+    One pipeline for both executors: the executor's :class:`~harness.target.RunTarget`
+    builds the stack and adds its own keys; everything else is this function's."""
     rc = run_config(cfg)
     if rc.workload.seed is None:  # one seed drives the run unless the workload has its own
         rc.workload.seed = rc.seed
     # config.yaml is the composed config as given (workload.seed: null = the run's seed).
     config_yaml = OmegaConf.to_yaml(cfg if isinstance(cfg, DictConfig)
                                     else OmegaConf.structured(rc), resolve=True)
-    if rc.executor == "roofline":  # no model: the step times are modelled
-        from harness.roofline.run import run_roofline
-        return run_roofline(rc, config_yaml)
     torch.manual_seed(rc.seed)
-    device = _device(rc.device)
-    if device.type == "cpu" and rc.cpu_threads > 0:
-        torch.set_num_threads(rc.cpu_threads)
     started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-
-    loaded = load_model(rc.model.source, rc.model.path, rc.model.dtype, device)
+    target: RunTarget = RooflineTarget(rc) if rc.executor == "roofline" else ModelTarget(rc)
     if isinstance(rc.workload, TraceConfig) and rc.workload.max_model_len is None:
         # A trace truncates or rejects its rows against the length the engine enforces.
-        rc.workload.max_model_len = min(rc.scheduler.max_model_len,
-                                        loaded.config.max_position_embeddings)
-    workload = make_workload(rc.workload, loaded.tokenizer)
-    texts = load_texts(rc.quality, loaded) if rc.quality.enabled else None
-    st = build_stack(loaded, device, rc.backend, rc.cache, rc.scheduler, Sampler(rc.seed),
-                     workload.initial_requests())
-    backend, sizing, kv, collector = st.backend, st.sizing, st.kv, st.collector
+        rc.workload.max_model_len = min(rc.scheduler.max_model_len, target.max_position)
+    workload = make_workload(rc.workload, target.tokenizer)
+    st = target.build(workload)
     progress = _progress(rc.progress)
-    wall = st.engine.run(workload, progress)
+    t0 = time.perf_counter()
+    clock_s = st.engine.run(workload, progress)  # on the executor's clock
+    sim_s = time.perf_counter() - t0
     progress.close()
-    kv.ledger.finish()
+    st.kv.ledger.finish()
 
+    own = target.record(st, sim_s)
     run_info = {
-        "backend": rc.backend.name, "workload": rc.workload.name,
-        "model": loaded.description, "kernel": backend.kernel, "device": str(device),
-        "seed": rc.seed, "git_sha": _git_sha(), "started_at": started,
-        "dtype": str(backend.layout.dtype).removeprefix("torch."),
-        "block_size": sizing.block_size,
-        "prefix_caching": st.prefix_caching, "executor": "model",
-        **({"prefill": backend.trigger} if backend.trigger else {}),
+        "backend": rc.backend.name, "workload": rc.workload.name, "seed": rc.seed,
+        "git_sha": _git_sha(), "started_at": started, "block_size": st.sizing.block_size,
+        "prefix_caching": st.prefix_caching, **own.run,
+        **({"prefill": st.backend.trigger} if st.backend.trigger else {}),
     }
-    metrics = summarize(collector, run_info, sizing.kv_budget_bytes, sizing.num_slots, wall)
+    metrics = summarize(st.collector, run_info, st.sizing.kv_budget_bytes,
+                        st.sizing.num_slots, clock_s)
+    metrics.update(own.metrics)
     if isinstance(workload, ReportsMetrics):
         metrics.update(workload.workload_metrics())
-    rows = request_rows(collector)
-    outputs = collector.outputs()
-    add_task_scores(workload, loaded.tokenizer, outputs, metrics, rows, rc.seed)  # ruler
-    if rc.quality.enabled:
-        q = measure(loaded, device, rc, texts, outputs, sizing.num_slots)
-        metrics.update(q.metrics)
-        if rc.quality.generation_agreement:
-            for r in rows:
-                r["agree_tokens"] = q.agree_tokens.get(r["request_id"])
-    metrics.update(slo_metrics(rows, rc.slo, wall))  # after quality: its agreement floor
+    rows = request_rows(st.collector)
+    outputs = st.collector.outputs()
+    target.score(st, workload, outputs, metrics, rows)
+    metrics.update(slo_metrics(rows, rc.slo, clock_s))  # after quality: its agreement floor
     out_dir = Path(rc.out_dir) if rc.out_dir else None
     if out_dir is not None:
-        write_results(out_dir, config_yaml, metrics, collector.steps, rows)
+        write_results(out_dir, config_yaml, metrics, st.collector.steps, rows)
     check_rejections(rows, out_dir)
-    return RunResult(metrics, rows, out_dir, outputs, collector.steps)
+    return RunResult(metrics, rows, out_dir, outputs, st.collector.steps)
 
 
 def check_rejections(rows: list[dict[str, Any]], out_dir: Path | None) -> None:

@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 
 from harness.gpucheck import orchestrate
+from harness.gpucheck.context import SectionTimeout, time_limit
 from harness.gpucheck.kernel_checks import correctness_cases
 from harness.gpucheck.profile import DRY, ENGINE_BACKENDS, GPU, EngineShape
-from harness.gpucheck.sections import SectionTimeout, section_names, time_limit
+from harness.gpucheck.sections import section_names
 from harness.gpucheck.summary import render
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, open_dict
 
+from harness.gpucheck.context import SectionContext, SectionTimeout, error_text, time_limit
 from harness.gpucheck.profile import ENGINE_BACKENDS, EngineShape, Profile
-from harness.gpucheck.sections import SectionContext, SectionTimeout, error_text, time_limit
 
 
 def compose_run(overrides: list[str]) -> DictConfig:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from typing import Any
 
-from harness.gpucheck.sections import SectionContext
+from harness.gpucheck.context import SectionContext
 
 PACKAGES = ("torch", "triton", "numpy", "hydra-core", "omegaconf", "antlr4-python3-runtime",
             "PyYAML", "pytest", "pytest-benchmark", "transformers", "kvbench", "flash-attn-4",

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from harness.backends.flash_attn_seam import FlashAttnFns
+from harness.gpucheck.context import SectionContext, error_text, time_limit
 from harness.gpucheck.engine_checks import compose_run, run_overrides
 from harness.gpucheck.fa4 import load_flash_attn4
 from harness.gpucheck.kernel_checks import _compare, kv_bytes, varied_lens
 from harness.gpucheck.profile import EngineShape, Profile, Size
-from harness.gpucheck.sections import SectionContext, error_text, time_limit
 from harness.gpucheck.timing import time_ms
 
 if TYPE_CHECKING:

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from harness.gpucheck.context import SectionContext, error_text
 from harness.gpucheck.profile import Profile, Size
-from harness.gpucheck.sections import SectionContext, error_text
 from harness.gpucheck.timing import copy_gbps, time_ms
 
 if TYPE_CHECKING:

@@ -25,14 +25,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from harness.gpucheck.context import SectionContext, error_text, write_json
 from harness.gpucheck.profile import PROFILES, Profile
-from harness.gpucheck.sections import (
-    SectionContext,
-    error_text,
-    get_section,
-    section_names,
-    write_json,
-)
+from harness.gpucheck.sections import get_section, section_names
 from harness.gpucheck.summary import write_summary
 
 GRACE_S = 5.0  # after a section's budget, before its process group is killed

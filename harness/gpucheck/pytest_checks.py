@@ -16,7 +16,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-from harness.gpucheck.sections import SectionContext
+from harness.gpucheck.context import SectionContext
 
 GPU_MARK = "pytest.mark.gpu"
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.gpucheck.sections import SectionContext, time_limit
+from harness.gpucheck.context import SectionContext, time_limit
 
 
 def roofline_section(ctx: SectionContext) -> dict[str, Any]:

@@ -1,2 +1,2 @@
 """What-if at scale: model and hardware specs and the step-time model behind
-``executor=roofline`` (harness.engine.executor.RooflineExecutor)."""
+``executor=roofline`` (harness.roofline.executor.RooflineExecutor)."""

@@ -47,6 +47,7 @@ from harness.backends.costs import KVCosts
 from harness.engine.executor import Executor, StepOutput
 from harness.engine.sampler import Sampler
 from harness.kv.base import KVManager, StepScores
+from harness.roofline.arch import ArchSpec
 from harness.roofline.hardware import (
     CPU_PRIOR,
     HARDWARE,
@@ -54,7 +55,7 @@ from harness.roofline.hardware import (
     calibration_path,
     spec_from_calibration,
 )
-from harness.roofline.models import MODEL_SPECS, ArchSpec, arch_of, hf_config_of
+from harness.roofline.models import MODEL_SPECS, arch_of, hf_config_of
 from harness.roofline.profile import GemmProfile, dtype_name, kv_dtype_of, profile_gemms
 from harness.roofline.shape import StepShape, step_shape
 from harness.roofline.steptime import StepModel, StepWork

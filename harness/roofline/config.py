@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.errors import UserError
+from harness.roofline.arch import ArchSpec
 from harness.roofline.hardware import ATTENTION, HardwareSpec
-from harness.roofline.models import ArchSpec
 from harness.units import format_bytes, parse_bytes
 from harness.validate import at_least, in_range, one_of
 

@@ -3,7 +3,7 @@
 Every number the step model multiplies comes from a named key, checked to be a positive
 integer; a key that is missing, zero, null, a string or a float stops the run with one
 error naming the file and the key. Dense Llama-family models (llama, mistral, qwen2,
-qwen3, ...) are read as :func:`~harness.roofline.models.llama_like`. Mixtures of experts
+qwen3, ...) are read as :func:`~harness.roofline.arch.llama_like`. Mixtures of experts
 are read as such (active parameters for FLOPs, every expert's weights for bytes) in the
 layouts this reader knows:
 
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import UserError
-from harness.roofline.models import ArchSpec, llama_like
+from harness.roofline.arch import ArchSpec, llama_like
 
 # Keys that mean "this model has routed experts", in the configs we know of.
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")

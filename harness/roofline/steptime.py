@@ -60,8 +60,8 @@ from typing import Any
 
 import numpy as np
 
+from harness.roofline.arch import ArchSpec
 from harness.roofline.hardware import HardwareSpec
-from harness.roofline.models import ArchSpec
 from harness.roofline.shape import StepShape
 
 

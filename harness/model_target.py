@@ -1,0 +1,83 @@
+"""``executor=model``: the real model's forward on the wall clock (the default)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from harness.config import RunConfig
+from harness.engine.sampler import Sampler
+from harness.errors import UserError
+from harness.metrics.tasks import add_task_scores
+from harness.model import load_model
+from harness.model.tokenizer import Tokenizer
+from harness.quality import load_texts, measure
+from harness.stack import Stack, build_stack
+from harness.target import ExecutorRecord
+from harness.workloads.base import Workload
+
+
+def resolve_device(name: str) -> torch.device:
+    """``device=auto|cpu|cuda|cuda:N`` as a torch device, or a UserError saying why not."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"device={name!r} is not a device: use auto, cpu, cuda or cuda:N") \
+            from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device={name} but this machine has no CUDA device (torch "
+                        f"{torch.__version__}): use device=cpu or device=auto")
+    if dev.type == "cuda" and dev.index is not None \
+            and dev.index >= torch.cuda.device_count():
+        raise UserError(f"device={name}: only {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+class ModelTarget:
+    """Loads the model at construction; quality (``quality.*``, task scores) is measured
+    on its outputs after the run."""
+
+    def __init__(self, rc: RunConfig) -> None:
+        self.rc = rc
+        self.device = resolve_device(rc.device)
+        if self.device.type == "cpu" and rc.cpu_threads > 0:
+            torch.set_num_threads(rc.cpu_threads)
+        self.loaded = load_model(rc.model.source, rc.model.path, rc.model.dtype, self.device)
+        self.texts: list[list[int]] | None = None
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.loaded.tokenizer
+
+    @property
+    def max_position(self) -> int:
+        return self.loaded.config.max_position_embeddings
+
+    def build(self, workload: Workload) -> Stack:
+        rc = self.rc
+        # The texts before the stack: a bad quality.text_file fails before the run.
+        self.texts = load_texts(rc.quality, self.loaded) if rc.quality.enabled else None
+        return build_stack(self.loaded, self.device, rc.backend, rc.cache, rc.scheduler,
+                           Sampler(rc.seed), workload.initial_requests())
+
+    def record(self, st: Stack, sim_wall_s: float) -> ExecutorRecord:
+        return ExecutorRecord({
+            "executor": "model", "model": self.loaded.description, "kernel": st.backend.kernel,
+            "device": str(self.device),
+            "dtype": str(st.backend.layout.dtype).removeprefix("torch."),
+        })
+
+    def score(self, st: Stack, workload: Workload, outputs: dict[int, list[int]],
+              metrics: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+        rc = self.rc
+        add_task_scores(workload, self.loaded.tokenizer, outputs, metrics, rows, rc.seed)
+        if not rc.quality.enabled:
+            return
+        q = measure(self.loaded, self.device, rc, self.texts, outputs, st.sizing.num_slots)
+        metrics.update(q.metrics)
+        if rc.quality.generation_agreement:
+            for r in rows:
+                r["agree_tokens"] = q.agree_tokens.get(r["request_id"])

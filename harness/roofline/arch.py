@@ -1,0 +1,81 @@
+"""The architecture of a model as the step model sees it (:class:`ArchSpec`): what a step
+costs, never what it computes. Presets live in harness.roofline.models, the config.json
+reader in harness.roofline.hf_config; both build on this module."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harness.errors import UserError
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    name: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    num_heads: int  # query heads
+    num_kv_heads: int  # KV layout heads (MLA: 1)
+    head_dim: int  # KV layout head dim (MLA: 288, half the latent + rope key)
+    attn_qk_dim: int  # per-head dims of q.k (GQA: head_dim; MLA absorbed: 512 + 64)
+    attn_v_dim: int  # per-head dims the weights multiply (GQA: head_dim; MLA: 512)
+    dense_params: int  # linear weights every token uses, all layers (no embeddings)
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    expert_params: int = 0  # routed experts' weights, all layers (MoE)
+    num_experts: int = 0
+    experts_per_token: int = 0
+
+    def check_tp(self, tp: int) -> None:
+        """Refuse a tensor-parallel degree the engines refuse (vLLM: the query heads split
+        evenly; KV heads split evenly, or, with more ranks than KV heads, each replicated
+        on ``tp / kv_heads`` ranks)."""
+        h, kv = self.num_heads, self.num_kv_heads
+        ok = [d for d in range(1, h + 1) if h % d == 0 and (kv % d == 0 or d % kv == 0)]
+        if tp not in ok:
+            why = (f"must divide its {h} query heads" if h % tp else
+                   f"must divide its {kv} KV heads or be a multiple of them")
+            raise UserError(f"roofline.tp={tp} {why} for {self.name} (vLLM refuses it too): "
+                            f"use one of {', '.join(map(str, ok))}")
+
+    def kv_shards(self, tp: int) -> int:
+        """Distinct KV-head shards over ``tp`` ranks: each rank holds ``kv_heads /
+        kv_shards`` heads; past ``tp = kv_heads`` a head is replicated on ``tp /
+        kv_heads`` ranks (vLLM's QKVParallelLinear), so the cache content is held
+        ``tp / kv_shards`` times. MLA (one latent "head") is held whole by every rank."""
+        return min(tp, self.num_kv_heads)
+
+    @property
+    def kv_elems_per_layer(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim
+
+    @property
+    def active_params(self) -> int:
+        """Linear weights one token multiplies (all layers), lm_head excluded."""
+        routed = self.expert_params * self.experts_per_token // max(1, self.num_experts)
+        return self.dense_params + routed
+
+    def total_params(self) -> int:
+        embed = self.vocab_size * self.hidden_size
+        return self.dense_params + self.expert_params + embed * (1 if self.tie_word_embeddings
+                                                                 else 2)
+
+    def expert_share_touched(self, tokens: int) -> float:
+        """Expected share of routed experts a step of ``tokens`` tokens reads (each token
+        picks ``experts_per_token`` of ``num_experts``, taken as uniform): the weight bytes
+        a MoE step streams grow with the batch until every expert is read."""
+        if not self.num_experts:
+            return 0.0
+        return 1.0 - (1.0 - self.experts_per_token / self.num_experts) ** max(0, tokens)
+
+
+def llama_like(name: str, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int,
+               vocab: int, max_pos: int, head_dim: int = 128, tied: bool = False,
+               qkv_bias: bool = False) -> ArchSpec:
+    """A Llama-family decoder: q/k/v/o projections + SwiGLU MLP per layer."""
+    q, kv = heads * head_dim, kv_heads * head_dim
+    attn = hidden * (q + 2 * kv) + q * hidden + ((q + 2 * kv) if qkv_bias else 0)
+    per_layer = attn + 3 * hidden * ffn
+    return ArchSpec(name, layers, hidden, vocab, heads, kv_heads, head_dim, head_dim,
+                    head_dim, layers * per_layer, max_pos, tied)

@@ -1,0 +1,131 @@
+"""``RooflineExecutor``: the executor of ``executor=roofline``. No weights and no K/V
+tensors: each step's time comes from a model spec and a hardware spec
+(harness.roofline.steptime) and advances a :class:`VirtualClock`, so arrivals, TTFT and
+ITL run on modelled time and a run is deterministic. It implements the engine's
+:class:`~harness.engine.executor.Executor` protocol; the engine never imports this module.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from harness.backends.base import KVBackend
+from harness.engine.executor import StepOutput
+from harness.kv.base import KVManager, StepScores
+from harness.kv.evicting import EvictingKVManager
+from harness.roofline.shape import step_shape
+from harness.roofline.steptime import StepModel, StepTime
+from harness.sched.step import ScheduledSeq, StepRecord
+
+
+class VirtualClock:
+    """Modelled time: moves only when a step is charged or the engine waits for an
+    arrival, so bookkeeping on this CPU never shows in the latencies."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        self.t += max(0.0, seconds)
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+# Synthetic outputs: lowercase ASCII bytes (the byte tokenizer's ids 97..122), never EOS,
+# so a request stops at its drawn length (stop_after) or max_tokens, and a multiturn answer
+# decodes and re-encodes to the same ids: the next turn re-sends it and hits the cache.
+TOKEN_BASE, TOKEN_SPAN, VOCAB = 97, 26, 258
+
+
+def synthetic_token(request_id: int, sample: int, position: int) -> int:
+    """A token id fixed by the request, the sample and the position: the same on every
+    backend and whatever shares the batch."""
+    return TOKEN_BASE + (request_id * 7919 + sample * 104729 + position * 31337) % TOKEN_SPAN
+
+
+@dataclass
+class RooflineTotals:
+    """Modelled seconds per term, summed over the run (metrics ``roofline.*_s``)."""
+
+    terms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
+        ("gemm", "lm_head", "prefill_attn", "decode_attn", "allreduce", "overhead"), 0.0))
+
+    def add(self, t: StepTime) -> None:
+        for k in self.terms:
+            self.terms[k] += float(getattr(t, k))
+
+
+class RooflineExecutor:
+    """No forward: the step's time from :class:`StepModel`, logits from
+    :func:`synthetic_token`.
+
+    Attention reads what the backend declares (``backend.costs()``, of what the KV
+    manager holds: harness.backends.costs), as the model executor counts it. A policy
+    that needs attention scores (h2o, tova, snapkv) gets a stand-in: each token, in the
+    step that writes it, earns a pseudo-random score in [0, 1) fixed by its request and
+    position (no attention exists to score it). Its victims are then a random choice
+    among the old tokens; what the run measures is the budget's effect on memory and
+    batch size, not which tokens a model would keep.
+    """
+
+    def __init__(self, model: StepModel, backend: KVBackend) -> None:
+        self.model, self.backend = model, backend
+        self.clock = VirtualClock()
+        self.totals = RooflineTotals()
+        self.costs = backend.costs()
+        self.kv: KVManager | None = None
+        self.needs_scores = False
+        self._written: list[ScheduledSeq] = []
+        self._ops_s = 0.0  # cache operations' time, charged to the next forward
+
+    def bind(self, kv: KVManager) -> None:
+        self.kv = kv
+        self.needs_scores = isinstance(kv, EvictingKVManager) and kv.policy.needs_scores
+
+    def apply_cache_ops(self, rec: StepRecord) -> None:
+        """No tensors to move: the copies' and swaps' bytes are charged as time instead
+        (copies at device bandwidth, read and written; swaps over the host link)."""
+        hw, bps = self.model.hw, self.model.kv_rank_bytes
+        slots = sum(op.num_slots for op in rec.copies)
+        swapped = (len(rec.swap_out) + len(rec.swap_in)) * self.backend.block_size
+        self._ops_s = 2 * slots * bps / (hw.mem_bw * hw.eff_bw) + swapped * bps / hw.host_bw
+
+    def forward(self, rec: StepRecord) -> StepOutput:
+        assert self.kv is not None, "bind() the KV manager first"
+        sh = step_shape(rec, self.costs, self.kv)
+        samplers = sh.samplers
+        t = self.model.time(self.model.work_of(sh))
+        t.overhead += self._ops_s
+        self._ops_s = 0.0
+        self.totals.add(t)
+        self.clock.advance(float(t.total))
+        if self.needs_scores:
+            self._written = list(rec.seqs)
+        # One-hot rows at each sequence's synthetic token: the engine's own sampling code
+        # then runs unchanged (forks, beams); greedy picks exactly these ids.
+        ids = [synthetic_token(g.request_id, g.seqs.index(q) if len(g.seqs) > 1 else 0,
+                               q.num_tokens) for q, g in ((s.seq, s.seq.group) for s in samplers)]
+        logits = torch.nn.functional.one_hot(torch.tensor(ids, dtype=torch.int64),
+                                             VOCAB).to(torch.float32)
+        return StepOutput(logits, samplers, float(t.forward), sh.reads)
+
+    def take_scores(self) -> StepScores | None:
+        if not self.needs_scores or not self._written:
+            return None
+        slots: list[int] = []
+        vals: list[float] = []
+        for s in self._written:
+            rid = s.seq.group.request_id
+            slots += s.slots
+            vals += [zlib.crc32(f"{rid}/{p}".encode()) / 2**32
+                     for p in range(s.start, s.start + s.num_tokens)]
+        self._written = []
+        return StepScores(np.asarray(slots, dtype=np.int64), np.asarray(vals, dtype=np.float64))
