@@ -109,7 +109,8 @@ class ForcedSampler(Sampler):
         self.token_nll: dict[tuple[int, int], float] = {}
         self.token_kl: dict[tuple[int, int], float] = {}
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence],
+               samples: list[int | None] | None = None) -> list[int]:
         lp = torch.log_softmax(logits.float(), dim=-1)
         out = []
         for row, seq in zip(lp, seqs):

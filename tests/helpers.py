@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from harness.kv.base import Demand, KVManager
 from harness.sched.sequence import SamplingParams, Sequence, SequenceGroup
+from harness.sched.step import StepOutcome
 
 if TYPE_CHECKING:
     from harness.sched.scheduler import Scheduler
@@ -52,6 +53,6 @@ def decode_ready(kv: KVManager, num_seqs: int, prompt: int = 40) -> Scheduler:
         s.add(make_group(i, [i + 1] * 3 + list(range(100 + 40 * i, 100 + 40 * i + prompt)),
                          max_tokens=1 << 19))
     rec = s.schedule()
-    s.update(rec, [(x.seq, 7) for x in rec.seqs if x.sample])
+    s.update(rec, StepOutcome.appending([(x.seq, 7) for x in rec.seqs if x.sample]))
     assert len(s.running) == num_seqs
     return s

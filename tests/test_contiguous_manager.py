@@ -45,7 +45,7 @@ def fork(m: ContiguousKVManager, parent: Sequence, seq_id: int) -> Sequence:
 
 
 def finish(m: ContiguousKVManager, seq: Sequence) -> None:
-    """What ``Scheduler.finish_seq`` does: mark it finished, then give back its slots."""
+    """What ``Scheduler._finish_seq`` does: mark it finished, then give back its slots."""
     seq.status = SeqStatus.FINISHED
     m.free(seq)
 

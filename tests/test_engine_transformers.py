@@ -27,10 +27,11 @@ class RecordingSampler(Sampler):
         super().__init__(0)
         self.rows: dict[int, list[torch.Tensor]] = {}
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence],
+               samples: list[int | None] | None = None) -> list[int]:
         for row, seq in zip(logits, seqs):
             self.rows.setdefault(seq.group.request_id, []).append(row.clone())
-        return super().sample(logits, seqs)
+        return super().sample(logits, seqs, samples)
 
 
 class FixedRequests:

@@ -10,7 +10,7 @@ from harness.kv.contiguous import ContiguousKVManager
 from harness.kv.paged import PagedKVManager
 from harness.sched.scheduler import Scheduler, SchedulerConfig
 from harness.sched.sequence import SeqStatus, SequenceGroup
-from harness.sched.step import StepRecord
+from harness.sched.step import NewToken, StepOutcome, StepRecord
 from tests.helpers import make_group
 
 EOS = 0
@@ -34,15 +34,21 @@ def run(sched: Scheduler, groups: list[SequenceGroup], max_steps: int = 2000,
             for g in {s.seq.group for s in rec.seqs}:
                 ran = {s.seq.seq_id for s in rec.seqs if s.seq.group is g}
                 assert ran == {s.seq_id for s in g.live_seqs}
-        sched.update(rec, [(s.seq, fake_next(s.seq.token_ids)) for s in rec.seqs if s.sample])
+        sched.update(rec, next_tokens(rec))
         recs.append(rec)
         assert len(recs) < max_steps, "scheduler made no progress"
     return recs
 
 
+def next_tokens(rec: StepRecord) -> StepOutcome:
+    """Every sampling sequence of ``rec`` appends its fake next token."""
+    return StepOutcome.appending([(x.seq, fake_next(x.seq.token_ids))
+                                  for x in rec.seqs if x.sample])
+
+
 def step(sched: Scheduler) -> StepRecord:
     rec = sched.schedule()
-    sched.update(rec, [(x.seq, fake_next(x.seq.token_ids)) for x in rec.seqs if x.sample])
+    sched.update(rec, next_tokens(rec))
     return rec
 
 
@@ -77,7 +83,7 @@ def test_token_budget_and_decodes_first_with_chunked_prefill() -> None:
         assert len(decodes) == 3 and all(x.num_tokens == 1 for x in decodes)
         chunk = [x for x in rec.seqs if x.seq.group is long]
         assert chunk and chunk[0].num_tokens == 13 and not chunk[0].sample
-        s.update(rec, [(x.seq, fake_next(x.seq.token_ids)) for x in rec.seqs if x.sample])
+        s.update(rec, next_tokens(rec))
     rec = s.schedule()
     chunk = next(x for x in rec.seqs if x.seq.group is long)
     assert chunk.num_tokens == 59 - 4 * 13 and chunk.sample  # the last chunk samples
@@ -136,7 +142,7 @@ def test_preemption_victim_is_most_recent() -> None:
     while s.has_unfinished:
         rec = s.schedule()
         preempted += [g.request_id for g in rec.preempted]
-        s.update(rec, [(x.seq, fake_next(x.seq.token_ids)) for x in rec.seqs if x.sample])
+        s.update(rec, next_tokens(rec))
     assert preempted and set(preempted) == {1}  # LIFO: the later admission pays
 
 
@@ -169,11 +175,10 @@ def test_groups_are_admitted_and_preempted_whole() -> None:
                 continue
             g = x.seq.group
             if g.params.n > 1 and len(g.seqs) == 1:
-                for k in range(g.params.n - 1):
-                    child = s.fork(x.seq)
-                    toks.append((child, fake_next(child.token_ids) + k + 1))
-            toks.append((x.seq, fake_next(x.seq.token_ids)))
-        s.update(rec, toks)
+                for k in range(g.params.n - 1):  # forks share the parent's tokens so far
+                    toks.append(NewToken(x.seq, fake_next(x.seq.token_ids) + k + 1, fork=True))
+            toks.append(NewToken(x.seq, fake_next(x.seq.token_ids)))
+        s.update(rec, StepOutcome(toks))
         steps += 1
         assert steps < 1000
     assert all(len(g.seqs) == 3 and g.is_finished for g in groups)
@@ -206,7 +211,7 @@ def test_contiguous_max_policy_admits_fewer_at_once() -> None:
         while s.has_unfinished:
             rec = s.schedule()
             best = max(best, len(s.running))
-            s.update(rec, [(x.seq, fake_next(x.seq.token_ids)) for x in rec.seqs if x.sample])
+            s.update(rec, next_tokens(rec))
         peak[policy] = best
     assert peak == {"max": 2, "exact": 6}
 
@@ -217,8 +222,8 @@ def test_eos_stops_and_frees() -> None:
     g = make_group(0, [5, 6, 7], max_tokens=10)
     s.add(g)
     rec = s.schedule()
-    s.update(rec, [(rec.seqs[0].seq, EOS)])
-    assert rec.finished == [g] and g.seqs[0].finish_reason == "stop"
+    upd = s.update(rec, StepOutcome.appending([(rec.seqs[0].seq, EOS)]))
+    assert upd.finished == [g] and g.seqs[0].finish_reason == "stop"
     assert g.seqs[0].status is SeqStatus.FINISHED and not s.has_unfinished
 
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.sched.scheduler import Scheduler
 from harness.sched.sequence import Sequence, SequenceGroup
+from harness.sched.step import NewToken, StepOutcome
 
 
 @dataclass(slots=True)
@@ -66,43 +66,40 @@ def is_beam_done(finished: list[tuple[float, list[int]]], live_best: float | Non
     return live_best is None or live_best <= fin[-1][0]
 
 
-def advance_beams(sched: Scheduler, group: SequenceGroup, beams: list[Sequence],
-                  logits: torch.Tensor) -> list[tuple[Sequence, int]]:
-    """Apply one beam step to ``group``: prune, fork, and return (sequence, token) pairs
-    to append. logits: (len(beams), vocab) float32 of the live beams, in order."""
+def advance_beams(group: SequenceGroup, beams: list[Sequence], logits: torch.Tensor,
+                  eos_token_ids: frozenset[int], max_model_len: int,
+                  out: StepOutcome) -> None:
+    """Decide one beam step of ``group`` and add it to ``out`` (the step's outcome, which
+    ``Scheduler.update`` applies): forks, prunes, finished hypotheses and the tokens to
+    append. Changes nothing itself. logits: (len(beams), vocab) float32 of the live beams,
+    in order."""
     p = group.params
     width = p.n
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    eos = frozenset(() if p.ignore_eos else sched.eos_token_ids) | frozenset(p.stop_token_ids)
+    eos = frozenset(() if p.ignore_eos else eos_token_ids) | frozenset(p.stop_token_ids)
     keep, done = beam_step([b.cum_logprob for b in beams], logprobs, width, eos)
+    hyps: list[tuple[float, list[int]]] = []
     for c in done:
         toks = [*beams[c.parent].output_ids, c.token]
-        group.beam_finished.append((beam_score(c.cum_logprob, len(toks), p.length_penalty),
-                                    toks))
-    # Fork before anything is appended: a child copies its parent's tokens as they are.
-    uses: dict[int, int] = {}
-    out: list[tuple[Sequence, int]] = []
-    for c in keep:
-        parent = beams[c.parent]
-        seq = parent if uses.get(c.parent, 0) == 0 else sched.fork(parent)
-        uses[c.parent] = uses.get(c.parent, 0) + 1
-        out.append((seq, c.token))
-    cums = {id(s): c.cum_logprob for (s, _), c in zip(out, keep)}
-    for i, b in enumerate(beams):
-        if i not in uses:
-            sched.finish_seq(b, "pruned")
-    for s, _ in out:
-        s.cum_logprob = cums[id(s)]
+        hyps.append((beam_score(c.cum_logprob, len(toks), p.length_penalty), toks))
+    chosen = list(dict.fromkeys(c.parent for c in keep))  # parents in order of choice
     n_out = len(beams[0].output_ids) + 1
-    limit = min(p.max_tokens, sched.cfg.max_model_len - beams[0].num_prompt_tokens)
+    limit = min(p.max_tokens, max_model_len - beams[0].num_prompt_tokens)
     live_best = max((beam_score(c.cum_logprob, n_out, p.length_penalty) for c in keep),
                     default=None)
-    if n_out >= limit or is_beam_done(group.beam_finished, live_best, width):
-        for s, tok in out:
-            group.beam_finished.append((beam_score(s.cum_logprob, n_out, p.length_penalty),
-                                        [*s.output_ids, tok]))
-        group.best_output = max(group.beam_finished, key=lambda f: f[0])[1]
-        for s, _ in out:
-            sched.finish_seq(s, "beam_done")
-        return []
-    return out
+    ended = n_out >= limit or is_beam_done(group.beam_finished + hyps, live_best, width)
+    if ended:  # the kept candidates become hypotheses too; nothing is appended
+        hyps += [(beam_score(c.cum_logprob, n_out, p.length_penalty),
+                  [*beams[c.parent].output_ids, c.token]) for c in keep]
+    out.hypotheses += [(group, score, toks) for score, toks in hyps]
+    out.stops += [(b, "pruned") for i, b in enumerate(beams) if i not in chosen]
+    if ended:
+        out.beams_done.append(group)
+        out.stops += [(beams[i], "beam_done") for i in chosen]
+        return
+    # A parent chosen once keeps its sequence; chosen k times it is forked k - 1 times.
+    used: set[int] = set()
+    for c in keep:
+        out.tokens.append(NewToken(beams[c.parent], c.token, fork=c.parent in used,
+                                   cum_logprob=c.cum_logprob))
+        used.add(c.parent)

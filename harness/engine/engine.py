@@ -15,6 +15,7 @@ from harness.metrics.collector import MetricsCollector
 from harness.model.llama import LlamaModel
 from harness.sched.scheduler import Scheduler
 from harness.sched.sequence import Sequence, SequenceGroup
+from harness.sched.step import NewToken, StepOutcome
 from harness.workloads.base import FollowsRejections, Request, Workload
 
 ProgressFn = Callable[[int, int, float], None]  # (requests done, total known, tokens/s)
@@ -72,8 +73,7 @@ class Engine:
             rec = sch.schedule()
             self.executor.apply_cache_ops(rec)
             if rec.is_empty:
-                stuck = None if rec.preempted else sch.reject_stuck_head()
-                if stuck is not None:
+                for stuck in rec.rejected:  # can never be admitted: the run goes on
                     done += 1
                     total += self._follow_up(workload, stuck, pending,
                                              clock.now() - start, rejected=True)
@@ -82,24 +82,23 @@ class Engine:
                 assert idle < 10_000, f"no progress: running={sch.running} waiting={sch.waiting}"
                 continue
             idle = 0
-            usage = sch.kv.usage()  # what the step's forward holds (steps.csv, the ledger)
             out = self.executor.forward(rec)
             forward_s = out.forward_s
             sch.end_forward()
-            scores = self.executor.take_scores()
-            tokens = self._sample(out.logits, [s.seq for s in out.samplers])
-            sch.update(rec, tokens, scores)
+            outcome = self._sample(out.logits, [s.seq for s in out.samplers])
+            outcome.scores = self.executor.take_scores()
+            upd = sch.update(rec, outcome)
             t_tok = clock.now()
-            col.on_tokens(rec, [s.seq.group for s in out.samplers], t_tok - start)
+            col.on_tokens(rec, upd, [s.seq.group for s in out.samplers], t_tok - start)
             out_tokens += len(out.samplers)
-            for g in rec.finished:
+            for g in upd.finished:
                 done += 1
-                self._forget(g)
+                self.sampler.forget(g)
                 total += self._follow_up(workload, g, pending, t_tok - start)
             # The row's own bookkeeping is charged to the next step: no step's overhead
             # leaves out the collector (it once hid 2.7 ms per step at 4096 sequences).
             t_end = clock.now()
-            col.on_step(rec, usage, t0 - carry_s, t_end, forward_s, start, out.reads)
+            col.on_step(rec, upd, t0 - carry_s, t_end, forward_s, start, out.reads)
             carry_s = clock.now() - t_end
             if progress is not None:
                 progress(done, total, out_tokens / max(t_end - start, 1e-9))
@@ -123,12 +122,16 @@ class Engine:
             heapq.heappush(pending, (arrival, r.request_id, r))
         return len(reqs)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
-        """Next token per sampling sequence. A request with n > 1 samples forks them right
-        after its prompt (they share the prompt's blocks) and each draws its own; a beam
-        search request advances all its beams together (harness.engine.beam)."""
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> StepOutcome:
+        """The step's outcome from its logits: the next token per sampling sequence. A
+        request with n > 1 forks its samples right after its prompt (each fork shares the
+        prompt's blocks and draws its own token); a beam search request advances all its
+        beams together (harness.engine.beam). Nothing is changed here: the scheduler's
+        ``update`` applies the outcome."""
+        out = StepOutcome()
         rows: list[int] = []
         owners: list[Sequence] = []
+        samples: list[int | None] = []
         beams: dict[int, tuple[SequenceGroup, list[int], list[Sequence]]] = {}
         for i, seq in enumerate(seqs):
             g = seq.group
@@ -139,13 +142,16 @@ class Engine:
                 continue
             rows.append(i)
             owners.append(seq)
+            samples.append(None)
             if g.params.n > 1 and len(g.seqs) == 1:
-                for _ in range(g.params.n - 1):
+                for k in range(1, g.params.n):  # sample k: the k-th fork, made by update
                     rows.append(i)
-                    owners.append(self.scheduler.fork(seq))
-        out: list[tuple[Sequence, int]] = []
+                    owners.append(seq)
+                    samples.append(k)
         if owners:
-            out = list(zip(owners, self.sampler.sample(logits[rows], owners)))
+            toks = self.sampler.sample(logits[rows], owners, samples)
+            out.tokens += [NewToken(s, t, fork=k is not None)
+                           for s, t, k in zip(owners, toks, samples)]
         for g, brows, bseqs in beams.values():
             # All live beams advance together. After a recompute preemption the beams'
             # prefills may end in different steps: keep each row until the last arrives.
@@ -156,9 +162,6 @@ class Engine:
             if all(q.seq_id in pending for q in live):
                 beam_logits = torch.stack([pending[q.seq_id] for q in live])
                 del self._beam_rows[g.request_id]
-                out += advance_beams(self.scheduler, g, live, beam_logits)
+                advance_beams(g, live, beam_logits, self.scheduler.eos_token_ids,
+                              self.scheduler.cfg.max_model_len, out)
         return out
-
-    def _forget(self, g: SequenceGroup) -> None:
-        for s in g.seqs:
-            self.sampler.forget(s)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.sched.sequence import Sequence
+from harness.sched.sequence import Sequence, SequenceGroup
 
 
 class Sampler:
@@ -14,20 +14,25 @@ class Sampler:
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
-        self._gens: dict[int, torch.Generator] = {}
+        self._gens: dict[tuple[int, int], torch.Generator] = {}  # (request, sample index)
 
-    def _gen(self, seq: Sequence) -> torch.Generator:
-        g = self._gens.get(seq.seq_id)
+    def _gen(self, seq: Sequence, sample: int | None) -> torch.Generator:
+        group = seq.group
+        idx = group.seqs.index(seq) if sample is None else sample
+        g = self._gens.get((group.request_id, idx))
         if g is None:
-            p = seq.group.params
+            p = group.params
             base = p.seed if p.seed is not None else self.seed
-            idx = seq.group.seqs.index(seq)
-            g = torch.Generator().manual_seed(hash((base, seq.group.request_id, idx)) & 0x7FFF_FFFF)
-            self._gens[seq.seq_id] = g
+            g = torch.Generator().manual_seed(hash((base, group.request_id, idx)) & 0x7FFF_FFFF)
+            self._gens[(group.request_id, idx)] = g
         return g
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """logits: (S, vocab) float32, one row per sequence in ``seqs``."""
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence],
+               samples: list[int | None] | None = None) -> list[int]:
+        """logits: (S, vocab) float32, one row per sequence in ``seqs``. ``samples[i]``:
+        the index within its group of the sample row ``i`` draws for, where that is not
+        ``seqs[i]`` itself (a fork not made yet draws its first token from its parent's
+        row); None: ``seqs[i]``'s own."""
         out: list[int] = []
         greedy = logits.argmax(dim=-1).tolist()
         for i, seq in enumerate(seqs):
@@ -42,8 +47,11 @@ class Sampler:
                 sp, si = probs.sort(descending=True)
                 keep = sp.cumsum(0) - sp < p.top_p  # always keeps the top token
                 probs = torch.zeros_like(probs).scatter_(0, si[keep], sp[keep])
-            out.append(int(torch.multinomial(probs, 1, generator=self._gen(seq))))
+            gen = self._gen(seq, samples[i] if samples is not None else None)
+            out.append(int(torch.multinomial(probs, 1, generator=gen)))
         return out
 
-    def forget(self, seq: Sequence) -> None:
-        self._gens.pop(seq.seq_id, None)
+    def forget(self, group: SequenceGroup) -> None:
+        """A finished request's generators."""
+        for idx in range(len(group.seqs)):
+            self._gens.pop((group.request_id, idx), None)

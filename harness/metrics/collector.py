@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from harness.backends.costs import StepReads
-from harness.kv.base import KVManager, KVUsage
+from harness.kv.base import KVManager
 from harness.sched.scheduler import Scheduler
 from harness.sched.sequence import SequenceGroup
-from harness.sched.step import StepRecord
+from harness.sched.step import StepRecord, StepUpdate
 
 
 @dataclass(slots=True)
@@ -74,7 +74,7 @@ class MetricsCollector:
         self.requests[group.request_id] = RequestTimes(arrival=now)
         self.groups[group.request_id] = group
 
-    def on_tokens(self, rec: StepRecord, sampled_groups: list[SequenceGroup],
+    def on_tokens(self, rec: StepRecord, upd: StepUpdate, sampled_groups: list[SequenceGroup],
                   now: float) -> None:
         for s in rec.seqs:
             t = self.requests[s.seq.group.request_id]
@@ -86,14 +86,17 @@ class MetricsCollector:
             if g.request_id not in seen:
                 seen.add(g.request_id)
                 self.requests[g.request_id].token_times.append(now)
-        for g in rec.finished:
+        for g in upd.finished:
             self.requests[g.request_id].finished = now
 
-    def on_step(self, rec: StepRecord, u: KVUsage, t_start: float, t_end: float,
+    def on_step(self, rec: StepRecord, upd: StepUpdate, t_start: float, t_end: float,
                 forward_s: float, run_start: float, reads: StepReads | None = None) -> None:
-        """``u``: the KV usage while the step's forward ran (the ledger integrates the same
-        state, so summing rows reproduces its reserved and used slot-steps)."""
+        """``rec.usage``: the KV usage while the step's forward ran (the ledger integrates
+        the same state, so summing rows reproduces its reserved and used slot-steps);
+        ``upd``: what the scheduler's update did after it."""
         sch, bps = self.scheduler, self.bytes_per_slot
+        u = rec.usage
+        assert u is not None, "a step that ran records its usage (Scheduler.schedule)"
         r = reads if reads is not None else StepReads()
         step_ms = (t_end - t_start) * 1e3
         self.steps.append(StepRow(
@@ -106,8 +109,8 @@ class MetricsCollector:
             free_blocks=u.free_blocks, cached_free_blocks=u.cached_free_blocks,
             shared_blocks=u.shared_blocks, logical_blocks=u.logical_blocks,
             held_blocks=u.held_blocks,
-            external_frag_bytes=rec.external_slots * bps, preempted=len(rec.preempted),
-            finished=len(rec.finished),
+            external_frag_bytes=upd.external_slots * bps, preempted=len(rec.preempted),
+            finished=len(upd.finished),
             kv_read_tokens=r.decode_tokens, kv_read_bytes=r.decode_bytes,
             prefill_pairs=r.prefill_pairs,
         ))

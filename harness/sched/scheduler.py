@@ -23,9 +23,17 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from harness.kv.base import Demand, KVManager, StepScores, SwapManager
+from harness.kv.base import Demand, KVManager, SwapManager
 from harness.sched.sequence import SeqStatus, Sequence, SequenceGroup
-from harness.sched.step import CHECKS, ScheduledSeq, StepRecord, check_distinct_slots
+from harness.sched.step import (
+    CHECKS,
+    NewToken,
+    ScheduledSeq,
+    StepOutcome,
+    StepRecord,
+    StepUpdate,
+    check_distinct_slots,
+)
 from harness.validate import at_least, one_of
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -116,7 +124,7 @@ class Scheduler:
         for s in group.live_seqs:
             s.status = SeqStatus.WAITING
 
-    def reject_stuck_head(self) -> SequenceGroup | None:
+    def _reject_stuck_head(self) -> SequenceGroup | None:
         """Reject the head of the waiting queue when nothing runs or is swapped and it still
         cannot be admitted: the pool is then as free as it will ever be (only evictable
         cached blocks are held), so it never will be. This happens to a group of several
@@ -222,6 +230,12 @@ class Scheduler:
             self._admit(rec, budget)
         ops = self.kv.take_cache_ops()
         rec.copies, rec.invalidated = ops.copies, ops.invalidated
+        if rec.seqs:
+            rec.usage = self.kv.usage()  # what the forward holds (steps.csv, the ledger)
+        elif not rec.preempted:
+            stuck = self._reject_stuck_head()
+            if stuck is not None:
+                rec.rejected.append(stuck)
         if CHECKS:
             check_distinct_slots(rec)
         return rec
@@ -360,8 +374,8 @@ class Scheduler:
             self.num_running_seqs += len(live)
             budget = left
 
-    # -- after the forward ----------------------------------------------------------------
-    def fork(self, parent: Sequence) -> Sequence:
+    # -- after the forward (only through update) ------------------------------------------
+    def _fork(self, parent: Sequence) -> Sequence:
         """A new sequence of ``parent``'s group sharing all of its K/V (beam, sample)."""
         child = Sequence(self._new_seq_id(), parent.group, list(parent.token_ids))
         child.num_prompt_tokens = parent.num_prompt_tokens
@@ -374,7 +388,7 @@ class Scheduler:
             self.num_running_seqs += 1
         return child
 
-    def finish_seq(self, seq: Sequence, reason: str) -> None:
+    def _finish_seq(self, seq: Sequence, reason: str) -> None:
         """Stop one sequence and give back its K/V (a pruned beam, or a finished one)."""
         if seq.status is SeqStatus.FINISHED:
             return
@@ -386,7 +400,7 @@ class Scheduler:
         if seq.group.is_finished:
             self._just_finished.append(seq.group)
 
-    def append_token(self, seq: Sequence, token: int) -> None:
+    def _append_token(self, seq: Sequence, token: int) -> None:
         """Append a sampled token and stop the sequence if it hit EOS or a length limit."""
         toks = seq.token_ids
         toks.append(token)
@@ -394,35 +408,48 @@ class Scheduler:
         n_out = len(toks) - seq.num_prompt_tokens
         if ((token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
                 or n_out == p.stop_after):
-            self.finish_seq(seq, "stop")
+            self._finish_seq(seq, "stop")
         elif n_out >= p.max_tokens or len(toks) >= self.cfg.max_model_len:
-            self.finish_seq(seq, "length")
+            self._finish_seq(seq, "length")
 
     def end_forward(self) -> None:
-        """The step's forward is done: from here on (forks and pruned beams while sampling,
-        finishes in :meth:`update`) changes count from the next step on the KV manager's
+        """The step's forward is done: from here on (the forks, stops and finishes that
+        :meth:`update` applies) changes count from the next step on the KV manager's
         clock; what the forward held was held for this step."""
         self.kv.end_forward()
 
-    def update(self, rec: StepRecord, tokens: list[tuple[Sequence, int]],
-               scores: StepScores | None = None) -> None:
-        """After :meth:`end_forward` and sampling: append the sampled tokens (stopping and
-        freeing finished sequences), retire finished groups into ``rec.finished``, let the
-        manager's eviction policy act on the step's running sequences (with the backend's
-        ``scores``), and account external fragmentation."""
+    def update(self, rec: StepRecord, outcome: StepOutcome) -> StepUpdate:
+        """After :meth:`end_forward` and sampling: apply the step's ``outcome`` (forks,
+        beam hypotheses and stops, then the sampled tokens, stopping and freeing finished
+        sequences), retire finished groups, let the manager's eviction policy act on the
+        step's running sequences (with the backend's ``outcome.scores``), and account
+        external fragmentation. The only way a step changes sequences."""
         kv = self.kv
-        for seq, tok in tokens:
-            self.append_token(seq, tok)
-        self.retire_finished(rec)
-        kv.observe([s.seq for s in rec.seqs if s.seq.status is SeqStatus.RUNNING], scores)
-        rec.external_slots = kv.record_external(self.next_waiting_need())
+        appends: list[tuple[Sequence, NewToken]] = []
+        for t in outcome.tokens:  # forks first: a child copies its parent as it is
+            appends.append((self._fork(t.seq) if t.fork else t.seq, t))
+        for g, score, toks in outcome.hypotheses:
+            g.beam_finished.append((score, toks))
+        for g in outcome.beams_done:
+            g.best_output = max(g.beam_finished, key=lambda f: f[0])[1]
+        for seq, reason in outcome.stops:
+            self._finish_seq(seq, reason)
+        for seq, t in appends:
+            if t.cum_logprob is not None:
+                seq.cum_logprob = t.cum_logprob
+            self._append_token(seq, t.token)
+        done = self._retire_finished()
+        kv.observe([s.seq for s in rec.seqs if s.seq.status is SeqStatus.RUNNING],
+                   outcome.scores)
+        return StepUpdate(done, kv.record_external(self.next_waiting_need()))
 
-    def retire_finished(self, rec: StepRecord) -> None:
-        """Move groups whose last sequence finished out of ``running``."""
+    def _retire_finished(self) -> list[SequenceGroup]:
+        """Move groups whose last sequence finished out of ``running``; returns them."""
         if not self._just_finished:
-            return
-        done = {id(g) for g in self._just_finished}
+            return []
+        done_groups = self._just_finished
+        done = {id(g) for g in done_groups}
         self.running = [g for g in self.running if id(g) not in done]
-        self.finished += self._just_finished
-        rec.finished += self._just_finished
+        self.finished += done_groups
         self._just_finished = []
+        return done_groups

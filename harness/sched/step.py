@@ -1,11 +1,14 @@
-"""The one record a step passes from the scheduler to the engine and the backend."""
+"""What a step passes between the scheduler and the engine: the :class:`StepRecord`
+(``Scheduler.schedule`` -> engine, backend), the :class:`StepOutcome` of its forward and
+sampling (engine -> ``Scheduler.update``, the only way a step changes sequences) and the
+:class:`StepUpdate` that ``update`` returns."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
 
-from harness.kv.base import CopyOp
+from harness.kv.base import CopyOp, KVUsage, StepScores
 from harness.sched.sequence import Sequence, SequenceGroup
 
 
@@ -51,10 +54,12 @@ class StepRecord:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[SequenceGroup] = field(default_factory=list)
-    finished: list[SequenceGroup] = field(default_factory=list)  # filled by update()
+    # An empty step with nothing preempted: the waiting head that can never be admitted
+    # (Scheduler.schedule rejects it; the run goes on without it).
+    rejected: list[SequenceGroup] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
-    external_slots: int = 0  # free slots no waiting request could use (filled by update())
+    usage: KVUsage | None = None  # what the KV manager holds for this step's forward
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +68,50 @@ class StepRecord:
     @property
     def is_empty(self) -> bool:
         return not self.seqs
+
+
+@dataclass(slots=True)
+class NewToken:
+    """A sampled token for ``seq``; with ``fork``, for a new sequence of ``seq``'s group
+    that first shares all of ``seq``'s K/V and tokens (a parallel sample, a beam chosen
+    more than once). ``cum_logprob``: beam search's cumulative log-prob after the token."""
+
+    seq: Sequence
+    token: int
+    fork: bool = False
+    cum_logprob: float | None = None
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """Everything a step's forward and sampling change, for ``Scheduler.update`` to apply,
+    in this order: forks (each copies its parent before anything is appended), beam
+    hypotheses, ``stops`` (beams pruned or done, in order), then the tokens.
+
+    ``hypotheses``: finished beam candidates ``(group, score, tokens)``; ``beams_done``:
+    groups whose beam search ended (their best hypothesis becomes the output);
+    ``scores``: what the eviction policy asked the backend for."""
+
+    tokens: list[NewToken] = field(default_factory=list)
+    stops: list[tuple[Sequence, str]] = field(default_factory=list)
+    hypotheses: list[tuple[SequenceGroup, float, list[int]]] = field(default_factory=list)
+    beams_done: list[SequenceGroup] = field(default_factory=list)
+    scores: StepScores | None = None
+
+    @classmethod
+    def appending(cls, pairs: list[tuple[Sequence, int]],
+                  scores: StepScores | None = None) -> StepOutcome:
+        """Plain appends, one token per sequence (no forks, no beams)."""
+        return cls([NewToken(s, t) for s, t in pairs], scores=scores)
+
+
+@dataclass(slots=True)
+class StepUpdate:
+    """What ``Scheduler.update`` did: the groups that finished this step and the free slots
+    no waiting request could use (external fragmentation)."""
+
+    finished: list[SequenceGroup] = field(default_factory=list)
+    external_slots: int = 0
 
 
 # KVBENCH_CHECK=1 (the test suite sets it): every step asserts its invariants, e.g. that no

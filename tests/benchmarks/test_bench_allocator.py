@@ -11,6 +11,7 @@ from typing import Any
 
 from harness.kv.base import Demand
 from harness.kv.paged import PagedKVManager
+from harness.sched.step import StepOutcome
 from tests.helpers import decode_ready, make_seq
 
 BS = 16
@@ -43,7 +44,7 @@ def test_decode_step_bookkeeping_256(benchmark: Any) -> None:
 
     def step() -> None:
         rec = s.schedule()
-        s.update(rec, [(x.seq, 7) for x in rec.seqs])
+        s.update(rec, StepOutcome.appending([(x.seq, 7) for x in rec.seqs]))
 
     benchmark.pedantic(step, rounds=300, warmup_rounds=20)
     assert s.preemptions_recompute == 0 and len(s.running) == 256

@@ -24,6 +24,7 @@ from harness.kv.evicting import EvictingKVManager
 from harness.kv.paged import PagedKVManager
 from harness.kv.policies.h2o import H2OPolicy
 from harness.metrics.collector import MetricsCollector
+from harness.sched.step import StepOutcome
 from tests.helpers import decode_ready
 
 BS = 16
@@ -43,13 +44,12 @@ def test_non_forward_step_256(benchmark: Any) -> None:
     def step() -> None:
         t0 = time.perf_counter()
         rec = s.schedule()
-        usage = kv.usage()
         inputs = build_inputs(rec, kv, cpu)
         seqs = [x.seq for x in inputs.samplers]
         toks = sampler.sample(logits[inputs.logits_rows], seqs)
-        s.update(rec, list(zip(seqs, toks)))
-        col.on_tokens(rec, [q.group for q in seqs], 0.0)
-        col.on_step(rec, usage, t0, time.perf_counter(), 0.0, 0.0)
+        upd = s.update(rec, StepOutcome.appending(list(zip(seqs, toks))))
+        col.on_tokens(rec, upd, [q.group for q in seqs], 0.0)
+        col.on_step(rec, upd, t0, time.perf_counter(), 0.0, 0.0)
 
     benchmark.pedantic(step, rounds=200, warmup_rounds=20)
     assert s.preemptions_recompute == 0 and len(s.running) == 256
@@ -64,7 +64,7 @@ def test_h2o_eviction_bookkeeping_64(benchmark: Any) -> None:
     rng = np.random.default_rng(0)
     for _ in range(200):  # reach the budget: from here on each step evicts
         rec = s.schedule()
-        s.update(rec, [(x.seq, 7) for x in rec.seqs if x.sample])
+        s.update(rec, StepOutcome.appending([(x.seq, 7) for x in rec.seqs if x.sample]))
     held = [kv.live_slots(g.seqs[0])[0] for g in s.running]
     touched = np.unique(np.concatenate(held))
     values = rng.random(len(touched))
@@ -72,7 +72,7 @@ def test_h2o_eviction_bookkeeping_64(benchmark: Any) -> None:
     def step() -> None:
         rec = s.schedule()
         toks = [(x.seq, 7) for x in rec.seqs if x.sample]
-        s.update(rec, toks, StepScores(touched, values))
+        s.update(rec, StepOutcome.appending(toks, StepScores(touched, values)))
 
     before = kv.stats.evicted_tokens
     benchmark.pedantic(step, rounds=100, warmup_rounds=5)
