@@ -38,6 +38,17 @@ try:  # Ctrl-C while the imports run (seconds: Hydra, torch): one line, exit 130
     from harness.config import register_configs
 
     register_configs()
+
+    def _find_our_plugins() -> None:
+        # Hydra loads plugins (our sweeper) only from the hydra_plugins namespace, which
+        # an editable install does not list from another working directory.
+        import hydra_plugins
+
+        ours = str(Path(__file__).resolve().parents[1] / "hydra_plugins")
+        if Path(ours).is_dir() and ours not in list(hydra_plugins.__path__):
+            hydra_plugins.__path__.append(ours)
+
+    _find_our_plugins()
 except KeyboardInterrupt:
     print("\nkvbench: stopped by SIGINT (Ctrl-C) while starting; nothing was run",
           file=sys.stderr)
@@ -79,9 +90,83 @@ def _launches(sweep: Path) -> bool:
 
 
 def run_job(cfg: DictConfig, out: Path, multirun: bool) -> int:
+    """One job into ``out``: a run, or with ``repeats=N`` its N repeats (harness/repeats.py).
+    Returns the exit code (module docstring)."""
+    if cfg.get("repeat_of") is not None:  # one repeat of a sweep's configuration
+        return _sweep_repeat(cfg, out, multirun)
+    if int(cfg.get("repeats", 1)) > 1:
+        return _repeats(cfg, out, multirun)
+    return _run_one(cfg, out, multirun)
+
+
+def _repeats(cfg: DictConfig, out: Path, multirun: bool) -> int:
+    """``repeats=N`` in one folder: ``out`` becomes the group of ``repeat-0/`` ..
+    ``repeat-<N-1>/``, run one after the other, and their summary ``repeats.json``. A
+    repeat that fails or is interrupted ends the group; what finished is summarized."""
+    import copy
+
+    from harness.config import run_config
+    from harness.errors import UserError
+    from harness.repeats import mark_group, repeat_dir
+
+    try:
+        run_config(cfg)  # a refused config fails here, as a run, before any repeat exists
+    except UserError as e:
+        print(f"\nkvbench: run failed: {e}\n  ({_mark_failed(out, e)})", file=sys.stderr)
+        return EXIT_USER
+    n = int(cfg.repeats)
+    mark_group(out, n)
+    code = 0
+    for k in range(n):
+        sub = repeat_dir(out, k)
+        one = copy.deepcopy(cfg)
+        with open_dict(one):
+            one.repeat, one.out_dir = k, str(sub)
+        print(f"kvbench: repeat {k + 1} of {n} into {sub}", file=sys.stderr)
+        code = _run_one(one, sub, multirun, quiet=True)
+        if code not in (0, EXIT_WANDB):
+            break
+    _summarize_group(out, show=True)
+    return code
+
+
+def _sweep_repeat(cfg: DictConfig, out: Path, multirun: bool) -> int:
+    """Repeat ``cfg.repeat`` of the sweep's configuration ``cfg.repeat_of``: a run into
+    ``out`` (``<c>-<backend>-<workload>/repeat-<k>``), then its group's summary."""
+    from harness.repeats import mark_group
+
+    mark_group(out.parent, int(cfg.repeats))
+    code = _run_one(cfg, out, multirun)
+    _summarize_group(out.parent, show=False)
+    return code
+
+
+def _summarize_group(group: Path, show: bool) -> None:
+    from harness.repeats import SUMMARY, write_summary
+    from harness.runner import print_summary
+
+    try:
+        s = write_summary(group)
+    except OSError as e:
+        print(f"kvbench: could not write {group / SUMMARY}: {e.strerror or e}", file=sys.stderr)
+        return
+    if s is None:
+        return
+    if s.varied:
+        print(f"kvbench: warning: the repeats disagree on {', '.join(s.varied)}: with every "
+              "arrival at t=0 a run is deterministic and this is a bug to report; with "
+              "arrivals on the clock (workload.rate) batching follows the machine's speed",
+              file=sys.stderr)
+    if show:
+        print(f"\n  {len(s.repeats)} repeat(s): medians, [95% interval] of speed metrics")
+        print_summary(s.metrics, group)
+
+
+def _run_one(cfg: DictConfig, out: Path, multirun: bool, quiet: bool = False) -> int:
     """One run into ``out``: claim the folder, run, write results or a marker, log to W&B.
     Returns the exit code (module docstring) and prints what went wrong; once the results
-    are complete, a signal simply stops it (nothing more needs a marker)."""
+    are complete, a signal simply stops it (nothing more needs a marker). ``quiet``: no
+    summary table (a repeat's; the group's is printed)."""
     from harness import progress
     from harness.errors import UserError
     from harness.hydra_callbacks import refuse_schema_choices
@@ -119,7 +204,8 @@ def run_job(cfg: DictConfig, out: Path, multirun: bool) -> int:
             traceback.print_exc()
         print(f"\nkvbench: run failed: {e}\n  ({_mark_failed(out, e)})", file=sys.stderr)
         return EXIT_USER if user_error else EXIT_CRASH
-    print_summary(result.metrics, result.out_dir)
+    if not quiet:
+        print_summary(result.metrics, result.out_dir)
     return _log_to_wandb(cfg, result, out, multirun)
 
 

@@ -115,6 +115,13 @@ class RunConfig:
     # modelled from roofline.model on roofline.hardware, on a virtual clock.
     executor: str = "model"
     roofline: RooflineConfig = field(default_factory=RooflineConfig)
+    # The same configuration ``repeats`` times, for speed figures with intervals
+    # (harness/repeats.py): a run folder then holds repeat-0/ .. repeat-<N-1>/ and their
+    # summary; a sweep interleaves the repeats across its configurations. ``repeat`` (which
+    # one this is) and ``repeat_of`` (the sweep's configuration index) are set by kvbench.
+    repeats: int = 1
+    repeat: int = 0
+    repeat_of: int | None = None
 
     def __post_init__(self) -> None:
         if self.executor not in ("model", "roofline"):
@@ -122,6 +129,17 @@ class RunConfig:
         if self.cpu_threads < 0:
             raise UserError(f"cpu_threads must be >= 0 (0: torch's default), got "
                             f"{self.cpu_threads}")
+        if self.repeats < 1:
+            raise UserError(f"repeats must be >= 1 (the runs of one configuration), got "
+                            f"{self.repeats}")
+        if not 0 <= self.repeat < self.repeats:
+            raise UserError(f"repeat={self.repeat} is set by kvbench (0 .. repeats-1); "
+                            "leave it out and give repeats=N")
+        if self.repeats > 1 and self.executor == "roofline":
+            raise UserError(f"repeats={self.repeats} with executor=roofline: a roofline run "
+                            "is deterministic (the same configuration gives the same numbers "
+                            "every time), so repeats measure nothing; drop repeats. Its "
+                            "uncertainty is the step model's error against real GPUs, not noise")
         if not 0 <= self.seed < 2**63:
             raise UserError(f"seed must be in [0, 2^63), got {self.seed}")
         check_slo(self.slo, self.quality.enabled, self.quality.generation_agreement)
@@ -203,3 +221,8 @@ def register_configs() -> None:
     cs.store(group="schema/slo", name="slo", node=SLOConfig)
     cs.store(group="schema/logger", name="none", node=LoggerSpec)
     cs.store(group="schema/logger", name="wandb", node=WandbLoggerSpec)
+    if not OmegaConf.has_resolver("kvbench_job"):  # hydra.sweep.subdir, with repeats
+        from harness.repeats import job_number, repeat_tail
+
+        OmegaConf.register_new_resolver("kvbench_job", job_number)
+        OmegaConf.register_new_resolver("kvbench_repeat", repeat_tail)

@@ -120,7 +120,12 @@ def print_summary(m: dict[str, Any], out_dir: Path | None) -> None:
     """A short table on the terminal at the end of a run."""
     def f(key: str, fmt: str = "{:.1f}") -> str:
         v = m.get(key)
-        return "-" if v is None else fmt.format(v)
+        if v is None:
+            return "-"
+        low, high = m.get(key + "_ci95_low"), m.get(key + "_ci95_high")
+        ci = f" [{fmt.format(low)}, {fmt.format(high)}]" if low is not None \
+            and high is not None else ""
+        return fmt.format(v) + ci
 
     lines = [
         ("backend / workload", f"{m['run.backend']} / {m['run.workload']} "

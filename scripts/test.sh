@@ -6,7 +6,7 @@ bash "$root/scripts/setup.sh"
 cd "$root"
 py="$root/.venv/bin/python"
 "$py" -m ruff check .
-"$py" -m mypy harness backends kernels
+"$py" -m mypy harness backends kernels hydra_plugins
 # One worker per core (pytest-xdist), whole files per worker: module fixtures (the GPU
 # check's dry run, the loaded models) run once. KVBENCH_TEST_WORKERS=0 runs serially.
 "$py" -m pytest -q -n "${KVBENCH_TEST_WORKERS:-logical}" --dist loadfile "$@"
