@@ -21,9 +21,12 @@ baseline run that did not finish (failed, interrupted, killed) or is missing (un
 unreadable baseline, runs that match none of its keys, runs of another config, bad
 options). Stale runs (not jobs
 of their sweep folder's multirun.yaml) are left out, with a note.
-``--write-baseline`` writes or refreshes a file from finished runs; it keeps the spec
-already in the file unless ``--metrics`` is given, and starts from :data:`DEFAULT_SPEC`
-otherwise.
+A run of repeats (``repeats=N``) is gated by its median, and a speed metric by its 95%
+interval over the repeats: it fails only when the baseline's value lies outside that
+interval by more than the tolerance (the verdict says so); a baseline written from repeats
+records each repeat's value. ``--write-baseline`` writes or refreshes a file from finished
+runs; it keeps the spec already in the file unless ``--metrics`` is given, and starts from
+:data:`DEFAULT_SPEC` otherwise.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.errors import UserError
+from harness.metrics.repeats import CI_HIGH, CI_LOW
 from harness.reporting.baseline import (
     Baseline,
     MetricSpec,
@@ -117,6 +121,7 @@ class Row:
     allowed: float | None
     verdict: str  # ok | improved | REGRESSED | MISSING | FAILED | INTERRUPTED | NOT RUN | new
     failing: bool
+    note: str = ""  # how a run of repeats was judged (its interval)
 
 
 def judge(spec: MetricSpec, base: float, cur: float) -> str:
@@ -128,6 +133,25 @@ def judge(spec: MetricSpec, base: float, cur: float) -> str:
         spec.direction]
     tol = spec.allowed(base) * (1 + 1e-9) + 1e-12  # float rounding is not a regression
     return "REGRESSED" if worse > tol else "improved" if -worse > tol else "ok"
+
+
+def judge_interval(spec: MetricSpec, base: float, cur: float, low: float,
+                   high: float) -> tuple[str, str]:
+    """(verdict, note) for a run of repeats whose median is ``cur`` with the 95% interval
+    [``low``, ``high``]: a baseline inside the interval is noise (ok); outside it, the
+    interval's nearer end is judged as :func:`judge` judges a value, so the run fails only
+    when the baseline lies outside its interval by more than the tolerance."""
+    if not all(math.isfinite(x) for x in (base, cur, low, high)):
+        return "REGRESSED", "not a finite value"
+    if low <= base <= high:
+        return "ok", f"baseline inside the run's 95% interval [{low:.6g}, {high:.6g}]"
+    nearer = high if base > high else low
+    v = judge(spec, base, nearer)
+    where = f"the run's 95% interval [{low:.6g}, {high:.6g}]"
+    note = {"REGRESSED": f"baseline outside {where} by more than the tolerance",
+            "improved": f"better than the baseline over all of {where}",
+            "ok": f"baseline outside {where}, within the tolerance"}[v]
+    return v, note
 
 
 def check(base: Baseline, runs: list[Run], partial: bool = False) -> list[Row]:
@@ -154,8 +178,13 @@ def check(base: Baseline, runs: list[Run], partial: bool = False) -> list[Row]:
             if c is None:
                 rows.append(Row(key, m, b, None, spec.allowed(b), "MISSING", True))
                 continue
-            v = judge(spec, b, c)
-            rows.append(Row(key, m, b, c, spec.allowed(b), v, v == "REGRESSED"))
+            low, high = number(r.metrics.get(m + CI_LOW)), number(r.metrics.get(m + CI_HIGH))
+            note = ""
+            if low is not None and high is not None:  # a run of repeats: its interval
+                v, note = judge_interval(spec, b, c, low, high)
+            else:
+                v = judge(spec, b, c)
+            rows.append(Row(key, m, b, c, spec.allowed(b), v, v == "REGRESSED", note))
     rows += [Row(k, "(run)", None, None, None, "new (not in baseline)", False)
              for k in current if k not in base.runs]
     rows += [Row(str(r.path), "(run)", None, None, None,
@@ -176,7 +205,8 @@ def format_rows(rows: list[Row], spec: dict[str, MetricSpec]) -> str:
             change = f"{d:+.4g}" + (f" ({100 * d / abs(r.baseline):+.1f}%)" if r.baseline else "")
         better = spec[r.metric].direction if r.metric in spec else ""
         table.append((r.run, r.metric, better, num(r.baseline), num(r.current), change,
-                      "-" if r.allowed is None else f"{r.allowed:.4g}", r.verdict))
+                      "-" if r.allowed is None else f"{r.allowed:.4g}",
+                      r.verdict + (f" ({r.note})" if r.note else "")))
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
                      for row in table)

@@ -22,6 +22,7 @@ from harness.reporting.runs import (
     Run,
     comparable,
     one_line,
+    per_repeat,
     run_key,
     variant_keys,
 )
@@ -60,6 +61,9 @@ class Baseline:
     runs: dict[str, dict[str, float]]  # run key -> metric -> value
     configs: dict[str, dict[str, str]] = field(default_factory=dict)
     source: dict[str, Any] = field(default_factory=dict)
+    # Runs written from repeats (repeats=N): run key -> metric -> each repeat's value, by
+    # repeat index; the gated value of such a run is their median (``runs``).
+    repeats: dict[str, dict[str, list[float]]] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: Path) -> Baseline:
@@ -79,7 +83,7 @@ class Baseline:
         try:
             spec = {m: make_spec(**s) for m, s in d["spec"].items()}
             base = cls(list(d["key_fields"]), spec, d["runs"], d.get("configs", {}),
-                       d.get("source", {}))
+                       d.get("source", {}), d.get("repeats", {}))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"baseline {path}: malformed ({e})") from e
         for key, values in base.runs.items():
@@ -99,7 +103,8 @@ class Baseline:
         d = {"format": FORMAT, "written_by": "python -m harness.gate --write-baseline",
              "key_fields": self.key_fields,
              "spec": {m: asdict(s) for m, s in self.spec.items()},
-             "runs": self.runs, "configs": self.configs, "source": self.source}
+             "runs": self.runs, "configs": self.configs, "source": self.source,
+             **({"repeats": self.repeats} if self.repeats else {})}
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(d, indent=2) + "\n")
 
@@ -161,6 +166,9 @@ def take_baseline(runs: list[Run], spec: dict[str, MetricSpec],
     if require_all and (absent := [m for m in spec if not any(m in v for v in values.values())]):
         raise ValueError(f"no run has {', '.join(absent)}")
     shas = sorted({str((r.metrics or {}).get("run.git_sha")) for r in runs})
+    repeats = {k: {name: [v for _, v in sorted(per_repeat(r, name).items())]
+                   for name in values[k]} for k, r in by_key.items() if r.repeats}
     return Baseline(fields, dict(spec), values,
                     {k: comparable_config(r) for k, r in by_key.items()},
-                    {"git_sha": shas, "runs": {k: r.path.name for k, r in by_key.items()}})
+                    {"git_sha": shas, "runs": {k: r.path.name for k, r in by_key.items()}},
+                    repeats)

@@ -65,6 +65,12 @@ def throughput_vs_waste(cmp: Comparison, path: Path) -> Path | None:
         for _, row in part.iterrows():
             x, y = row["memory.waste_pct"], row["throughput.output_tokens_per_s"]
             ax.scatter([x], [y], color=colors[row["backend"]], s=40, zorder=3)
+            low = row.get("throughput.output_tokens_per_s_ci95_low")
+            high = row.get("throughput.output_tokens_per_s_ci95_high")
+            if isinstance(low, float) and isinstance(high, float) and low == low:
+                # a repeated run: the median's 95% interval over its repeats
+                ax.errorbar([x], [y], yerr=[[y - low], [high - y]], fmt="none",
+                            ecolor=colors[row["backend"]], capsize=3, zorder=2)
             tail = row["label"].removeprefix(row["backend"]).strip()
             if tail:
                 ax.annotate(tail, (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")

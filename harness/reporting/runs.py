@@ -6,7 +6,9 @@ requests.csv when the run finished; one that did not holds a marker instead (``F
 its process was killed before it could write one (or it is still running). A sweep is any
 folder above run folders, however deep; a sweep folder with Hydra's ``multirun.yaml`` also
 says which jobs it launched, so jobs never started and stale jobs from an earlier sweep
-into the same folder are told apart (:func:`check_sweeps`).
+into the same folder are told apart (:func:`check_sweeps`). A folder of repeats
+(``repeats=N``: harness/repeats.py) is read as one run whose speed metrics are medians with
+95% intervals (:func:`merge_repeats`).
 
 Runs are told apart by their *variant keys*: config keys whose values differ between the
 finished runs of one workload (outside ``backend.*``: ``workload.n``, ``cache.kv_budget``,
@@ -29,10 +31,14 @@ from typing import Any
 import pandas as pd
 import yaml
 
+from harness.metrics.repeats import summarize_repeats
+from harness.repeats import REPEAT_KEYS, group_repeats, is_group, repeat_index
 from harness.results import CLAIM, FAILED, METRICS, OUTCOMES, outcome, read_claim
 
 # Config keys that never describe what ran (where it was written, how it was shown).
-IGNORED_CONFIG_PREFIXES = ("out_dir", "run_name", "results_dir", "progress", "logger.")
+# ``repeat*``: how often a configuration ran, and which repeat a folder is (harness/repeats.py).
+IGNORED_CONFIG_PREFIXES = ("out_dir", "run_name", "results_dir", "progress", "logger.",
+                           "repeat")
 FINISHED, FAILED_RUN, INTERRUPTED_RUN = "finished", "failed", "interrupted"
 NO_OUTCOME, UNREADABLE = "no outcome", "unreadable"
 
@@ -49,6 +55,12 @@ class Run:
     status: str = FINISHED  # finished | failed | interrupted | no outcome | unreadable
     overrides: list[str] | None = None  # Hydra's .hydra/overrides.yaml, if any
     stale: bool = False  # from an earlier sweep into the same folder (check_sweeps)
+    # A group of repeats read as one run (merge_repeats): its repeat runs, by repeat
+    # index, finished or not; the non-speed keys they disagree on; the repeats it was
+    # started with. Empty for a plain run.
+    repeats: list[Run] = field(default_factory=list)
+    varied: list[str] = field(default_factory=list)
+    repeats_planned: int | None = None
 
     @property
     def backend(self) -> str:
@@ -60,13 +72,21 @@ class Run:
         return str(self.config.get("workload.name")
                    or (self.metrics or {}).get("run.workload") or "?")
 
+    @property
+    def files(self) -> Path:
+        """Where its steps.csv and requests.csv are: the run's folder, or for a group of
+        repeats its first finished repeat's (the series of one repeat; the summary has no
+        series of its own)."""
+        done = [r for r in self.repeats if r.metrics is not None]
+        return done[0].path if done else self.path
+
     def steps(self) -> pd.DataFrame:
         """steps.csv (columns: harness.metrics.collector.StepRow); empty if absent."""
-        return _read_csv(self.path / "steps.csv")
+        return _read_csv(self.files / "steps.csv")
 
     def requests(self) -> pd.DataFrame:
         """requests.csv (harness.metrics.summary.request_rows); empty if absent."""
-        return _read_csv(self.path / "requests.csv")
+        return _read_csv(self.files / "requests.csv")
 
 
 def _read_csv(path: Path) -> pd.DataFrame:
@@ -191,7 +211,8 @@ def _run_folders(p: Path) -> set[Path]:
         for f in p.rglob(name):
             folder = f.parent.parent if name.startswith(".hydra/") else f.parent
             rel = folder.relative_to(p).parts
-            if f.is_file() and not any(part.startswith(".") for part in rel):
+            if f.is_file() and not any(part.startswith(".") for part in rel) \
+                    and not is_group(folder):  # a group's runs are its repeat-<k>/
                 found.add(folder.resolve())
     return found
 
@@ -212,7 +233,60 @@ def find_runs(paths: list[Path]) -> list[Run]:
     if not folders:
         raise ValueError(f"no runs found (no {', '.join(OUTCOMES)}) under: "
                          + ", ".join(str(p) for p in paths))
-    return [_load(f) for f in sorted(folders, key=_natural)]
+    return merge_repeats([_load(f) for f in sorted(folders, key=_natural)])
+
+
+def merge_repeats(runs: list[Run]) -> list[Run]:
+    """Each group of repeats (harness/repeats.py: ``repeat-<k>/`` folders in a folder
+    marked as a group) as one :class:`Run` at the group's folder: its metrics the summary
+    of the repeats that finished (speed medians with ``_ci95_low`` / ``_ci95_high``,
+    :func:`~harness.metrics.repeats.summarize_repeats`), its config theirs without the
+    ``repeat*`` keys, its ``repeats`` every repeat run. A group where no repeat finished
+    is a run that did not finish (the last repeat's status, and why)."""
+    groups: dict[Path, list[Run]] = defaultdict(list)
+    out: list[Run] = []
+    for r in runs:
+        if repeat_index(r.path) is not None and is_group(r.path.parent):
+            groups[r.path.parent].append(r)
+        else:
+            out.append(r)
+    out += [_merged(g, members) for g, members in groups.items()]
+    return sorted(out, key=lambda r: _natural(r.path))
+
+
+def per_repeat(run: Run, key: str) -> dict[int, float]:
+    """{repeat index: value of ``key``} over a group's finished repeats ({} for a run)."""
+    out = {}
+    for x in run.repeats:
+        k, v = repeat_index(x.path), (x.metrics or {}).get(key)
+        if k is not None and isinstance(v, int | float) and not isinstance(v, bool):
+            out[k] = float(v)
+    return out
+
+
+def _merged(group: Path, members: list[Run]) -> Run:
+    members.sort(key=lambda r: repeat_index(r.path) or 0)
+    done = [r for r in members if r.metrics is not None]
+    first = done[0] if done else members[0]
+    config = {k: v for k, v in first.config.items() if k not in REPEAT_KEYS}
+    overrides = None if first.overrides is None else [
+        o for o in first.overrides if o.split("=", 1)[0].lstrip("+~") not in REPEAT_KEYS]
+    planned = group_repeats(group)
+    missing = [r for r in members if r.metrics is None]
+    why = "; ".join(f"repeat {repeat_index(r.path)}: {r.status}: {one_line(r.failure)}"
+                    for r in missing)
+    short = (planned or 0) - len(members)
+    if short > 0:
+        why = "; ".join(x for x in (why, f"{short} repeat(s) never started") if x)
+    if not done:
+        return Run(group, config, None, f"no repeat finished: {why}", first.status, overrides,
+                   repeats=members, repeats_planned=planned)
+    s = summarize_repeats([r.metrics or {} for r in done],
+                          [repeat_index(r.path) or 0 for r in done])
+    failure = f"{len(done)} of {planned or len(members)} repeats finished: {why}" if why \
+        else None
+    return Run(group, config, s.metrics, failure, FINISHED, overrides, repeats=members,
+               varied=s.varied, repeats_planned=planned)
 
 
 @dataclass(slots=True)
@@ -232,8 +306,8 @@ def sweep_jobs(multirun: Path) -> list[list[str]] | None:
     try:
         hydra = (_read_yaml(multirun) or {}).get("hydra", {})
         sweeper = hydra.get("sweeper", {})
-        if not str(sweeper.get("_target_", "")).endswith("BasicSweeper"):
-            return None
+        if not str(sweeper.get("_target_", "")).endswith(("BasicSweeper", "RepeatSweeper")):
+            return None  # the repeat sweeper's base jobs are the basic one's
         params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()]
         parsed = OverridesParser.create().parse_overrides(
             [*params, *hydra.get("overrides", {}).get("task", [])])
@@ -262,6 +336,10 @@ def check_sweeps(paths: list[Path], runs: list[Run]) -> SweepCheck:
                 r.stale = True
                 check.stale.append(r)
         check.never_started += [(sweep, j) for k, j in expected.items() if k not in seen]
+        for r in mine:  # a group's repeats the sweep stopped before
+            have = {repeat_index(x.path) for x in r.repeats}
+            check.never_started += [(sweep, [*(r.overrides or []), f"repeat={k}"])
+                                    for k in range(r.repeats_planned or 0) if k not in have]
     return check
 
 

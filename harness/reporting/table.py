@@ -16,11 +16,13 @@ from typing import Any
 
 import pandas as pd
 
+from harness.metrics.repeats import CI_HIGH, CI_LOW, is_speed, paired_ratio
 from harness.reporting.runs import (
     Run,
     fmt_value,
     label,
     one_line,
+    per_repeat,
     run_key,
     variant,
     variant_keys,
@@ -117,8 +119,11 @@ def compare(runs: list[Run], baseline: str | None = None,
     run's key), then each key metric followed by ``<metric>.vs_baseline`` (not for
     NO_RATIO). With no finished run the frame is empty: the report still lists the rest."""
     done = [r for r in runs if r.metrics is not None]
+    # Runs that did not finish, and the unfinished repeats of groups that did.
+    failed = [r for r in runs if r.metrics is None] + [
+        x for r in done for x in r.repeats if x.metrics is None]
     if not done:
-        return Comparison(pd.DataFrame(), [], [], baseline or "paged", list(runs))
+        return Comparison(pd.DataFrame(), [], [], baseline or "paged", failed)
     backend = resolve_baseline(runs, baseline)
     keys = variant_keys(runs)
     where = where or {}
@@ -144,15 +149,20 @@ def compare(runs: list[Run], baseline: str | None = None,
                                "baseline": run_key(b, keys) if b else None}
         for k in metrics:
             row[k] = m.get(k)
+            if m.get(k + CI_LOW) is not None:  # a group of repeats: the median's interval
+                row[k + CI_LOW], row[k + CI_HIGH] = m.get(k + CI_LOW), m.get(k + CI_HIGH)
             if k not in NO_RATIO:
                 row[k + RATIO] = _ratio(m.get(k), bm.get(k)) if b else math.nan
+                paired = paired_ratio(per_repeat(r, k), per_repeat(b, k)) \
+                    if b is not None and is_speed(k) else None
+                if paired is not None:  # repeats on both sides: the paired ratios' median
+                    row[k + RATIO], row[k + RATIO + CI_LOW], row[k + RATIO + CI_HIGH] = paired
         rows.append(row)
     frame = pd.DataFrame(rows)
     for k in keys:  # a key only some backends have (backend.reserve) is blank elsewhere
         if k not in frame:
             frame[k] = None
-    return Comparison(frame, keys, metrics, backend, [r for r in runs if r.metrics is None],
-                      unmatched)
+    return Comparison(frame, keys, metrics, backend, failed, unmatched)
 
 
 def status_counts(cmp: Comparison, never_started: int = 0, stale: int = 0) -> str:
@@ -176,6 +186,14 @@ def _cell(value: Any, fmt: str) -> str:
     return fmt.format(value)
 
 
+def _interval(row: Any, key: str, fmt: str = "{:.2f}") -> str:
+    """`` [low, high]`` when the row has the key's interval (a group of repeats)."""
+    low, high = row.get(key + CI_LOW), row.get(key + CI_HIGH)
+    if low is None or high is None or _nan(low) or _nan(high):
+        return ""
+    return f" [{_cell(low, fmt)}, {_cell(high, fmt)}]"
+
+
 def to_markdown(cmp: Comparison, sources: list[str], images: list[str],
                 never_started: list[str] | None = None, stale: list[Run] | None = None) -> str:
     """The report page: one table per workload, the runs that did not finish, the jobs
@@ -191,6 +209,12 @@ def to_markdown(cmp: Comparison, sources: list[str], images: list[str],
                 "`backend.*`). Lower is better for latency, waste, preemptions and quality "
                 "deltas (ppl delta and KL are already relative to the exact reference: no "
                 "ratio).", ""]
+        if any(c.endswith(CI_LOW) for c in f.columns):
+            out += ["A run repeated (`repeats=N`) shows the median over its repeats; its "
+                    "speed values carry a 95% bootstrap interval in brackets, and a ratio "
+                    "between two repeated runs is the median of their paired repeats' ratios "
+                    "(repeat k with repeat k: a sweep runs them close in time), with its "
+                    "interval.", ""]
     headers = {m: h for m, h, _ in KEY_METRICS}
     fmts = {m: fm for m, _, fm in KEY_METRICS}
     for wl, part in (f.groupby("workload", sort=False) if n_ok else []):
@@ -215,8 +239,8 @@ def to_markdown(cmp: Comparison, sources: list[str], images: list[str],
                 cells.append(row["baseline"] if isinstance(row["baseline"], str) else "-")
             for m in mets:
                 ratio = row.get(m + RATIO, math.nan)
-                tail = "" if _nan(ratio) else f" ({ratio:.2f}x)"
-                cells.append(_cell(row[m], fmts[m]) + tail)
+                tail = "" if _nan(ratio) else f" ({ratio:.2f}x{_interval(row, m + RATIO)})"
+                cells.append(_cell(row[m], fmts[m]) + _interval(row, m, fmts[m]) + tail)
             out.append("| " + " | ".join(str(c) for c in cells) + " |")
         out.append("")
     if cmp.failed:
