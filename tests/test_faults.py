@@ -228,6 +228,9 @@ def test_a_stopped_parallel_sweep_marks_every_running_job(tmp_path: Path) -> Non
     sweep = tmp_path / "sweep"
     p = start("-m", "hydra/launcher=parallel", *QUICK, *SLOW, "backend=paged,contiguous,fp8",
               f"hydra.sweep.dir={sweep}", "progress=false")
+    # Both parallel jobs running (each has claimed its folder; under load the first may
+    # claim after the second), then the signal.
+    owner_pid(sweep / "0-paged-shared_prefix")
     owner_pid(sweep / "1-contiguous-shared_prefix")
     time.sleep(0.5)
     p.send_signal(signal.SIGTERM)
