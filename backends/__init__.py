@@ -10,8 +10,10 @@ from harness.backends.flex import FlexBackend
 from harness.backends.fp8 import Fp8Backend
 from harness.backends.h2o import H2OBackend
 from harness.backends.int8 import Int8Backend
+from harness.backends.keydiff import KeyDiffBackend
 from harness.backends.kivi import KIVIBackend
 from harness.backends.knorm import KnormBackend
+from harness.backends.observed_attention import ObservedAttentionBackend
 from harness.backends.paged import PagedBackend
 from harness.backends.quest import QuestBackend
 from harness.backends.sliding_window import SlidingWindowBackend, StreamingLLMBackend
@@ -33,6 +35,8 @@ BACKENDS: dict[str, type[KVBackend]] = {
     "tova": TOVABackend,
     "snapkv": SnapKVBackend,
     "knorm": KnormBackend,
+    "keydiff": KeyDiffBackend,
+    "observed_attention": ObservedAttentionBackend,
 }
 
 

@@ -12,7 +12,10 @@ its trigger ``prefill``, its own knobs), read by its backend and its policy alik
   window) over the prompt tokens before them, kept by position across prefill chunks
   (a window may span chunks) and finished by :meth:`ScoredBackend.pool` when the chunk
   that ends the window has run (snapkv; attention stays SDPA, the window's rows computed
-  again for their weights).
+  again for their weights);
+* ``held``: every key the sequence holds, scored together when a selection follows (the
+  prompt's last chunk under ``full``, every chunk under ``streaming``): a score that is a
+  statistic over all of them (keydiff: similarity to their mean); attention stays SDPA.
 
 The base does the rest once: the weights when asked for, per-slot scores summed over
 layers on the device, the one device-to-host transfer per step (:meth:`take_scores`); the
@@ -62,7 +65,7 @@ class ScorerOptions(BackendOptions):
         one_of(self, "backend", "prefill", PREFILL)
 
 
-READS = ("weights", "keys", "window")  # what a method's score reads
+READS = ("weights", "keys", "window", "held")  # what a method's score reads
 
 
 class ScoredBackend(SlottedBackend):
@@ -72,7 +75,7 @@ class ScoredBackend(SlottedBackend):
     policy: BudgetPolicy
     Options: ClassVar[type[BackendOptions]] = ScorerOptions
     Policy: ClassVar[Callable[[Any], BudgetPolicy]]
-    reads: ClassVar[str] = "weights"  # weights | keys | window (module docstring)
+    reads: ClassVar[str] = "weights"  # weights | keys | window | held (module docstring)
 
     def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:
         super().__init__(layout, device, **options)
@@ -93,6 +96,7 @@ class ScoredBackend(SlottedBackend):
         ``weights``: w (B, KV, G, n, L) softmax weights of n queries (G query heads per KV
         head) over the L keys read, k (B, L, KV, D) those keys -> (B, L).
         ``keys``: w None, k (T, KV, D) the step's new keys -> (T,).
+        ``held``: w None, k (T, KV, D) every key one sequence holds -> (T,).
         ``window``: w (KV, G, n, L) the window queries' weights (those of this chunk) over
         the L keys before the window, k (L, KV, D) -> (H, L), per query head (pooled by
         :meth:`pool` once the window is complete)."""
@@ -118,7 +122,7 @@ class ScoredBackend(SlottedBackend):
         if self.reads == "keys":  # a key is scored once, in the step that writes it
             self._touched = batch.slot_mapping if batch.slot_mapping.numel() else None
             return
-        if self.reads == "window":  # set by the chunks that end a window
+        if self.reads in ("window", "held"):  # set by the chunks a selection follows
             self._touched = None
             return
         touched = list(self._chunk_slots)
@@ -159,7 +163,25 @@ class ScoredBackend(SlottedBackend):
         out = super().attend_chunk(layer, q, c, slots)
         if self.reads == "window":
             self.observe_window(layer, q, c, slots)
+        elif self.reads == "held":
+            self.score_held(layer, c, slots)
         return out
+
+    def score_held(self, layer: int, c: PrefillChunk, slots: torch.Tensor) -> None:
+        """``held``: when a selection follows this chunk (the prompt's end under ``full``,
+        each chunk under ``streaming``), score every key the sequence holds (slots (L,) its
+        table's, this chunk's own keys stored already) with one call of :meth:`score`."""
+        seq = c.sched.seq
+        p = seq.num_prompt_tokens
+        if self.policy.keep(p, seq.group.params.max_tokens) >= p:
+            return  # the prompt fits its budget: nothing will be selected
+        if not self.policy.streaming and c.start + c.num_tokens < p:
+            return  # full: the prompt's last chunk scores it all
+        held = slots[self.slot_pos[slots] >= 0]
+        k, _ = self.gather(layer, held, torch.float32)  # (T, KV, D)
+        self._received.index_add_(0, held, self.score(None, k))
+        if layer == self.layout.num_layers - 1:
+            self._window_slots.append(held)
 
     def observe_window(self, layer: int, q: torch.Tensor, c: PrefillChunk,
                        slots: torch.Tensor) -> None:
@@ -198,7 +220,7 @@ class ScoredBackend(SlottedBackend):
             self._window_slots.append(held)
 
     def take_scores(self) -> StepScores | None:
-        if self.reads == "window" and self._window_slots:
+        if self.reads in ("window", "held") and self._window_slots:
             self._touched = torch.cat(self._window_slots)
         if self._touched is None:
             return None

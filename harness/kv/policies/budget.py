@@ -156,6 +156,12 @@ class BudgetPolicy(EvictionPolicy):
         """Which of ``seq``'s live tokens (at ``positions``, int64 (held,)) may go: bool."""
         return np.ones(len(positions), dtype=bool)
 
+    def rank(self, seq: Sequence, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """What decides among ``seq``'s tokens at ``slots`` (``positions``): the lowest
+        goes. Default: their scores as kept (observed_attention divides them by how many
+        queries saw each token)."""
+        return self.scores[slots]
+
     def select(self, seq: Sequence, held: HeldBlocks | HeldTokens, need: int) -> Eviction:
         assert isinstance(held, HeldTokens), "a token policy decides by slots"
         if need <= 0:
@@ -163,7 +169,7 @@ class BudgetPolicy(EvictionPolicy):
         slots, pos = held
         cand = self.candidates(seq, pos)
         assert int(cand.sum()) >= need, "a chunk larger than the evictable budget"
-        score = np.where(cand, self.scores[slots], np.inf)
+        score = np.where(cand, self.rank(seq, slots, pos), np.inf)
         # Stable: equal scores go oldest slot first, so runs are reproducible. One token (a
         # decode step's usual need) is the first minimum, which argmin gives in O(held).
         if need == 1:

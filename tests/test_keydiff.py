@@ -1,0 +1,82 @@
+"""keydiff: after the prompt, the kept tokens are those whose keys are least similar to
+the mean unit key of all the keys held (per layer and KV head, the cosine averaged over
+both); a brute force over the random keys the Driver drew says which, however the prompt
+was chunked (the score is a statistic of every held key: the prompt's last chunk scores
+them together). Streaming (the paper's block-wise form) rescores what is held after each
+chunk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.kv.evicting import EvictingKVManager
+from harness.runner import run
+from tests.backend_steps import Driver
+from tests.compose import tiny
+
+
+def _brute_force_keydiff(keys: torch.Tensor, positions: list[int], keep: int) -> list[int]:
+    """keys: (layers, P, KV, D). The ``keep`` of ``positions`` with the lowest cosine to
+    the anchor (mean of the unit keys at ``positions``), per (layer, KV head), mean over
+    both, kept by highest score = lowest similarity; ties to the earlier position."""
+    k = keys[:, positions].double()  # (layers, T, KV, D)
+    unit = k / k.norm(dim=-1, keepdim=True)
+    anchor = unit.mean(dim=1, keepdim=True)  # (layers, 1, KV, D)
+    cos = (k * anchor).sum(-1) / (k.norm(dim=-1) * anchor.norm(dim=-1))  # (layers, T, KV)
+    score = -cos.mean(dim=(0, 2))
+    order = sorted(range(len(positions)), key=lambda i: (-float(score[i]), i))
+    return sorted(positions[i] for i in order[:keep])
+
+
+@pytest.mark.parametrize("chunks", [[40], [23, 17], [39, 1]])
+@pytest.mark.parametrize("seed", range(3))
+def test_kept_prompt_is_the_least_similar_to_the_mean_key(chunks: list[int], seed: int) -> None:
+    keep = 11
+    d = Driver("keydiff", options={"budget": keep, "budget_ratio": 0.0}, seed=seed)
+    s = d.add(prompt_len=sum(chunks), max_tokens=6)
+    for n in chunks:
+        d.step([(s, n)])
+        if s.num_computed < s.num_prompt_tokens:  # full: nothing goes before the end
+            assert len(d.held(s)[1]) == s.num_computed
+    _, pos = d.held(s)
+    p = s.num_prompt_tokens
+    assert pos == _brute_force_keydiff(d.k[s.seq_id], list(range(p)), keep)
+    kv = d.kv
+    assert isinstance(kv, EvictingKVManager)
+    assert len(kv.table_of(s)) == -(-keep // d.block_size)  # compacted: whole blocks back
+    for _ in range(5):  # decoding keeps every generated token
+        d.step([(s, 1)])
+    _, after = d.held(s)
+    assert after[:keep] == pos and len(after) == keep + 5
+
+
+def test_streaming_rescores_what_is_held_after_each_chunk() -> None:
+    keep = 10
+    d = Driver("keydiff", options={"budget": keep, "budget_ratio": 0.0, "prefill": "streaming"},
+               seed=5)
+    s = d.add(prompt_len=40, max_tokens=4)
+    assert d.kv.max_chunk(s) == keep // 2
+    while s.num_computed < s.num_prompt_tokens:
+        before = d.held(s)[1] if s.num_computed else []
+        n = min(keep // 2, s.num_uncomputed)
+        first = s.num_computed
+        d.step([(s, n)])
+        held_now = [*before, *range(first, first + n)]
+        _, pos = d.held(s)
+        assert len(pos) <= keep + keep // 2
+        if len(held_now) > keep:  # the block-wise rule: rescore everything held, keep the top
+            assert pos == _brute_force_keydiff(d.k[s.seq_id], held_now, keep)
+    assert len(d.held(s)[1]) == keep
+
+
+def test_engine_run_frees_memory_and_reads_less() -> None:
+    r = run(tiny("backend=keydiff", "backend.budget_ratio=0.25", "workload.answer_tokens=16",
+                 "workload.ignore_eos=true", "backend.block_size=8"))
+    m = r.metrics
+    assert m["run.prefill"] == "full" and m["run.prefix_caching"] is False
+    assert m["cache.evicted_tokens"] > 0 and m["requests.finished"] == len(r.requests)
+    paged = run(tiny("backend=paged", "workload.answer_tokens=16", "workload.ignore_eos=true",
+                     "backend.block_size=8", "cache.enable_prefix_caching=false"))
+    assert m["attention.kv_read_bytes_per_token"] < \
+        0.6 * paged.metrics["attention.kv_read_bytes_per_token"]
