@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from harness.backends.base import AttentionBatch, CacheSizing, KVBackend, KVLayout, PrefillChunk
 from harness.backends.contiguous import ContiguousBackend
+from harness.backends.expected_attention import ExpectedAttentionBackend
 from harness.backends.flash_attn import FlashAttnBackend
 from harness.backends.flex import FlexBackend
 from harness.backends.fp8 import Fp8Backend
@@ -37,6 +38,7 @@ BACKENDS: dict[str, type[KVBackend]] = {
     "knorm": KnormBackend,
     "keydiff": KeyDiffBackend,
     "observed_attention": ObservedAttentionBackend,
+    "expected_attention": ExpectedAttentionBackend,
 }
 
 

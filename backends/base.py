@@ -32,6 +32,10 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    # The model's RoPE speeds, (head_dim // 2,) in Hugging Face's rotate-half convention
+    # (harness.model.rope.inverse_frequencies); () when unknown (the roofline's specs).
+    # Only a method that reasons about positions (expected_attention) reads it.
+    rope_inv_freq: tuple[float, ...] = ()
 
     @property
     def elem_bytes(self) -> int:

@@ -167,16 +167,22 @@ class ScoredBackend(SlottedBackend):
             self.score_held(layer, c, slots)
         return out
 
+    def selection_follows(self, c: PrefillChunk) -> bool:
+        """Whether the policy selects after chunk ``c`` (``held``): never when the prompt
+        fits its budget; under ``full`` after the prompt's last chunk, under
+        ``streaming`` after every chunk."""
+        seq = c.sched.seq
+        p = seq.num_prompt_tokens
+        if self.policy.keep(p, seq.group.params.max_tokens) >= p:
+            return False
+        return self.policy.streaming or c.start + c.num_tokens >= p
+
     def score_held(self, layer: int, c: PrefillChunk, slots: torch.Tensor) -> None:
         """``held``: when a selection follows this chunk (the prompt's end under ``full``,
         each chunk under ``streaming``), score every key the sequence holds (slots (L,) its
         table's, this chunk's own keys stored already) with one call of :meth:`score`."""
-        seq = c.sched.seq
-        p = seq.num_prompt_tokens
-        if self.policy.keep(p, seq.group.params.max_tokens) >= p:
-            return  # the prompt fits its budget: nothing will be selected
-        if not self.policy.streaming and c.start + c.num_tokens < p:
-            return  # full: the prompt's last chunk scores it all
+        if not self.selection_follows(c):
+            return
         held = slots[self.slot_pos[slots] >= 0]
         k, _ = self.gather(layer, held, torch.float32)  # (T, KV, D)
         self._received.index_add_(0, held, self.score(None, k))

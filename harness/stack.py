@@ -46,7 +46,8 @@ class Stack:
 def model_layout(loaded: LoadedModel) -> KVLayout:
     mc = loaded.config
     return KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                    next(loaded.model.parameters()).dtype)
+                    next(loaded.model.parameters()).dtype,
+                    tuple(loaded.model.rope.inv_freq.tolist()))
 
 
 def make_backend(opts: BackendOptions, layout: KVLayout, device: torch.device) -> KVBackend:
