@@ -10,8 +10,9 @@ rotation ``R`` of the next ``n_future_positions`` positions (``mu R^T``, ``R S R
 Attention ``exp(q.k / sqrt(d))`` of a Gaussian query then has the expectation
 ``exp(k.mu / sqrt(d) + k^T S k / (2 d))``: softmax over the held keys, averaged over the
 query heads of each KV head, times each value's norm (``use_vnorm``), averaged over KV
-heads and layers (one slot holds a token for all of them). The first ``n_sink`` tokens are
-never evicted (kvpress pads them with the maximum score). Scored on the scorer seam
+heads and layers (one slot holds a token for all of them). The first ``n_sink`` tokens
+rank above every other (kvpress pads them with the maximum score): they go only when the
+budget is smaller than they are. Scored on the scorer seam
 (backends/scored.py) with ``reads = "held"``: every held key at once, at the prompt's end
 (``prefill=full``, kvpress's trigger; the kept tokens compacted, what is generated kept)
 or after every chunk (``streaming``: the statistics of the queries so far).
@@ -66,8 +67,15 @@ class ExpectedAttentionPolicy(BudgetPolicy):
         assert budget is not None
         return max(1, budget // 2)
 
-    def candidates(self, seq: Sequence, positions: np.ndarray) -> np.ndarray:
-        return positions >= self.n_sink  # the sinks stay
+    def rank(self, seq: Sequence, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        # The sinks rank above every scored token (kvpress pads them with the maximum
+        # score + 1), the earliest highest: they go only when the budget is below them.
+        r = np.array(self.scores[slots], dtype=np.float64)
+        sink = positions < self.n_sink
+        if sink.any():
+            top = float(r[~sink].max()) if (~sink).any() else 0.0
+            r[sink] = top + 1.0 + (self.n_sink - positions[sink])
+        return r
 
 
 def rotate(x: torch.Tensor, inv_freq: torch.Tensor, positions: torch.Tensor,
