@@ -18,9 +18,9 @@ from harness.config import run_config
 from harness.errors import UserError
 from harness.gate import judge_interval
 from harness.metrics.repeats import median_ci, paired_ratio, summarize_repeats
+from harness.repeats import expand_repeats
 from harness.reporting.baseline import MetricSpec
 from harness.reporting.runs import check_sweeps, find_runs
-from harness.repeats import expand_repeats
 from tests.compose import compose_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
