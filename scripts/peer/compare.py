@@ -1,0 +1,147 @@
+"""kvbench's side, step 3 of scripts/peer_kvpress.sh: kvbench's backends on the same
+prompts at the same kept counts, and one table beside kvpress's.
+
+    python scripts/peer/compare.py DIR     # DIR holds prompts.json and kvpress.json
+
+Each kvbench method runs through the real engine (harness.runner.run: RULER prompts of one
+length, ``backend.prefill=full``: the whole prompt, then one selection at its end, as
+kvpress compresses) with ``backend.budget`` = kvpress's kept count (snapkv: the count
+minus its 32-token window, which it keeps besides; streaming_llm: 4 sinks + a window of the
+rest). Writes DIR/table.md and DIR/results.json: accuracy per method and length with 95%
+bootstrap intervals for kvbench, kvpress with kvbench's per-sequence selection
+(``sequence``) and kvpress's own per-head selection (``head``); paired agreement and
+identical outputs between kvbench and kvpress-sequence; the KV bytes kvbench's sequences
+held; and the score check on the fixture (scripts/peer/score_check.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from harness.config import compose_config
+from harness.metrics.bootstrap import bootstrap_ci
+from harness.metrics.tasks import score_requests
+from harness.model import load_model
+from harness.runner import run
+from harness.workloads import make_workload, workload_options
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from score_check import check_scores  # noqa: E402
+
+WINDOW, SINKS = 32, 4  # kvbench's snapkv window; streaming_llm's sinks (kvpress's n_sink)
+
+
+def overrides(method: str, n_kept: int) -> list[str]:
+    """The kvbench backend that keeps ``n_kept`` prompt tokens per sequence."""
+    if method == "none":
+        return ["backend=paged", "cache.enable_prefix_caching=false"]
+    if method == "streaming_llm":
+        return ["backend=streaming_llm", f"backend.window={n_kept - SINKS}",
+                f"backend.sink_tokens={SINKS}"]
+    if method == "snapkv":
+        return ["backend=snapkv", f"backend.budget={n_kept - WINDOW}", "backend.budget_ratio=0",
+                "backend.pooling=avg", "backend.prefill=full"]
+    return [f"backend={method}", f"backend.budget={n_kept}", "backend.budget_ratio=0",
+            "backend.prefill=full"]
+
+
+def cell(p: dict[str, Any]) -> tuple[str, int, float, int]:
+    return (str(p["task"]), int(p["length"]), float(p["depth"]), int(p["sample"]))
+
+
+def ci(xs: list[float]) -> tuple[float, float, float]:
+    low, high = bootstrap_ci(np.asarray(xs, dtype=float))
+    return float(np.mean(xs)), low, high
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("dir", type=Path)
+    ap.add_argument("--methods", nargs="+", default=None)
+    a = ap.parse_args()
+    d = json.loads((a.dir / "prompts.json").read_text())
+    kvp = json.loads((a.dir / "kvpress.json").read_text())
+    loaded = load_model("smollm2")
+    tok = loaded.tokenizer
+    by_cell = {cell(p): p for p in d["prompts"]}
+    methods = a.methods or ["none", *sorted({k.split("@")[0] for k in kvp["outputs"]
+                                             if k != "none"})]
+    ratio = d["ratios"][0]
+    rows: list[dict[str, Any]] = []
+    for method in methods:
+        for length in d["lengths"]:
+            n_kept = d["kept"][str(ratio)][str(length)]
+            opts = workload_options("ruler", {"lengths": [length], "samples": d["samples"],
+                                              "seed": 0})
+            wl = make_workload(opts, tok)
+            ids = {r.request_id: cell({**wl.task_meta(r.request_id), "length": length})
+                   for r in wl.initial_requests()}
+            for r in wl.initial_requests():  # the same prompts as kvpress ran
+                assert list(r.prompt_ids) == by_cell[ids[r.request_id]]["ids"], ids[r.request_id]
+            cfg = compose_config([*overrides(method, n_kept), "workload=ruler",
+                                  f"workload.lengths=[{length}]",
+                                  f"workload.samples={d['samples']}", "scheduler.max_model_len=8192",
+                                  "cache.kv_budget=1GiB", "progress=false"])
+            res = run(cfg)
+            ours = score_requests(wl, res.outputs, tok)
+            key = "none" if method == "none" else f"{method}@{ratio}"
+            theirs = kvp["outputs"].get(key, {})
+            modes = {"head": theirs, "sequence": theirs} if method == "none" else theirs
+            row: dict[str, Any] = {"method": method, "length": length, "kept": n_kept,
+                                   "n": len(ours)}
+            acc = [ours[rid].score for rid in sorted(ours)]
+            row["kvbench"] = ci(acc)
+            for mode, outs in modes.items():
+                mapped = {rid: outs[str(by_cell[c]["id"])] for rid, c in ids.items()}
+                s = score_requests(wl, mapped, tok)
+                row[f"kvpress_{mode}"] = ci([s[rid].score for rid in sorted(ours)])
+                if mode == "sequence":
+                    row["agree"] = float(np.mean([(ours[r].score == 1.0) == (s[r].score == 1.0)
+                                                  for r in ours]))
+                    row["identical"] = sum(res.outputs[r] == mapped[r] for r in ours)
+            busy = [s for s in res.steps if s.running > 0]
+            row["kv_held_mib"] = (sum(s.reserved_bytes for s in busy)
+                                  / max(1, sum(s.running for s in busy)) / 2**20)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    fixture = a.dir / "kvpress_scores.pt"
+    checks = [c.__dict__ for c in check_scores(torch.load(fixture))] if fixture.is_file() else []
+    (a.dir / "results.json").write_text(json.dumps({"rows": rows, "score_checks": checks,
+                                                    "versions": kvp.get("versions")},
+                                                   indent=2) + "\n")
+    (a.dir / "table.md").write_text(to_markdown(rows, checks, kvp.get("versions", {})))
+    print((a.dir / "table.md").read_text())
+
+
+def _fmt(x: tuple[float, float, float]) -> str:
+    return f"{x[0]:.2f} [{x[1]:.2f}, {x[2]:.2f}]"
+
+
+def to_markdown(rows: list[dict[str, Any]], checks: list[dict[str, Any]],
+                versions: dict[str, str]) -> str:
+    out = [f"kvpress {versions.get('kvpress', '?')}, transformers "
+           f"{versions.get('transformers', '?')}, torch {versions.get('torch', '?')}", "",
+           "| method | length | kept | kvbench [95% CI] | kvpress, per-sequence selection | "
+           "kvpress, per-head (its own) | paired agreement | identical outputs | kvbench KV "
+           "held / seq (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['method']} | {r['length']} | {r['kept']} | {_fmt(r['kvbench'])} | "
+                   f"{_fmt(r['kvpress_sequence'])} | {_fmt(r['kvpress_head'])} | "
+                   f"{r['agree']:.2f} | {r['identical']}/{r['n']} | {r['kv_held_mib']:.1f} |")
+    if checks:
+        out += ["", "| method | layer | max rel. error | constant (kvbench / kvpress) |",
+                "|---|---|---|---|"]
+        out += [f"| {c['method']} | {c['layer']} | {c['rel_error']:.1e} | {c['constant']:.4g} |"
+                for c in checks]
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# kvbench's methods side by side with NVIDIA's kvpress on the same RULER prompts.
+#
+#   scripts/peer_kvpress.sh [OUT_DIR] [--lengths 1024 2048] [--samples 3] [--ratios 0.75]
+#
+# 1. builds kvpress in its own venv (.venv-kvpress: kvpress 0.5.5 pins transformers < 5.3,
+#    kvbench runs 5.x; once installed it runs offline), torch from the same local wheel;
+# 2. writes the prompts (kvbench's RULER niah_single_1/2 at each length, 5 depths x
+#    --samples; kvbench's tokenizer) and kvpress's kept counts (scripts/peer/make_prompts.py);
+# 3. runs kvpress's presses on them, the whole prompt compressed in one prefill, with
+#    kvpress's own per-head selection and with kvbench's per-sequence one, and records the
+#    fixture of layer inputs and scores (scripts/peer/kvpress_side.py);
+# 4. runs kvbench's backends at the same kept counts through its engine and writes
+#    OUT_DIR/table.md and results.json (scripts/peer/compare.py).
+# Default OUT_DIR: results/peer_kvpress/<date>. Not part of CI (the install is large);
+# tests/test_peer_kvpress.py checks the committed fixture (tests/fixtures/kvpress_scores.pt).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+out="${1:-results/peer_kvpress/$(date +%Y%m%d)}"
+[ $# -gt 0 ] && shift
+py="$root/.venv/bin/python"
+[ -x "$py" ] || bash "$root/scripts/setup.sh"
+kp="$root/.venv-kvpress/bin/python"
+if [ ! -x "$kp" ] || ! "$kp" -c "import kvpress, gguf" 2>/dev/null; then
+    python3 -m venv "$root/.venv-kvpress"
+    "$kp" -m pip install -q "${KVBENCH_TORCH_SPEC:-torch==2.13.0}" "kvpress==0.5.5" \
+        "transformers>=4.56,<5.3" "gguf>=0.10"
+fi
+mkdir -p "$out"
+export TQDM_DISABLE=1 TRANSFORMERS_VERBOSITY=error HF_HUB_OFFLINE=1
+"$py" scripts/peer/make_prompts.py "$out/prompts.json" "$@"
+"$kp" scripts/peer/kvpress_side.py "$out/prompts.json" "$out/kvpress.json" \
+    --fixture "$out/kvpress_scores.pt"
+"$py" scripts/peer/compare.py "$out"
+echo "peer_kvpress: $out/table.md (fixture: $out/kvpress_scores.pt; copy it to"
+echo "  tests/fixtures/kvpress_scores.pt to refresh the CI check)"
