@@ -31,18 +31,16 @@ import numpy as np
 import torch
 
 from harness.backends.base import KVLayout, PrefillChunk
-from harness.backends.scored import ScoredBackend, ScorerOptions
+from harness.backends.scored import PressOptions, ScoredBackend
 from harness.errors import UserError
-from harness.kv.policies.budget import BudgetPolicy
+from harness.kv.policies.budget import PressPolicy
 
 if TYPE_CHECKING:
     from harness.sched.sequence import Sequence
 
 
 @dataclass
-class ExpectedAttentionOptions(ScorerOptions):
-    budget_ratio: float = 0.2  # share of the prompt kept (or budget: tokens)
-    prefill: str = "full"  # full (kvpress: once, after the prompt) | streaming
+class ExpectedAttentionOptions(PressOptions):
     n_future_positions: int = 512  # the future queries' positions averaged over
     n_sink: int = 4  # first tokens: never evicted, and their queries left out
     use_covariance: bool = True  # the queries' covariance term (else the mean only)
@@ -55,17 +53,12 @@ class ExpectedAttentionOptions(ScorerOptions):
                             f"got {self.n_future_positions} and {self.n_sink}")
 
 
-class ExpectedAttentionPolicy(BudgetPolicy):
+class ExpectedAttentionPolicy(PressPolicy):
     name = "expected_attention"
-    decode_budget = False  # the prompt is compressed; what is generated stays
 
     def __init__(self, opts: Any) -> None:
         super().__init__(opts)
         self.n_sink = int(opts.n_sink)
-
-    def streaming_chunk(self, budget: int | None) -> int:
-        assert budget is not None
-        return max(1, budget // 2)
 
     def rank(self, seq: Sequence, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
         # The sinks rank above every scored token (kvpress pads them with the maximum

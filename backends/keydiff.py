@@ -21,23 +21,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from harness.backends.scored import ScoredBackend, ScorerOptions
-from harness.kv.policies.budget import BudgetPolicy
+from harness.backends.scored import PressOptions, ScoredBackend
+from harness.kv.policies.budget import PressPolicy
 
 
 @dataclass
-class KeyDiffOptions(ScorerOptions):
-    budget_ratio: float = 0.2  # share of the prompt kept (or budget: tokens)
-    prefill: str = "full"  # full (kvpress: once, after the prompt) | streaming (block-wise)
+class KeyDiffOptions(PressOptions):
+    """A press's options; ``prefill=streaming`` is the paper's block-wise eviction."""
 
 
-class KeyDiffPolicy(BudgetPolicy):
+class KeyDiffPolicy(PressPolicy):
     name = "keydiff"
-    decode_budget = False  # the prompt is compressed; what is generated stays
-
-    def streaming_chunk(self, budget: int | None) -> int:
-        assert budget is not None
-        return max(1, budget // 2)
 
 
 class KeyDiffBackend(ScoredBackend):

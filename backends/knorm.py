@@ -18,23 +18,17 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.backends.scored import ScoredBackend, ScorerOptions
-from harness.kv.policies.budget import BudgetPolicy
+from harness.backends.scored import PressOptions, ScoredBackend
+from harness.kv.policies.budget import PressPolicy
 
 
 @dataclass
-class KnormOptions(ScorerOptions):
-    budget_ratio: float = 0.2  # share of the prompt kept (or budget: tokens)
-    prefill: str = "full"  # full (kvpress: once, after the prompt) | streaming
+class KnormOptions(PressOptions):
+    """A press's options: ``budget_ratio`` of the prompt kept (default 0.2), ``prefill=full``."""
 
 
-class KnormPolicy(BudgetPolicy):
+class KnormPolicy(PressPolicy):
     name = "knorm"
-    decode_budget = False  # the prompt is compressed; what is generated stays
-
-    def streaming_chunk(self, budget: int | None) -> int:
-        assert budget is not None
-        return max(1, budget // 2)
 
 
 class KnormBackend(ScoredBackend):

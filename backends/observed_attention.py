@@ -22,27 +22,21 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from harness.backends.scored import ScoredBackend, ScorerOptions
-from harness.kv.policies.budget import BudgetPolicy
+from harness.backends.scored import PressOptions, ScoredBackend
+from harness.kv.policies.budget import PressPolicy
 
 if TYPE_CHECKING:
     from harness.sched.sequence import Sequence
 
 
 @dataclass
-class ObservedAttentionOptions(ScorerOptions):
-    budget_ratio: float = 0.2  # share of the prompt kept (or budget: tokens)
-    prefill: str = "full"  # full (kvpress: once, after the prompt) | streaming
+class ObservedAttentionOptions(PressOptions):
+    """A press's options: ``budget_ratio`` of the prompt kept (default 0.2), ``prefill=full``."""
 
 
-class ObservedAttentionPolicy(BudgetPolicy):
+class ObservedAttentionPolicy(PressPolicy):
     name = "observed_attention"
     accumulates = True  # attention received, summed over the steps that computed it
-    decode_budget = False  # the prompt is compressed; what is generated stays
-
-    def streaming_chunk(self, budget: int | None) -> int:
-        assert budget is not None
-        return max(1, budget // 2)
 
     def rank(self, seq: Sequence, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
         # The mean over the queries that saw each token: every computed position at or

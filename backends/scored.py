@@ -65,6 +65,15 @@ class ScorerOptions(BackendOptions):
         one_of(self, "backend", "prefill", PREFILL)
 
 
+@dataclass
+class PressOptions(ScorerOptions):
+    """A kvpress-style press's options (with :class:`~harness.kv.policies.budget.
+    PressPolicy`): a share of the prompt kept, compressed once at its end by default."""
+
+    budget_ratio: float = 0.2  # share of the prompt kept (or budget: tokens)
+    prefill: str = "full"  # full (kvpress: once, after the prompt) | streaming
+
+
 READS = ("weights", "keys", "window", "held")  # what a method's score reads
 
 

@@ -16,9 +16,7 @@ import torch
 from harness.backends.base import KVLayout
 from harness.errors import UserError
 from harness.model.rope import inverse_frequencies
-from harness.runner import run
 from tests.backend_steps import NUM_HEADS, Driver
-from tests.compose import tiny
 
 HEAD_DIM = 16
 INV_FREQ = inverse_frequencies(HEAD_DIM, 10000.0)
@@ -116,12 +114,3 @@ def test_refuses_a_layout_without_rope() -> None:
     s = d.add(prompt_len=20)
     with pytest.raises(UserError, match="RoPE"):
         d.step([(s, 20)])
-
-
-def test_engine_run_frees_memory() -> None:
-    r = run(tiny("backend=expected_attention", "backend.budget_ratio=0.25",
-                 "workload.answer_tokens=16", "workload.ignore_eos=true",
-                 "backend.block_size=8"))
-    m = r.metrics
-    assert m["run.prefill"] == "full" and m["run.prefix_caching"] is False
-    assert m["cache.evicted_tokens"] > 0 and m["requests.finished"] == len(r.requests)

@@ -11,9 +11,7 @@ import pytest
 import torch
 
 from harness.kv.evicting import EvictingKVManager
-from harness.runner import run
 from tests.backend_steps import Driver
-from tests.compose import tiny
 
 
 def _brute_force_keydiff(keys: torch.Tensor, positions: list[int], keep: int) -> list[int]:
@@ -68,15 +66,3 @@ def test_streaming_rescores_what_is_held_after_each_chunk() -> None:
         if len(held_now) > keep:  # the block-wise rule: rescore everything held, keep the top
             assert pos == _brute_force_keydiff(d.k[s.seq_id], held_now, keep)
     assert len(d.held(s)[1]) == keep
-
-
-def test_engine_run_frees_memory_and_reads_less() -> None:
-    r = run(tiny("backend=keydiff", "backend.budget_ratio=0.25", "workload.answer_tokens=16",
-                 "workload.ignore_eos=true", "backend.block_size=8"))
-    m = r.metrics
-    assert m["run.prefill"] == "full" and m["run.prefix_caching"] is False
-    assert m["cache.evicted_tokens"] > 0 and m["requests.finished"] == len(r.requests)
-    paged = run(tiny("backend=paged", "workload.answer_tokens=16", "workload.ignore_eos=true",
-                     "backend.block_size=8", "cache.enable_prefix_caching=false"))
-    assert m["attention.kv_read_bytes_per_token"] < \
-        0.6 * paged.metrics["attention.kv_read_bytes_per_token"]

@@ -8,9 +8,7 @@ from __future__ import annotations
 import pytest
 
 from harness.kv.evicting import EvictingKVManager
-from harness.runner import run
 from tests.backend_steps import Driver
-from tests.compose import tiny
 
 
 def _brute_force_knorm(d: Driver, seq_id: int, prompt: int, keep: int) -> list[int]:
@@ -52,16 +50,3 @@ def test_streaming_bounds_memory_while_prefilling() -> None:
         d.step([(s, min(keep // 2, s.num_uncomputed))])
         assert len(d.held(s)[1]) <= keep + keep // 2
     assert len(d.held(s)[1]) == keep
-
-
-def test_engine_run_records_the_trigger_and_frees_memory() -> None:
-    r = run(tiny("backend=knorm", "backend.budget_ratio=0.25", "workload.answer_tokens=16",
-                 "workload.ignore_eos=true", "backend.block_size=8"))
-    m = r.metrics
-    assert m["run.prefill"] == "full" and m["run.prefix_caching"] is False
-    assert m["cache.evicted_tokens"] > 0 and m["requests.finished"] == len(r.requests)
-    paged = run(tiny("backend=paged", "workload.answer_tokens=16", "workload.ignore_eos=true",
-                     "backend.block_size=8", "cache.enable_prefix_caching=false"))
-    assert m["attention.kv_read_bytes_per_token"] < \
-        0.6 * paged.metrics["attention.kv_read_bytes_per_token"]
-

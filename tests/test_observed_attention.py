@@ -10,9 +10,7 @@ import pytest
 import torch
 
 from harness.kv.evicting import EvictingKVManager
-from harness.runner import run
 from tests.backend_steps import NUM_HEADS, Driver
-from tests.compose import tiny
 
 
 def _brute_force_observed(keys: torch.Tensor, qs: dict[int, list[torch.Tensor]],
@@ -79,12 +77,3 @@ def test_the_division_decides() -> None:
     summed = _brute_force_observed(d.k[s.seq_id], qs, 30, keep, lay.num_kv_heads,
                                    lay.head_dim, average=False)
     assert d.held(s)[1] == averaged != summed
-
-
-def test_engine_run_frees_memory() -> None:
-    r = run(tiny("backend=observed_attention", "backend.budget_ratio=0.25",
-                 "workload.answer_tokens=16", "workload.ignore_eos=true",
-                 "backend.block_size=8"))
-    m = r.metrics
-    assert m["run.prefill"] == "full" and m["run.prefix_caching"] is False
-    assert m["cache.evicted_tokens"] > 0 and m["requests.finished"] == len(r.requests)

@@ -176,3 +176,16 @@ class BudgetPolicy(EvictionPolicy):
             return Eviction(slots=[int(slots[int(np.argmin(score))])])
         order = np.argsort(score, kind="stable")[:need]
         return Eviction(slots=slots[order].tolist())
+
+
+class PressPolicy(BudgetPolicy):
+    """A kvpress-style press (knorm, keydiff, observed_attention, expected_attention): the
+    prompt is compressed to ``budget`` tokens (or ``budget_ratio`` of itself) and what is
+    generated afterwards is all kept (no decode budget); ``streaming`` prefills in chunks
+    of half the budget, each followed by an eviction."""
+
+    decode_budget = False
+
+    def streaming_chunk(self, budget: int | None) -> int:
+        assert budget is not None
+        return max(1, budget // 2)
