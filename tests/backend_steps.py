@@ -143,3 +143,18 @@ class Driver:
         slots, pos = kv.live_slots(seq)
         order = pos.argsort()
         return slots[order].tolist(), pos[order].tolist()
+
+    def prefill(self, seq: Sequence, chunks: list[int]) -> dict[int, list[torch.Tensor]]:
+        """Prefill ``seq`` in ``chunks`` (a full trigger: nothing may go before the prompt's
+        end, checked); returns each prompt position's query, (H, D) per layer."""
+        qs: dict[int, list[torch.Tensor]] = {}
+        for n in chunks:
+            first = seq.num_computed
+            out = self.step([(seq, n)])
+            rows = out.rows[seq.seq_id]
+            for j in range(n):
+                qs[first + j] = [out.q[layer][rows.start + j]
+                                 for layer in range(self.layout.num_layers)]
+            if seq.num_computed < seq.num_prompt_tokens:
+                assert len(self.held(seq)[1]) == seq.num_computed
+        return qs

@@ -71,16 +71,7 @@ def _drive(options: dict[str, object], chunks: list[int], seed: int
            ) -> tuple[Driver, object, dict[int, list[torch.Tensor]]]:
     d = Driver("expected_attention", layout=LAYOUT, options=options, seed=seed)
     s = d.add(prompt_len=sum(chunks), max_tokens=6)
-    qs: dict[int, list[torch.Tensor]] = {}
-    for n in chunks:
-        first = s.num_computed
-        out = d.step([(s, n)])
-        rows = out.rows[s.seq_id]
-        for j in range(n):
-            qs[first + j] = [out.q[layer][rows.start + j] for layer in range(LAYOUT.num_layers)]
-        if s.num_computed < s.num_prompt_tokens:
-            assert len(d.held(s)[1]) == s.num_computed  # full: nothing goes before the end
-    return d, s, qs
+    return d, s, d.prefill(s, chunks)
 
 
 @pytest.mark.parametrize("chunks", [[30], [17, 13], [29, 1]])

@@ -42,15 +42,7 @@ def test_kept_prompt_is_the_most_attended_per_query_that_saw_it(chunks: list[int
     d = Driver("observed_attention", options={"budget": keep, "budget_ratio": 0.0}, seed=seed)
     s = d.add(prompt_len=sum(chunks), max_tokens=6)
     lay = d.layout
-    qs: dict[int, list[torch.Tensor]] = {}
-    for n in chunks:
-        first = s.num_computed
-        out = d.step([(s, n)])
-        rows = out.rows[s.seq_id]
-        for j in range(n):
-            qs[first + j] = [out.q[layer][rows.start + j] for layer in range(lay.num_layers)]
-        if s.num_computed < s.num_prompt_tokens:
-            assert len(d.held(s)[1]) == s.num_computed
+    qs = d.prefill(s, chunks)
     _, pos = d.held(s)
     want = _brute_force_observed(d.k[s.seq_id], qs, s.num_prompt_tokens, keep,
                                  lay.num_kv_heads, lay.head_dim)
