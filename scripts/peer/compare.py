@@ -33,7 +33,7 @@ from harness.runner import run
 from harness.workloads import make_workload, workload_options
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from score_check import check_scores  # noqa: E402
+from score_check import check_scores
 
 WINDOW, SINKS = 32, 4  # kvbench's snapkv window; streaming_llm's sinks (kvpress's n_sink)
 
@@ -61,54 +61,90 @@ def ci(xs: list[float]) -> tuple[float, float, float]:
     return float(np.mean(xs)), low, high
 
 
+def run_kvbench(d: dict[str, Any], methods: list[str], tok: Any, cache: Path) -> dict[str, Any]:
+    """kvbench's outputs per method and length, by prompt cell, and the KV its sequences
+    held; kept in ``cache`` (kvbench.json) as they come, so a rerun (or the table, once
+    kvpress's side has finished) starts from what is done."""
+    done: dict[str, Any] = json.loads(cache.read_text()) if cache.is_file() else {}
+    by_cell = {cell(p): p for p in d["prompts"]}
+    ratio = d["ratios"][0]
+    for method in methods:
+        for length in d["lengths"]:
+            key = f"{method}/{length}"
+            if key in done:
+                continue
+            n_kept = d["kept"][str(ratio)][str(length)]
+            wl = ruler(d, length, tok)
+            cells = {r.request_id: cell({**wl.task_meta(r.request_id), "length": length})
+                     for r in wl.initial_requests()}
+            for r in wl.initial_requests():  # the same prompts as kvpress ran
+                assert list(r.prompt_ids) == by_cell[cells[r.request_id]]["ids"], \
+                    cells[r.request_id]
+            cfg = compose_config([*overrides(method, n_kept), "workload=ruler",
+                                  f"workload.lengths=[{length}]",
+                                  f"workload.samples={d['samples']}",
+                                  "scheduler.max_model_len=8192", "cache.kv_budget=1GiB",
+                                  "progress=false"])
+            res = run(cfg)
+            busy = [s for s in res.steps if s.running > 0]
+            done[key] = {"kept": n_kept,
+                         "outputs": {str(by_cell[c]["id"]): res.outputs[rid]
+                                     for rid, c in cells.items()},
+                         "kv_held_mib": sum(s.reserved_bytes for s in busy)
+                         / max(1, sum(s.running for s in busy)) / 2**20}
+            cache.write_text(json.dumps(done) + "\n")
+            print(f"kvbench {key}: done", flush=True)
+    return done
+
+
+def ruler(d: dict[str, Any], length: int, tok: Any) -> Any:
+    opts = workload_options("ruler", {"lengths": [length], "samples": d["samples"], "seed": 0})
+    return make_workload(opts, tok)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("dir", type=Path)
     ap.add_argument("--methods", nargs="+", default=None)
+    ap.add_argument("--kvbench-only", action="store_true",
+                    help="run kvbench's side only (kvbench.json), no table yet")
     a = ap.parse_args()
     d = json.loads((a.dir / "prompts.json").read_text())
+    tok = load_model("smollm2").tokenizer
+    methods = a.methods or ["none", "snapkv", "streaming_llm", "tova", "knorm", "keydiff",
+                            "observed_attention", "expected_attention"]
+    ours_all = run_kvbench(d, methods, tok, a.dir / "kvbench.json")
+    if a.kvbench_only:
+        return
     kvp = json.loads((a.dir / "kvpress.json").read_text())
-    loaded = load_model("smollm2")
-    tok = loaded.tokenizer
-    by_cell = {cell(p): p for p in d["prompts"]}
-    methods = a.methods or ["none", *sorted({k.split("@")[0] for k in kvp["outputs"]
-                                             if k != "none"})]
     ratio = d["ratios"][0]
+    by_cell = {cell(p): p for p in d["prompts"]}
     rows: list[dict[str, Any]] = []
     for method in methods:
+        key = "none" if method == "none" else f"{method}@{ratio}"
+        if key not in kvp["outputs"]:
+            continue
+        theirs = kvp["outputs"][key]
+        modes = {"head": theirs, "sequence": theirs} if method == "none" else theirs
         for length in d["lengths"]:
-            n_kept = d["kept"][str(ratio)][str(length)]
-            opts = workload_options("ruler", {"lengths": [length], "samples": d["samples"],
-                                              "seed": 0})
-            wl = make_workload(opts, tok)
-            ids = {r.request_id: cell({**wl.task_meta(r.request_id), "length": length})
+            wl = ruler(d, length, tok)
+            ids = {r.request_id: by_cell[cell({**wl.task_meta(r.request_id),
+                                               "length": length})]["id"]
                    for r in wl.initial_requests()}
-            for r in wl.initial_requests():  # the same prompts as kvpress ran
-                assert list(r.prompt_ids) == by_cell[ids[r.request_id]]["ids"], ids[r.request_id]
-            cfg = compose_config([*overrides(method, n_kept), "workload=ruler",
-                                  f"workload.lengths=[{length}]",
-                                  f"workload.samples={d['samples']}", "scheduler.max_model_len=8192",
-                                  "cache.kv_budget=1GiB", "progress=false"])
-            res = run(cfg)
-            ours = score_requests(wl, res.outputs, tok)
-            key = "none" if method == "none" else f"{method}@{ratio}"
-            theirs = kvp["outputs"].get(key, {})
-            modes = {"head": theirs, "sequence": theirs} if method == "none" else theirs
-            row: dict[str, Any] = {"method": method, "length": length, "kept": n_kept,
-                                   "n": len(ours)}
-            acc = [ours[rid].score for rid in sorted(ours)]
-            row["kvbench"] = ci(acc)
+            mine = ours_all[f"{method}/{length}"]
+            ours_out = {rid: mine["outputs"][str(pid)] for rid, pid in ids.items()}
+            ours = score_requests(wl, ours_out, tok)
+            row: dict[str, Any] = {"method": method, "length": length, "kept": mine["kept"],
+                                   "n": len(ours), "kv_held_mib": mine["kv_held_mib"],
+                                   "kvbench": ci([ours[r].score for r in sorted(ours)])}
             for mode, outs in modes.items():
-                mapped = {rid: outs[str(by_cell[c]["id"])] for rid, c in ids.items()}
+                mapped = {rid: outs[str(pid)] for rid, pid in ids.items()}
                 s = score_requests(wl, mapped, tok)
-                row[f"kvpress_{mode}"] = ci([s[rid].score for rid in sorted(ours)])
+                row[f"kvpress_{mode}"] = ci([s[r].score for r in sorted(ours)])
                 if mode == "sequence":
                     row["agree"] = float(np.mean([(ours[r].score == 1.0) == (s[r].score == 1.0)
                                                   for r in ours]))
-                    row["identical"] = sum(res.outputs[r] == mapped[r] for r in ours)
-            busy = [s for s in res.steps if s.running > 0]
-            row["kv_held_mib"] = (sum(s.reserved_bytes for s in busy)
-                                  / max(1, sum(s.running for s in busy)) / 2**20)
+                    row["identical"] = sum(ours_out[r] == mapped[r] for r in ours)
             rows.append(row)
             print(json.dumps(row), flush=True)
     fixture = a.dir / "kvpress_scores.pt"
