@@ -97,6 +97,14 @@ def run_kvbench(d: dict[str, Any], methods: list[str], tok: Any, cache: Path) ->
     return done
 
 
+def until_eos(ids: list[int], eos: frozenset[int]) -> list[int]:
+    """``ids`` up to and including the first EOS, as the engine ends a sequence."""
+    for i, t in enumerate(ids):
+        if t in eos:
+            return ids[:i + 1]
+    return ids
+
+
 def ruler(d: dict[str, Any], length: int, tok: Any) -> Any:
     opts = workload_options("ruler", {"lengths": [length], "samples": d["samples"], "seed": 0})
     return make_workload(opts, tok)
@@ -119,6 +127,7 @@ def main() -> None:
     kvp = json.loads((a.dir / "kvpress.json").read_text())
     ratio = d["ratios"][0]
     by_cell = {cell(p): p for p in d["prompts"]}
+    eos = frozenset(tok.eos_ids)
     rows: list[dict[str, Any]] = []
     for method in methods:
         key = "none" if method == "none" else f"{method}@{ratio}"
@@ -138,7 +147,8 @@ def main() -> None:
                                    "n": len(ours), "kv_held_mib": mine["kv_held_mib"],
                                    "kvbench": ci([ours[r].score for r in sorted(ours)])}
             for mode, outs in modes.items():
-                mapped = {rid: outs[str(pid)] for rid, pid in ids.items()}
+                # kvpress's side decodes max_tokens; kvbench stops at EOS (kept): as it.
+                mapped = {rid: until_eos(outs[str(pid)], eos) for rid, pid in ids.items()}
                 s = score_requests(wl, mapped, tok)
                 row[f"kvpress_{mode}"] = ci([s[r].score for r in sorted(ours)])
                 if mode == "sequence":
