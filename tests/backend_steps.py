@@ -158,3 +158,16 @@ class Driver:
             if seq.num_computed < seq.num_prompt_tokens:
                 assert len(self.held(seq)[1]) == seq.num_computed
         return qs
+
+    def check_compressed_once(self, seq: Sequence, keep: int, decodes: int = 5) -> None:
+        """After a press's one selection: the kept prompt compacted into whole blocks, and
+        every token decoded afterwards kept beside it (no decode budget)."""
+        kv = self.kv
+        assert isinstance(kv, EvictingKVManager)
+        _, pos = self.held(seq)
+        assert len(pos) == keep
+        assert len(kv.table_of(seq)) == -(-keep // self.block_size)  # whole blocks back
+        for _ in range(decodes):
+            self.step([(seq, 1)])
+        _, after = self.held(seq)
+        assert after[:keep] == pos and len(after) == keep + decodes

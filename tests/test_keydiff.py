@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.kv.evicting import EvictingKVManager
 from tests.backend_steps import Driver
 
 
@@ -33,20 +32,11 @@ def test_kept_prompt_is_the_least_similar_to_the_mean_key(chunks: list[int], see
     keep = 11
     d = Driver("keydiff", options={"budget": keep, "budget_ratio": 0.0}, seed=seed)
     s = d.add(prompt_len=sum(chunks), max_tokens=6)
-    for n in chunks:
-        d.step([(s, n)])
-        if s.num_computed < s.num_prompt_tokens:  # full: nothing goes before the end
-            assert len(d.held(s)[1]) == s.num_computed
+    d.prefill(s, chunks)  # full: nothing goes before the end
     _, pos = d.held(s)
     p = s.num_prompt_tokens
     assert pos == _brute_force_keydiff(d.k[s.seq_id], list(range(p)), keep)
-    kv = d.kv
-    assert isinstance(kv, EvictingKVManager)
-    assert len(kv.table_of(s)) == -(-keep // d.block_size)  # compacted: whole blocks back
-    for _ in range(5):  # decoding keeps every generated token
-        d.step([(s, 1)])
-    _, after = d.held(s)
-    assert after[:keep] == pos and len(after) == keep + 5
+    d.check_compressed_once(s, keep)
 
 
 def test_streaming_rescores_what_is_held_after_each_chunk() -> None:

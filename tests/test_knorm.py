@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from harness.kv.evicting import EvictingKVManager
 from tests.backend_steps import Driver
 
 
@@ -26,19 +25,10 @@ def test_kept_prompt_is_the_lowest_key_norms(chunks: list[int], seed: int) -> No
     keep = 11
     d = Driver("knorm", options={"budget": keep, "budget_ratio": 0.0}, seed=seed)
     s = d.add(prompt_len=sum(chunks), max_tokens=6)
-    for n in chunks:
-        d.step([(s, n)])
-        if s.num_computed < s.num_prompt_tokens:  # full: nothing goes before the end
-            assert len(d.held(s)[1]) == s.num_computed
+    d.prefill(s, chunks)  # full: nothing goes before the end
     _, pos = d.held(s)
     assert pos == _brute_force_knorm(d, s.seq_id, s.num_prompt_tokens, keep)
-    kv = d.kv
-    assert isinstance(kv, EvictingKVManager)
-    assert len(kv.table_of(s)) == -(-keep // d.block_size)  # compacted: whole blocks back
-    for _ in range(5):  # decoding keeps every generated token
-        d.step([(s, 1)])
-    _, after = d.held(s)
-    assert after[:keep] == pos and len(after) == keep + 5
+    d.check_compressed_once(s, keep)
 
 
 def test_streaming_bounds_memory_while_prefilling() -> None:
