@@ -20,6 +20,7 @@ from harness.backends.base import KVLayout
 from harness.engine.sampler import Sampler
 from harness.model import ByteTokenizer, parse_dtype
 from harness.model.tokenizer import Tokenizer
+from harness.roofline.arch import ArchSpec
 from harness.roofline.config import COMPUTE, WEIGHT_BYTES, auto_kv_budget
 from harness.roofline.executor import RooflineExecutor
 from harness.roofline.hardware import get_hardware
@@ -36,11 +37,13 @@ if TYPE_CHECKING:
 QUALITY_ABSENT = "absent: executor=roofline computes no logits to score"
 
 
-def build_roofline(rc: RunConfig, workload: Workload,
-                   quiet: bool = False) -> tuple[Stack, RooflineExecutor]:
-    """The stack of ``rc`` with a :class:`RooflineExecutor` in place of the model."""
+def build_roofline(rc: RunConfig, workload: Workload, quiet: bool = False,
+                   arch: ArchSpec | None = None) -> tuple[Stack, RooflineExecutor]:
+    """The stack of ``rc`` with a :class:`RooflineExecutor` in place of the model
+    (``arch``: ``roofline.model``'s spec, when the caller has read it already)."""
     r = rc.roofline
-    arch, hw = get_model_spec(r.model), get_hardware(r.hardware)
+    arch = arch if arch is not None else get_model_spec(r.model)
+    hw = get_hardware(r.hardware)
     if r.attention != "spec":
         hw = dataclasses.replace(hw, attention=r.attention)
     layout = KVLayout(arch.num_layers, arch.num_kv_heads, arch.head_dim, parse_dtype(r.dtype))
@@ -79,7 +82,7 @@ class RooflineTarget:
         return self.arch.max_position_embeddings
 
     def build(self, workload: Workload) -> Stack:
-        st, self.executor = build_roofline(self.rc, workload)
+        st, self.executor = build_roofline(self.rc, workload, arch=self.arch)
         return st
 
     def record(self, st: Stack, sim_wall_s: float) -> ExecutorRecord:
