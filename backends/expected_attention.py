@@ -34,6 +34,7 @@ from harness.backends.base import KVLayout, PrefillChunk
 from harness.backends.scored import PressOptions, ScoredBackend
 from harness.errors import UserError
 from harness.kv.policies.budget import PressPolicy
+from harness.model.rope import rotate_pairs
 
 if TYPE_CHECKING:
     from harness.sched.sequence import Sequence
@@ -73,12 +74,11 @@ class ExpectedAttentionPolicy(PressPolicy):
 
 def rotate(x: torch.Tensor, inv_freq: torch.Tensor, positions: torch.Tensor,
            sign: float = 1.0) -> torch.Tensor:
-    """x (T, H, D) rotated by each row's position (``sign=-1``: back), rotate-half RoPE."""
+    """x (T, H, D) rotated by each row's position (``sign=-1``: back), rotate-half RoPE
+    (the model's own arithmetic, harness.model.rope.rotate_pairs)."""
     f = positions.to(torch.float64)[:, None] * inv_freq[None, :].to(torch.float64)
     cos, sin = f.cos()[:, None, :].to(x.dtype), (sign * f.sin())[:, None, :].to(x.dtype)
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotate_pairs(x, cos, sin)
 
 
 def average_rotation(inv_freq: torch.Tensor, start: int, n: int) -> torch.Tensor:
@@ -129,8 +129,8 @@ class ExpectedAttentionBackend(ScoredBackend):
         lo, hi = max(c.start, self.n_sink), min(c.start + c.num_tokens, p)
         if layer == 0 and c.start == 0:
             self._qstats.pop(seq.seq_id, None)  # a prompt (re)starts: fresh statistics
-        if hi <= lo:
-            return
+        if hi <= lo or not self.selects(seq):
+            return  # no prompt query here, or a prompt within its budget: never scored
         pre = rotate(q[lo - c.start:hi - c.start].to(torch.float64), self.inv_freq,
                      torch.arange(lo, hi), sign=-1.0)  # (m, H, D)
         st = self._qstats.get(seq.seq_id)
@@ -145,23 +145,20 @@ class ExpectedAttentionBackend(ScoredBackend):
         if self.use_cov:
             st[2][layer] += torch.einsum("mhi,mhj->hij", pre, pre)
 
-    def score_held(self, layer: int, c: PrefillChunk, slots: torch.Tensor) -> None:
-        if not self.selection_follows(c):
-            return
+    def held_scores(self, layer: int, c: PrefillChunk,
+                    held: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         seq = c.sched.seq
-        pos = self.slot_pos[slots]
-        held = slots[pos >= 0]
-        cand = held[self.slot_pos[held] >= self.n_sink]  # the sinks stay, unscored
+        cand = held[self.slot_pos[held] >= self.n_sink]  # the sinks rank first, unscored
         st = self._qstats.get(seq.seq_id)
+        scores = torch.zeros(0, dtype=torch.float32, device=self.device)
         if st is not None and float(st[0][layer]) > 0 and cand.numel():
             k, v = self.gather(layer, cand, torch.float64)  # (T, KV, D)
-            q_len = c.start + c.num_tokens
-            s = self.expected(k, v, st, layer, q_len)
-            self._received.index_add_(0, cand, s.to(torch.float32))
-        if layer == self.layout.num_layers - 1:
-            self._window_slots.append(held)
-            if c.start + c.num_tokens >= seq.num_prompt_tokens:
-                self._qstats.pop(seq.seq_id, None)
+            scores = self.expected(k, v, st, layer, c.start + c.num_tokens).float()
+        else:
+            cand = cand[:0]
+        if layer == self.layout.num_layers - 1 and c.start + c.num_tokens >= seq.num_prompt_tokens:
+            self._qstats.pop(seq.seq_id, None)  # the prompt's statistics are spent
+        return cand, scores
 
     def expected(self, k: torch.Tensor, v: torch.Tensor, st: list[Any], layer: int,
                  q_len: int) -> torch.Tensor:

@@ -32,7 +32,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -48,6 +48,9 @@ from harness.backends.slotted import SlottedBackend
 from harness.kv.base import StepScores
 from harness.kv.policies.budget import PREFILL, BudgetPolicy, check_budget_options
 from harness.validate import one_of
+
+if TYPE_CHECKING:
+    from harness.sched.sequence import Sequence
 
 
 @dataclass
@@ -127,7 +130,8 @@ class ScoredBackend(SlottedBackend):
 
     def begin_step(self, batch: AttentionBatch) -> None:
         super().begin_step(batch)
-        self._window_slots: list[torch.Tensor] = []
+        # Slots scored for a selection this step (window, held): what take_scores sends.
+        self._selected_slots: list[torch.Tensor] = []
         if self.reads == "keys":  # a key is scored once, in the step that writes it
             self._touched = batch.slot_mapping if batch.slot_mapping.numel() else None
             return
@@ -176,27 +180,40 @@ class ScoredBackend(SlottedBackend):
             self.score_held(layer, c, slots)
         return out
 
+    def selects(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s prompt will be compressed at all (it is longer than what its
+        budget keeps)."""
+        p = seq.num_prompt_tokens
+        return self.policy.keep(p, seq.group.params.max_tokens) < p
+
     def selection_follows(self, c: PrefillChunk) -> bool:
         """Whether the policy selects after chunk ``c`` (``held``): never when the prompt
         fits its budget; under ``full`` after the prompt's last chunk, under
         ``streaming`` after every chunk."""
         seq = c.sched.seq
-        p = seq.num_prompt_tokens
-        if self.policy.keep(p, seq.group.params.max_tokens) >= p:
+        if not self.selects(seq):
             return False
-        return self.policy.streaming or c.start + c.num_tokens >= p
+        return self.policy.streaming or c.start + c.num_tokens >= seq.num_prompt_tokens
 
     def score_held(self, layer: int, c: PrefillChunk, slots: torch.Tensor) -> None:
         """``held``: when a selection follows this chunk (the prompt's end under ``full``,
         each chunk under ``streaming``), score every key the sequence holds (slots (L,) its
-        table's, this chunk's own keys stored already) with one call of :meth:`score`."""
+        table's, this chunk's own keys stored already) by :meth:`held_scores`."""
         if not self.selection_follows(c):
             return
         held = slots[self.slot_pos[slots] >= 0]
-        k, _ = self.gather(layer, held, torch.float32)  # (T, KV, D)
-        self._received.index_add_(0, held, self.score(None, k))
+        scored, s = self.held_scores(layer, c, held)
+        if scored.numel():
+            self._received.index_add_(0, scored, s)
         if layer == self.layout.num_layers - 1:
-            self._window_slots.append(held)
+            self._selected_slots.append(held)
+
+    def held_scores(self, layer: int, c: PrefillChunk,
+                    held: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``held``: (slots scored, their float32 scores) of one layer, from ``held`` (T,)
+        the slots the sequence holds. Default: :meth:`score` of all their keys at once."""
+        k, _ = self.gather(layer, held, torch.float32)  # (T, KV, D)
+        return held, self.score(None, k)
 
     def observe_window(self, layer: int, q: torch.Tensor, c: PrefillChunk,
                        slots: torch.Tensor) -> None:
@@ -232,11 +249,11 @@ class ScoredBackend(SlottedBackend):
             pooled = self.pool(self._obs.pop(seq.seq_id))
             held = slots[scored]
             self._received[held] += pooled[kpos[scored]]
-            self._window_slots.append(held)
+            self._selected_slots.append(held)
 
     def take_scores(self) -> StepScores | None:
-        if self.reads in ("window", "held") and self._window_slots:
-            self._touched = torch.cat(self._window_slots)
+        if self.reads in ("window", "held") and self._selected_slots:
+            self._touched = torch.cat(self._selected_slots)
         if self._touched is None:
             return None
         t = self._touched

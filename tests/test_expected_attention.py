@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from harness.backends.base import KVLayout
+from harness.backends.expected_attention import ExpectedAttentionBackend
 from harness.errors import UserError
 from harness.model.rope import inverse_frequencies
 from tests.backend_steps import NUM_HEADS, Driver
@@ -105,3 +106,19 @@ def test_refuses_a_layout_without_rope() -> None:
     s = d.add(prompt_len=20)
     with pytest.raises(UserError, match="RoPE"):
         d.step([(s, 20)])
+
+
+def test_no_query_statistics_are_kept_for_prompts_it_will_not_compress() -> None:
+    # A prompt within its budget is never scored: its statistics (layers x heads x D^2
+    # floats) must not be gathered and left behind; a compressed one's go at its end.
+    d = Driver("expected_attention", layout=LAYOUT,
+               options={"budget": 64, "budget_ratio": 0.0}, seed=0)
+    short, long_ = d.add(prompt_len=20), d.add(prompt_len=90)
+    d.prefill(short, [12, 8])
+    be = d.be
+    assert isinstance(be, ExpectedAttentionBackend)
+    assert be._qstats == {}
+    d.step([(long_, 50)])
+    assert list(be._qstats) == [long_.seq_id]  # gathered while its prompt is read
+    d.step([(long_, 40)])
+    assert be._qstats == {}

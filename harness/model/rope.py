@@ -103,10 +103,12 @@ class RotaryEmbedding:
         cos_t, sin_t = self._tables(int(positions.max()), q.dtype)
         cos = cos_t[positions].unsqueeze(1)
         sin = sin_t[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (..., D) rotated pair by pair (i, i + D/2) by angles with ``cos`` / ``sin``
+    (..., D/2), broadcast against x's leading dims; a negated ``sin`` rotates back."""
     # Same arithmetic as HF's `x * cos + rotate_half(x) * sin` on the duplicated tables,
     # without materialising rotate_half or the duplicated halves.
     half = x.shape[-1] // 2
