@@ -14,6 +14,15 @@ Each :meth:`Scheduler.schedule` call decides one engine step under two budgets,
    watermark of free blocks to spare, so an admission does not immediately preempt.
 
 A group's sequences are admitted, scheduled, preempted and finished together.
+
+Three options mirror what published engines do (``SchedulerConfig``): ``mixing=
+prefill_first`` (vLLM V0 without chunked prefill: a step that can admit prompts runs only
+prompts, else only decodes), ``admission=no_evict`` (TensorRT-LLM's GUARANTEED_NO_EVICT:
+a request starts only when its prompt plus max_tokens fits beside every running request's
+own worst case, so nothing is ever preempted for room) and ``num_scheduler_steps=k``
+(vLLM 0.6's multi-step scheduling: a decode-only batch is scheduled once and then runs k
+steps with no admission in between; ``StepRecord.fresh`` says which steps were scheduled
+anew, which is what the roofline's engine profile charges scheduling time to).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from harness.errors import UserError
 from harness.kv.base import Demand, KVManager, SwapManager
 from harness.sched.sequence import SeqStatus, Sequence, SequenceGroup
 from harness.sched.step import (
@@ -38,6 +48,8 @@ from harness.validate import at_least, one_of
 
 PREEMPTION_MODES = ("recompute", "swap")
 POLICIES = ("fcfs", "priority")
+MIXING = ("mixed", "prefill_first")
+ADMISSION = ("watermark", "no_evict")
 
 
 @dataclass
@@ -50,12 +62,32 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"  # recompute | swap
     policy: str = "fcfs"  # fcfs | priority
     max_model_len: int = 2048
+    # How prefills and decodes share a step: "mixed" (decodes first, prefill chunks in
+    # the budget they leave: vLLM V1, SGLang, TensorRT-LLM) or "prefill_first" (vLLM V0
+    # with chunked prefill off: a step that can admit prompts runs only those prompts and
+    # the running decodes wait; otherwise a decode-only step).
+    mixing: str = "mixed"
+    # When a waiting request may start: "watermark" (its prompt fits now, leaving a
+    # watermark of free blocks; its growth may preempt later: vLLM) or "no_evict" (its
+    # prompt + max_tokens fit beside every running request's worst case: TensorRT-LLM's
+    # GUARANTEED_NO_EVICT, which never preempts for room).
+    admission: str = "watermark"
+    # Steps one scheduling decision runs (vLLM 0.6's --num-scheduler-steps): a decode-only
+    # batch is scheduled once, then decodes k steps with no admission in between.
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         one_of(self, "scheduler", "preemption_mode", PREEMPTION_MODES)
         one_of(self, "scheduler", "policy", POLICIES)
-        at_least(self, "scheduler", 1, "max_num_seqs", "max_num_batched_tokens")
+        one_of(self, "scheduler", "mixing", MIXING)
+        one_of(self, "scheduler", "admission", ADMISSION)
+        at_least(self, "scheduler", 1, "max_num_seqs", "max_num_batched_tokens",
+                 "num_scheduler_steps")
         at_least(self, "scheduler", 2, "max_model_len")
+        if self.mixing == "prefill_first" and self.chunked_prefill:
+            raise UserError("scheduler.mixing=prefill_first runs whole prompts in steps of "
+                            "their own (vLLM V0 without chunked prefill): set "
+                            "scheduler.chunked_prefill=false, or use scheduler.mixing=mixed")
 
 
 class Scheduler:
@@ -85,6 +117,12 @@ class Scheduler:
         self.preemptions_recompute = 0
         self.preemptions_swap = 0
         self.recomputed_tokens = 0
+        self._window_left = 0  # steps left of a multi-step window (num_scheduler_steps)
+        # admission=no_evict: each running group's worst-case slots (prompt + max_tokens),
+        # and the pool's slots they must fit in together.
+        self._worst: dict[int, int] = {}
+        self._worst_total = 0
+        self._capacity = kv.usage().total_slots if cfg.admission == "no_evict" else 0
 
     # -- queue management --------------------------------------------------------------
     def add(self, group: SequenceGroup) -> bool:
@@ -164,6 +202,16 @@ class Scheduler:
     def schedule(self) -> StepRecord:
         rec = StepRecord(step=self._step)
         self._step += 1
+        # Inside a multi-step window the running decodes go on without a new decision.
+        # (A window whose groups all finished ends early: nothing is left to continue.)
+        continuing = self._window_left > 0 and bool(self.running)
+        self._window_left = self._window_left - 1 if continuing else 0
+        rec.fresh = not continuing
+        if (self.cfg.mixing == "prefill_first" and not continuing and self.waiting
+                and not self.swapped):
+            self._admit(rec, self.cfg.max_num_batched_tokens)
+            if rec.seqs:  # a prompt-only step: the running decodes wait for the next
+                return self._close(rec)
         budget = self.cfg.max_num_batched_tokens
         # Tokens every running decode will need: prefills only get what is left of them.
         decoding = [self._is_decoding(g) for g in self.running]
@@ -223,11 +271,21 @@ class Scheduler:
                 pending_decode -= len(live)
             i += 1
 
-        if not rec.preempted:
+        admits = not continuing and self.cfg.mixing == "mixed"
+        if not rec.preempted and admits:
             self._swap_in(rec, budget)
             budget = self.cfg.max_num_batched_tokens - rec.num_tokens
-        if not rec.preempted and not self.swapped:
+        if not rec.preempted and not self.swapped and admits:
             self._admit(rec, budget)
+        if rec.preempted:
+            self._window_left = 0
+        elif (not continuing and self.cfg.num_scheduler_steps > 1 and rec.seqs
+              and rec.num_prefill_tokens == 0):
+            self._window_left = self.cfg.num_scheduler_steps - 1
+        return self._close(rec)
+
+    def _close(self, rec: StepRecord) -> StepRecord:
+        """The step's cache operations, usage and stuck-head rejection."""
         ops = self.kv.take_cache_ops()
         rec.copies, rec.invalidated = ops.copies, ops.invalidated
         if rec.seqs:
@@ -301,7 +359,18 @@ class Scheduler:
             else:
                 rec.num_prefill_tokens += d.num_tokens
 
+    def _worst_case(self, g: SequenceGroup) -> int:
+        """Slots ``g`` can come to hold: its prompt (and any output so far, after a
+        preemption) plus what it may still generate, per the KV manager's sizing."""
+        p, n_prompt = g.params, len(g.prompt_ids)
+        max_tokens = min(p.max_tokens, self.cfg.max_model_len - n_prompt)
+        return self.kv.slots_needed(n_prompt, max_tokens, p.n)
+
+    def _release_worst(self, g: SequenceGroup) -> None:
+        self._worst_total -= self._worst.pop(id(g), 0)
+
     def _preempt(self, g: SequenceGroup, rec: StepRecord) -> None:
+        self._release_worst(g)
         self.running.remove(g)
         live = g.live_seqs
         self.num_running_seqs -= len(live)
@@ -341,6 +410,9 @@ class Scheduler:
             rec.swap_in += swap.swap_in(live)
             for s in live:
                 s.status = SeqStatus.RUNNING
+            if self._capacity:
+                self._worst[id(g)] = self._worst_case(g)
+                self._worst_total += self._worst[id(g)]
             self.running.append(g)
             self.num_running_seqs += len(live)
             n_tokens = self._chunks(live, budget)
@@ -366,6 +438,12 @@ class Scheduler:
                 demands.append(Demand(s, n, hits))
             if not kv.can_allocate(demands, watermark=True):
                 return  # head-of-line: later requests wait behind this one
+            if self._capacity:  # no_evict: the group's worst case must fit beside the rest
+                worst = self._worst_case(g)
+                if self._worst_total + worst > self._capacity:
+                    return
+                self._worst[id(g)] = worst
+                self._worst_total += worst
             del self.waiting[0], self._waiting_keys[0]
             for d in demands:
                 d.seq.status = SeqStatus.RUNNING
@@ -449,6 +527,8 @@ class Scheduler:
             return []
         done_groups = self._just_finished
         done = {id(g) for g in done_groups}
+        for g in done_groups:
+            self._release_worst(g)
         self.running = [g for g in self.running if id(g) not in done]
         self.finished += done_groups
         self._just_finished = []

@@ -60,6 +60,8 @@ class StepRecord:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     usage: KVUsage | None = None  # what the KV manager holds for this step's forward
+    # Scheduled anew (False: a later step of a multi-step window, num_scheduler_steps).
+    fresh: bool = True
 
     @property
     def num_tokens(self) -> int:

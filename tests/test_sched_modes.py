@@ -1,0 +1,103 @@
+"""The scheduler's modes that mirror published engines: prefill-first steps (vLLM V0
+without chunked prefill), no-evict admission (TensorRT-LLM's GUARANTEED_NO_EVICT) and
+multi-step scheduling (vLLM 0.6's num_scheduler_steps). Each is compared with the default
+on the same requests, and every run must still produce each request's exact tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.errors import UserError
+from harness.sched.scheduler import Scheduler, SchedulerConfig
+from tests.helpers import make_group
+from tests.test_scheduler import expected_output, paged, prompts, run, step
+
+
+def test_prefill_first_needs_chunking_off() -> None:
+    with pytest.raises(UserError, match="chunked_prefill=false"):
+        SchedulerConfig(mixing="prefill_first", chunked_prefill=True)
+
+
+@pytest.mark.parametrize("mixing", ["mixed", "prefill_first"])
+def test_prefill_first_runs_prompts_alone(mixing: str) -> None:
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, chunked_prefill=False,
+                          mixing=mixing)
+    s = Scheduler(cfg, paged(200))
+    first = make_group(0, prompts(1, 6)[0], max_tokens=10)
+    s.add(first)
+    step(s)  # the first prompt
+    step(s)  # one decode
+    late = make_group(1, list(range(30, 40)), max_tokens=5)
+    s.add(late)
+    rec = step(s)
+    kinds = {x.seq.group.request_id: x.is_decode for x in rec.seqs}
+    if mixing == "mixed":  # the decode and the new prompt share the step
+        assert kinds == {0: True, 1: False}
+    else:  # the prompt runs alone; the decode waits one step
+        assert kinds == {1: False}
+        assert rec.num_decode_tokens == 0
+    rec = step(s)
+    assert {x.seq.group.request_id for x in rec.seqs} == {0, 1}
+    assert all(x.is_decode for x in rec.seqs)
+
+
+def test_prefill_first_keeps_every_request_exact() -> None:
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=40, chunked_prefill=False,
+                          mixing="prefill_first")
+    s = Scheduler(cfg, paged(60))
+    ps = prompts(6, 9)
+    groups = [make_group(i, p, max_tokens=12) for i, p in enumerate(ps)]
+    recs = run(s, groups)
+    for g, p in zip(groups, ps):
+        assert g.seqs[0].token_ids[len(p):] == expected_output(p, 12)
+    # No step mixes a prompt with a decode.
+    assert all(r.num_prefill_tokens == 0 or r.num_decode_tokens == 0 for r in recs)
+
+
+@pytest.mark.parametrize("admission", ["watermark", "no_evict"])
+def test_no_evict_never_preempts_where_watermark_does(admission: str) -> None:
+    # 30 blocks of 4 = 120 slots; four requests of 8 prompt + 24 output = 32 slots each:
+    # all four prompts fit at once (watermark admits them), their outputs do not.
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, admission=admission)
+    s = Scheduler(cfg, paged(30))
+    ps = [[(5 * r + i) % 40 + 1 for i in range(8)] for r in range(4)]
+    groups = [make_group(i, p, max_tokens=24) for i, p in enumerate(ps)]
+    recs = run(s, groups)
+    for g, p in zip(groups, ps):
+        assert g.seqs[0].token_ids[len(p):] == expected_output(p, 24)
+    first = {x.seq.group.request_id for x in recs[0].seqs}
+    if admission == "watermark":
+        assert first == {0, 1, 2, 3}
+        assert s.preemptions_recompute > 0
+    else:  # 3 x 32 = 96 <= 120 slots; a fourth would need 128
+        assert first == {0, 1, 2}
+        assert s.preemptions_recompute == 0
+        assert s._worst_total == 0  # every finished group gave its worst case back
+
+
+def test_multi_step_schedules_once_per_window() -> None:
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, num_scheduler_steps=4)
+    s = Scheduler(cfg, paged(200))
+    a = make_group(0, prompts(1, 6)[0], max_tokens=20)
+    s.add(a)
+    recs = [step(s)]  # the prompt: a fresh step, no window
+    recs += [step(s)]  # the first decode-only step opens a window of 4
+    late = make_group(1, list(range(30, 40)), max_tokens=5)
+    s.add(late)
+    recs += [step(s) for _ in range(4)]
+    assert [r.fresh for r in recs] == [True, True, False, False, False, True]
+    # The late prompt waits for the window's end: admitted only at the next fresh step.
+    assert all({x.seq.group.request_id for x in r.seqs} == {0} for r in recs[2:5])
+    assert {x.seq.group.request_id for x in recs[5].seqs} == {0, 1}
+
+
+def test_multi_step_keeps_every_request_exact() -> None:
+    cfg = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=32, num_scheduler_steps=8)
+    s = Scheduler(cfg, paged(40))
+    ps = prompts(5, 7)
+    groups = [make_group(i, p, max_tokens=15) for i, p in enumerate(ps)]
+    recs = run(s, groups)
+    for g, p in zip(groups, ps):
+        assert g.seqs[0].token_ids[len(p):] == expected_output(p, 15)
+    stale = [r for r in recs if not r.fresh]
+    assert stale and all(r.num_prefill_tokens == 0 for r in stale)
