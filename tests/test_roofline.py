@@ -3,6 +3,7 @@ of the real engine / scheduler / KV manager on the virtual clock."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 
 from harness.errors import UserError
 from harness.roofline.config import RooflineConfig, auto_kv_budget
+from harness.roofline.engines import EngineProfile
 from harness.roofline.hardware import HARDWARE, get_hardware
 from harness.roofline.hf_config import from_hf_config
 from harness.roofline.models import MODEL_SPECS, get_model_spec
@@ -66,9 +68,15 @@ def test_hf_config_json(tmp_path: Path) -> None:
         get_hardware("tpu")
 
 
+# The H100 as a plain roofline: no fitted kernel terms (the hand counts below are the
+# roofline's; test_kernel_terms_by_hand_count checks the fitted terms).
+PLAIN = dataclasses.replace(H100, gemm_corner_p=0.0, gemm_kernel_s=0.0, eff_elem=0.0,
+                            eff_bw=0.8, link_latency_s=10e-6, allreduce_latency_s={})
+
+
 def test_decode_step_is_the_weight_read_and_attention_intensity_is_the_group_size() -> None:
     a = MODEL_SPECS["llama-3.1-70b"]
-    m = StepModel(a, H100, kv_bytes_per_token=a.num_layers * a.kv_elems_per_layer * 2, tp=8)
+    m = StepModel(a, PLAIN, kv_bytes_per_token=a.num_layers * a.kv_elems_per_layer * 2, tp=8)
     w = m.work(tokens=32, rows=32, seqs=32, pairs=0, ctx_prefill=0, ctx_decode=32 * 1000)
     t = m.time(w)
     # 32 tokens are far below the ridge (~295 FLOP/byte): the GEMMs are the weights' read.
@@ -79,6 +87,55 @@ def test_decode_step_is_the_weight_read_and_attention_intensity_is_the_group_siz
     # A large prefill crosses the ridge: compute-bound.
     big = m.time(m.work(8192, 1, 1, 8192 * 4096, 8192, 0))
     assert big.gemm == pytest.approx(2 * a.active_params * 8192 / 8 / (989e12 * 0.7))
+
+
+def test_kernel_terms_by_hand_count() -> None:
+    # Llama-3.1-8B at TP2, 64 decode tokens, on the fitted H100 spec, term by term.
+    a, h = MODEL_SPECS["llama-3.1-8b"], H100
+    m = StepModel(a, h, kv_bytes_per_token=a.num_layers * a.kv_elems_per_layer * 2, tp=2)
+    w = m.work(tokens=64, rows=64, seqs=64, pairs=0, ctx_prefill=0, ctx_decode=64 * 500)
+    t = m.time(w)
+    L, hid, ffn = 32, 4096, 14336
+    params = L * (hid * (4096 + 2 * 1024) + 4096 * hid + 3 * hid * ffn)  # 6.98e9
+    c = 2 * params * 64 / 2 / (989e12 * 0.70)
+    mem = 2 * params / 2 / (3.35e12 * 0.90)
+    p = 1.5
+    assert t.gemm == pytest.approx((c ** p + mem ** p) ** (1 / p) + 4 * L * 6e-6)
+    # Non-GEMM: 6 kernels a layer, and per token 2 bytes x (2 norms x 3 hidden, RoPE's
+    # q and k read and written over 2 ranks, SiLU-and-mul's 3 x ffn / 2, the add's 3 hidden).
+    per_tok = 2 * (6 * hid + 2 * (32 + 8) * 128 / 2 + 3 * ffn / 2 + 3 * hid)
+    assert t.nongemm == pytest.approx(6 * L * 1.9e-6 + 64 * L * per_tok / (3.35e12 * 0.60))
+    # Two all-reduces a layer: NCCL's small-message time at TP2 plus the ring's bytes.
+    ring = 2 * (2 - 1) / 2 * 64 * hid * 2 / 340e9
+    assert t.allreduce == pytest.approx(2 * L * (ring + 39e-6))
+    # The engine's CPU time: the spec's overheads without a profile.
+    assert t.overhead == pytest.approx(1e-3 + 5e-6 * 64)
+
+
+def test_engine_profile_charges_scheduling_only_on_fresh_steps() -> None:
+    a = MODEL_SPECS["llama-3.1-8b"]
+    prof = EngineProfile("x", "x", schedule_s=2e-3, schedule_per_seq_s=50e-6, step_s=4e-4,
+                         step_per_seq_s=2e-6)
+    m = StepModel(a, H100, kv_bytes_per_token=131072, engine=prof)
+    sh = dict(tokens=100, rows=100, seqs=100, pairs=0, ctx_prefill=0, ctx_decode=100 * 300)
+    fresh, later = m.work(**sh), m.work(**sh)  # type: ignore[arg-type]
+    later.fresh = 0.0
+    tf, tl = m.time(fresh), m.time(later)
+    assert tf.overhead == pytest.approx(2e-3 + 100 * 50e-6 + 4e-4 + 100 * 2e-6)
+    assert tl.overhead == pytest.approx(4e-4 + 100 * 2e-6)
+    assert tf.forward == tl.forward
+
+
+def test_fp8_compute_uses_the_fp8_peak_for_gemms_only() -> None:
+    a = MODEL_SPECS["llama-3.1-8b"]
+    kw = dict(kv_bytes_per_token=65536, weight_bytes=1.0)
+    bf, f8 = StepModel(a, PLAIN, **kw), StepModel(a, PLAIN, gemm_dtype="fp8", **kw)  # type: ignore[arg-type]
+    w = dict(tokens=8192, rows=1, seqs=1, pairs=8192 * 4096, ctx_prefill=8192, ctx_decode=0)
+    tb, t8 = bf.time(bf.work(**w)), f8.time(f8.work(**w))  # type: ignore[arg-type]
+    assert tb.gemm / t8.gemm == pytest.approx(1979 / 989)  # compute-bound: the peaks' ratio
+    assert tb.prefill_attn == t8.prefill_attn  # attention stays in bf16
+    with pytest.raises(UserError, match="weight_dtype=fp8"):
+        RooflineConfig(compute_dtype="fp8")
 
 
 def test_auto_budget_and_weights_that_do_not_fit() -> None:

@@ -26,6 +26,25 @@ class ArchSpec:
     expert_params: int = 0  # routed experts' weights, all layers (MoE)
     num_experts: int = 0
     experts_per_token: int = 0
+    # The MLP's width a token's activation passes through (MoE: one expert's times the
+    # experts it picks, plus a shared one); 0 = unknown: the non-GEMM term then reads it
+    # off the dense parameters (:meth:`mlp_width`).
+    intermediate_size: int = 0
+
+    def mlp_width(self) -> float:
+        """The per-token MLP activation width (the non-GEMM term's SiLU-and-mul)."""
+        if self.intermediate_size:
+            return float(self.intermediate_size)
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, \
+            self.num_kv_heads * self.head_dim
+        attn = h * (q + 2 * kv) + q * h
+        return max(0.0, (self.active_params / self.num_layers - attn) / (3 * h))
+
+    def nongemm_bytes_per_token(self, tp: int, act_bytes: float) -> float:
+        """Bytes one token's non-GEMM kernels move per layer on one rank
+        (:func:`nongemm_bytes`)."""
+        return nongemm_bytes(self.hidden_size, self.mlp_width(), self.num_heads,
+                             self.num_kv_heads, self.head_dim, tp, act_bytes)
 
     def check_tp(self, tp: int) -> None:
         """Refuse a tensor-parallel degree the engines refuse (vLLM: the query heads split
@@ -70,6 +89,16 @@ class ArchSpec:
         return 1.0 - (1.0 - self.experts_per_token / self.num_experts) ** max(0, tokens)
 
 
+def nongemm_bytes(hidden: float, ffn: float, heads: int, kv_heads: int, head_dim: int,
+                  tp: int, act_bytes: float) -> float:
+    """Bytes a decoder layer's non-GEMM kernels move per token on one rank: each of the two
+    RMSNorms reads and writes the hidden state and reads the residual it fuses, RoPE reads
+    and writes q and k (split over the ranks), SiLU-and-mul reads gate and up and writes
+    their product (split), and the residual add reads two hidden states and writes one."""
+    q_k = (heads + kv_heads) * head_dim / tp
+    return act_bytes * (2 * 3 * hidden + 2 * q_k + 3 * ffn / tp + 3 * hidden)
+
+
 def llama_like(name: str, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int,
                vocab: int, max_pos: int, head_dim: int = 128, tied: bool = False,
                qkv_bias: bool = False) -> ArchSpec:
@@ -78,4 +107,4 @@ def llama_like(name: str, layers: int, hidden: int, ffn: int, heads: int, kv_hea
     attn = hidden * (q + 2 * kv) + q * hidden + ((q + 2 * kv) if qkv_bias else 0)
     per_layer = attn + 3 * hidden * ffn
     return ArchSpec(name, layers, hidden, vocab, heads, kv_heads, head_dim, head_dim,
-                    head_dim, layers * per_layer, max_pos, tied)
+                    head_dim, layers * per_layer, max_pos, tied, intermediate_size=ffn)

@@ -292,7 +292,8 @@ def end_to_end(m: Measured, target: Target, model_json: Path) -> dict[str, float
                              f"roofline.hardware={target.hardware}",
                              f"roofline.model={model_json}", *target.roofline,
                              f"roofline.attention={m.attention or 'spec'}",
-                             "progress=false"]))
+                             # the runs measured this engine: its overheads, no profile's
+                             "roofline.engine=kvbench", "progress=false"]))
     r = run(rc).metrics
     meas = m.out_tokens / float(m.step_s.sum())
     return {"roofline_run_throughput": r["throughput.output_tokens_per_s"],

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from harness.errors import UserError
 from harness.roofline.arch import ArchSpec
+from harness.roofline.engines import PROFILES
 from harness.roofline.hardware import ATTENTION, HardwareSpec
 from harness.units import format_bytes, parse_bytes
 from harness.validate import at_least, in_range, one_of
@@ -28,13 +29,29 @@ class RooflineConfig:
     # How attention runs: the spec's (fused kernels on a GPU, the torch gather on the cpu
     # spec), or forced: "fused" | "gather" (harness.roofline.shape).
     attention: str = "spec"
+    # The serving engine whose CPU time a step pays (harness.roofline.engines): auto
+    # (kvbench on the cpu spec, vllm-0.6 on a GPU) | vllm-0.6 | vllm-v1 | sglang | trtllm
+    # | kvbench (the hardware spec's own overheads).
+    engine: str = "auto"
+    # The weight GEMMs' dtype: auto (the activations') or fp8 (W8A8 on the fp8 units;
+    # needs weight_dtype=fp8, as TensorRT-LLM's FP8 checkpoints are).
+    compute_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         at_least(self, "roofline", 1, "tp")
         one_of(self, "roofline", "dtype", COMPUTE)
         one_of(self, "roofline", "weight_dtype", WEIGHT_BYTES)
+        one_of(self, "roofline", "compute_dtype", ("auto", "fp8"))
+        one_of(self, "roofline", "engine", ("auto", *PROFILES))
+        if self.compute_dtype == "fp8" and self.weight_dtype != "fp8":
+            raise UserError("roofline.compute_dtype=fp8 multiplies fp8 weights on the fp8 "
+                            f"units: set roofline.weight_dtype=fp8 (got {self.weight_dtype})")
         in_range(self, "roofline", "gpu_memory_utilization", 0.0, 1.0, lo_open=True)
         one_of(self, "roofline", "attention", ("spec", *ATTENTION))
+
+    def gemm_dtype(self) -> str:
+        """The weight GEMMs' dtype for the step model."""
+        return "fp8" if self.compute_dtype == "fp8" else COMPUTE[self.dtype]
 
     def reserve_bytes(self, hw: HardwareSpec) -> int:
         if self.activation_reserve == "auto":

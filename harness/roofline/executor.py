@@ -56,7 +56,8 @@ class RooflineTotals:
     """Modelled seconds per term, summed over the run (metrics ``roofline.*_s``)."""
 
     terms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
-        ("gemm", "lm_head", "prefill_attn", "decode_attn", "allreduce", "overhead"), 0.0))
+        ("gemm", "lm_head", "prefill_attn", "decode_attn", "allreduce", "nongemm",
+         "overhead"), 0.0))
 
     def add(self, t: StepTime) -> None:
         for k in self.terms:
@@ -85,6 +86,7 @@ class RooflineExecutor:
         self.needs_scores = False
         self._written: list[ScheduledSeq] = []
         self._ops_s = 0.0  # cache operations' time, charged to the next forward
+        self.trace: list[tuple[float, int, bool, float]] | None = None
 
     def bind(self, kv: KVManager) -> None:
         self.kv = kv
@@ -102,11 +104,13 @@ class RooflineExecutor:
         assert self.kv is not None, "bind() the KV manager first"
         sh = step_shape(rec, self.costs, self.kv)
         samplers = sh.samplers
-        t = self.model.time(self.model.work_of(sh))
+        t = self.model.time(self.model.work_of(sh, rec.fresh))
         t.overhead += self._ops_s
         self._ops_s = 0.0
         self.totals.add(t)
         self.clock.advance(float(t.total))
+        if self.trace is not None:  # the fit's record: (forward s, seqs, fresh)
+            self.trace.append((float(t.forward), sh.seqs, rec.fresh, float(t.overhead)))
         if self.needs_scores:
             self._written = list(rec.seqs)
         # One-hot rows at each sequence's synthetic token: the engine's own sampling code

@@ -56,8 +56,24 @@ class HardwareSpec:
     # Measured seconds per element to widen a stored 1-byte dtype ("int8", "fp8") to the
     # compute dtype on the gather path: its compute, beyond the bytes it moves.
     widen_s_per_elem: dict[str, float] = field(default_factory=dict)
-    source: str = "prior"  # prior | measured | calibrated (the record says which)
+    # Kernel-level terms fitted to Vidur's profiled kernels (harness.roofline.kernel_fit;
+    # 0 = off, as on the calibrated cpu spec, whose eff_profile absorbs them):
+    gemm_corner_p: float = 0.0  # GEMM time (c^p + m^p)^(1/p): the roofline's rounded corner
+    gemm_kernel_s: float = 0.0  # fixed cost per GEMM kernel (4 a layer + the lm_head)
+    nongemm_kernel_s: float = 0.0  # per non-GEMM kernel (norms, RoPE, SiLU-and-mul, adds)
+    eff_elem: float = 0.0  # share of mem_bw the non-GEMM kernels stream at (0: no term)
+    # The all-reduce's small-message time by tensor-parallel degree (else link_latency_s).
+    allreduce_latency_s: dict[int, float] = field(default_factory=dict)
+    source: str = "prior"  # prior | fitted | measured | calibrated (the record says which)
     extra: dict[str, float] = field(default_factory=dict)
+
+    def allreduce_latency(self, tp: int) -> float:
+        """Seconds of one all-reduce of a small message over ``tp`` ranks: the profiled
+        figure at ``tp``, else at the nearest profiled degree, else ``link_latency_s``."""
+        lat = self.allreduce_latency_s
+        if not lat:
+            return self.link_latency_s
+        return lat[min(lat, key=lambda k: (abs(k - tp), k))]
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:
@@ -82,10 +98,10 @@ def _dtype_key(dtype: str) -> str:
 
 
 def _gpu(name: str, bf16: float, fp8: float, fp32: float, bw: float, mem: float,
-         link: float, **kw: float | str) -> HardwareSpec:
+         link: float, **kw: Any) -> HardwareSpec:
     return HardwareSpec(name, {"bf16": bf16 * TB, "fp16": bf16 * TB, "fp8": fp8 * TB,
                                "fp32": fp32 * TB}, bw * TB, int(mem * GB), link_bw=link * GB,
-                        **kw)  # type: ignore[arg-type]
+                        **kw)
 
 
 # The CPU's priors before calibration: one core of this machine (AVX2 FMA, fp32), whose
@@ -96,15 +112,30 @@ CPU_PRIOR = HardwareSpec("cpu", {"fp32": 80e9, "bf16": 10e9}, 20e9, 24 * GiB,
                          step_overhead_s=1e-3, per_seq_overhead_s=10e-6,
                          activation_reserve_bytes=1 * GiB, attention="gather")
 
+# Kernel constants fitted by `python -m harness.roofline.kernel_fit` to Vidur's profiled
+# kernels (harness/roofline/data/vidur; tests/test_kernel_fit.py checks they are the fit's
+# optimum): the GEMMs' shares of peak FLOP/s and of bandwidth, the rounded roofline corner,
+# the fixed cost per GEMM and per non-GEMM kernel, the non-GEMM kernels' bandwidth share,
+# and NCCL's all-reduce (small-message time per degree; bus bandwidth of 8-64 MiB ones).
+H100_KERNELS: dict[str, Any] = dict(
+    eff_gemm=0.70, eff_bw=0.90, gemm_corner_p=1.5, gemm_kernel_s=6e-6,
+    nongemm_kernel_s=1.9e-6, eff_elem=0.60, allreduce_latency_s={2: 39e-6, 4: 42e-6, 8: 32e-6})
+A100_KERNELS: dict[str, Any] = dict(
+    eff_gemm=0.71, eff_bw=0.81, gemm_corner_p=1.5, gemm_kernel_s=6e-6,
+    nongemm_kernel_s=2.05e-6, eff_elem=0.54, allreduce_latency_s={2: 54e-6, 4: 42e-6, 8: 40e-6})
+
 HARDWARE: dict[str, HardwareSpec] = {h.name: h for h in (
-    # H100 SXM5: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, 80 GB, NVLink 900 GB/s (450 one way)
-    _gpu("h100-sxm", 989, 1979, 67, 3.35, 80, 450),
-    # H200: the H100's compute, 4.8 TB/s HBM3e, 141 GB; efficiencies from one measured
-    # (bf16 GEMM ~790 TFLOP/s = 0.80 of peak, device copy ~4.3 TB/s = 0.90 of 4.8).
-    _gpu("h200", 989, 1979, 67, 4.8, 141, 450, eff_gemm=0.80, eff_bw=0.90,
+    # H100 SXM5: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, 80 GB; NCCL all-reduce bus
+    # bandwidth 340 GB/s (Vidur, h100_dgx) of NVLink's 450 one way.
+    _gpu("h100-sxm", 989, 1979, 67, 3.35, 80, 340, **H100_KERNELS, source="fitted"),
+    # H200: the H100's compute and NVLink, 4.8 TB/s HBM3e, 141 GB. Vidur profiles no H200:
+    # the H100's kernel constants, with one measured point's GEMM share (bf16 GEMM ~790
+    # TFLOP/s = 0.80 of peak) and copy bandwidth share (~4.3 TB/s = 0.90 of 4.8).
+    _gpu("h200", 989, 1979, 67, 4.8, 141, 340, **{**H100_KERNELS, "eff_gemm": 0.80},
          source="measured"),
-    _gpu("a100-80gb", 312, 312, 19.5, 2.039, 80, 300),  # no fp8 units: fp8 runs as bf16
-    _gpu("a100-40gb", 312, 312, 19.5, 1.555, 40, 300),
+    # A100: no fp8 units (fp8 runs as bf16); NCCL bus bandwidth 190 GB/s (a100_dgx).
+    _gpu("a100-80gb", 312, 312, 19.5, 2.039, 80, 190, **A100_KERNELS, source="fitted"),
+    _gpu("a100-40gb", 312, 312, 19.5, 1.555, 40, 190, **A100_KERNELS, source="fitted"),
     _gpu("l40s", 362, 733, 91.6, 0.864, 48, 32),  # PCIe gen4 x16 between cards
 )}
 
@@ -153,6 +184,9 @@ def spec_from_calibration(report: dict[str, Any],
                                    zip(prof["rows"], prof["layers_s_per_param"],
                                        prof["lm_head_s_per_param"], strict=True))
         kw["profile_dtype"] = str(prof["dtype"])
+        # Measured GEMMs replace the fitted kernel terms; the real steps' norms, RoPE and
+        # activations ride along in eff_profile (harness.roofline.calibrate).
+        kw.update(gemm_kernel_s=0.0, eff_elem=0.0, nongemm_kernel_s=0.0)
     return dataclasses.replace(prior, source="calibrated", **kw)
 
 

@@ -22,6 +22,7 @@ from harness.model import ByteTokenizer, parse_dtype
 from harness.model.tokenizer import Tokenizer
 from harness.roofline.arch import ArchSpec
 from harness.roofline.config import COMPUTE, WEIGHT_BYTES, auto_kv_budget
+from harness.roofline.engines import PROFILES, engine_name, get_engine
 from harness.roofline.executor import RooflineExecutor
 from harness.roofline.hardware import get_hardware
 from harness.roofline.models import get_model_spec
@@ -52,7 +53,8 @@ def build_roofline(rc: RunConfig, workload: Workload, quiet: bool = False,
     budget = auto_kv_budget(arch, hw, r) if rc.cache.kv_budget == "auto" else \
         rc.cache.kv_budget
     step = StepModel(arch, hw, backend.bytes_per_slot(), COMPUTE[r.dtype],
-                     WEIGHT_BYTES[r.weight_dtype], r.tp, kv_dtype_of(backend))
+                     WEIGHT_BYTES[r.weight_dtype], r.tp, kv_dtype_of(backend),
+                     gemm_dtype=r.gemm_dtype(), engine=get_engine(r.engine, r.hardware))
     ex = RooflineExecutor(step, backend)
     eos = tuple(ByteTokenizer().eos_ids)
     st = assemble_stack(backend, device, rc.cache, rc.scheduler, Sampler(rc.seed),
@@ -93,6 +95,10 @@ class RooflineTarget:
                "device": f"{r.tp}x {hw.name}", "dtype": r.dtype, "hardware": hw.name,
                "hardware_source": hw.source, "tp": r.tp, "weight_dtype": r.weight_dtype,
                "quality": QUALITY_ABSENT}
+        eng = engine_name(r.engine, r.hardware)
+        prof = PROFILES[eng]
+        run.update({"engine": eng, "engine_source": "calibrated" if prof.calibrated
+                    else "prior", "compute_dtype": r.gemm_dtype()})
         metrics: dict[str, Any] = {f"roofline.{k}_s": v for k, v in ex.totals.terms.items()}
         metrics["roofline.kv_bytes_per_token"] = st.sizing.bytes_per_slot
         metrics["engine.sim_wall_s"] = sim_wall_s  # this CPU's seconds to simulate the run

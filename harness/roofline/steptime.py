@@ -14,9 +14,25 @@ less the terms are max + (1 - overlap) x min: one CPU core, ``overlap=0``, adds 
                    b_kv ctx_prefill / tp_kv / (bw eff_bw))
     decode   = max(2 H (d_qk + d_v) L ctx_decode / tp / (peak eff_attn),
                    b_kv ctx_decode / tp_kv / (bw eff_bw))
-    allreduce = 2 L (2 (tp - 1) / tp x T h b_act / link_bw + latency)      (tp > 1)
-    step     = gemm + lm_head + prefill + decode + allreduce
-               + step_overhead + per_seq_overhead x seqs
+    allreduce = 2 L (2 (tp - 1) / tp x T h b_act / link_bw + latency(tp))  (tp > 1)
+    nongemm  = L (6 t_kernel + T B_tok / (bw eff_elem))
+    engine   = [fresh] (schedule_s + schedule_per_seq_s x seqs)
+               + step_s + step_per_seq_s x seqs
+    step     = gemm + lm_head + prefill + decode + allreduce + nongemm + engine
+
+On a spec fitted to profiled kernels (harness.roofline.kernel_fit: the GPU specs) the GEMM
+rooflines' corner is rounded and each GEMM kernel has a fixed cost: with c and m the
+compute and memory sides above, ``gemm = (c^p + m^p)^(1/p) + (4 L + 1) t_gemm`` (``p =
+gemm_corner_p``; 0 keeps max(c, m)), so a step near the ridge (~256 tokens) is neither
+side alone and small TP8 matrices stream below the bandwidth share. ``nongemm`` is the
+two RMSNorms, RoPE, SiLU-and-mul and two residual adds of each layer: six kernels of
+``nongemm_kernel_s`` and ``B_tok`` bytes a token (ArchSpec.nongemm_bytes_per_token).
+``latency(tp)`` is NCCL's small-message all-reduce time at that degree (Vidur: 30-45 us on
+H100 NVLink). ``engine`` is the serving engine's CPU time (harness.roofline.engines): a
+scheduling decision on each step scheduled anew (``StepRecord.fresh``; multi-step
+scheduling makes the others not fresh), and per-step work (launch, sampling, output
+processing); without a profile, the spec's ``step_overhead_s + per_seq_overhead_s x seqs``.
+GEMMs run at ``gemm_dtype``'s peak (``roofline.compute_dtype=fp8``: W8A8 on the fp8 units).
 
 ``pairs`` are the (query, key) pairs of the step's prefill chunks (a chunk of n tokens
 after s cached ones: n s + n (n + 1) / 2, a window bounding each query's keys);
@@ -61,6 +77,7 @@ from typing import Any
 import numpy as np
 
 from harness.roofline.arch import ArchSpec
+from harness.roofline.engines import EngineProfile
 from harness.roofline.hardware import HardwareSpec
 from harness.roofline.shape import StepShape
 
@@ -84,6 +101,8 @@ class StepWork:
     rows: float = 0.0  # the lm_head's rows
     pre_widen_s: float = 0.0  # measured widening of a 1-byte cache (gather path)
     dec_widen_s: float = 0.0
+    nongemm_bytes: float = 0.0  # the layers' non-GEMM kernels' bytes
+    fresh: float = 1.0  # 1 when the step was scheduled anew (multi-step: the first)
 
 
 @dataclass(slots=True)
@@ -96,10 +115,12 @@ class StepTime:
     decode_attn: float
     allreduce: float
     overhead: float
+    nongemm: float = 0.0
 
     @property
     def forward(self) -> float:
-        return self.gemm + self.lm_head + self.prefill_attn + self.decode_attn + self.allreduce
+        return (self.gemm + self.lm_head + self.prefill_attn + self.decode_attn
+                + self.allreduce + self.nongemm)
 
     @property
     def total(self) -> float:
@@ -111,11 +132,20 @@ class StepModel:
 
     def __init__(self, arch: ArchSpec, hw: HardwareSpec, kv_bytes_per_token: int,
                  compute_dtype: str = "bf16", weight_bytes: float = 2.0, tp: int = 1,
-                 kv_dtype: str = "") -> None:
+                 kv_dtype: str = "", gemm_dtype: str = "",
+                 engine: EngineProfile | None = None) -> None:
+        """``compute_dtype``: activations and attention; ``gemm_dtype``: the weight GEMMs'
+        (default the same; "fp8" for W8A8); ``engine``: the serving engine's CPU time
+        (default: the spec's own overheads)."""
         arch.check_tp(tp)
         self.arch, self.hw, self.tp = arch, hw, tp
         self.compute_dtype = compute_dtype
+        self.gemm_dtype = gemm_dtype or compute_dtype
         self.peak = hw.flops(compute_dtype)
+        self.gemm_peak = hw.flops(self.gemm_dtype)
+        self.engine = engine
+        self.nongemm_per_token = arch.num_layers * arch.nongemm_bytes_per_token(
+            tp, 2.0 if compute_dtype != "fp32" else 4.0)
         self.weight_bytes = weight_bytes
         self.act_bytes = 2.0 if compute_dtype in ("bf16", "fp16", "bfloat16", "float16",
                                                   "fp8") else 4.0
@@ -135,11 +165,13 @@ class StepModel:
         self.widen_s_per_key = elems * hw.widen_s_per_elem.get(kv_dtype, 0.0) \
             if quantized else 0.0
 
-    def work_of(self, sh: StepShape) -> StepWork:
-        """:meth:`work` of a step's shape."""
-        return self.work(sh.tokens, sh.rows, sh.seqs, sh.pairs, sh.ctx_prefill,
-                         sh.ctx_decode, sh.pairs_full, sh.gather_decode, sh.pre_bytes,
-                         sh.dec_bytes)
+    def work_of(self, sh: StepShape, fresh: bool = True) -> StepWork:
+        """:meth:`work` of a step's shape (``fresh``: scheduled anew)."""
+        w = self.work(sh.tokens, sh.rows, sh.seqs, sh.pairs, sh.ctx_prefill,
+                      sh.ctx_decode, sh.pairs_full, sh.gather_decode, sh.pre_bytes,
+                      sh.dec_bytes)
+        w.fresh = 1.0 if fresh else 0.0
+        return w
 
     def work(self, tokens: int, rows: int, seqs: int, pairs: float, ctx_prefill: float,
              ctx_decode: float, pairs_full: float = 0.0, gather_decode: float = 0.0,
@@ -158,7 +190,7 @@ class StepModel:
         if tp > 1 and self.hw.link_bw > 0:
             nbytes = tokens * a.hidden_size * self.act_bytes
             ar = 2 * a.num_layers * (2 * (tp - 1) / tp * nbytes / self.hw.link_bw
-                                     + self.hw.link_latency_s)
+                                     + self.hw.allreduce_latency(tp))
         widen = 0.0
         if self.hw.attention == "gather":
             pairs, ctx_decode, kvb = pairs_full, gather_decode, self.gather_rank_bytes
@@ -177,15 +209,18 @@ class StepModel:
             dec_flops=self.attn_flops_per_pair * ctx_decode,
             dec_bytes=dec_b,
             ar_seconds=ar, seqs=seqs, tokens=tokens, rows=rows,
-            pre_widen_s=widen * ctx_prefill, dec_widen_s=widen * ctx_decode)
+            pre_widen_s=widen * ctx_prefill, dec_widen_s=widen * ctx_decode,
+            nongemm_bytes=self.nongemm_per_token * tokens)
 
     def time(self, w: StepWork, hw: HardwareSpec | None = None) -> StepTime:
         """Seconds of ``w`` on ``hw`` (default: the model's own; calibration passes
         candidates). Works on floats and on numpy arrays alike."""
         h = hw or self.hw
         peak = self.peak if hw is None else hw.flops(self.compute_dtype)
-        fg, fa, bw = peak * h.eff_gemm, peak * h.eff_attn, h.mem_bw * h.eff_bw
+        gpeak = self.gemm_peak if hw is None else hw.flops(self.gemm_dtype)
+        fg, fa, bw = gpeak * h.eff_gemm, peak * h.eff_attn, h.mem_bw * h.eff_bw
         lap = 1.0 - h.overlap
+        p = h.gemm_corner_p
 
         def mx(c: Any, m: Any) -> Any:  # the roofline, or the sum where nothing overlaps
             if isinstance(c, float) and isinstance(m, float):  # one step: no numpy scalars
@@ -198,15 +233,30 @@ class StepModel:
             gemm = a.active_params / tp * profile_tau(w.tokens, prof[:, 0], prof[:, 1])
             lm = a.vocab_size * a.hidden_size / tp * profile_tau(w.rows, prof[:, 0], prof[:, 2])
             gemm, lm = gemm / h.eff_profile, lm / h.eff_profile
+        elif p > 0:  # the fitted GPU specs: a rounded corner and a cost per kernel
+            kernels = h.gemm_kernel_s
+            gemm = (((w.gemm_flops / fg) ** p + (w.gemm_bytes / bw) ** p) ** (1.0 / p)
+                    + 4 * self.arch.num_layers * kernels)
+            lm = ((w.lm_flops / fg) ** p + (w.lm_bytes / bw) ** p) ** (1.0 / p) \
+                + kernels * (w.lm_bytes > 0)
         else:
             gemm = mx(w.gemm_flops / fg, w.gemm_bytes / bw)
             lm = mx(w.lm_flops / fg, w.lm_bytes / bw)
+        nongemm = 0.0
+        if h.eff_elem > 0:
+            nongemm = (6 * self.arch.num_layers * h.nongemm_kernel_s
+                       + w.nongemm_bytes / (h.mem_bw * h.eff_elem))
+        e = self.engine
+        if e is None:
+            overhead = h.step_overhead_s + h.per_seq_overhead_s * w.seqs
+        else:
+            overhead = (w.fresh * (e.schedule_s + e.schedule_per_seq_s * w.seqs)
+                        + e.step_s + e.step_per_seq_s * w.seqs)
         return StepTime(
             gemm=gemm, lm_head=lm,
             prefill_attn=mx(w.pre_flops / fa, w.pre_bytes / bw) + w.pre_widen_s,
             decode_attn=mx(w.dec_flops / fa, w.dec_bytes / bw) + w.dec_widen_s,
-            allreduce=w.ar_seconds,
-            overhead=h.step_overhead_s + h.per_seq_overhead_s * w.seqs)
+            allreduce=w.ar_seconds, overhead=overhead, nongemm=nongemm)
 
 
 @functools.lru_cache(maxsize=8)

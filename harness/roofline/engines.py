@@ -1,0 +1,93 @@
+"""Engine profiles (``roofline.engine``): the serving software's share of a step, apart
+from the hardware's.
+
+A profile is the engine's CPU time per step, as a few constants (harness.roofline.
+steptime's ``engine`` term): ``schedule_s + schedule_per_seq_s x seqs`` on each step
+scheduled anew (multi-step scheduling makes the others not fresh) and ``step_s +
+step_per_seq_s x seqs`` on every step (launch, sampling, output processing), plus the
+``scheduler.*`` settings that mirror how that engine batches (``scheduler``: what
+``python -m harness.roofline.validate`` runs each published point with; a user's run
+takes them only as given on the command line, see the README).
+
+A profile is ``calibrated`` only when fitted to published points of its own engine
+(harness/roofline/published/fit.yaml, by ``python -m harness.roofline.validate --fit``);
+otherwise it is a prior: labelled so in every record, outside the accuracy claim.
+``kvbench`` is this engine itself: the hardware spec's own overheads (the ``cpu`` spec's
+are measured here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from harness.errors import UserError
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    name: str
+    engine: str  # the software and version it stands for
+    schedule_s: float = 0.0  # CPU seconds per scheduling decision
+    schedule_per_seq_s: float = 0.0  # ... per running sequence
+    step_s: float = 0.0  # CPU seconds on every step
+    step_per_seq_s: float = 0.0  # ... per running sequence
+    scheduler: dict[str, Any] = field(default_factory=dict)
+    calibrated: bool = False
+    fitted_to: tuple[str, ...] = ()  # fit.yaml sources
+    note: str = ""
+
+
+# The constants below are written by `python -m harness.roofline.validate --fit` (the
+# record of the fit: harness/roofline/published/fit_result.json); priors where no
+# published points of that engine exist.
+PROFILES: dict[str, EngineProfile] = {p.name: p for p in (
+    EngineProfile(
+        "vllm-0.6", "vLLM 0.6.x (V0 engine)", schedule_s=2e-3, schedule_per_seq_s=60e-6,
+        step_s=1e-3, step_per_seq_s=5e-6,
+        scheduler={"mixing": "prefill_first", "chunked_prefill": False,
+                   "admission": "watermark", "max_num_seqs": 256,
+                   "max_num_batched_tokens": "max(max_model_len, 2048)"},
+        note="V0 without chunked prefill (its default below 32k context): prompt-only "
+             "steps first; --num-scheduler-steps as scheduler.num_scheduler_steps"),
+    EngineProfile(
+        "vllm-v1", "vLLM V1 engine (0.8+)", schedule_s=1e-3, schedule_per_seq_s=10e-6,
+        step_s=1e-3, step_per_seq_s=5e-6,
+        scheduler={"mixing": "mixed", "chunked_prefill": True, "admission": "watermark",
+                   "max_num_seqs": 256, "max_num_batched_tokens": 8192},
+        note="prior: no published V1 points in fit.yaml"),
+    EngineProfile(
+        "sglang", "SGLang 0.3-0.4", schedule_s=1e-3, schedule_per_seq_s=10e-6,
+        step_s=1e-3, step_per_seq_s=5e-6,
+        scheduler={"mixing": "mixed", "chunked_prefill": True, "admission": "watermark",
+                   "max_num_seqs": 2048, "max_num_batched_tokens": 8192},
+        note="prior: no published SGLang points in fit.yaml"),
+    EngineProfile(
+        "trtllm", "TensorRT-LLM (inflight batching)", step_s=1e-3, step_per_seq_s=5e-6,
+        scheduler={"mixing": "mixed", "chunked_prefill": False, "admission": "no_evict",
+                   "max_num_seqs": 2048, "max_num_batched_tokens": 8192},
+        note="GUARANTEED_NO_EVICT admission, context requests whole (chunked context off), "
+             "max_batch_size 2048 / max_num_tokens 8192 (trtllm defaults)"),
+    EngineProfile("kvbench", "this engine (the hardware spec's own overheads)",
+                  calibrated=True, note="the cpu spec's overheads are measured here"),
+)}
+
+
+def get_engine(name: str, hardware: str) -> EngineProfile | None:
+    """The profile ``roofline.engine`` names (``auto``: kvbench on the cpu spec, else
+    vllm-0.6, the calibrated default); None for ``kvbench`` (the spec's overheads)."""
+    key = name.lower()
+    if key == "auto":
+        key = "kvbench" if hardware.lower() == "cpu" else "vllm-0.6"
+    if key not in PROFILES:
+        raise UserError(f"unknown roofline.engine {name!r}: use one of auto, "
+                        f"{', '.join(PROFILES)}")
+    return None if key == "kvbench" else PROFILES[key]
+
+
+def engine_name(name: str, hardware: str) -> str:
+    """The profile name ``roofline.engine=<name>`` resolves to."""
+    key = name.lower()
+    if key == "auto":
+        return "kvbench" if hardware.lower() == "cpu" else "vllm-0.6"
+    return key

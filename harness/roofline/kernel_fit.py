@@ -1,0 +1,183 @@
+"""Fit a GPU spec's kernel constants to Vidur's profiled kernel times.
+
+    python -m harness.roofline.kernel_fit [--gpu h100|a100]
+
+The tables (harness/roofline/data/vidur, from microsoft/vidur) time each decoder layer's
+GEMMs and other kernels per tensor-parallel rank at 1..8192 tokens, and NCCL all-reduces
+by size. Three models come out of them, each a few constants of ``HardwareSpec``:
+
+- **GEMM** (per weight matrix of P parameters per rank, T tokens, bf16):
+  ``t = (c^p + m^p)^(1/p) + t0`` with ``c = 2 P T / (peak eff_gemm)`` and
+  ``m = 2 P / (bw eff_bw)``: a roofline whose corner is rounded (``p``: a GEMM near the
+  ridge is neither purely compute- nor memory-bound, where max(c, m) is 10-45% too fast),
+  plus a fixed cost per GEMM kernel (``t0``: why small matrices, at TP8, stream their
+  weights at a lower share of the bandwidth). Fitted on every (model, tp, tokens) row by
+  least squares on log time.
+- **Non-GEMM work** (two RMSNorms, RoPE, SiLU-and-mul, residual adds, per layer):
+  ``t = k t_k + T B_tok / (bw eff_elem)``, ``k`` kernels of ``t_k`` each and
+  ``B_tok`` bytes moved per token (module :func:`nongemm_bytes_per_token`).
+- **All-reduce** (``tp`` ranks, ``n`` bytes): ``t = lat(tp) + 2 (tp - 1) / tp n / bw_bus``,
+  ``lat`` the median of messages up to 1 MiB (they take the same time whatever their size),
+  ``bw_bus`` from messages of 8-64 MiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from harness.roofline.arch import nongemm_bytes
+
+DATA = Path(__file__).resolve().parent / "data" / "vidur"
+PEAK_BF16 = {"h100": 989e12, "a100": 312e12}
+MEM_BW = {"h100": 3.35e12, "a100": 2.039e12}
+NETDEV = {"h100": "h100_dgx", "a100": "a100_dgx"}
+# (hidden, intermediate, heads, kv_heads, head_dim) of the profiled models.
+SHAPES = {"llama2_70b": (8192, 28672, 64, 8, 128), "llama2_7b": (4096, 11008, 32, 32, 128),
+          "llama3_8b": (4096, 14336, 32, 8, 128)}
+MODELS = {"h100": ("llama2_70b", "llama2_7b"),
+          "a100": ("llama2_70b", "llama2_7b", "llama3_8b")}
+NONGEMM_KERNELS = 5  # input norm, RoPE, post-attention norm, SiLU-and-mul, residual add
+P_GRID = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+@dataclass(frozen=True)
+class KernelFit:
+    """A GPU's fitted kernel constants (seconds, shares of the peaks) and their errors."""
+
+    gpu: str
+    eff_gemm: float
+    eff_bw: float
+    gemm_corner_p: float
+    gemm_kernel_s: float
+    nongemm_kernel_s: float
+    eff_elem: float
+    allreduce_latency_s: dict[str, float]
+    allreduce_bus_bw: float
+    gemm_median_err_pct: float
+    gemm_worst_err_pct: float
+    nongemm_median_err_pct: float
+    rows: int
+
+
+def _read(name: str) -> list[dict[str, str]]:
+    with open(DATA / f"{name}.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def gemm_params(model: str) -> list[float]:
+    """Parameters per layer of each of the four GEMMs (QKV, O, gate+up, down), at TP1."""
+    h, ffn, heads, kv, d = SHAPES[model]
+    return [h * (heads + 2 * kv) * d, heads * d * h, 2 * h * ffn, ffn * h]
+
+
+def nongemm_bytes_per_token(model: str, tp: int) -> float:
+    """Bytes the layer's non-GEMM kernels move per token on one rank, bf16
+    (harness.roofline.arch.nongemm_bytes: the step model's own count)."""
+    h, ffn, heads, kv, d = SHAPES[model]
+    return nongemm_bytes(h, ffn, heads, kv, d, tp, 2.0)
+
+
+def _gemm_rows(gpu: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(params per GEMM per rank, tokens, seconds), one row per GEMM per table row."""
+    ps, ts, secs = [], [], []
+    for model in MODELS[gpu]:
+        cols = ("attn_pre_proj_us", "attn_post_proj_us", "mlp_up_proj_us", "mlp_down_proj_us")
+        for r in _read(f"gemm_{gpu}_{model}"):
+            tp, n = int(r["tp"]), int(r["num_tokens"])
+            for p, c in zip(gemm_params(model), cols):
+                ps.append(p / tp)
+                ts.append(n)
+                secs.append(float(r[c]) * 1e-6)
+    return np.array(ps), np.array(ts, dtype=np.float64), np.array(secs)
+
+
+def gemm_time(params: np.ndarray | float, tokens: np.ndarray | float, peak: float, bw: float,
+              eff_gemm: float, eff_bw: float, p: float, t0: float) -> np.ndarray | float:
+    """Seconds of one bf16 GEMM (the module docstring's formula)."""
+    c = 2.0 * params * tokens / (peak * eff_gemm)
+    m = 2.0 * params / (bw * eff_bw)
+    return (c ** p + m ** p) ** (1.0 / p) + t0
+
+
+def fit_gemm(gpu: str) -> tuple[float, float, float, float, np.ndarray]:
+    """Grid search over (eff_gemm, eff_bw, p) with t0 at its best for each, minimizing the
+    squared log error; returns the constants and each row's relative error."""
+    P, T, y = _gemm_rows(gpu)
+    peak, bw = PEAK_BF16[gpu], MEM_BW[gpu]
+    best: tuple[float, float, float, float, float] | None = None
+    for p in P_GRID:
+        for eg in np.arange(0.40, 1.001, 0.01):
+            for eb in np.arange(0.50, 1.001, 0.01):
+                base = gemm_time(P, T, peak, bw, eg, eb, p, 0.0)
+                # t0 by a few Newton-free steps: the mean gap of the small-time rows.
+                for t0 in (0.0, 1e-6, 2e-6, 3e-6, 4e-6, 5e-6, 6e-6, 8e-6, 10e-6):
+                    err = float(np.mean(np.log((base + t0) / y) ** 2))
+                    if best is None or err < best[0]:
+                        best = (err, float(eg), float(eb), p, t0)
+    assert best is not None
+    _, eg, eb, p, t0 = best
+    rel = gemm_time(P, T, peak, bw, eg, eb, p, t0) / y - 1.0
+    return eg, eb, p, t0, np.asarray(rel)
+
+
+def fit_nongemm(gpu: str) -> tuple[float, float, np.ndarray]:
+    """Linear least squares (relative) of t = k t_k + T B_tok / (bw eff_elem)."""
+    rows, ys = [], []
+    for model in MODELS[gpu]:
+        for r in _read(f"nongemm_{gpu}_{model}"):
+            tp, n = int(r["tp"]), int(r["num_tokens"])
+            # Vidur times one residual add; a layer does two.
+            t = (float(r["nongemm_sum_us"]) + float(r["add_us"])) * 1e-6
+            rows.append([NONGEMM_KERNELS + 1, n * nongemm_bytes_per_token(model, tp)])
+            ys.append(t)
+    A, y = np.array(rows, dtype=np.float64), np.array(ys)
+    w = 1.0 / y
+    coef, *_ = np.linalg.lstsq(A * w[:, None], np.ones_like(y), rcond=None)
+    t_k, inv_bw = float(coef[0]), float(coef[1])
+    rel = (A @ coef) / y - 1.0
+    return t_k, 1.0 / (inv_bw * MEM_BW[gpu]), rel
+
+
+def fit_allreduce(gpu: str) -> tuple[dict[str, float], float]:
+    by: dict[int, list[tuple[int, float]]] = {}
+    for r in _read(f"allreduce_{NETDEV[gpu]}"):
+        by.setdefault(int(r["num_workers"]), []).append((int(r["size_bytes"]),
+                                                         float(r["median_us"]) * 1e-6))
+    lat, bus = {}, []
+    for tp, pts in sorted(by.items()):
+        small = [t for n, t in pts if n <= 2**20]
+        lat[str(tp)] = float(np.median(small))
+        big = np.array([(n, t) for n, t in pts if 8 * 2**20 <= n <= 64 * 2**20])
+        if len(big) > 2:
+            slope = np.polyfit(big[:, 0] * 2 * (tp - 1) / tp, big[:, 1], 1)[0]
+            bus.append(1.0 / slope)
+    return lat, float(np.median(bus))
+
+
+def fit(gpu: str) -> KernelFit:
+    eg, eb, p, t0, rel = fit_gemm(gpu)
+    t_k, e_el, nrel = fit_nongemm(gpu)
+    lat, bus = fit_allreduce(gpu)
+    a, na = np.abs(rel) * 100, np.abs(nrel) * 100
+    return KernelFit(gpu, round(eg, 3), round(eb, 3), p, t0, round(t_k, 9), round(e_el, 3),
+                     {k: round(v, 7) for k, v in lat.items()}, round(bus, -9),
+                     round(float(np.median(a)), 1), round(float(np.max(a)), 1),
+                     round(float(np.median(na)), 1), len(rel))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gpu", default="h100,a100")
+    args = ap.parse_args(argv)
+    for g in args.gpu.split(","):
+        print(json.dumps(asdict(fit(g)), indent=1))
+
+
+if __name__ == "__main__":
+    main()
