@@ -18,7 +18,10 @@ are measured here).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from harness.errors import UserError
@@ -33,14 +36,14 @@ class EngineProfile:
     step_s: float = 0.0  # CPU seconds on every step
     step_per_seq_s: float = 0.0  # ... per running sequence
     scheduler: dict[str, Any] = field(default_factory=dict)
+    memory_utilization: float = 0.9  # the share of GPU memory its published runs used
     calibrated: bool = False
     fitted_to: tuple[str, ...] = ()  # fit.yaml sources
     note: str = ""
 
 
-# The constants below are written by `python -m harness.roofline.validate --fit` (the
-# record of the fit: harness/roofline/published/fit_result.json); priors where no
-# published points of that engine exist.
+# Priors; where fit_result.json (`python -m harness.roofline.validate --fit`) has an
+# engine's fit, its constants replace these below (_with_fit) and the profile is calibrated.
 PROFILES: dict[str, EngineProfile] = {p.name: p for p in (
     EngineProfile(
         "vllm-0.6", "vLLM 0.6.x (V0 engine)", schedule_s=2e-3, schedule_per_seq_s=60e-6,
@@ -66,11 +69,35 @@ PROFILES: dict[str, EngineProfile] = {p.name: p for p in (
         "trtllm", "TensorRT-LLM (inflight batching)", step_s=1e-3, step_per_seq_s=5e-6,
         scheduler={"mixing": "mixed", "chunked_prefill": False, "admission": "no_evict",
                    "max_num_seqs": 2048, "max_num_batched_tokens": 8192},
+        memory_utilization=0.95,
         note="GUARANTEED_NO_EVICT admission, context requests whole (chunked context off), "
-             "max_batch_size 2048 / max_num_tokens 8192 (trtllm defaults)"),
+             "max_batch_size 2048 / max_num_tokens 8192 (trtllm defaults); "
+             "kv_cache_free_gpu_mem_fraction 0.95 as its perf docs use"),
     EngineProfile("kvbench", "this engine (the hardware spec's own overheads)",
                   calibrated=True, note="the cpu spec's overheads are measured here"),
 )}
+
+
+FIT_RESULT = Path(__file__).resolve().parent / "published" / "fit_result.json"
+CONSTANTS = ("schedule_s", "schedule_per_seq_s", "step_s", "step_per_seq_s")
+
+
+def _with_fit(profiles: dict[str, EngineProfile], path: Path) -> dict[str, EngineProfile]:
+    """The profiles with the constants ``python -m harness.roofline.validate --fit``
+    fitted to their engines' published points: those become calibrated."""
+    if not path.is_file():
+        return profiles
+    fitted = json.loads(path.read_text()).get("engines", {})
+    out = dict(profiles)
+    for name, f in fitted.items():
+        if name in out:
+            consts: dict[str, Any] = {k: float(f[k]) for k in CONSTANTS}
+            out[name] = dataclasses.replace(out[name], calibrated=True,
+                                            fitted_to=tuple(f["sources"]), **consts)
+    return out
+
+
+PROFILES = _with_fit(PROFILES, FIT_RESULT)
 
 
 def get_engine(name: str, hardware: str) -> EngineProfile | None:

@@ -1,0 +1,330 @@
+"""The what-if against published measurements: re-run every published point, fit the
+engine profiles to the fit set, and report predicted / published on the held-out set.
+
+    python -m harness.roofline.validate [--set fit|validation|both] [--fit] [--only ID,...]
+                                        [--jobs 2] [--out F]
+
+Two files (harness/roofline/published): ``fit.yaml`` (../shared/WHATIF_DATA.md's points,
+the only end-to-end points any constant is fitted to) and ``validation.yaml`` (frozen
+before the fit, never fitted to). Each run is one published configuration, composed as
+kvbench overrides (:func:`overrides`): its engine's profile and scheduler settings
+(harness.roofline.engines), then its source's, then its own. ``--fit`` fits each engine
+profile's CPU constants to that engine's all-at-once fit points (their schedules do not
+depend on time: the step shapes are recorded once, and the run's length is linear in the
+constants, solved by non-negative least squares on the relative error) and writes
+``fit_result.json``, which harness.roofline.engines reads. ``validation_result.json``
+(what every roofline run's ``roofline.expected_error_pct`` is read from) is written after
+a validation run.
+
+Throughput (``requests_per_s``, ``output_tokens_per_s``, ``total_tokens_per_s``) and TPOT
+(``tpot_ms_mean`` / ``_median``) are the claimed metrics; TTFT, E2E and ITL figures are
+reported beside them, outside the claim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from harness.errors import UserError
+
+HERE = Path(__file__).resolve().parent / "published"
+SETS = {"fit": HERE / "fit.yaml", "validation": HERE / "validation.yaml"}
+FIT_RESULT = HERE / "fit_result.json"
+VALIDATION_RESULT = HERE / "validation_result.json"
+CLAIMED = {"requests_per_s": "throughput", "output_tokens_per_s": "throughput",
+           "total_tokens_per_s": "throughput", "tpot_ms_mean": "tpot",
+           "tpot_ms_median": "tpot"}
+METRICS = (*CLAIMED, "ttft_ms_mean", "ttft_ms_median", "e2e_ms_median", "itl_ms_median")
+# ShareGPT-like lengths (../shared/WHATIF_DATA.md): lognormal, clipped to [4, 1024].
+SHAREGPT = ["workload.distribution=lognormal", "workload.input_mean=220",
+            "workload.input_std=230", "workload.input_min=4", "workload.input_max=1024",
+            "workload.output_mean=200", "workload.output_std=210", "workload.output_min=4",
+            "workload.output_max=1024"]
+GPU_CLASS = {"h100-sxm": "hopper", "h200": "hopper", "a100-80gb": "ampere",
+             "a100-40gb": "ampere", "l40s": "ada"}
+
+
+def load(name: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A published set's sources and runs."""
+    d = yaml.safe_load(SETS[name].read_text())
+    for r in d["runs"]:
+        r["set"] = name
+        unknown = set(r["figures"]) - set(METRICS)
+        if unknown:
+            raise UserError(f"{SETS[name]}: run {r['id']} has unknown metrics {unknown}")
+    return d["sources"], d["runs"]
+
+
+def _scheduler(run: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
+    from harness.roofline.engines import PROFILES
+
+    s = dict(PROFILES[run["engine"]].scheduler)
+    s.update(source.get("scheduler", {}).get(run["engine"], {}))
+    s.update(run.get("scheduler", {}))
+    s["max_model_len"] = run["max_model_len"]
+    if s.get("max_num_batched_tokens") == "max(max_model_len, 2048)":
+        s["max_num_batched_tokens"] = max(run["max_model_len"], 2048)
+    return s
+
+
+def overrides(run: dict[str, Any], source: dict[str, Any]) -> list[str]:
+    """The kvbench overrides that stand for one published run."""
+    from harness.roofline.engines import PROFILES
+
+    prof = PROFILES[run["engine"]]
+    ov = ["executor=roofline", f"roofline.model={run['model']}",
+          f"roofline.hardware={run['hardware']}", f"roofline.tp={run['tp']}",
+          f"roofline.weight_dtype={run['weight_dtype']}", f"roofline.engine={run['engine']}",
+          f"roofline.compute_dtype={run.get('compute_dtype', 'auto')}",
+          f"roofline.gpu_memory_utilization={prof.memory_utilization}",
+          f"backend={run['backend']}", "cache.kv_budget=auto",
+          "cache.enable_prefix_caching=false", "workload=random",
+          f"workload.num_requests={run['num_prompts']}", f"workload.rate={run['rate']}",
+          "progress=false", f"seed={run.get('seed', 0)}"]
+    wl = run["workload"]
+    if wl == "sharegpt":
+        ov += SHAREGPT
+    else:
+        i, o = int(wl["input"]), int(wl["output"])
+        ov += ["workload.distribution=uniform", f"workload.input_min={i}",
+               f"workload.input_max={i}", f"workload.output_min={o}",
+               f"workload.output_max={o}"]
+    ov += [f"scheduler.{k}={str(v).lower() if isinstance(v, bool) else v}"
+           for k, v in _scheduler(run, source).items()]
+    return ov
+
+
+def predicted(result: Any) -> dict[str, float]:
+    """Every metric of :data:`METRICS` from a run's result (``harness.runner.RunResult``)."""
+    m = result.metrics
+    rows = [r for r in result.requests if r["status"] == "finished"]
+    tpot = [float(r["tpot_ms"]) for r in rows if r["output_tokens"] > 1]
+    ttft = [float(r["ttft_ms"]) for r in rows]
+    e2e = [float(r["e2e_ms"]) for r in rows]
+    return {"requests_per_s": m["throughput.requests_per_s"],
+            "output_tokens_per_s": m["throughput.output_tokens_per_s"],
+            "total_tokens_per_s": m["throughput.total_tokens_per_s"],
+            "tpot_ms_mean": statistics.fmean(tpot), "tpot_ms_median": statistics.median(tpot),
+            "ttft_ms_mean": statistics.fmean(ttft), "ttft_ms_median": statistics.median(ttft),
+            "e2e_ms_median": statistics.median(e2e),
+            "itl_ms_median": m["latency.itl_ms.p50"]}
+
+
+def run_point(args: tuple[dict[str, Any], dict[str, Any], bool]) -> dict[str, Any]:
+    """One published run under executor=roofline: its predicted metrics, and with
+    ``trace`` each step's (forward s, seqs, fresh) and the run's output tokens."""
+    from harness.config import compose_config
+    from harness.roofline.run import RooflineTarget
+    from harness.runner import run
+
+    point, source, trace = args
+    cfg = compose_config(overrides(point, source))
+    t0 = time.perf_counter()
+    traced: list[tuple[float, int, bool, float]] = []
+    if trace:  # record the steps: RooflineTarget.build hands the executor over
+        orig = RooflineTarget.build
+
+        def build(self: RooflineTarget, workload: Any) -> Any:
+            st = orig(self, workload)
+            assert self.executor is not None
+            self.executor.trace = traced
+            return st
+
+        RooflineTarget.build = build  # type: ignore[method-assign]
+        try:
+            res = run(cfg)
+        finally:
+            RooflineTarget.build = orig  # type: ignore[method-assign]
+    else:
+        res = run(cfg)
+    out = {"id": point["id"], "pred": predicted(res), "sim_s": time.perf_counter() - t0,
+           "preemptions": res.metrics["sched.preemptions_recompute"],
+           "max_running_seqs": res.metrics["memory.max_running_seqs"],
+           "duration_s": res.metrics["engine.wall_s"]}
+    if trace:
+        out["trace"] = [(f, s, fr) for f, s, fr, _ in traced]
+        out["overhead_s"] = sum(o for *_, o in traced)
+        out["output_tokens"] = sum(r["output_tokens"] for r in res.requests)
+    return out
+
+
+def run_all(points: list[dict[str, Any]], sources: dict[str, Any], jobs: int,
+            trace: bool = False) -> list[dict[str, Any]]:
+    args = [(p, sources[p["source"]], trace) for p in points]
+    if jobs <= 1:
+        return [run_point(a) for a in args]
+    with ProcessPoolExecutor(jobs) as ex:
+        return list(ex.map(run_point, args))
+
+
+# -- the fit --------------------------------------------------------------------------
+def _features(r: dict[str, Any]) -> tuple[float, np.ndarray]:
+    """A traced run's forward seconds and its length's linear terms in the profile's
+    constants (schedule_s, schedule_per_seq_s, step_s, step_per_seq_s)."""
+    tr = r["trace"]
+    fwd = sum(f for f, _, _ in tr)
+    x = np.array([sum(1.0 for _, _, fr in tr if fr), sum(float(s) for _, s, fr in tr if fr),
+                  float(len(tr)), sum(float(s) for _, s, _ in tr)])
+    return fwd, x
+
+
+def fit_engine(runs: list[tuple[dict[str, Any], dict[str, Any]]],
+               keys: tuple[int, ...]) -> dict[str, float]:
+    """Non-negative least squares on the relative error of each run's length, over the
+    constants ``keys`` (indices into :func:`_features`' terms). A run's published length
+    is its output tokens (or requests) over the published throughput."""
+    rows, target = [], []
+    for point, r in runs:
+        fwd, x = _features(r)
+        fig = point["figures"]
+        if "output_tokens_per_s" in fig:
+            dur = r["output_tokens"] / fig["output_tokens_per_s"]
+        elif "requests_per_s" in fig:
+            dur = point["num_prompts"] / fig["requests_per_s"]
+        else:
+            continue
+        rows.append(x[list(keys)] / dur)
+        target.append(1.0 - fwd / dur)
+    A, b = np.array(rows), np.array(target)
+    best: tuple[float, np.ndarray] | None = None
+    for k in range(len(keys), 0, -1):  # every subset: the NNLS optimum is one of them
+        for sub in itertools.combinations(range(len(keys)), k):
+            coef, *_ = np.linalg.lstsq(A[:, sub], b, rcond=None)
+            if (coef < 0).any():
+                continue
+            full = np.zeros(len(keys))
+            full[list(sub)] = coef
+            err = float(np.sum((A @ full - b) ** 2))
+            if best is None or err < best[0]:
+                best = (err, full)
+    names = ("schedule_s", "schedule_per_seq_s", "step_s", "step_per_seq_s")
+    out = dict.fromkeys(names, 0.0)
+    if best is not None:
+        for i, v in zip(keys, best[1]):
+            out[names[i]] = float(v)
+    return out
+
+
+def do_fit(jobs: int) -> dict[str, Any]:
+    sources, runs = load("fit")
+    at_once = [p for p in runs if p["rate"] == 0]
+    res = {r["id"]: r for r in run_all(at_once, sources, jobs, trace=True)}
+    result: dict[str, Any] = {"fitted_at": time.strftime("%Y-%m-%d"), "engines": {}}
+    for eng in sorted({p["engine"] for p in at_once}):
+        pts = [(p, res[p["id"]]) for p in at_once if p["engine"] == eng]
+        # An engine whose points all schedule every step cannot tell scheduling from
+        # per-step time: fit the per-step pair only.
+        multi = any(not fr for _, r in pts for _, _, fr in r["trace"])
+        keys = (0, 1, 2, 3) if multi else (2, 3)
+        result["engines"][eng] = {**fit_engine(pts, keys),
+                                  "points": [p["id"] for p, _ in pts],
+                                  "sources": sorted({p["source"] for p, _ in pts})}
+    FIT_RESULT.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+# -- the report -----------------------------------------------------------------------
+def compare(points: list[dict[str, Any]], results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    from harness.roofline.engines import PROFILES
+
+    by = {r["id"]: r for r in results}
+    rows = []
+    for p in points:
+        r = by[p["id"]]
+        for metric, pub in p["figures"].items():
+            pred = r["pred"][metric]
+            rows.append({"set": p["set"], "id": p["id"], "source": p["source"],
+                         "engine": p["engine"], "calibrated": PROFILES[p["engine"]].calibrated,
+                         "gpu": GPU_CLASS.get(p["hardware"], p["hardware"]),
+                         "metric": metric, "kind": CLAIMED.get(metric, "other"),
+                         "published": pub, "predicted": pred,
+                         "error_pct": 100.0 * (pred / pub - 1.0)})
+    return rows
+
+
+def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Median and worst |error| per (set, calibrated profile or prior, metric kind)."""
+    out = []
+    keyf = lambda r: (r["set"], r["calibrated"], r["kind"])  # noqa: E731
+    for key, grp in itertools.groupby(sorted(rows, key=keyf), key=keyf):
+        errs = [abs(r["error_pct"]) for r in grp]
+        out.append({"set": key[0], "profile": "calibrated" if key[1] else "prior",
+                    "kind": key[2], "n": len(errs), "median_abs_pct": statistics.median(errs),
+                    "worst_abs_pct": max(errs)})
+    return out
+
+
+def bands(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Validated error per engine profile and GPU class (claimed metrics only)."""
+    out: dict[str, Any] = {}
+    keyf = lambda r: (r["engine"], r["gpu"], r["kind"])  # noqa: E731
+    claimed = [r for r in rows if r["set"] == "validation" and r["kind"] != "other"]
+    for (eng, gpu, kind), grp in itertools.groupby(sorted(claimed, key=keyf), key=keyf):
+        errs = [abs(r["error_pct"]) for r in grp]
+        out.setdefault(eng, {}).setdefault(gpu, {})[kind] = {
+            "median_abs_pct": round(statistics.median(errs), 1),
+            "worst_abs_pct": round(max(errs), 1), "n": len(errs)}
+    return out
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    head = ("| set | run | engine | metric | published | predicted | error % |\n"
+            "|---|---|---|---|---|---|---|")
+    body = [f"| {r['set']} | {r['id']} | {r['engine']}{'' if r['calibrated'] else ' (prior)'}"
+            f" | {r['metric']} | {r['published']:.4g} | {r['predicted']:.4g} | "
+            f"{r['error_pct']:+.1f} |" for r in rows]
+    summ = ["", "| set | profile | metric kind | n | median abs. error % | worst % |",
+            "|---|---|---|---|---|---|"]
+    summ += [f"| {s['set']} | {s['profile']} | {s['kind']} | {s['n']} | "
+             f"{s['median_abs_pct']:.1f} | {s['worst_abs_pct']:.1f} |" for s in summary(rows)]
+    return "\n".join([head, *body, *summ])
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--set", default="both", choices=("fit", "validation", "both"))
+    ap.add_argument("--fit", action="store_true", help="fit the engine profiles first")
+    ap.add_argument("--only", default="", help="comma-separated run ids")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--out", default="", help="also write the rows as JSON here")
+    args = ap.parse_args(argv)
+    if args.fit:
+        print(json.dumps(do_fit(args.jobs), indent=1))
+        import importlib
+
+        import harness.roofline.engines as engines
+
+        importlib.reload(engines)  # the profiles now read the new fit
+    names = ("fit", "validation") if args.set == "both" else (args.set,)
+    points: list[dict[str, Any]] = []
+    sources: dict[str, Any] = {}
+    for n in names:
+        s, r = load(n)
+        sources.update(s)
+        points += r
+    if args.only:
+        keep = set(args.only.split(","))
+        points = [p for p in points if p["id"] in keep]
+    t0 = time.perf_counter()
+    rows = compare(points, run_all(points, sources, args.jobs))
+    print(markdown(rows))
+    print(f"\n({len(points)} runs, {time.perf_counter() - t0:.0f} s)")
+    if "validation" in names and not args.only:
+        VALIDATION_RESULT.write_text(json.dumps(
+            {"validated_at": time.strftime("%Y-%m-%d"), "bands": bands(rows)}, indent=1) + "\n")
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
