@@ -148,6 +148,8 @@ def print_summary(m: dict[str, Any], out_dir: Path | None) -> None:
         ("engine overhead % of step", f("engine.overhead_pct")),
         ("wall time (s)", f("engine.wall_s")),
     ]
+    if m.get("run.executor") == "roofline":  # modelled times: with their validated error
+        lines.insert(1, ("what-if (modelled) error band", str(m.get("run.expected_error"))))
     if "quality.ppl" in m:
         lines[-1:-1] = [
             ("quality: ppl / ref (delta %)",

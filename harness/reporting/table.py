@@ -47,10 +47,12 @@ KEY_METRICS: list[tuple[str, str, str]] = [
     ("quality.kl_mean", "KL mean", "{:.2e}"),
     ("quality.top1_agreement", "top-1 agree", "{:.3f}"),
     ("quality.gen_exact_match_rate", "gen exact", "{:.3f}"),
+    # A roofline run's validated error (harness.roofline.bands): its times are +- this.
+    ("roofline.expected_error_pct", "what-if error %", "{:.1f}"),
 ]
 # Already a comparison with the exact reference, ~0 for exact backends: a ratio to the
 # baseline's ~0 would read 10^6x. Shown as values only.
-NO_RATIO = {"quality.ppl_delta_pct", "quality.kl_mean"}
+NO_RATIO = {"quality.ppl_delta_pct", "quality.kl_mean", "roofline.expected_error_pct"}
 RATIO = ".vs_baseline"  # suffix of a ratio column in the CSV
 
 

@@ -21,6 +21,7 @@ from harness.engine.sampler import Sampler
 from harness.model import ByteTokenizer, parse_dtype
 from harness.model.tokenizer import Tokenizer
 from harness.roofline.arch import ArchSpec
+from harness.roofline.bands import describe
 from harness.roofline.config import COMPUTE, WEIGHT_BYTES, auto_kv_budget
 from harness.roofline.engines import PROFILES, engine_name, get_engine
 from harness.roofline.executor import RooflineExecutor
@@ -99,7 +100,11 @@ class RooflineTarget:
         prof = PROFILES[eng]
         run.update({"engine": eng, "engine_source": "calibrated" if prof.calibrated
                     else "prior", "compute_dtype": r.gemm_dtype()})
+        text, pct = describe(eng, hw.name, prof.calibrated)
+        run["expected_error"] = text
         metrics: dict[str, Any] = {f"roofline.{k}_s": v for k, v in ex.totals.terms.items()}
+        if pct is not None:
+            metrics["roofline.expected_error_pct"] = pct
         metrics["roofline.kv_bytes_per_token"] = st.sizing.bytes_per_slot
         metrics["engine.sim_wall_s"] = sim_wall_s  # this CPU's seconds to simulate the run
         return ExecutorRecord(run, metrics)
