@@ -27,7 +27,7 @@ def test_every_published_run_composes_and_the_sets_are_apart() -> None:
             assert r["source"] in sources
             rc = run_config(compose_config(validate.overrides(r, sources[r["source"]])))
             assert rc.executor == "roofline" and rc.roofline.engine == r["engine"]
-            assert rc.workload.num_requests == r["num_prompts"]  # type: ignore[attr-defined]
+            assert rc.workload.num_requests == r["num_prompts"]
 
 
 def test_the_validation_set_has_the_shape_the_claim_needs() -> None:
