@@ -101,3 +101,27 @@ def test_multi_step_keeps_every_request_exact() -> None:
         assert g.seqs[0].token_ids[len(p):] == expected_output(p, 15)
     stale = [r for r in recs if not r.fresh]
     assert stale and all(r.num_prefill_tokens == 0 for r in stale)
+
+
+@pytest.mark.parametrize("admission", ["watermark", "no_evict"])
+def test_long_outputs_under_a_tight_cache_preempt_only_without_no_evict(admission: str) -> None:
+    # The what-if's FP8 long-output case in miniature: 48 requests of 64 + 512 tokens all
+    # at once into ~8,000 slots. Watermark admission starts every prompt that fits and
+    # preempts as outputs grow; no_evict starts only what its worst case allows, never
+    # preempts, and every request still finishes.
+    from harness.runner import run as run_harness
+    from tests.compose import compose_cfg
+
+    m = run_harness(compose_cfg([
+        "executor=roofline", "roofline.model=Llama-3.1-8B", "roofline.hardware=h100-sxm",
+        "backend=fp8", "cache.kv_budget=540MiB", "workload=random",
+        "workload.num_requests=48", "workload.rate=0", "workload.distribution=uniform",
+        "workload.input_min=64", "workload.input_max=64", "workload.output_min=512",
+        "workload.output_max=512", "scheduler.max_num_seqs=64",
+        f"scheduler.admission={admission}", "progress=false"], None)).metrics
+    assert m["requests.finished"] == 48
+    if admission == "watermark":
+        assert m["sched.preemptions_recompute"] > 0
+    else:
+        assert m["sched.preemptions_recompute"] == 0
+        assert m["memory.max_running_seqs"] <= m["memory.token_capacity"] // 576

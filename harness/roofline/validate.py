@@ -36,11 +36,12 @@ import numpy as np
 import yaml
 
 from harness.errors import UserError
+from harness.roofline.bands import GPU_CLASS
+from harness.roofline.engines import FIT_RESULT
 
 HERE = Path(__file__).resolve().parent / "published"
+VALIDATION_RESULT = HERE / "validation_result.json"  # read by harness.roofline.bands
 SETS = {"fit": HERE / "fit.yaml", "validation": HERE / "validation.yaml"}
-FIT_RESULT = HERE / "fit_result.json"
-VALIDATION_RESULT = HERE / "validation_result.json"
 CLAIMED = {"requests_per_s": "throughput", "output_tokens_per_s": "throughput",
            "total_tokens_per_s": "throughput", "tpot_ms_mean": "tpot",
            "tpot_ms_median": "tpot"}
@@ -50,8 +51,6 @@ SHAREGPT = ["workload.distribution=lognormal", "workload.input_mean=220",
             "workload.input_std=230", "workload.input_min=4", "workload.input_max=1024",
             "workload.output_mean=200", "workload.output_std=210", "workload.output_min=4",
             "workload.output_max=1024"]
-GPU_CLASS = {"h100-sxm": "hopper", "h200": "hopper", "a100-80gb": "ampere",
-             "a100-40gb": "ampere", "l40s": "ada"}
 
 
 def load(name: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
