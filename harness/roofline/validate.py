@@ -289,6 +289,24 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join([head, *body, *summ])
 
 
+def measured_specs() -> str:
+    """The specs calibrated on their own hardware (``<spec>_calibration.json``: the cpu
+    here, the h200 once the GPU check has run): their held-out errors, for the same table
+    (those runs are this engine's, ``roofline.engine=kvbench``)."""
+    from harness.roofline.hardware import calibration_path
+
+    out = ["", "| calibrated spec | held-out step error (median) | throughput error "
+           "(median / worst) |", "|---|---|---|"]
+    for name in ("cpu", "h200"):
+        path = calibration_path(name)
+        if path.is_file():
+            s = json.loads(path.read_text())["summary"]
+            out.append(f"| {name} | {s['held_out_step_mdape_pct']:.1f}% | "
+                       f"{s['held_out_throughput_mdape_pct']:.1f}% / "
+                       f"{s['held_out_throughput_max_ape_pct']:.1f}% |")
+    return "\n".join(out) if len(out) > 3 else ""
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--set", default="both", choices=("fit", "validation", "both"))
@@ -317,6 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     rows = compare(points, run_all(points, sources, args.jobs))
     print(markdown(rows))
+    print(measured_specs())
     print(f"\n({len(points)} runs, {time.perf_counter() - t0:.0f} s)")
     if "validation" in names and not args.only:
         VALIDATION_RESULT.write_text(json.dumps(
