@@ -71,8 +71,14 @@ def _scheduler(run: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
     s.update(source.get("scheduler", {}).get(run["engine"], {}))
     s.update(run.get("scheduler", {}))
     s["max_model_len"] = run["max_model_len"]
-    if s.get("max_num_batched_tokens") == "max(max_model_len, 2048)":
+    # Budgets an engine derives from the run (harness.roofline.engines names them).
+    budget = s.get("max_num_batched_tokens")
+    if budget == "max(max_model_len, 2048)":  # vLLM V0 without chunked prefill
         s["max_num_batched_tokens"] = max(run["max_model_len"], 2048)
+    elif budget == "max(input, 8192)":  # trtllm-bench: the longest prompt fits a step
+        wl = run["workload"]
+        longest = 1024 if wl == "sharegpt" else int(wl["input"])
+        s["max_num_batched_tokens"] = max(longest, 8192)
     return s
 
 
@@ -121,12 +127,20 @@ def predicted(result: Any) -> dict[str, float]:
 
 def run_point(args: tuple[dict[str, Any], dict[str, Any], bool]) -> dict[str, Any]:
     """One published run under executor=roofline: its predicted metrics, and with
-    ``trace`` each step's (forward s, seqs, fresh) and the run's output tokens."""
+    ``trace`` each step's (forward s, seqs, fresh) and the run's output tokens; a point
+    the what-if refuses comes back with its ``error``."""
+    point, source, trace = args
+    try:
+        return _run_point(point, source, trace)
+    except UserError as e:  # a point that cannot run is reported, never dropped
+        return {"id": point["id"], "error": str(e)}
+
+
+def _run_point(point: dict[str, Any], source: dict[str, Any], trace: bool) -> dict[str, Any]:
     from harness.config import compose_config
     from harness.roofline.run import RooflineTarget
     from harness.runner import run
 
-    point, source, trace = args
     cfg = compose_config(overrides(point, source))
     t0 = time.perf_counter()
     traced: list[tuple[float, int, bool, float]] = []
@@ -241,6 +255,15 @@ def compare(points: list[dict[str, Any]], results: list[dict[str, Any]]) -> list
     for p in points:
         r = by[p["id"]]
         for metric, pub in p["figures"].items():
+            if "error" in r:  # counted as a 100% miss, with its reason
+                rows.append({"set": p["set"], "id": p["id"], "source": p["source"],
+                             "engine": p["engine"], "calibrated":
+                             PROFILES[p["engine"]].calibrated, "gpu":
+                             GPU_CLASS.get(p["hardware"], p["hardware"]), "metric": metric,
+                             "kind": CLAIMED.get(metric, "other"), "published": pub,
+                             "predicted": float("nan"), "error_pct": 100.0,
+                             "failed": r["error"]})
+                continue
             pred = r["pred"][metric]
             rows.append({"set": p["set"], "id": p["id"], "source": p["source"],
                          "engine": p["engine"], "calibrated": PROFILES[p["engine"]].calibrated,
@@ -312,6 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", default="both", choices=("fit", "validation", "both"))
     ap.add_argument("--fit", action="store_true", help="fit the engine profiles first")
     ap.add_argument("--only", default="", help="comma-separated run ids")
+    ap.add_argument("--source", default="", help="only the runs of these sources (comma-separated)")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default="", help="also write the rows as JSON here")
     args = ap.parse_args(argv)
@@ -332,12 +356,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.only:
         keep = set(args.only.split(","))
         points = [p for p in points if p["id"] in keep]
+    if args.source:
+        srcs = set(args.source.split(","))
+        points = [p for p in points if p["source"] in srcs]
     t0 = time.perf_counter()
     rows = compare(points, run_all(points, sources, args.jobs))
     print(markdown(rows))
     print(measured_specs())
     print(f"\n({len(points)} runs, {time.perf_counter() - t0:.0f} s)")
-    if "validation" in names and not args.only:
+    if "validation" in names and not args.only and not args.source:
         VALIDATION_RESULT.write_text(json.dumps(
             {"validated_at": time.strftime("%Y-%m-%d"), "bands": bands(rows)}, indent=1) + "\n")
     if args.out:
