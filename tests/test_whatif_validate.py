@@ -113,3 +113,13 @@ def test_band_reads_the_validated_error(tmp_path: Path, monkeypatch: pytest.Monk
     assert pct == 9.0 and "throughput: median 7.5%, worst 21.0% (n=40)" in text
     text, pct = bands.describe("sglang", "a100-80gb", calibrated=False)
     assert pct is None and "unvalidated" in text and "prior" in text
+
+
+def test_a_point_the_what_if_refuses_is_reported_not_dropped() -> None:
+    sources, runs = validate.load("validation")
+    p = dict(next(r for r in runs if r["model"] == "Llama-3.1-70B"))
+    p.update(id="too-big", tp=1, weight_dtype="bfloat16", hardware="h100-sxm")  # 141 GB
+    r = validate.run_point((p, sources[p["source"]], False))
+    assert "leave no room" in r["error"]
+    rows = validate.compare([p], [r])
+    assert rows and all(x["error_pct"] == 100.0 and "failed" in x for x in rows)
