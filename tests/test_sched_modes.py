@@ -9,8 +9,18 @@ import pytest
 
 from harness.errors import UserError
 from harness.sched.scheduler import Scheduler, SchedulerConfig
+from harness.sched.step import StepRecord
 from tests.helpers import make_group
 from tests.test_scheduler import expected_output, paged, prompts, run, step
+
+
+def run_exact(s: Scheduler, ps: list[list[int]], max_tokens: int) -> list[StepRecord]:
+    """Run one request per prompt to completion; each must produce its exact tokens."""
+    groups = [make_group(i, p, max_tokens=max_tokens) for i, p in enumerate(ps)]
+    recs = run(s, groups)
+    for g, p in zip(groups, ps):
+        assert g.seqs[0].token_ids[len(p):] == expected_output(p, max_tokens)
+    return recs
 
 
 def test_prefill_first_needs_chunking_off() -> None:
@@ -44,12 +54,7 @@ def test_prefill_first_runs_prompts_alone(mixing: str) -> None:
 def test_prefill_first_keeps_every_request_exact() -> None:
     cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=40, chunked_prefill=False,
                           mixing="prefill_first")
-    s = Scheduler(cfg, paged(60))
-    ps = prompts(6, 9)
-    groups = [make_group(i, p, max_tokens=12) for i, p in enumerate(ps)]
-    recs = run(s, groups)
-    for g, p in zip(groups, ps):
-        assert g.seqs[0].token_ids[len(p):] == expected_output(p, 12)
+    recs = run_exact(Scheduler(cfg, paged(60)), prompts(6, 9), 12)
     # No step mixes a prompt with a decode.
     assert all(r.num_prefill_tokens == 0 or r.num_decode_tokens == 0 for r in recs)
 
@@ -60,11 +65,7 @@ def test_no_evict_never_preempts_where_watermark_does(admission: str) -> None:
     # all four prompts fit at once (watermark admits them), their outputs do not.
     cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, admission=admission)
     s = Scheduler(cfg, paged(30))
-    ps = [[(5 * r + i) % 40 + 1 for i in range(8)] for r in range(4)]
-    groups = [make_group(i, p, max_tokens=24) for i, p in enumerate(ps)]
-    recs = run(s, groups)
-    for g, p in zip(groups, ps):
-        assert g.seqs[0].token_ids[len(p):] == expected_output(p, 24)
+    recs = run_exact(s, [[(5 * r + i) % 40 + 1 for i in range(8)] for r in range(4)], 24)
     first = {x.seq.group.request_id for x in recs[0].seqs}
     if admission == "watermark":
         assert first == {0, 1, 2, 3}
@@ -93,12 +94,7 @@ def test_multi_step_schedules_once_per_window() -> None:
 
 def test_multi_step_keeps_every_request_exact() -> None:
     cfg = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=32, num_scheduler_steps=8)
-    s = Scheduler(cfg, paged(40))
-    ps = prompts(5, 7)
-    groups = [make_group(i, p, max_tokens=15) for i, p in enumerate(ps)]
-    recs = run(s, groups)
-    for g, p in zip(groups, ps):
-        assert g.seqs[0].token_ids[len(p):] == expected_output(p, 15)
+    recs = run_exact(Scheduler(cfg, paged(40)), prompts(5, 7), 15)
     stale = [r for r in recs if not r.fresh]
     assert stale and all(r.num_prefill_tokens == 0 for r in stale)
 

@@ -101,21 +101,19 @@ def _with_fit(profiles: dict[str, EngineProfile], path: Path) -> dict[str, Engin
 PROFILES = _with_fit(PROFILES, FIT_RESULT)
 
 
-def get_engine(name: str, hardware: str) -> EngineProfile | None:
-    """The profile ``roofline.engine`` names (``auto``: kvbench on the cpu spec, else
-    vllm-0.6, the calibrated default); None for ``kvbench`` (the spec's overheads)."""
-    key = name.lower()
-    if key == "auto":
-        key = "kvbench" if hardware.lower() == "cpu" else "vllm-0.6"
-    if key not in PROFILES:
-        raise UserError(f"unknown roofline.engine {name!r}: use one of auto, "
-                        f"{', '.join(PROFILES)}")
-    return None if key == "kvbench" else PROFILES[key]
-
-
 def engine_name(name: str, hardware: str) -> str:
-    """The profile name ``roofline.engine=<name>`` resolves to."""
+    """The profile name ``roofline.engine=<name>`` resolves to (``auto``: kvbench on the
+    cpu spec, else vllm-0.6, the calibrated default)."""
     key = name.lower()
     if key == "auto":
         return "kvbench" if hardware.lower() == "cpu" else "vllm-0.6"
+    if key not in PROFILES:
+        raise UserError(f"unknown roofline.engine {name!r}: use one of auto, "
+                        f"{', '.join(PROFILES)}")
     return key
+
+
+def get_engine(name: str, hardware: str) -> EngineProfile | None:
+    """The profile ``roofline.engine`` names; None for ``kvbench`` (the spec's overheads)."""
+    key = engine_name(name, hardware)
+    return None if key == "kvbench" else PROFILES[key]

@@ -86,7 +86,7 @@ class RooflineExecutor:
         self.needs_scores = False
         self._written: list[ScheduledSeq] = []
         self._ops_s = 0.0  # cache operations' time, charged to the next forward
-        self.trace: list[tuple[float, int, bool, float]] | None = None
+        self.trace: list[tuple[float, int, bool]] | None = None
 
     def bind(self, kv: KVManager) -> None:
         self.kv = kv
@@ -110,7 +110,7 @@ class RooflineExecutor:
         self.totals.add(t)
         self.clock.advance(float(t.total))
         if self.trace is not None:  # the fit's record: (forward s, seqs, fresh)
-            self.trace.append((float(t.forward), sh.seqs, rec.fresh, float(t.overhead)))
+            self.trace.append((float(t.forward), sh.seqs, rec.fresh))
         if self.needs_scores:
             self._written = list(rec.seqs)
         # One-hot rows at each sequence's synthetic token: the engine's own sampling code

@@ -106,8 +106,8 @@ def gemm_time(params: np.ndarray | float, tokens: np.ndarray | float, peak: floa
 
 
 def fit_gemm(gpu: str) -> tuple[float, float, float, float, np.ndarray]:
-    """Grid search over (eff_gemm, eff_bw, p) with t0 at its best for each, minimizing the
-    squared log error; returns the constants and each row's relative error."""
+    """Grid search over (eff_gemm, eff_bw, p, t0), minimizing the squared log error;
+    returns the constants and each row's relative error."""
     P, T, y = _gemm_rows(gpu)
     peak, bw = PEAK_BF16[gpu], MEM_BW[gpu]
     best: tuple[float, float, float, float, float] | None = None
@@ -115,7 +115,7 @@ def fit_gemm(gpu: str) -> tuple[float, float, float, float, np.ndarray]:
         for eg in np.arange(0.40, 1.001, 0.01):
             for eb in np.arange(0.50, 1.001, 0.01):
                 base = gemm_time(P, T, peak, bw, eg, eb, p, 0.0)
-                # t0 by a few Newton-free steps: the mean gap of the small-time rows.
+                # t0 on its own grid (the per-kernel cost: microseconds).
                 for t0 in (0.0, 1e-6, 2e-6, 3e-6, 4e-6, 5e-6, 6e-6, 8e-6, 10e-6):
                     err = float(np.mean(np.log((base + t0) / y) ** 2))
                     if best is None or err < best[0]:

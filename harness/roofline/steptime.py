@@ -144,11 +144,11 @@ class StepModel:
         self.peak = hw.flops(compute_dtype)
         self.gemm_peak = hw.flops(self.gemm_dtype)
         self.engine = engine
-        self.nongemm_per_token = arch.num_layers * arch.nongemm_bytes_per_token(
-            tp, 2.0 if compute_dtype != "fp32" else 4.0)
         self.weight_bytes = weight_bytes
         self.act_bytes = 2.0 if compute_dtype in ("bf16", "fp16", "bfloat16", "float16",
                                                   "fp8") else 4.0
+        self.nongemm_per_token = arch.num_layers * arch.nongemm_bytes_per_token(
+            tp, self.act_bytes)
         # K/V bytes per token on one rank: split by KV head, a head replicated past tp =
         # kv_heads (MLA's one latent: every rank holds it all).
         self.kv_split = arch.kv_shards(tp)

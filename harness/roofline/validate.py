@@ -143,7 +143,7 @@ def _run_point(point: dict[str, Any], source: dict[str, Any], trace: bool) -> di
 
     cfg = compose_config(overrides(point, source))
     t0 = time.perf_counter()
-    traced: list[tuple[float, int, bool, float]] = []
+    traced: list[tuple[float, int, bool]] = []
     if trace:  # record the steps: RooflineTarget.build hands the executor over
         orig = RooflineTarget.build
 
@@ -165,8 +165,7 @@ def _run_point(point: dict[str, Any], source: dict[str, Any], trace: bool) -> di
            "max_running_seqs": res.metrics["memory.max_running_seqs"],
            "duration_s": res.metrics["engine.wall_s"]}
     if trace:
-        out["trace"] = [(f, s, fr) for f, s, fr, _ in traced]
-        out["overhead_s"] = sum(o for *_, o in traced)
+        out["trace"] = traced
         out["output_tokens"] = sum(r["output_tokens"] for r in res.requests)
     return out
 
@@ -254,23 +253,18 @@ def compare(points: list[dict[str, Any]], results: list[dict[str, Any]]) -> list
     rows = []
     for p in points:
         r = by[p["id"]]
+        run = {"set": p["set"], "id": p["id"], "source": p["source"], "engine": p["engine"],
+               "calibrated": PROFILES[p["engine"]].calibrated,
+               "gpu": GPU_CLASS.get(p["hardware"], p["hardware"])}
         for metric, pub in p["figures"].items():
+            row = {**run, "metric": metric, "kind": CLAIMED.get(metric, "other"),
+                   "published": pub}
             if "error" in r:  # counted as a 100% miss, with its reason
-                rows.append({"set": p["set"], "id": p["id"], "source": p["source"],
-                             "engine": p["engine"], "calibrated":
-                             PROFILES[p["engine"]].calibrated, "gpu":
-                             GPU_CLASS.get(p["hardware"], p["hardware"]), "metric": metric,
-                             "kind": CLAIMED.get(metric, "other"), "published": pub,
-                             "predicted": float("nan"), "error_pct": 100.0,
-                             "failed": r["error"]})
-                continue
-            pred = r["pred"][metric]
-            rows.append({"set": p["set"], "id": p["id"], "source": p["source"],
-                         "engine": p["engine"], "calibrated": PROFILES[p["engine"]].calibrated,
-                         "gpu": GPU_CLASS.get(p["hardware"], p["hardware"]),
-                         "metric": metric, "kind": CLAIMED.get(metric, "other"),
-                         "published": pub, "predicted": pred,
-                         "error_pct": 100.0 * (pred / pub - 1.0)})
+                row.update(predicted=float("nan"), error_pct=100.0, failed=r["error"])
+            else:
+                pred = r["pred"][metric]
+                row.update(predicted=pred, error_pct=100.0 * (pred / pub - 1.0))
+            rows.append(row)
     return rows
 
 
