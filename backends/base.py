@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -22,6 +22,9 @@ from harness.backends.costs import KVCosts, Read
 from harness.errors import UserError
 from harness.kv.base import KVManager, StepScores
 from harness.sched.step import CHECKS, ScheduledSeq, StepRecord
+
+if TYPE_CHECKING:
+    from harness.backends.tier_storage import TierStorage
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +190,19 @@ class KVBackend(ABC):
     @abstractmethod
     def allocate(self, sizing: CacheSizing) -> None:
         """Create the cache tensors for ``sizing`` (device slots, and CPU swap blocks)."""
+
+    tier_storage: TierStorage | None = None  # the lower tiers' bytes (executor=model)
+
+    def block_tensors_supported(self) -> bool:
+        """Whether :meth:`block_tensors` is implemented (asked before allocation)."""
+        return type(self).block_tensors is not KVBackend.block_tensors
+
+    def block_tensors(self) -> list[torch.Tensor] | None:
+        """Every tensor of the cache indexed by block first whose rows make up a named
+        block's content (K/V with scales, overlays and per-block metadata): what the
+        prefix cache's lower tiers move (harness.kv.tiers). None: this storage cannot
+        move whole blocks, so it takes no tiers."""
+        return None
 
     @abstractmethod
     def make_manager(self, sizing: CacheSizing, **options: Any) -> KVManager:

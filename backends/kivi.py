@@ -138,6 +138,12 @@ class KIVIBackend(PagedBackend):
     def slot_tensors(self) -> list[torch.Tensor]:
         return []  # only partial blocks are copied (copy-on-write): their residual moves
 
+    def block_tensors(self) -> list[torch.Tensor] | None:
+        # A named block is full, so sealed: its packed codes and scales are all of it
+        # (only a partly filled block lives in the residual).
+        return [*self.k_q, *self.v_q, *self.k_scale, *self.k_zero, *self.v_scale,
+                *self.v_zero]
+
     def apply_cache_ops(self, rec: StepRecord) -> None:
         assert not rec.swap_in and not rec.swap_out
         bs = self.block_size

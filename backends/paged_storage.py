@@ -94,6 +94,10 @@ class PagedStorageBackend(KVBackend):
         """Every tensor indexed (num_blocks, block_size, ...): what a copy copies."""
         return [*self.k_cache, *self.v_cache]
 
+    def block_tensors(self) -> list[torch.Tensor] | None:
+        """What a swap moves is what a block is (K/V, and quest's key bounds)."""
+        return [t for dev, _ in self.swap_pairs() for t in dev]
+
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the step's new K/V through the slot mapping. k, v: (T, KV, D)."""
         assert self.batch is not None

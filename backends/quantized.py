@@ -105,6 +105,10 @@ class QuantizedBackend(PagedBackend):
         # Copy-on-write copies a partly filled block's values and their scales.
         return [*super().slot_tensors(), *self.k_scale, *self.v_scale]
 
+    def block_tensors(self) -> list[torch.Tensor] | None:
+        # The 1-byte values, their per-token scales and the block's full-precision sinks.
+        return [*self.slot_tensors(), *self.k_sink, *self.v_sink]
+
     def apply_cache_ops(self, rec: Any) -> None:
         assert not rec.swap_in and not rec.swap_out
         super().apply_cache_ops(rec)

@@ -44,6 +44,63 @@ class ModelSpec:
 
 
 @dataclass
+class TierSpec:
+    """``cache.tiers``: lower tiers of the prefix cache below the device (harness.kv.tiers).
+    Named blocks leaving the device's LRU go down to host memory (``cpu`` bytes), and from
+    there to disk (``disk`` bytes); a prompt's lookup that misses on the device loads what
+    it finds there instead of recomputing it. Sizes are bytes of the backend's own blocks
+    (a 1-byte cache holds twice the tokens of a 2-byte one in the same bytes)."""
+
+    cpu: str = "0"  # host memory for the CPU tier (0: no tiers)
+    disk: str = "0"  # disk below it (0: none); needs a CPU tier
+    # When a block goes down: "evict" (as it leaves the device's LRU: vLLM's CPU offloading
+    # on eviction) or "through" (as soon as its K/V are computed: LMCache's store on write).
+    write: str = "evict"
+    # executor=roofline: whether transfers overlap the step's compute (the step takes the
+    # longer of the two: an asynchronous copy stream, layer-wise loading) or add to it
+    # (a synchronous copy before the forward, which is what the model executor does).
+    overlap: bool = False
+    # The links (executor=roofline; the model executor measures its own copies). 0: the
+    # hardware spec's host_bw (~50 GB/s one way on H100: vLLM's KV offloading blog,
+    # 2026-01-08). Latency is per transfer: one step's blocks in one direction. Disk: one
+    # datacenter NVMe drive (Samsung PM9A3, PCIe 4: 6.5 GB/s sequential read; Samsung's
+    # PM983 datasheet: 85 us typical random read latency).
+    cpu_bw_gbs: float = 0.0
+    cpu_latency_us: float = 10.0
+    disk_bw_gbs: float = 6.5
+    disk_latency_us: float = 85.0
+    # executor=model: the folder the disk tier's files go in (a fresh subfolder per run,
+    # removed at its end; default: the system's temp folder). Not kept across runs.
+    disk_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        from harness.kv.tiers import WRITE_MODES
+
+        for key in ("cpu", "disk"):
+            try:
+                if parse_bytes(getattr(self, key)) < 0:
+                    raise ValueError
+            except ValueError:
+                raise UserError(f"cache.tiers.{key}={getattr(self, key)!r} is not a size in "
+                                f"bytes (e.g. 4GiB, 0 for none)") from None
+        if parse_bytes(self.disk) and not parse_bytes(self.cpu):
+            raise UserError("cache.tiers.disk needs a CPU tier above it (blocks reach the "
+                            "disk from host memory): set cache.tiers.cpu as well")
+        if self.write not in WRITE_MODES:
+            raise UserError(f"cache.tiers.write must be one of {', '.join(WRITE_MODES)}, got "
+                            f"{self.write!r}")
+        for key in ("cpu_bw_gbs", "cpu_latency_us", "disk_bw_gbs", "disk_latency_us"):
+            if getattr(self, key) < 0:
+                raise UserError(f"cache.tiers.{key} must be >= 0, got {getattr(self, key)}")
+        if self.disk_bw_gbs == 0 and parse_bytes(self.disk):
+            raise UserError("cache.tiers.disk_bw_gbs must be > 0 with a disk tier")
+
+    @property
+    def enabled(self) -> bool:
+        return parse_bytes(self.cpu) > 0
+
+
+@dataclass
 class CacheSpec:
     # Bytes of K/V on the device, the same for every backend; auto (executor=roofline):
     # memory x utilization - weights - activation reserve of the hardware spec.
@@ -51,6 +108,7 @@ class CacheSpec:
     swap_space: str = "0"  # bytes of CPU swap blocks (paged backends, preemption_mode=swap)
     enable_prefix_caching: bool = True
     watermark: float = 0.01  # share of the cache kept free at admission (at least a block)
+    tiers: TierSpec = field(default_factory=TierSpec)  # host and disk below the device
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.watermark < 1.0:
@@ -140,6 +198,10 @@ class RunConfig:
                             "is deterministic (the same configuration gives the same numbers "
                             "every time), so repeats measure nothing; drop repeats. Its "
                             "uncertainty is the step model's error against real GPUs, not noise")
+        if self.cache.tiers.overlap and self.executor == "model":
+            raise UserError("cache.tiers.overlap=true is a what-if option (executor=roofline): "
+                            "the model executor copies tier blocks before the forward and "
+                            "measures that; drop cache.tiers.overlap")
         if not 0 <= self.seed < 2**63:
             raise UserError(f"seed must be in [0, 2^63), got {self.seed}")
         check_slo(self.slo, self.quality.enabled, self.quality.generation_agreement)

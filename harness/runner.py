@@ -18,10 +18,12 @@ from harness.errors import UserError
 from harness.metrics.collector import StepRow
 from harness.metrics.goodput import slo_metrics
 from harness.metrics.summary import request_rows, summarize
+from harness.metrics.tiers import hit_rates, tier_metrics, ttft_by_source
 from harness.model_target import ModelTarget
 from harness.progress import Progress, make_progress
 from harness.results import write_results
 from harness.roofline.run import RooflineTarget
+from harness.stack import Stack
 from harness.target import RunTarget
 from harness.workloads import make_workload
 from harness.workloads.base import ReportsMetrics
@@ -81,7 +83,7 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
     run_info = {
         "backend": rc.backend.name, "workload": rc.workload.name, "seed": rc.seed,
         "git_sha": _git_sha(), "started_at": started, "block_size": st.sizing.block_size,
-        "prefix_caching": st.prefix_caching, **own.run,
+        "prefix_caching": st.prefix_caching, "tiers": tiers_label(rc, st), **own.run,
         **({"prefill": st.backend.trigger} if st.backend.trigger else {}),
     }
     metrics = summarize(st.collector, run_info, st.sizing.kv_budget_bytes,
@@ -90,6 +92,12 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
     if isinstance(workload, ReportsMetrics):
         metrics.update(workload.workload_metrics())
     rows = request_rows(st.collector)
+    metrics.update(hit_rates(st.kv, st.tiers))
+    if st.tiers is not None:
+        metrics.update(tier_metrics(st.tiers, st.collector.steps,
+                                    st.sizing.bytes_per_slot * st.sizing.block_size,
+                                    st.engine.executor.transfer_s))
+        metrics.update(ttft_by_source(rows))
     outputs = st.collector.outputs()
     target.score(st, workload, outputs, metrics, rows)
     metrics.update(slo_metrics(rows, rc.slo, clock_s))  # after quality: its agreement floor
@@ -98,6 +106,18 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
         write_results(out_dir, config_yaml, metrics, st.collector.steps, rows)
     check_rejections(rows, out_dir)
     return RunResult(metrics, rows, out_dir, outputs, st.collector.steps)
+
+
+def tiers_label(rc: RunConfig, st: Stack) -> str:
+    """``run.tiers``: the lower tiers this run's prefix cache had (``off`` if none)."""
+    if st.tiers is None:
+        return "off"
+    t = rc.cache.tiers
+    parts = [f"cpu={t.cpu}"] + ([f"disk={t.disk}"] if len(st.tiers.tiers) > 1 else [])
+    parts.append(f"write={t.write}")
+    if rc.executor == "roofline":
+        parts.append(f"overlap={str(t.overlap).lower()}")
+    return ",".join(parts)
 
 
 def check_rejections(rows: list[dict[str, Any]], out_dir: Path | None) -> None:

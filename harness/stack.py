@@ -15,17 +15,19 @@ import torch
 
 from harness.backends import get_backend
 from harness.backends.base import BackendOptions, CacheSizing, KVBackend, KVLayout
+from harness.backends.tier_storage import TierStorage
 from harness.engine.engine import Engine
 from harness.engine.executor import Executor
 from harness.engine.sampler import Sampler
 from harness.errors import UserError
 from harness.kv.base import KVManager
 from harness.kv.paged import PagedKVManager
+from harness.kv.tiers import LowerTiers
 from harness.metrics.collector import MetricsCollector
 from harness.model import LoadedModel
 from harness.sched.scheduler import Scheduler, SchedulerConfig
 from harness.sizing import min_budget_for, size_cache
-from harness.units import format_bytes
+from harness.units import format_bytes, parse_bytes
 from harness.workloads.base import Request
 
 if TYPE_CHECKING:  # harness.config imports quality, which builds stacks
@@ -41,6 +43,7 @@ class Stack:
     collector: MetricsCollector
     engine: Engine
     prefix_caching: bool
+    tiers: LowerTiers | None = None  # the prefix cache's host and disk tiers, if on
 
 
 def model_layout(loaded: LoadedModel) -> KVLayout:
@@ -104,6 +107,9 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
                                if backend.storage == "paged" else
                                {"max_model_len": max_model_len, "watermark": cache.watermark,
                                 "granule": sizing.block_size})
+    tiers = make_tiers(cache, backend, sizing, prefix_caching, quiet)
+    if tiers is not None:
+        kv_opts["tiers"] = tiers
     # A budget below one block still gets a 1-block manager, only so that check_budget
     # can say which budget the workload needs.
     kv = backend.make_manager(dataclasses.replace(
@@ -123,10 +129,43 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
         check_budget(requests, kv, backend, sizing, cache.watermark, quiet)
     if executor is None:  # a roofline run holds no K/V tensors
         backend.allocate(sizing)
+        if tiers is not None:
+            blocks = backend.block_tensors()
+            assert blocks is not None
+            backend.tier_storage = TierStorage(blocks, [t.num_blocks for t in tiers.tiers],
+                                               cache.tiers.disk_dir)
     collector = MetricsCollector(kv, scheduler, sizing.bytes_per_slot)
     engine = Engine(model.model if model is not None else None, backend, scheduler, sampler,
                     collector, device, executor)
-    return Stack(backend, sizing, kv, scheduler, collector, engine, prefix_caching)
+    return Stack(backend, sizing, kv, scheduler, collector, engine, prefix_caching, tiers)
+
+
+def make_tiers(cache: CacheSpec, backend: KVBackend, sizing: CacheSizing,
+               prefix_caching: bool, quiet: bool) -> LowerTiers | None:
+    """The lower tiers ``cache.tiers`` asks for, in blocks of this backend's bytes; None
+    when none are asked for, or (said on stderr) when this run's cache cannot have them."""
+    spec = cache.tiers
+    if not spec.enabled:
+        return None
+    why = (None if prefix_caching and backend.block_tensors_supported() else
+           "prefix caching is off for this run" if not prefix_caching else
+           f"backend {backend.name} cannot move whole blocks")
+    if why is not None:
+        if not quiet:
+            print(f"kvbench: cache.tiers: {why}, so the prefix cache has no lower tiers "
+                  "(run.tiers=off)", file=sys.stderr)
+        return None
+    block_bytes = sizing.bytes_per_slot * sizing.block_size
+    nums = []
+    for key in ("cpu", "disk"):
+        size = parse_bytes(getattr(spec, key))
+        if size and size < block_bytes:
+            raise UserError(f"cache.tiers.{key}={getattr(spec, key)} holds no block: one "
+                            f"block of backend {backend.name} is {format_bytes(block_bytes)} "
+                            f"({sizing.block_size} tokens); give at least that")
+        if size:
+            nums.append(size // block_bytes)
+    return LowerTiers(nums, sizing.block_size, spec.write)
 
 
 def check_budget(requests: list[Request], kv: KVManager, backend: KVBackend,

@@ -101,7 +101,7 @@ class PagedMachine(RuleBasedStateMachine):
 
     def _demand(self, seq: Sequence, chunk: int) -> tuple[Demand, int]:
         """The next demand of ``seq`` (with prefix hits on a fresh table) and its start."""
-        hits = self.m.lookup_prefix(seq) if not self.m.holds(seq) else []
+        hits = self.m.lookup_prefix(seq).blocks if not self.m.holds(seq) else []
         start = len(hits) * BS if hits else seq.num_computed
         n = min(chunk, seq.num_tokens - start)
         assert n >= 1

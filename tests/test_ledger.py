@@ -102,7 +102,7 @@ BS = 4
 
 
 def admit(m: PagedKVManager, seq: Sequence) -> None:
-    hits = m.lookup_prefix(seq)
+    hits = m.lookup_prefix(seq).blocks
     d = Demand(seq, seq.num_tokens - len(hits) * BS, hits)
     assert m.can_allocate([d], watermark=False)
     m.allocate(d)

@@ -21,7 +21,7 @@ def mgr(num_blocks: int = 10, **kw: object) -> PagedKVManager:
 
 def admit(m: PagedKVManager, seq, use_cache: bool = True) -> int:  # type: ignore[no-untyped-def]
     """Admit ``seq``'s whole prompt as the scheduler would; returns prefix-hit tokens."""
-    hits = m.lookup_prefix(seq) if use_cache else []
+    hits = m.lookup_prefix(seq).blocks if use_cache else []
     d = Demand(seq, seq.num_tokens - len(hits) * BS, hits)
     assert m.can_allocate([d], watermark=False)
     m.allocate(d)
@@ -79,7 +79,7 @@ def test_whole_prompt_cached_still_computes_last_block() -> None:
     admit(m, a)
     b = make_seq(list(range(8)))
     # Both blocks are cached, but the last token's logits are needed: only block 0 hits.
-    assert m.lookup_prefix(b) == [0]
+    assert m.lookup_prefix(b).blocks == [0]
 
 
 def test_decode_filled_block_becomes_cacheable_for_next_turn() -> None:
@@ -100,8 +100,8 @@ def test_decode_filled_block_becomes_cacheable_for_next_turn() -> None:
 def test_extra_key_separates_prefixes() -> None:
     m = mgr()
     admit(m, make_seq(list(range(9)), extra_key="lora-a"))
-    assert m.lookup_prefix(make_seq(list(range(9)), extra_key="lora-b")) == []
-    assert m.lookup_prefix(make_seq(list(range(9)), extra_key="lora-a")) == [0, 1]
+    assert m.lookup_prefix(make_seq(list(range(9)), extra_key="lora-b")).blocks == []
+    assert m.lookup_prefix(make_seq(list(range(9)), extra_key="lora-a")).blocks == [0, 1]
 
 
 def test_fork_and_copy_on_write() -> None:
@@ -215,7 +215,7 @@ def test_duplicate_content_stays_findable_after_one_copy_is_evicted() -> None:
     assert m.table_of(c) == [1, 0] and m.pool.block_hash[0] != h
     # The held copy (block 2) still answers the hash: a later prompt hits it.
     later = make_seq([*range(5), 7])
-    assert m.lookup_prefix(later) == [2]
+    assert m.lookup_prefix(later).blocks == [2]
 
 
 def test_a_recomputed_request_hitting_its_own_blocks_is_not_a_prefix_hit() -> None:
@@ -274,8 +274,8 @@ def test_group_hits_are_taken_before_new_blocks_evict_them() -> None:
     assert m.pool.free_order() == [] and m.pool.lru_order()[:2] == [1, 3]
     a2 = make_seq(list(a.token_ids))
     b2 = make_seq(list(b.token_ids))
-    da = Demand(a2, 1, m.lookup_prefix(a2))
-    db = Demand(b2, 1, m.lookup_prefix(b2))
+    da = Demand(a2, 1, m.lookup_prefix(a2).blocks)
+    db = Demand(b2, 1, m.lookup_prefix(b2).blocks)
     assert (da.hit_blocks, db.hit_blocks) == ([0, 1], [0, 3])
     assert m.can_allocate([da, db], watermark=False)
     m.allocate_group([da, db])

@@ -75,6 +75,12 @@ class Executor(Protocol):
         """After the forward: what the eviction policy asked for (None: nothing)."""
         ...
 
+    @property
+    def transfer_s(self) -> float:
+        """Seconds the prefix cache's lower tiers spent moving blocks (the model
+        executor's measured copies; the roofline's modelled transfers)."""
+        ...
+
 
 class ModelExecutor:
     """The real forward: inputs as tensors, the model, the backend's attention. Under
@@ -89,7 +95,17 @@ class ModelExecutor:
     def bind(self, kv: KVManager) -> None:
         self.kv = kv
 
+    @property
+    def transfer_s(self) -> float:
+        """Wall seconds the prefix cache's tier operations took (measured)."""
+        ts = self.backend.tier_storage
+        return ts.transfer_s if ts is not None else 0.0
+
     def apply_cache_ops(self, rec: StepRecord) -> None:
+        if rec.tier_ops:  # first: StepRecord says why they may
+            ts = self.backend.tier_storage
+            assert ts is not None, "tier ops without tier storage"
+            ts.apply(rec.tier_ops)
         self.backend.apply_cache_ops(rec)
 
     def forward(self, rec: StepRecord) -> StepOutput:

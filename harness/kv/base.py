@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from harness.kv.ledger import ReservationLedger
+from harness.kv.tiers import TierHit, TierOp
 
 if TYPE_CHECKING:  # only for annotations: kv never imports the scheduler at run time
     import numpy as np
@@ -38,12 +39,36 @@ class CopyOp:
 
 
 @dataclass(slots=True)
+class PrefixHit:
+    """A prompt's cached prefix: ``blocks``, device blocks holding its first blocks, then
+    ``loads``, the blocks after them found in a lower tier (harness.kv.tiers), each to be
+    copied into a fresh device block before the forward."""
+
+    blocks: list[int] = field(default_factory=list)
+    loads: list[TierHit] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks) + len(self.loads)
+
+
+@dataclass(slots=True)
 class Demand:
-    """A sequence asking for ``num_tokens`` more slots, reusing ``hit_blocks`` first."""
+    """A sequence asking for ``num_tokens`` more slots, after its prefix hit: the device
+    blocks ``hit_blocks`` reused, then the lower-tier blocks ``loads`` loaded."""
 
     seq: Sequence
     num_tokens: int
     hit_blocks: list[int] = field(default_factory=list)
+    loads: list[TierHit] = field(default_factory=list)
+
+    @classmethod
+    def after(cls, seq: Sequence, num_tokens: int, hit: PrefixHit) -> Demand:
+        return cls(seq, num_tokens, hit.blocks, hit.loads)
+
+    @property
+    def num_hit_blocks(self) -> int:
+        return len(self.hit_blocks) + len(self.loads)
 
 
 @dataclass(slots=True)
@@ -58,6 +83,7 @@ class KVUsage:
     shared_blocks: int  # blocks held by more than one table
     logical_blocks: int  # sum of table lengths: what would be held without sharing
     held_blocks: int  # distinct device blocks held (paged; 0 for contiguous)
+    tier_blocks: tuple[int, ...] = ()  # blocks held in each lower tier (cpu, disk)
 
 
 @dataclass(slots=True)
@@ -76,11 +102,13 @@ class KVStats:
 @dataclass(slots=True)
 class CacheOps:
     """What the backend must do to its tensors before the next forward, in this order:
-    ``invalidated`` slots hold nothing any more (a backend that keeps per-slot metadata,
-    as h2o's positions, clears it), then ``copies``."""
+    ``tier_ops`` (blocks written to, spilled between and loaded from the lower tiers, in
+    order), ``invalidated`` slots hold nothing any more (a backend that keeps per-slot
+    metadata, as h2o's positions, clears it), then ``copies``."""
 
     copies: list[CopyOp] = field(default_factory=list)
     invalidated: list[int] = field(default_factory=list)
+    tier_ops: list[TierOp] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -109,8 +137,9 @@ class KVManager(Protocol):
         """Why a request of this shape can never fit (None if it can)."""
         ...
 
-    def lookup_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks that hold a prefix of ``seq``'s tokens (no side effects)."""
+    def lookup_prefix(self, seq: Sequence) -> PrefixHit:
+        """Cached blocks that hold a prefix of ``seq``'s tokens, on the device and then in
+        lower tiers (no side effects)."""
         ...
 
     def can_allocate(self, demands: list[Demand], watermark: bool) -> bool:
@@ -120,8 +149,9 @@ class KVManager(Protocol):
 
     def allocate_group(self, demands: list[Demand]) -> list[list[int]]:
         """Meet demands that :meth:`can_allocate` accepted together (prefix hits first, so
-        a later demand cannot evict a block promised to an earlier one). Returns, per
-        demand, the slots of its ``num_tokens`` new tokens (after its hit blocks)."""
+        a later demand cannot evict a block promised to an earlier one; lower-tier hits
+        are loaded into fresh blocks). Returns, per demand, the slots of its
+        ``num_tokens`` new tokens (after its hit blocks)."""
         ...
 
     def append_slot(self, seq: Sequence) -> int | None:

@@ -20,8 +20,13 @@ earlier work (a recompute after preemption) is told apart from a hit on another 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 from harness.kv.ledger import ReservationLedger
+
+# Called with (block, hash, owner) as a named block is evicted from the LRU of cached-free
+# blocks, before it is reused: a lower tier writes it down (harness.kv.tiers).
+EvictHook = Callable[[int, int, int], None]
 
 
 class BlockPool:
@@ -47,6 +52,7 @@ class BlockPool:
         self.used_slots = 0  # sum of fill over blocks with ref > 0
         self.num_evictions = 0  # cached blocks whose hash was dropped to reuse them
         self.ledger = ledger
+        self.on_evict: EvictHook | None = None
 
     # -- queries ---------------------------------------------------------------------
     @property
@@ -83,6 +89,10 @@ class BlockPool:
             b = self._free.popleft()
         elif self._cached:
             b, _ = self._cached.popitem(last=False)
+            if self.on_evict is not None:
+                h = self.block_hash[b]
+                assert h is not None
+                self.on_evict(b, h, self.owner[b])
             self._unname(b)
             self.num_evictions += 1
         else:

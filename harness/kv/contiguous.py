@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 from typing import TYPE_CHECKING
 
-from harness.kv.base import CacheOps, CopyOp, Demand, KVStats, KVUsage, StepScores
+from harness.kv.base import CacheOps, CopyOp, Demand, KVStats, KVUsage, PrefixHit, StepScores
 from harness.kv.ledger import ReservationLedger
 
 if TYPE_CHECKING:
@@ -135,8 +135,8 @@ class ContiguousKVManager:
         return None
 
     # -- allocation --------------------------------------------------------------------
-    def lookup_prefix(self, seq: Sequence) -> list[int]:
-        return []  # no sharing between contiguous ranges
+    def lookup_prefix(self, seq: Sequence) -> PrefixHit:
+        return PrefixHit()  # no sharing between contiguous ranges
 
     def can_allocate(self, demands: list[Demand], watermark: bool) -> bool:
         sizes: list[int] = []

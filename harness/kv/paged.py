@@ -13,9 +13,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from harness.kv.base import CacheOps, CopyOp, Demand, KVStats, KVUsage, StepScores
+from harness.kv.base import CacheOps, CopyOp, Demand, KVStats, KVUsage, PrefixHit, StepScores
 from harness.kv.block_pool import BlockPool
 from harness.kv.ledger import ReservationLedger
+from harness.kv.tiers import LowerTiers
 
 if TYPE_CHECKING:
     from harness.sched.sequence import Sequence
@@ -54,12 +55,15 @@ class SeqBlocks:
 
 
 class PagedKVManager:
-    """Block-table bookkeeping over a :class:`BlockPool` plus a CPU swap pool."""
+    """Block-table bookkeeping over a :class:`BlockPool` plus a CPU swap pool, and
+    optionally lower tiers of the prefix cache (``tiers``: host memory, disk) that named
+    blocks leaving the pool's LRU are written to and that prompts' lookups continue in."""
 
     supports_swap = True
 
     def __init__(self, num_blocks: int, block_size: int, *, num_cpu_blocks: int = 0,
-                 enable_prefix_caching: bool = True, watermark: float = 0.01) -> None:
+                 enable_prefix_caching: bool = True, watermark: float = 0.01,
+                 tiers: LowerTiers | None = None) -> None:
         self.block_size = block_size
         self.ledger = ReservationLedger()
         self.pool = BlockPool(num_blocks, block_size, self.ledger)
@@ -75,6 +79,13 @@ class PagedKVManager:
         self._ops = CacheOps()
         self.logical_blocks = 0
         self.stats = KVStats()
+        self.tiers = tiers if enable_prefix_caching else None
+        # write=through: blocks named while scheduling step t hold their K/V only after
+        # forward t; they are written down with step t+1's operations.
+        self._named_now: list[tuple[int, int]] = []  # (block, hash) named this step
+        self._named_ready: list[tuple[int, int]] = []  # computed: to write through
+        if self.tiers is not None:
+            self.pool.on_evict = self.tiers.store
 
     # -- per-sequence state --------------------------------------------------------------
     def blocks_of(self, seq: Sequence) -> SeqBlocks:
@@ -124,27 +135,37 @@ class PagedKVManager:
     def reservation_size(self, prompt_len: int, max_tokens: int) -> int:
         return self.block_size
 
-    def lookup_prefix(self, seq: Sequence) -> list[int]:
+    def lookup_prefix(self, seq: Sequence) -> PrefixHit:
+        """The device blocks holding the prompt's leading blocks, then (with lower tiers)
+        the blocks after them found in a tier, nearest first. Past the first device miss
+        only the tiers are asked, as vLLM's KV connectors are asked for the tokens after
+        the device's hit: a block still on the device there is loaded again (rare: a
+        prefix's tail leaves the device's LRU before its head)."""
+        hit = PrefixHit()
         if not self.enable_prefix_caching or self.holds(seq):
-            return []
-        bs, toks, extra = self.block_size, seq.token_ids, seq.group.extra_key
-        hits: list[int] = []
+            return hit
+        bs, toks, extra, tiers = self.block_size, seq.token_ids, seq.group.extra_key, self.tiers
         h = _ROOT_HASH
         # The last token is always computed (its logits are needed), so a prompt that is
         # all cached still leaves its last block to compute, as vLLM does.
         for i in range((len(toks) - 1) // bs):
             h = block_hash(h, toks[i * bs:(i + 1) * bs], extra)
-            b = self.pool.lookup(h)
-            if b is None:
+            if not hit.loads:
+                b = self.pool.lookup(h)
+                if b is not None:
+                    hit.blocks.append(b)
+                    continue
+            below = tiers.find(h) if tiers is not None else None
+            if below is None:
                 break
-            hits.append(b)
-        return hits
+            hit.loads.append(below)
+        return hit
 
     def _new_blocks(self, d: Demand) -> int:
         st = self._seqs.get(d.seq.seq_id)
         bs = self.block_size
-        if d.hit_blocks:
-            start, have = len(d.hit_blocks) * bs, len(d.hit_blocks)
+        if d.hit_blocks or d.loads:  # a load takes a fresh block, as a computed block does
+            start, have = d.num_hit_blocks * bs, len(d.hit_blocks)
         else:
             start, have = d.seq.num_computed, len(st.table) if st else 0
         need = max(0, cdiv(start + d.num_tokens, bs) - have)
@@ -166,14 +187,22 @@ class PagedKVManager:
         return self.allocate_group([d])[0]
 
     def allocate_group(self, demands: list[Demand]) -> list[list[int]]:
+        loads = [hit for d in demands for hit in d.loads]
+        if loads:
+            assert self.tiers is not None
+            self.tiers.pin(loads)  # no store of this step may spill or overwrite them
         for d in demands:
             if self.enable_prefix_caching and not self.holds(d.seq):
                 self.stats.prefix_query_tokens += d.seq.num_tokens
-            if d.hit_blocks:
+            if d.hit_blocks or d.loads:
                 self._take_hits(d)
+        if loads:
+            assert self.tiers is not None
+            self.tiers.unpin(loads)
         out = []
         for d in demands:
-            start = len(d.hit_blocks) * self.block_size if d.hit_blocks else d.seq.num_computed
+            start = (d.num_hit_blocks * self.block_size if d.hit_blocks or d.loads
+                     else d.seq.num_computed)
             out.append(self._extend(d.seq, start, d.num_tokens))
         return out
 
@@ -193,7 +222,29 @@ class PagedKVManager:
             pool.touch(b)
             st.table.append(b)
             st.hashes.append(h)
-        self.logical_blocks += len(d.hit_blocks)
+        for hit in d.loads:
+            h = hit.block_hash
+            found = pool.lookup(h)  # loaded already by an earlier demand of this step?
+            if found is not None:
+                b = found
+                pool.touch(b)
+            else:
+                new = pool.allocate()
+                assert new is not None, "can_allocate must be called first"
+                b = new
+                assert self.tiers is not None
+                self.tiers.load(hit, b)
+                pool.set_fill(b, self.block_size)
+                pool.register(b, h, hit.owner)
+                seq.group.tier_hit_blocks[hit.tier - 1] += 1
+            if hit.owner == rid:
+                self.stats.self_hit_tokens += self.block_size
+            else:
+                self.stats.prefix_hit_tokens += self.block_size
+                seq.group.prefix_hit_tokens += self.block_size
+            st.table.append(b)
+            st.hashes.append(h)
+        self.logical_blocks += d.num_hit_blocks
 
     def _extend(self, seq: Sequence, start: int, num_tokens: int) -> list[int]:
         """Slots for tokens ``[start, start + num_tokens)``: copy-on-write, new blocks,
@@ -257,7 +308,9 @@ class PagedKVManager:
             h = block_hash(hashes[-1] if hashes else _ROOT_HASH, toks[i * bs:(i + 1) * bs],
                            extra)
             hashes.append(h)
-            self.pool.register(st.table[i], h, rid)
+            if self.pool.register(st.table[i], h, rid) and self.tiers is not None \
+                    and self.tiers.write == "through":
+                self._named_now.append((st.table[i], h))
 
     def max_chunk(self, seq: Sequence) -> int | None:
         """Most tokens one step may add to ``seq`` (None: no limit beyond the budget)."""
@@ -294,11 +347,21 @@ class PagedKVManager:
 
     def take_cache_ops(self) -> CacheOps:
         ops, self._ops = self._ops, CacheOps()
+        if self.tiers is not None:
+            pool = self.pool
+            for b, h in self._named_ready:  # write-through of last step's named blocks
+                if pool.block_hash[b] == h:  # (one evicted since was stored on eviction)
+                    self.tiers.store(b, h, pool.owner[b])
+            self._named_ready = []
+            ops.tier_ops = self.tiers.take_ops()
         return ops
 
     # -- the step's clock and eviction (none here: see harness.kv.evicting) ---------------
     def end_forward(self) -> None:
         self.ledger.now += 1
+        if self._named_now:  # their K/V exist now: written through with the next ops
+            self._named_ready += self._named_now
+            self._named_now = []
 
     def observe(self, seqs: list[Sequence], scores: StepScores | None) -> None:
         return None
@@ -379,6 +442,8 @@ class PagedKVManager:
             shared_blocks=p.num_shared,
             logical_blocks=self.logical_blocks,
             held_blocks=p.num_used,
+            tier_blocks=(tuple(t.num_used for t in self.tiers.tiers)
+                         if self.tiers is not None else ()),
         )
 
     @property

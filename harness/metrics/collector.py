@@ -44,6 +44,10 @@ class StepRow:
     kv_read_tokens: int = 0
     kv_read_bytes: int = 0
     prefill_pairs: int = 0
+    # Blocks held in the prefix cache's lower tiers while the step ran (0 without tiers).
+    cpu_tier_blocks: int = 0
+    disk_tier_blocks: int = 0
+    tier_ops: int = 0  # blocks the step moved between tiers (stores, spills, loads)
 
 
 @dataclass(slots=True)
@@ -113,4 +117,7 @@ class MetricsCollector:
             finished=len(upd.finished),
             kv_read_tokens=r.decode_tokens, kv_read_bytes=r.decode_bytes,
             prefill_pairs=r.prefill_pairs,
+            cpu_tier_blocks=u.tier_blocks[0] if u.tier_blocks else 0,
+            disk_tier_blocks=u.tier_blocks[1] if len(u.tier_blocks) > 1 else 0,
+            tier_ops=len(rec.tier_ops),
         ))

@@ -93,6 +93,10 @@ class Recorder:
     def take_scores(self) -> StepScores | None:
         return self.inner.take_scores()
 
+    @property
+    def transfer_s(self) -> float:
+        return self.inner.transfer_s
+
 
 @dataclass
 class Measured:

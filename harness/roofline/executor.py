@@ -17,6 +17,7 @@ from harness.backends.base import KVBackend
 from harness.engine.executor import StepOutput
 from harness.kv.base import KVManager, StepScores
 from harness.kv.evicting import EvictingKVManager
+from harness.kv.tiers import CPU, DISK, GPU, TierOp
 from harness.roofline.shape import step_shape
 from harness.roofline.steptime import StepModel, StepTime
 from harness.sched.step import ScheduledSeq, StepRecord
@@ -64,6 +65,39 @@ class RooflineTotals:
             self.terms[k] += float(getattr(t, k))
 
 
+@dataclass(frozen=True)
+class TierLinks:
+    """The lower tiers' links: host (per GPU: each has its own PCIe link, as swaps do) and
+    disk (per node: one drive serves every GPU's share). Bandwidths in bytes/s, latencies
+    in seconds per transfer (one step's blocks between one pair of tiers)."""
+
+    host_bw: float
+    host_latency: float
+    disk_bw: float
+    disk_latency: float
+    overlap: bool = False
+
+    def seconds(self, ops: list[TierOp], rank_block_bytes: float,
+                block_bytes: float) -> float:
+        """A step's tier transfers, one after another on one copy stream:
+        sum over (src, dst) pairs present of ``latency + n x bytes / bandwidth``, where a
+        host move (GPU <-> CPU) moves one GPU's share of a block (``rank_block_bytes``)
+        over the host link, and a disk move (CPU -> disk, disk -> GPU) a whole block
+        (``block_bytes``, every GPU's share) at the drive's bandwidth."""
+        counts: dict[tuple[int, int], int] = {}
+        for op in ops:
+            key = (op.src_tier, op.dst_tier)
+            counts[key] = counts.get(key, 0) + 1
+        total = 0.0
+        for (src, dst), n in counts.items():
+            if DISK in (src, dst):
+                total += self.disk_latency + n * block_bytes / self.disk_bw
+            else:
+                assert {src, dst} == {GPU, CPU}, (src, dst)
+                total += self.host_latency + n * rank_block_bytes / self.host_bw
+        return total
+
+
 class RooflineExecutor:
     """No forward: the step's time from :class:`StepModel`, logits from
     :func:`synthetic_token`.
@@ -77,8 +111,14 @@ class RooflineExecutor:
     batch size, not which tokens a model would keep.
     """
 
-    def __init__(self, model: StepModel, backend: KVBackend) -> None:
+    def __init__(self, model: StepModel, backend: KVBackend,
+                 tiers: TierLinks | None = None) -> None:
+        """``tiers``: the links of the prefix cache's lower tiers (cache.tiers), whose
+        transfers are charged as time (:meth:`tier_seconds`)."""
         self.model, self.backend = model, backend
+        self.links = tiers
+        self.transfer_s = 0.0  # tier transfers, modelled (overlapped or not)
+        self._tier_s = 0.0
         self.clock = VirtualClock()
         self.totals = RooflineTotals()
         self.costs = backend.costs()
@@ -99,6 +139,11 @@ class RooflineExecutor:
         slots = sum(op.num_slots for op in rec.copies)
         swapped = (len(rec.swap_out) + len(rec.swap_in)) * self.backend.block_size
         self._ops_s = 2 * slots * bps / (hw.mem_bw * hw.eff_bw) + swapped * bps / hw.host_bw
+        if rec.tier_ops:
+            assert self.links is not None, "tier ops without tier links"
+            bs = self.backend.block_size
+            self._tier_s = self.links.seconds(rec.tier_ops, bs * bps,
+                                              bs * self.backend.bytes_per_slot())
 
     def forward(self, rec: StepRecord) -> StepOutput:
         assert self.kv is not None, "bind() the KV manager first"
@@ -107,6 +152,13 @@ class RooflineExecutor:
         t = self.model.time(self.model.work_of(sh, rec.fresh))
         t.overhead += self._ops_s
         self._ops_s = 0.0
+        if self._tier_s:
+            # Overlapped, a transfer shows only where it outlasts the step's own work.
+            assert self.links is not None
+            t.overhead += max(0.0, self._tier_s - t.total) if self.links.overlap \
+                else self._tier_s
+            self.transfer_s += self._tier_s
+            self._tier_s = 0.0
         self.totals.add(t)
         self.clock.advance(float(t.total))
         if self.trace is not None:  # the fit's record: (forward s, seqs, fresh)

@@ -24,7 +24,7 @@ from harness.roofline.arch import ArchSpec
 from harness.roofline.bands import describe
 from harness.roofline.config import COMPUTE, WEIGHT_BYTES, auto_kv_budget
 from harness.roofline.engines import PROFILES, engine_name, get_engine
-from harness.roofline.executor import RooflineExecutor
+from harness.roofline.executor import RooflineExecutor, TierLinks
 from harness.roofline.hardware import get_hardware
 from harness.roofline.models import get_model_spec
 from harness.roofline.profile import kv_dtype_of
@@ -56,7 +56,11 @@ def build_roofline(rc: RunConfig, workload: Workload, quiet: bool = False,
     step = StepModel(arch, hw, backend.bytes_per_slot(), COMPUTE[r.dtype],
                      WEIGHT_BYTES[r.weight_dtype], r.tp, kv_dtype_of(backend),
                      gemm_dtype=r.gemm_dtype(), engine=get_engine(r.engine, r.hardware))
-    ex = RooflineExecutor(step, backend)
+    t = rc.cache.tiers
+    links = TierLinks(t.cpu_bw_gbs * 1e9 if t.cpu_bw_gbs else hw.host_bw,
+                      t.cpu_latency_us * 1e-6, t.disk_bw_gbs * 1e9, t.disk_latency_us * 1e-6,
+                      t.overlap) if t.enabled else None
+    ex = RooflineExecutor(step, backend, links)
     eos = tuple(ByteTokenizer().eos_ids)
     st = assemble_stack(backend, device, rc.cache, rc.scheduler, Sampler(rc.seed),
                         arch.max_position_embeddings, eos, executor=ex,

@@ -287,7 +287,7 @@ class Scheduler:
     def _close(self, rec: StepRecord) -> StepRecord:
         """The step's cache operations, usage and stuck-head rejection."""
         ops = self.kv.take_cache_ops()
-        rec.copies, rec.invalidated = ops.copies, ops.invalidated
+        rec.copies, rec.invalidated, rec.tier_ops = ops.copies, ops.invalidated, ops.tier_ops
         if rec.seqs:
             rec.usage = self.kv.usage()  # what the forward holds (steps.csv, the ledger)
         elif not rec.preempted:
@@ -348,7 +348,7 @@ class Scheduler:
         bs = self.kv.block_size
         for d, sl in zip(demands, slots):
             seq = d.seq
-            seq.num_computed += len(d.hit_blocks) * bs
+            seq.num_computed += d.num_hit_blocks * bs
             start = seq.num_computed
             seq.num_computed += d.num_tokens
             sample = seq.num_computed == seq.num_tokens
@@ -430,12 +430,12 @@ class Scheduler:
                 return
             demands, left = [], budget
             for s in live:
-                hits = kv.lookup_prefix(s)
-                n = self._chunk_len(s, s.num_tokens - len(hits) * kv.block_size, left)
+                hit = kv.lookup_prefix(s)
+                n = self._chunk_len(s, s.num_tokens - hit.num_blocks * kv.block_size, left)
                 if n <= 0:
                     return  # no room this step: later requests wait behind this one
                 left -= n
-                demands.append(Demand(s, n, hits))
+                demands.append(Demand.after(s, n, hit))
             if not kv.can_allocate(demands, watermark=True):
                 return  # head-of-line: later requests wait behind this one
             if self._capacity:  # no_evict: the group's worst case must fit beside the rest

@@ -105,6 +105,7 @@ class SequenceGroup:
     num_recomputed_tokens: int = 0
     num_swapped_blocks: int = 0
     prefix_hit_tokens: int = 0
+    tier_hit_blocks: list[int] = field(default_factory=lambda: [0, 0])  # loaded: cpu, disk
     # Beam search: finished hypotheses (score, tokens) and the chosen output.
     beam_finished: list[tuple[float, list[int]]] = field(default_factory=list)
     best_output: list[int] | None = None
@@ -120,6 +121,16 @@ class SequenceGroup:
         if self.best_output is not None:
             return self.best_output
         return self.seqs[0].output_ids if self.seqs else []
+
+    @property
+    def prefix_source(self) -> str:
+        """Where the request's cached prefix came from: the farthest tier that served a
+        block of it (``disk``, ``cpu``), ``gpu`` for device hits only, else ``none``."""
+        if self.tier_hit_blocks[1]:
+            return "disk"
+        if self.tier_hit_blocks[0]:
+            return "cpu"
+        return "gpu" if self.prefix_hit_tokens else "none"
 
     @property
     def is_finished(self) -> bool:

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 
 from harness.kv.base import CopyOp, KVUsage, StepScores
+from harness.kv.tiers import TierOp
 from harness.sched.sequence import Sequence, SequenceGroup
 
 
@@ -41,10 +42,14 @@ class ScheduledSeq:
 class StepRecord:
     """What runs this step and the cache operations to perform before the forward.
 
-    Order for the backend: ``swap_out`` (device block, cpu block), then ``swap_in``
-    (cpu block, device block), then ``invalidated`` (slots that stopped holding a token:
-    backends with per-slot metadata clear it), then ``copies`` (slot ranges), then the
-    forward, whose layers each store the step's new K/V before attending.
+    Order for the backend: ``tier_ops`` (harness.kv.tiers: blocks written down to the
+    lower tiers of the prefix cache, spilled between them and loaded from them, in list
+    order), then ``swap_out`` (device block, cpu block), then ``swap_in`` (cpu block,
+    device block), then ``invalidated`` (slots that stopped holding a token: backends with
+    per-slot metadata clear it), then ``copies`` (slot ranges), then the forward, whose
+    layers each store the step's new K/V before attending. Tier ops can go first: they
+    read device blocks that are named (their content final) and load only into blocks
+    taken at admission, and a step that swaps out admits nobody.
     """
 
     step: int
@@ -53,6 +58,7 @@ class StepRecord:
     invalidated: list[int] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    tier_ops: list[TierOp] = field(default_factory=list)
     preempted: list[SequenceGroup] = field(default_factory=list)
     # An empty step with nothing preempted: the waiting head that can never be admitted
     # (Scheduler.schedule rejects it; the run goes on without it).

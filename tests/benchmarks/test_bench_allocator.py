@@ -35,7 +35,7 @@ def test_prefix_lookup_32_blocks(benchmark: Any) -> None:
     m.allocate(Demand(first, first.num_tokens))
     probe = make_seq(list(range(32 * BS + 1)))
     hits = benchmark(m.lookup_prefix, probe)
-    assert len(hits) == 32
+    assert len(hits.blocks) == 32
 
 
 def test_decode_step_bookkeeping_256(benchmark: Any) -> None:

@@ -1,0 +1,72 @@
+"""The prefix cache's hit rates per tier and its lower tiers' traffic (metrics.json keys).
+
+``cache.hit_rate.<gpu|cpu|disk|miss>``: shares of the prompt tokens looked up in the
+prefix cache (``cache.prefix_query_tokens``), by where they were found: on the device
+(any request's blocks, a request's own after a recompute preemption included), loaded
+from the CPU tier, loaded from the disk tier, or not found (computed). The four sum to 1.
+``cache.prefix_hit_rate`` (other requests' blocks only, any tier) and
+``cache.self_hit_tokens`` (a request's own, any tier) split the same hits the other way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from harness.kv.base import KVManager
+from harness.kv.tiers import TIER_NAMES, LowerTiers
+from harness.metrics.collector import StepRow
+
+SOURCES = ("none", "gpu", "cpu", "disk")
+
+
+def hit_rates(kv: KVManager, tiers: LowerTiers | None) -> dict[str, float]:
+    """``cache.hit_rate.*`` (empty when nothing was looked up: prefix caching off)."""
+    st = kv.stats
+    q = st.prefix_query_tokens
+    if not q:
+        return {}
+    below = tiers.stats.hit_tokens if tiers is not None else [0, 0]
+    found = st.prefix_hit_tokens + st.self_hit_tokens
+    out = {"cache.hit_rate.gpu": (found - sum(below)) / q,
+           "cache.hit_rate.cpu": below[0] / q, "cache.hit_rate.disk": below[1] / q}
+    out["cache.hit_rate.miss"] = 1.0 - sum(out.values())
+    return out
+
+
+def tier_metrics(tiers: LowerTiers, steps: list[StepRow], block_bytes: int,
+                 transfer_s: float) -> dict[str, Any]:
+    """Capacity, traffic and time of each lower tier (``cache.tier.*``)."""
+    s = tiers.stats
+    m: dict[str, Any] = {}
+    for i, t in enumerate(tiers.tiers):
+        name = TIER_NAMES[t.level]
+        col = "cpu_tier_blocks" if name == "cpu" else "disk_tier_blocks"
+        m.update({
+            f"cache.tier.{name}.capacity_blocks": t.num_blocks,
+            f"cache.tier.{name}.capacity_bytes": t.num_blocks * block_bytes,
+            f"cache.tier.{name}.peak_blocks": max((getattr(r, col) for r in steps),
+                                                  default=0),
+            f"cache.tier.{name}.blocks_down": s.blocks_down[i],
+            f"cache.tier.{name}.blocks_up": s.blocks_up[i],
+            f"cache.tier.{name}.bytes_down": s.blocks_down[i] * block_bytes,
+            f"cache.tier.{name}.bytes_up": s.blocks_up[i] * block_bytes,
+        })
+    m["cache.tier.dropped_blocks"] = s.dropped_blocks
+    m["cache.tier.transfer_s"] = transfer_s
+    return m
+
+
+def ttft_by_source(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """TTFT percentiles of finished requests, split by where their prefix came from
+    (requests.csv's ``prefix_source``), and how many requests each holds."""
+    m: dict[str, Any] = {}
+    for src in SOURCES:
+        xs = [r["ttft_ms"] for r in rows if r["status"] == "finished"
+              and r["prefix_source"] == src and r["ttft_ms"] is not None]
+        m[f"requests.by_source.{src}"] = len(xs)
+        if xs:
+            m[f"latency.ttft_ms.by_source.{src}.p50"] = float(np.percentile(xs, 50))
+            m[f"latency.ttft_ms.by_source.{src}.p99"] = float(np.percentile(xs, 99))
+    return m
