@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from harness.kv.tiers import CPU, DISK, GPU, TierOp
+from harness.sched.step import CHECKS
 
 _MAGIC = b"KVBTIER1"
 _HEADER = struct.Struct("<8sqqI")  # magic, slot, payload bytes, crc32
@@ -143,7 +144,9 @@ class TierStorage:
         self.block_bytes = sum(t[0].numel() * t.element_size() for t in tensors)
         self.transfer_s = 0.0  # wall seconds spent in tier operations
         self.bytes_moved = 0
-        self.poison_loads = False  # tests: fill a load's target with garbage first
+        # Under KVBENCH_CHECK (the tests), a load's target block is first filled with
+        # garbage: a load that copies nothing, or the wrong rows, then shows in the tokens.
+        self.poison_loads = CHECKS
 
     def apply(self, ops: list[TierOp]) -> None:
         """Perform ``ops`` in order (spills before the writes that reuse their slots)."""
