@@ -90,3 +90,17 @@ def test_a_load_that_reads_nothing_is_caught(monkeypatch: pytest.MonkeyPatch) ->
     broken = run(tiny(*common, *TIERS))
     assert broken.metrics["cache.tier.cpu.blocks_up"] > 0
     assert outputs(broken) != outputs(off)
+
+
+@pytest.mark.parametrize("write", ["evict", "through"])
+def test_tiers_beside_swap_preemption(write: str) -> None:
+    """Swaps and tier moves in the same run (and steps): swap-outs release named blocks
+    into the LRU that stores then read, swap-ins take blocks that stores freed."""
+    common = ("cache.kv_budget=500KiB", "scheduler.preemption_mode=swap",
+              "cache.swap_space=1MiB", *LOAD, "workload.answer_tokens=96")
+    off = run(tiny(*common))
+    on = run(tiny(*common, "cache.tiers.cpu=64KiB", "cache.tiers.disk=4MiB",
+                  f"cache.tiers.write={write}"))
+    assert off.metrics["sched.preemptions_swap"] > 0
+    assert on.metrics["cache.tier.cpu.blocks_up"] > 0
+    assert outputs(on) == outputs(off)
