@@ -9,6 +9,7 @@ import torch
 from harness.config import RunConfig
 from harness.engine.sampler import Sampler
 from harness.errors import UserError
+from harness.layer_types import check_backend
 from harness.metrics.tasks import add_task_scores
 from harness.model import load_model
 from harness.model.tokenizer import Tokenizer
@@ -58,6 +59,8 @@ class ModelTarget:
 
     def build(self, workload: Workload) -> Stack:
         rc = self.rc
+        mc = self.loaded.config
+        check_backend(mc.name, mc.layer_attention, rc.backend)
         # The texts before the stack: a bad quality.text_file fails before the run.
         self.texts = load_texts(rc.quality, self.loaded) if rc.quality.enabled else None
         return build_stack(self.loaded, self.device, rc.backend, rc.cache, rc.scheduler,

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from harness.layer_types import LayerAttention
+
 
 @dataclass
 class ModelConfig:
@@ -31,6 +33,9 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Every layer's attention (harness.layer_types; empty: full everywhere). The forward
+    # computes full attention; a window is the KV backend's (backend=sliding_window).
+    layer_attention: tuple[LayerAttention, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:

@@ -1,7 +1,9 @@
 """Load (and save) a Hugging Face folder: config.json + *.safetensors + tokenizer files.
 
 Covers the Llama-shaped families: llama, mistral, qwen2. Sliding-window attention (Mistral,
-some Qwen2) is an attention concern and therefore the KV backend's; the model ignores it.
+some Qwen2) is an attention concern and therefore the KV backend's: the forward computes
+full attention, and a run refuses such a model unless its backend is that window
+(harness.layer_types.check_backend).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from harness import layer_types
 from harness.errors import UserError
 from harness.model.config import ModelConfig
 from harness.model.llama import LlamaModel
@@ -61,6 +64,8 @@ def config_from_hf(raw: dict[str, Any], name: str) -> ModelConfig:
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        layer_attention=layer_types.compact(
+            layer_types.from_hf(raw, int(raw["num_hidden_layers"]))),
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.errors import UserError
+from harness.layer_types import LayerAttention
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,8 @@ class ArchSpec:
     # experts it picks, plus a shared one); 0 = unknown: the non-GEMM term then reads it
     # off the dense parameters (:meth:`mlp_width`).
     intermediate_size: int = 0
+    # Every layer's attention (harness.layer_types); empty: full attention everywhere.
+    layer_attention: tuple[LayerAttention, ...] = ()
 
     def mlp_width(self) -> float:
         """The per-token MLP activation width (the non-GEMM term's SiLU-and-mul)."""

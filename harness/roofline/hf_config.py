@@ -21,10 +21,12 @@ A100-80GB).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
+from harness import layer_types
 from harness.errors import UserError
 from harness.roofline.arch import ArchSpec, llama_like
 
@@ -99,9 +101,13 @@ def from_hf_config(path: str | Path) -> ArchSpec:
                   qkv_bias=bool(bias))
     experts = {k: raw[k] for k in EXPERT_KEYS if raw.get(k)}
     if not experts:
-        return llama_like(name, layers, hidden, c.int("intermediate_size"), heads,
+        spec = llama_like(name, layers, hidden, c.int("intermediate_size"), heads,
                           kv_heads, **common)  # type: ignore[arg-type]
-    return _moe(c, name, model_type, experts, layers, hidden, heads, kv_heads, common)
+    else:
+        spec = _moe(c, name, model_type, experts, layers, hidden, heads, kv_heads, common)
+    # What each layer's cache must hold (sliding / chunked layers: harness.layer_types).
+    return dataclasses.replace(
+        spec, layer_attention=layer_types.compact(layer_types.from_hf(raw, layers)))
 
 
 def _moe(c: _Config, name: str, model_type: str, experts: dict[str, Any], layers: int,

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import UserError
+from harness.layer_types import FULL, LayerAttention
 from harness.roofline.arch import ArchSpec, llama_like
 from harness.roofline.hf_config import from_hf_config
 
@@ -40,6 +41,55 @@ def _deepseek_v3() -> ArchSpec:
                     expert_params=routed, num_experts=256, experts_per_token=8)
 
 
+def _hybrid(name: str, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
+            vocab: int, max_pos: int, attention: tuple[LayerAttention, ...], tied: bool,
+            dense_ffn: int = 0, experts: int = 0, expert_ffn: int = 0, per_token: int = 0,
+            shared_ffn: int = 0) -> ArchSpec:
+    """A decoder whose layers differ in attention (harness.layer_types): GQA projections,
+    then a dense gated MLP of ``dense_ffn``, or ``experts`` gated experts of
+    ``expert_ffn`` (``per_token`` of them per token) with a router and a shared expert
+    of ``shared_ffn`` (0: none), on every layer."""
+    q, kv = heads * head_dim, kv_heads * head_dim
+    attn = hidden * (q + 2 * kv) + q * hidden
+    shared = 3 * hidden * shared_ffn + (hidden * experts if experts else 0)
+    dense = layers * (attn + 3 * hidden * dense_ffn + shared)
+    width = dense_ffn or expert_ffn * per_token + shared_ffn
+    return ArchSpec(name, layers, hidden, vocab, heads, kv_heads, head_dim, head_dim, head_dim,
+                    dense, max_pos, tied, expert_params=layers * experts * 3 * hidden
+                    * expert_ffn, num_experts=experts, experts_per_token=per_token,
+                    intermediate_size=width, layer_attention=attention)
+
+
+def _every(n: int, period: int, odd: LayerAttention, even: LayerAttention) -> tuple[
+        LayerAttention, ...]:
+    """``n`` layers: layer i is ``odd`` when (i + 1) % period == 0, else ``even``."""
+    return tuple(odd if (i + 1) % period == 0 else even for i in range(n))
+
+
+# Hybrid-attention models (config.json of each on Hugging Face; read 2026-12-02 through
+# copies in TensorRT-LLM's and others' tests, transformers' defaults where a key is absent):
+# - gpt-oss-120b: 36 layers alternating sliding (128, layer 0) and full, 64 heads, 8 KV
+#   heads x 64, hidden 2880, 128 experts of 2880 (4 per token), no shared expert,
+#   vocab 201088, 131072 positions, untied. 116.8B parameters (published: 117B).
+# - Gemma-3-27B: 62 layers, 5 sliding (1024) then 1 global (layers 5, 11, .., 59: 10),
+#   32 heads, 16 KV heads x 128, hidden 5376, GeGLU 21504, vocab 262208, 131072
+#   positions, tied. 27.0B.
+# - Llama-4-Scout: 48 layers, chunked attention (8192) on the 3 of 4 with RoPE, every 4th
+#   (NoPE) global, 40 heads, 8 KV heads x 128, hidden 5120, 16 experts of 8192 (1 per
+#   token) + a shared expert of 8192 on every layer, vocab 202048, untied. 107.8B
+#   (published: 109B total, 17B active).
+GPT_OSS_120B = _hybrid(
+    "gpt-oss-120b", 36, 2880, 64, 8, 64, 201088, 131072,
+    _every(36, 2, FULL, LayerAttention("sliding", 128)), tied=False, experts=128,
+    expert_ffn=2880, per_token=4)
+GEMMA_3_27B = _hybrid(
+    "Gemma-3-27B", 62, 5376, 32, 16, 128, 262208, 131072,
+    _every(62, 6, FULL, LayerAttention("sliding", 1024)), tied=True, dense_ffn=21504)
+LLAMA_4_SCOUT = _hybrid(
+    "Llama-4-Scout", 48, 5120, 40, 8, 128, 202048, 262144,
+    _every(48, 4, FULL, LayerAttention("chunked", 8192)), tied=False, experts=16,
+    expert_ffn=8192, per_token=1, shared_ffn=8192)
+
 MODEL_SPECS: dict[str, ArchSpec] = {s.name.lower(): s for s in (
     llama_like("Llama-2-7B", 32, 4096, 11008, 32, 32, 32000, 4096),
     llama_like("Llama-2-13B", 40, 5120, 13824, 40, 40, 32000, 4096),
@@ -50,6 +100,7 @@ MODEL_SPECS: dict[str, ArchSpec] = {s.name.lower(): s for s in (
     llama_like("Mistral-7B", 32, 4096, 14336, 32, 8, 32768, 32768),
     llama_like("SmolLM2-135M", 30, 576, 1536, 9, 3, 49152, 8192, head_dim=64, tied=True),
     _deepseek_v3(),
+    GPT_OSS_120B, GEMMA_3_27B, LLAMA_4_SCOUT,
 )}
 
 

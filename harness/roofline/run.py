@@ -18,6 +18,7 @@ import torch
 
 from harness.backends.base import KVLayout
 from harness.engine.sampler import Sampler
+from harness.layer_types import check_backend
 from harness.model import ByteTokenizer, parse_dtype
 from harness.model.tokenizer import Tokenizer
 from harness.roofline.arch import ArchSpec
@@ -45,6 +46,7 @@ def build_roofline(rc: RunConfig, workload: Workload, quiet: bool = False,
     (``arch``: ``roofline.model``'s spec, when the caller has read it already)."""
     r = rc.roofline
     arch = arch if arch is not None else get_model_spec(r.model)
+    check_backend(arch.name, arch.layer_attention, rc.backend)
     hw = get_hardware(r.hardware)
     if r.attention != "spec":
         hw = dataclasses.replace(hw, attention=r.attention)

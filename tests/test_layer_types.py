@@ -1,0 +1,117 @@
+"""Per-layer attention types (harness.layer_types, issue #29's first step): read from
+config.json as transformers reads them, the three hybrid presets' KV bytes per token per
+group by hand count, and the refusal of a model a uniform cache would misreport."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness.errors import UserError
+from harness.layer_types import FULL, LayerAttention, describe, from_hf, groups, held_bytes
+from harness.model import load_model, save_hf
+from harness.roofline.hf_config import from_hf_config
+from harness.roofline.models import GEMMA_3_27B, GPT_OSS_120B, LLAMA_4_SCOUT
+from harness.runner import run
+from tests.compose import compose_cfg, tiny
+
+S128, S1024 = LayerAttention("sliding", 128), LayerAttention("sliding", 1024)
+C8192 = LayerAttention("chunked", 8192)
+
+
+def test_gemma3_pattern_every_sixth_layer_global() -> None:
+    layers = from_hf({"sliding_window": 1024, "sliding_window_pattern": 6}, 62)
+    assert [i for i, a in enumerate(layers) if a == FULL] == list(range(5, 62, 6))
+    assert describe(layers) == "10 full + 52 sliding 1024"
+    assert layers == GEMMA_3_27B.layer_attention
+
+
+def test_layer_types_list_and_its_errors() -> None:
+    names = ["sliding_attention", "full_attention"] * 18
+    layers = from_hf({"layer_types": names, "sliding_window": 128}, 36)
+    assert layers[0] == S128 and layers[1] == FULL and layers == GPT_OSS_120B.layer_attention
+    with pytest.raises(UserError, match="35 entries"):
+        from_hf({"layer_types": names[:35], "sliding_window": 128}, 36)
+    with pytest.raises(UserError, match="unknown layer type 'local'"):
+        from_hf({"layer_types": ["local"] * 2, "sliding_window": 128}, 2)
+    with pytest.raises(UserError, match="sliding_window=None"):
+        from_hf({"layer_types": names}, 36)
+
+
+def test_llama4_chunks_on_rope_layers() -> None:
+    given = from_hf({"attention_chunk_size": 8192, "no_rope_layers": [1, 1, 1, 0] * 12}, 48)
+    default = from_hf({"attention_chunk_size": 8192}, 48)  # transformers: every 4th NoPE
+    assert given == default == LLAMA_4_SCOUT.layer_attention
+    assert [i for i, a in enumerate(given) if a == FULL] == list(range(3, 48, 4))
+
+
+def test_sliding_window_alone() -> None:
+    assert from_hf({"model_type": "mistral", "sliding_window": 4096}, 4) == \
+        (LayerAttention("sliding", 4096),) * 4
+    assert from_hf({"model_type": "mistral", "sliding_window": None}, 4) == (FULL,) * 4
+    # Qwen2 carries a window it does not use unless told to, from max_window_layers on.
+    assert from_hf({"model_type": "qwen2", "sliding_window": 4096,
+                    "use_sliding_window": False}, 4) == (FULL,) * 4
+    assert from_hf({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True,
+                    "max_window_layers": 2}, 4) == (FULL, FULL) + (
+        LayerAttention("sliding", 64),) * 2
+
+
+def test_hybrid_presets_bytes_per_token_per_group_by_hand() -> None:
+    """bf16 K and V: 2 x KV heads x head_dim x 2 bytes per token and layer."""
+    per_layer = {"gpt-oss-120b": 2 * 8 * 64 * 2, "Gemma-3-27B": 2 * 16 * 128 * 2,
+                 "Llama-4-Scout": 2 * 8 * 128 * 2}
+    want = {"gpt-oss-120b": [(FULL, 18 * 2048), (S128, 18 * 2048)],
+            "Gemma-3-27B": [(FULL, 10 * 8192), (S1024, 52 * 8192)],
+            "Llama-4-Scout": [(FULL, 12 * 4096), (C8192, 36 * 4096)]}
+    for a in (GPT_OSS_120B, GEMMA_3_27B, LLAMA_4_SCOUT):
+        assert a.kv_elems_per_layer * 2 == per_layer[a.name]
+        got = [(g, n * a.kv_elems_per_layer * 2) for g, n in groups(a.layer_attention)]
+        assert got == want[a.name]
+    # At 32k tokens a Gemma-3-27B sequence needs its 10 full layers' every token and
+    # its 52 sliding layers' last 1024: 3.12 GB, not a uniform cache's 16.6 GB.
+    assert held_bytes(GEMMA_3_27B.layer_attention, 8192, 32768) == \
+        10 * 8192 * 32768 + 52 * 8192 * 1024
+    # A chunked layer holds the current chunk: 8192 at a chunk's end, 1 past it.
+    assert C8192.held(8192) == 8192 and C8192.held(8193) == 1 and C8192.held(100) == 100
+    # Published sizes: gpt-oss-120b 117B (5.1B active), Gemma 3 27B, Scout 109B (17B).
+    assert GPT_OSS_120B.total_params() == pytest.approx(117e9, rel=0.01)
+    assert GEMMA_3_27B.total_params() == pytest.approx(27e9, rel=0.01)
+    assert LLAMA_4_SCOUT.total_params() == pytest.approx(109e9, rel=0.02)
+
+
+def roofline(*extra: str) -> dict[str, object]:
+    return run(compose_cfg(["executor=roofline", "roofline.hardware=h100-sxm",
+                            "cache.kv_budget=auto", "workload=random",
+                            "workload.num_requests=4", *extra])).metrics
+
+
+def test_hybrid_models_are_refused_not_misreported(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"10 full \+ 52 sliding 1024.*issue #29"):
+        roofline("roofline.model=Gemma-3-27B", "roofline.tp=8")
+    cfg = {"model_type": "gemma3_text", "num_hidden_layers": 62, "hidden_size": 5376,
+           "intermediate_size": 21504, "num_attention_heads": 32, "num_key_value_heads": 16,
+           "head_dim": 128, "vocab_size": 262208, "sliding_window": 1024,
+           "sliding_window_pattern": 6}
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    assert from_hf_config(p).layer_attention == GEMMA_3_27B.layer_attention
+    with pytest.raises(UserError, match="mixes attention types"):
+        roofline(f"roofline.model={p}", "roofline.tp=8")
+
+
+def test_a_windowed_model_runs_only_on_its_window(tmp_path: Path) -> None:
+    """A Mistral-style folder with a 32-token window on every layer: paged would give it
+    full attention (other tokens than the model's); its own window runs."""
+    folder = tmp_path / "mistral"
+    save_hf(load_model("tiny").model, folder, byte_tokenizer=True)
+    raw = json.loads((folder / "config.json").read_text())
+    raw.update(model_type="mistral", sliding_window=32)
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(UserError, match=r"backend=sliding_window backend\.window=32"):
+        run(tiny("model=hf", f"model.path={folder}"))
+    m = run(tiny("model=hf", f"model.path={folder}", "backend=sliding_window",
+                 "backend.window=32", "backend.sink_tokens=0")).metrics
+    assert m["requests.finished"] > 0
