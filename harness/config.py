@@ -14,6 +14,7 @@ anything is loaded.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -109,6 +110,11 @@ class CacheSpec:
     enable_prefix_caching: bool = True
     watermark: float = 0.01  # share of the cache kept free at admission (at least a block)
     tiers: TierSpec = field(default_factory=TierSpec)  # host and disk below the device
+
+    def without_tiers(self) -> CacheSpec:
+        """This cache with no lower tiers (the quality evaluation's stacks: their streamed
+        texts share no prefixes, and a second host tier would double the run's memory)."""
+        return dataclasses.replace(self, tiers=TierSpec())
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.watermark < 1.0:

@@ -144,7 +144,7 @@ def _stream(loaded: LoadedModel, device: torch.device, backend: BackendOptions,
             prefill: int, budget: str | int) -> tuple[float, float, float | None]:
     """Stream the texts; returns KV bytes held per sequence (mean over steps, peak) and
     the cache bytes a decode query read (mean; the backend's declared reads)."""
-    st = build_stack(loaded, device, backend, rc.cache, rc.scheduler, sampler,
+    st = build_stack(loaded, device, backend, rc.cache.without_tiers(), rc.scheduler, sampler,
                      quiet=True, kv_budget=budget)
     st.engine.run(_TextsWorkload(texts, prefill))
     per_seq = [s.reserved_bytes / s.running for s in st.collector.steps if s.running]
@@ -229,8 +229,8 @@ def generation_agreement(loaded: LoadedModel, device: torch.device, rc: RunConfi
     ref_model = reference_model(loaded, rc, device)
     workload = make_workload(rc.workload, ref_model.tokenizer)
     budget = fp32_bytes_per_token(ref_model) * max(2 * capacity, 4096)
-    st = build_stack(ref_model, device, REFERENCE, rc.cache, rc.scheduler, Sampler(rc.seed),
-                     quiet=True, kv_budget=budget)
+    st = build_stack(ref_model, device, REFERENCE, rc.cache.without_tiers(), rc.scheduler,
+                     Sampler(rc.seed), quiet=True, kv_budget=budget)
     st.engine.run(workload)
     return agreement(outputs, st.collector.outputs())
 

@@ -7,8 +7,11 @@ The run builds one for its workload; quality evaluation builds more on the same 
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import sys
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -128,6 +131,8 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
     if requests is not None:
         check_budget(requests, kv, backend, sizing, cache.watermark, quiet)
     if executor is None:  # a roofline run holds no K/V tensors
+        if tiers is not None:
+            check_tier_space(cache, tiers, sizing, device)
         backend.allocate(sizing)
         if tiers is not None:
             blocks = backend.block_tensors()
@@ -209,6 +214,30 @@ def available_memory(device: torch.device) -> int | None:
     except OSError:
         return None
     return None
+
+
+def check_tier_space(cache: CacheSpec, tiers: LowerTiers, sizing: CacheSizing,
+                     device: torch.device) -> None:
+    """The lower tiers fit where they go (executor=model): the CPU tier in host memory
+    beside the device cache (the same memory on a CPU), the disk tier on its disk."""
+    block = sizing.bytes_per_slot * sizing.block_size
+    host = tiers.tiers[0].num_blocks * block
+    if device.type != "cuda":
+        host += sizing.num_blocks * block + sizing.num_cpu_blocks * block
+    free = available_memory(torch.device("cpu"))
+    if free is not None and host > 0.9 * free:
+        raise UserError(f"cache.tiers.cpu={cache.tiers.cpu} needs {format_bytes(host)} of host "
+                        f"memory with the cache beside it, but only {format_bytes(free)} is "
+                        "available: lower cache.tiers.cpu (or cache.kv_budget)")
+    if len(tiers.tiers) > 1:
+        disk = tiers.tiers[1].num_blocks * block
+        where = Path(cache.tiers.disk_dir or tempfile.gettempdir())
+        probe = next((p for p in (where, *where.parents) if p.exists()), Path("/"))
+        left = shutil.disk_usage(probe).free
+        if disk > left:
+            raise UserError(f"cache.tiers.disk={cache.tiers.disk} needs {format_bytes(disk)} "
+                            f"on {probe}, which has {format_bytes(left)} free: lower "
+                            "cache.tiers.disk or set cache.tiers.disk_dir to a larger disk")
 
 
 def check_memory(device: torch.device, sizing: CacheSizing) -> None:

@@ -74,3 +74,10 @@ def test_a_method_that_rewrites_blocks_runs_without_tiers(capsys: pytest.Capture
                  "cache.tiers.cpu=1MiB")).metrics
     assert m["run.tiers"] == "off" and "cache.tier.transfer_s" not in m
     assert "run.tiers=off" in capsys.readouterr().err
+
+
+def test_tiers_larger_than_the_machine_are_refused_before_allocating() -> None:
+    with pytest.raises(UserError, match="host memory"):
+        run(tiny("cache.tiers.cpu=100TiB"))
+    with pytest.raises(UserError, match=r"free: lower cache\.tiers\.disk"):
+        run(tiny("cache.tiers.cpu=1MiB", "cache.tiers.disk=1000TiB"))

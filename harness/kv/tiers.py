@@ -17,12 +17,13 @@ named blocks by their chained prefix hash, in its own LRU over a fixed number of
 
 Everything a step moves is one ordered list of :class:`TierOp`: a spill comes before the
 write that takes its slot, a store of an evicted device block before the load that
-reuses that block. Operations are O(1) per block (an insertion-ordered dict per tier).
+reuses that block. Operations are O(1) per block (an insertion-ordered dict per tier),
+and a tier's size costs nothing until its slots are used.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 GPU, CPU, DISK = 0, 1, 2
@@ -75,7 +76,7 @@ class Tier:
         self.num_blocks = num_blocks
         self.lru: OrderedDict[int, int] = OrderedDict()  # hash -> slot
         self.owner: dict[int, int] = {}  # hash -> request that computed it
-        self.free: deque[int] = deque(range(num_blocks))
+        self.fresh = 0  # slots [fresh, num_blocks) never used yet (no per-slot list: 1e9+)
         self.pinned: dict[int, int] = {}  # hash -> slot, out of the LRU while loading
 
     @property
@@ -147,8 +148,9 @@ class LowerTiers:
         """A free slot of tier ``i``, making one by moving its LRU block down (the spill
         op is queued first, so it reads the slot before the new write lands)."""
         t = self.tiers[i]
-        if t.free:
-            return t.free.popleft()
+        if t.fresh < t.num_blocks:
+            t.fresh += 1
+            return t.fresh - 1
         if not t.lru:
             return None  # every block of the tier is being loaded this step
         h, slot = t.lru.popitem(last=False)
