@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from harness.backends.tier_storage import TierStorage
 from harness.kv.tiers import GPU, TierOp
@@ -104,3 +105,15 @@ def test_tiers_beside_swap_preemption(write: str) -> None:
     assert off.metrics["sched.preemptions_swap"] > 0
     assert on.metrics["cache.tier.cpu.blocks_up"] > 0
     assert outputs(on) == outputs(off)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tiers_on_cuda_pinned_host_tier() -> None:
+    """On a GPU the CPU tier is pinned host memory and loads copy asynchronously (then
+    synchronize): the same tokens as without tiers, both tiers used."""
+    common = ("device=cuda", "cache.kv_budget=700KiB", *LOAD)
+    off = run(tiny(*common))
+    on = run(tiny(*common, "cache.tiers.cpu=96KiB", "cache.tiers.disk=4MiB"))
+    assert outputs(on) == outputs(off)
+    assert on.metrics["cache.hit_rate.cpu"] > 0 and on.metrics["cache.hit_rate.disk"] > 0
