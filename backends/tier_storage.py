@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from harness.errors import UserError
 from harness.kv.tiers import CPU, DISK, GPU, TierOp
 from harness.sched.step import CHECKS
 
@@ -61,7 +62,14 @@ class DiskTier:
 
     def __init__(self, parent: str | os.PathLike[str] | None, num_blocks: int) -> None:
         root = Path(parent) if parent else Path(tempfile.gettempdir()) / "kvbench-disk-tier"
-        root.mkdir(parents=True, exist_ok=True)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            probe = root / f".probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise UserError(f"cache.tiers.disk_dir={str(root)!r}: the disk tier cannot write "
+                            f"there ({e.strerror or e}); give a writable folder") from None
         self.discarded = self.discard_stale(root)
         for d in self.discarded:
             print(f"kvbench: disk tier: removed {d}, left by a run that ended without "

@@ -44,6 +44,18 @@ class ModelSpec:
     dtype: str = "float32"
 
 
+def check_sizes(obj: object, group: str, keys: tuple[str, ...], example: str) -> None:
+    """Each of ``keys`` of ``obj`` is a size in bytes (``parse_bytes``), not negative."""
+    for key in keys:
+        value = getattr(obj, key)
+        try:
+            if parse_bytes(value) < 0:
+                raise ValueError
+        except ValueError:
+            raise UserError(f"{group}.{key}={value!r} is not a size in bytes (e.g. "
+                            f"{example})") from None
+
+
 @dataclass
 class TierSpec:
     """``cache.tiers``: lower tiers of the prefix cache below the device (harness.kv.tiers).
@@ -77,13 +89,7 @@ class TierSpec:
     def __post_init__(self) -> None:
         from harness.kv.tiers import WRITE_MODES
 
-        for key in ("cpu", "disk"):
-            try:
-                if parse_bytes(getattr(self, key)) < 0:
-                    raise ValueError
-            except ValueError:
-                raise UserError(f"cache.tiers.{key}={getattr(self, key)!r} is not a size in "
-                                f"bytes (e.g. 4GiB, 0 for none)") from None
+        check_sizes(self, "cache.tiers", ("cpu", "disk"), "4GiB, 0 for none")
         if parse_bytes(self.disk) and not parse_bytes(self.cpu):
             raise UserError("cache.tiers.disk needs a CPU tier above it (blocks reach the "
                             "disk from host memory): set cache.tiers.cpu as well")
@@ -120,15 +126,8 @@ class CacheSpec:
         if not 0.0 <= self.watermark < 1.0:
             raise UserError(f"cache.watermark is a share of the cache in [0, 1), got "
                             f"{self.watermark}")
-        for key in ("kv_budget", "swap_space"):
-            if key == "kv_budget" and self.kv_budget == "auto":
-                continue
-            try:
-                if parse_bytes(getattr(self, key)) < 0:
-                    raise ValueError
-            except ValueError:
-                raise UserError(f"cache.{key}={getattr(self, key)!r} is not a size in bytes "
-                                f"(e.g. 64MiB, 1GiB, 1000000)") from None
+        check_sizes(self, "cache", ("swap_space",) if self.kv_budget == "auto" else
+                    ("kv_budget", "swap_space"), "64MiB, 1GiB, 1000000")
 
 
 @dataclass

@@ -110,3 +110,14 @@ def test_a_live_runs_folder_is_left_alone(tmp_path: Path) -> None:
     assert second.discarded == [] and first.dir.exists()
     first.close()
     second.close()
+
+
+def test_a_disk_dir_that_cannot_be_written_says_so(tmp_path: Path) -> None:
+    from harness.errors import UserError
+
+    a_file = tmp_path / "not-a-folder"
+    a_file.write_text("x")
+    with pytest.raises(UserError, match=r"cache\.tiers\.disk_dir=.*give a writable folder"):
+        DiskTier(a_file, 2)
+    with pytest.raises(UserError, match="give a writable folder"):
+        DiskTier(a_file / "below", 2)

@@ -32,14 +32,18 @@ def outputs(m: Any) -> dict[int, list[int]]:
 # few of its own blocks, so that blocks reach the disk tier too. Not quest: its decodes'
 # K/V come from sparse attention, so a block a decode wrote differs from the same tokens
 # recomputed by a dense prefill, and any extra hit (device or tier) changes later tokens.
+# A window (positional eviction) keeps prefix caching, so it takes tiers too: its
+# given-back blocks are named, may go down, and a later prompt loads them back.
 CASES = [("paged", "700KiB", "96KiB"), ("fp8", "400KiB", "24KiB"),
-         ("kivi", "300KiB", "36KiB")]
+         ("kivi", "300KiB", "36KiB"), ("sliding_window", "500KiB", "64KiB")]
+WINDOW = ("backend.window=96", "backend.sink_tokens=4")
 
 
 @pytest.mark.parametrize("backend,budget,cpu", CASES)
 def test_same_tokens_with_tiers_on_and_off(backend: str, budget: str, cpu: str) -> None:
     assert CHECKS, "the suite runs with KVBENCH_CHECK=1: loads poison their target first"
-    common = (f"backend={backend}", f"cache.kv_budget={budget}", *LOAD)
+    common = (f"backend={backend}", f"cache.kv_budget={budget}", *LOAD,
+              *(WINDOW if backend == "sliding_window" else ()))
     off = run(tiny(*common))
     on = run(tiny(*common, f"cache.tiers.cpu={cpu}", "cache.tiers.disk=4MiB"))
     assert outputs(on) == outputs(off)
@@ -59,7 +63,7 @@ def test_same_tokens_with_tiers_on_and_off(backend: str, budget: str, cpu: str) 
 
 def test_block_bytes_are_what_the_backend_holds() -> None:
     """What TierStorage moves per block is the backend's declared bytes of a block."""
-    for backend, budget, _ in [*CASES, ("quest", "760KiB", "100KiB")]:
+    for backend, budget, _ in [*CASES[:3], ("quest", "760KiB", "100KiB")]:
         from harness.config import run_config
         from harness.model_target import ModelTarget
         from harness.workloads import make_workload
