@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from harness.backends.costs import KVCosts, Read
+from harness.backends.costs import KVCosts, QuantCosts, Read
 from harness.errors import UserError
 from harness.kv.base import KVManager, StepScores
 from harness.sched.step import CHECKS, ScheduledSeq, StepRecord
@@ -158,6 +158,23 @@ class KVBackend(ABC):
         if c is None or c.block_size != self._costs_block_size():
             c = self._costs = self.declare_costs()
         return c
+
+    def per_layer_bytes(self) -> int | None:
+        """Bytes one token costs per layer when the declaration is dense attention whose
+        bytes scale with the layers (paged, and 1-byte caches without sinks): what KV cache
+        groups (harness.kv.groups) can split by layer. None: this method's costs do not
+        split so (per-block metadata, overlays, residuals, evictions)."""
+        c = self.costs()
+        if type(c) is KVCosts or (type(c) is QuantCosts and not c.sinks):
+            n = self.layout.num_layers
+            return c.slot_bytes // n if c.slot_bytes % n == 0 else None
+        return None
+
+    def use_costs(self, costs: KVCosts) -> None:
+        """Replace the declaration with ``costs`` (KV cache groups: the same method read
+        per layer type; the roofline stack sets it before sizing)."""
+        assert costs.block_size == self._costs_block_size()
+        self._costs = costs
 
     def _costs_block_size(self) -> int:
         return self.block_size if self.storage == "paged" else 1

@@ -172,6 +172,68 @@ class QuestCosts(KVCosts):
         return min(self.top_blocks, cdiv(context, self.block_size)) * self.block_size
 
 
+def _chunk_sum(c: int, chunk: int) -> int:
+    """Sum over contexts j = 1..c of the keys a query at position j - 1 sees under
+    chunked attention: the tokens of its own chunk up to itself (closed form)."""
+    whole, rest = divmod(c, chunk)
+    return whole * chunk * (chunk + 1) // 2 + rest * (rest + 1) // 2
+
+
+class GroupedCosts(KVCosts):
+    """A model whose layers differ in attention (harness.layer_types): each layer type
+    reads what it sees, a full layer every held token, a sliding layer its window, a
+    chunked layer its chunk, at ``layer_bytes`` per token and layer (K/V with scales,
+    bytes that scale with layers). ``slot_bytes`` is what one slot of the cache costs:
+    a KV cache group's page (``group_layers`` layers) under KV cache groups, every layer
+    under a uniform cache. Counts are layer-weighted: ``Read.tokens`` and the prefill
+    pairs are full-model equivalents (tokens x the share of layers that read them)."""
+
+    def __init__(self, layers: tuple[tuple[int, str, int], ...], layer_bytes: int,
+                 block_size: int, slot_bytes: int) -> None:
+        """``layers``: (layer count, kind, span) per attention type."""
+        super().__init__(slot_bytes, block_size)
+        self.layers, self.layer_bytes = layers, layer_bytes
+        self.total_layers = sum(n for n, _, _ in layers)
+
+    def _seen(self, kind: str, span: int, context: int, held: int) -> int:
+        if kind == "sliding":
+            return min(context, span)
+        if kind == "chunked":
+            return (context - 1) % span + 1 if context else 0
+        return held
+
+    def decode_read(self, context: int, held: int) -> Read:
+        layer_tokens = sum(n * self._seen(k, s, context, held) for n, k, s in self.layers)
+        return Read(layer_tokens // self.total_layers, layer_tokens * self.layer_bytes)
+
+    def prefill_pairs(self, start: int, n: int, held: int) -> int:
+        total = 0
+        for count, kind, span in self.layers:
+            if kind == "sliding":
+                p = _window_sum(start + n, span, 0) - _window_sum(start, span, 0)
+            elif kind == "chunked":
+                p = _chunk_sum(start + n, span) - _chunk_sum(start, span)
+            else:
+                p = KVCosts.prefill_pairs(self, start, n, held)
+            total += count * p
+        return total // self.total_layers
+
+    def prefill_read(self, start: int, n: int, held: int) -> Read:
+        """The distinct keys a chunk's queries read together, per layer type: a sliding
+        layer from its first query's window start, a chunked one from its first query's
+        chunk start, a full one every held key."""
+        layer_tokens = 0
+        for count, kind, span in self.layers:
+            if kind == "sliding":
+                t = start + n - max(0, start - span + 1)
+            elif kind == "chunked":
+                t = start + n - (start - start % span)
+            else:
+                t = held
+            layer_tokens += count * t
+        return Read(layer_tokens // self.total_layers, layer_tokens * self.layer_bytes)
+
+
 class HeldSource(Protocol):
     """Where ``held`` comes from: the KV manager (``KVManager.held_tokens``)."""
 

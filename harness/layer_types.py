@@ -5,8 +5,8 @@ Hugging Face ``config.json`` as transformers reads it.
 A layer's type decides what its KV cache must hold: a full layer every token, a sliding
 layer its last W, a chunked layer the tokens of the current chunk. A model whose layers
 differ (Gemma 2/3, gpt-oss, Llama 4) needs one KV cache group per type to be measured
-right; kvbench's cache is still one uniform group, so such a model is refused where its
-KV memory would be computed (:func:`check_uniform`) instead of reported as if every layer
+right: the what-if builds them (harness.kv.groups); the real engine does not yet, so
+there such a model is refused (:func:`check_uniform`) instead of run as if every layer
 held every token.
 """
 
@@ -153,9 +153,10 @@ def check_uniform(name: str, layers: tuple[LayerAttention, ...], backend: str,
     if len(kinds) > 1:
         raise UserError(
             f"{name} mixes attention types per layer ({describe(layers)}): its KV memory "
-            "needs one cache group per type (a sliding layer holds at most its window), "
-            "which kvbench does not build yet (issue #29: KV cache groups); a uniform cache "
-            "would overstate it, so this model is refused rather than misreported")
+            "needs one cache group per type (a sliding layer holds at most its window); "
+            "KV cache groups run in the what-if only so far (executor=roofline "
+            "roofline.model=<its config.json>; the real engine: issue #29), and a uniform "
+            "cache would overstate it, so this model is refused rather than misreported")
     (only,) = kinds
     if only.kind == "sliding" and backend == "sliding_window" and window == only.span \
             and sinks == 0:

@@ -24,6 +24,7 @@ from harness.engine.executor import Executor
 from harness.engine.sampler import Sampler
 from harness.errors import UserError
 from harness.kv.base import KVManager
+from harness.kv.groups import GroupedKVManager, KVGroup
 from harness.kv.paged import PagedKVManager
 from harness.kv.tiers import LowerTiers
 from harness.metrics.collector import MetricsCollector
@@ -82,10 +83,13 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
                    sched: SchedulerConfig, sampler: Sampler, max_position: int,
                    eos_ids: tuple[int, ...], model: LoadedModel | None = None,
                    executor: Executor | None = None, requests: list[Request] | None = None,
-                   quiet: bool = False, kv_budget: str | int | None = None) -> Stack:
+                   quiet: bool = False, kv_budget: str | int | None = None,
+                   groups: list[KVGroup] | None = None) -> Stack:
     """The stack around ``backend``: the model's forward (``model``), or ``executor``
     (the roofline's), which needs no cache tensors, so none are allocated; the KV
-    manager, the scheduler and the backend's sizing are the same either way."""
+    manager, the scheduler and the backend's sizing are the same either way. ``groups``:
+    KV cache groups of a hybrid-attention model (harness.kv.groups; the roofline only,
+    its backend's costs declared per layer type already)."""
     budget = cache.kv_budget if kv_budget is None else kv_budget
     if budget == "auto":
         raise UserError("cache.kv_budget=auto sizes the cache from a hardware spec: it needs "
@@ -101,7 +105,9 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
               f"cannot fill ({sizing.block_size - max_model_len}+ slots wasted each); lower "
               "backend.block_size", file=sys.stderr)
     prefix_caching = bool(cache.enable_prefix_caching and backend.supports_prefix_caching
-                          and backend.storage == "paged")
+                          and backend.storage == "paged" and not groups)
+    if groups:
+        check_groups(cache, sched, executor, quiet)
     if cache.enable_prefix_caching and not backend.supports_prefix_caching and not quiet:
         print(f"kvbench: backend {backend.name} rewrites cached blocks, so prefix caching "
               "is off for this run (run.prefix_caching=false)", file=sys.stderr)
@@ -110,14 +116,19 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
                                if backend.storage == "paged" else
                                {"max_model_len": max_model_len, "watermark": cache.watermark,
                                 "granule": sizing.block_size})
-    tiers = make_tiers(cache, backend, sizing, prefix_caching, quiet)
+    tiers = None if groups else make_tiers(cache, backend, sizing, prefix_caching, quiet)
     if tiers is not None:
         kv_opts["tiers"] = tiers
     # A budget below one block still gets a 1-block manager, only so that check_budget
     # can say which budget the workload needs.
-    kv = backend.make_manager(dataclasses.replace(
-        sizing, num_blocks=max(1, sizing.num_blocks),
-        num_slots=max(sizing.block_size, sizing.num_slots)), **kv_opts)
+    if groups:
+        kv: KVManager = GroupedKVManager(max(1, sizing.num_blocks), sizing.block_size, groups,
+                                         watermark=cache.watermark,
+                                         max_chunk_tokens=sched.max_num_batched_tokens)
+    else:
+        kv = backend.make_manager(dataclasses.replace(
+            sizing, num_blocks=max(1, sizing.num_blocks),
+            num_slots=max(sizing.block_size, sizing.num_slots)), **kv_opts)
     swap = kv if sched.preemption_mode == "swap" and isinstance(kv, PagedKVManager) \
         and kv.supports_swap else None
     scheduler = Scheduler(dataclasses.replace(sched, max_model_len=max_model_len),
@@ -143,6 +154,21 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
     engine = Engine(model.model if model is not None else None, backend, scheduler, sampler,
                     collector, device, executor)
     return Stack(backend, sizing, kv, scheduler, collector, engine, prefix_caching, tiers)
+
+
+def check_groups(cache: CacheSpec, sched: SchedulerConfig, executor: Executor | None,
+                 quiet: bool) -> None:
+    """What KV cache groups do not do yet (harness.kv.groups), refused or said."""
+    if executor is None:
+        raise UserError("KV cache groups run under executor=roofline only: the model's "
+                        "forward would need a slot mapping per group (issue #29)")
+    if sched.preemption_mode == "swap":
+        raise UserError("KV cache groups do not swap yet: use scheduler.preemption_mode="
+                        "recompute")
+    if not quiet and (cache.enable_prefix_caching or cache.tiers.enabled):
+        print("kvbench: KV cache groups: prefix caching (and its lower tiers) is off for "
+              "this run: a hit would have to hold in every group, not built yet "
+              "(run.prefix_caching=false)", file=sys.stderr)
 
 
 def make_tiers(cache: CacheSpec, backend: KVBackend, sizing: CacheSizing,

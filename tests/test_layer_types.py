@@ -88,9 +88,13 @@ def roofline(*extra: str) -> dict[str, object]:
                             "workload.num_requests=4", *extra])).metrics
 
 
-def test_hybrid_models_are_refused_not_misreported(tmp_path: Path) -> None:
-    with pytest.raises(UserError, match=r"10 full \+ 52 sliding 1024.*issue #29"):
-        roofline("roofline.model=Gemma-3-27B", "roofline.tp=8")
+def test_hybrid_models_run_grouped_or_are_refused(tmp_path: Path) -> None:
+    """In the what-if a hybrid model's cache is KV cache groups (harness.kv.groups); a
+    backend whose costs do not split by layer is refused, not misreported."""
+    m = roofline("roofline.model=Gemma-3-27B", "roofline.tp=8")
+    assert m["run.kv_groups"] == "1 full + 6 sliding 1024 (10 layers a group; 8 padded)"
+    with pytest.raises(UserError, match=r"10 full \+ 52 sliding 1024.*backend quest"):
+        roofline("roofline.model=Gemma-3-27B", "roofline.tp=8", "backend=quest")
     cfg = {"model_type": "gemma3_text", "num_hidden_layers": 62, "hidden_size": 5376,
            "intermediate_size": 21504, "num_attention_heads": 32, "num_key_value_heads": 16,
            "head_dim": 128, "vocab_size": 262208, "sliding_window": 1024,
@@ -98,8 +102,8 @@ def test_hybrid_models_are_refused_not_misreported(tmp_path: Path) -> None:
     p = tmp_path / "config.json"
     p.write_text(json.dumps(cfg))
     assert from_hf_config(p).layer_attention == GEMMA_3_27B.layer_attention
-    with pytest.raises(UserError, match="mixes attention types"):
-        roofline(f"roofline.model={p}", "roofline.tp=8")
+    assert roofline(f"roofline.model={p}", "roofline.tp=8")["run.kv_groups"] == \
+        m["run.kv_groups"]
 
 
 def test_a_windowed_model_runs_only_on_its_window(tmp_path: Path) -> None:

@@ -63,10 +63,16 @@ class PagedKVManager:
 
     def __init__(self, num_blocks: int, block_size: int, *, num_cpu_blocks: int = 0,
                  enable_prefix_caching: bool = True, watermark: float = 0.01,
-                 tiers: LowerTiers | None = None) -> None:
+                 tiers: LowerTiers | None = None, pool: BlockPool | None = None) -> None:
+        """``pool``: a block pool shared with other managers (KV cache groups,
+        harness.kv.groups: each group's tables over one pool); default: its own."""
         self.block_size = block_size
-        self.ledger = ReservationLedger()
-        self.pool = BlockPool(num_blocks, block_size, self.ledger)
+        if pool is None:
+            self.ledger = ReservationLedger()
+            self.pool = BlockPool(num_blocks, block_size, self.ledger)
+        else:
+            assert pool.ledger is not None and pool.block_size == block_size
+            self.ledger, self.pool = pool.ledger, pool
         self.enable_prefix_caching = enable_prefix_caching
         # At least one block whenever a watermark is asked for: int(0.01 * 45) would be 0,
         # and an admission that fills the pool to the last block preempts at once.
@@ -173,6 +179,11 @@ class PagedKVManager:
                 and self.pool.ref[st.table[start // bs]] > 1):
             need += 1  # copy-on-write of the shared, partially filled last block
         return need
+
+    def new_blocks(self, d: Demand) -> int:
+        """Blocks meeting ``d`` takes from the pool (its fresh blocks and any copy-on-write
+        copy; prefix hits aside): what a manager over a shared pool counts."""
+        return self._new_blocks(d)
 
     def can_allocate(self, demands: list[Demand], watermark: bool) -> bool:
         need = 0

@@ -16,9 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from harness.backends.base import KVLayout
+from harness import layer_types
+from harness.backends.base import KVBackend, KVLayout
+from harness.backends.costs import GroupedCosts
 from harness.engine.sampler import Sampler
-from harness.layer_types import check_backend
+from harness.errors import UserError
+from harness.kv.groups import GroupedKVManager, KVGroup, describe_groups, plan_groups
 from harness.model import ByteTokenizer, parse_dtype
 from harness.model.tokenizer import Tokenizer
 from harness.roofline.arch import ArchSpec
@@ -46,13 +49,13 @@ def build_roofline(rc: RunConfig, workload: Workload, quiet: bool = False,
     (``arch``: ``roofline.model``'s spec, when the caller has read it already)."""
     r = rc.roofline
     arch = arch if arch is not None else get_model_spec(r.model)
-    check_backend(arch.name, arch.layer_attention, rc.backend)
     hw = get_hardware(r.hardware)
     if r.attention != "spec":
         hw = dataclasses.replace(hw, attention=r.attention)
     layout = KVLayout(arch.num_layers, arch.num_kv_heads, arch.head_dim, parse_dtype(r.dtype))
     device = torch.device("cpu")  # backends are built for their sizing only: no tensors
     backend = make_backend(rc.backend, layout, device)
+    plan, _ = kv_plan(arch, backend, r.kv_groups)
     budget = auto_kv_budget(arch, hw, r) if rc.cache.kv_budget == "auto" else \
         rc.cache.kv_budget
     step = StepModel(arch, hw, backend.bytes_per_slot(), COMPUTE[r.dtype],
@@ -66,8 +69,45 @@ def build_roofline(rc: RunConfig, workload: Workload, quiet: bool = False,
     eos = tuple(ByteTokenizer().eos_ids)
     st = assemble_stack(backend, device, rc.cache, rc.scheduler, Sampler(rc.seed),
                         arch.max_position_embeddings, eos, executor=ex,
-                        requests=workload.initial_requests(), quiet=quiet, kv_budget=budget)
+                        requests=workload.initial_requests(), quiet=quiet, kv_budget=budget,
+                        groups=plan)
     return st, ex
+
+
+def kv_plan(arch: ArchSpec, backend: KVBackend, mode: str) -> tuple[list[KVGroup] | None,
+                                                                   str]:
+    """How ``arch``'s cache is laid out: None and "uniform" for a model whose layers all
+    attend fully; else its KV cache groups (``roofline.kv_groups=grouped``) or one
+    uniform cache (``uniform``), with the backend's costs declared per layer type
+    (:class:`~harness.backends.costs.GroupedCosts`). Returns (groups or None, label)."""
+    layers = arch.layer_attention
+    if not layers:
+        return None, "uniform"
+    per_layer = backend.per_layer_bytes()
+    if per_layer is None:
+        raise UserError(
+            f"{arch.name} mixes attention types per layer ({layer_types.describe(layers)}): "
+            "its cache is "
+            "laid out per layer type, which takes a backend whose bytes scale with the "
+            f"layers (paged, fp8, int8 without sinks); backend {backend.name} is not one "
+            "yet (issue #29)")
+    kinds = tuple((n, a.kind, a.span) for a, n in layer_types.groups(layers))
+    bs = backend.costs().block_size
+    if mode == "uniform":
+        backend.use_costs(GroupedCosts(kinds, per_layer, bs, per_layer * arch.num_layers))
+        return None, (f"uniform: {layer_types.describe(layers)}, every layer holding every "
+                      "token")
+    plan, size = plan_groups(layers)
+    backend.use_costs(GroupedCosts(kinds, per_layer, bs, per_layer * size))
+    return plan, describe_groups(plan, size)
+
+
+def kv_plan_label(arch: ArchSpec, st: Stack) -> str:
+    """``run.kv_groups``: the groups a hybrid model's cache had, or its uniform layout."""
+    if isinstance(st.kv, GroupedKVManager):
+        return describe_groups(st.kv.plan, max(g.layers for g in st.kv.plan))
+    return (f"uniform: {layer_types.describe(arch.layer_attention)}, every layer holding "
+            "every token")
 
 
 class RooflineTarget:
@@ -80,6 +120,7 @@ class RooflineTarget:
             torch.set_num_threads(rc.cpu_threads)
         self.arch = get_model_spec(rc.roofline.model)  # a bad spec fails before the workload
         self.executor: RooflineExecutor | None = None
+        self.kv_label = ""
         self._tokenizer = ByteTokenizer()
 
     @property
@@ -92,6 +133,7 @@ class RooflineTarget:
 
     def build(self, workload: Workload) -> Stack:
         st, self.executor = build_roofline(self.rc, workload, arch=self.arch)
+        self.kv_label = kv_plan_label(self.arch, st)
         return st
 
     def record(self, st: Stack, sim_wall_s: float) -> ExecutorRecord:
@@ -106,12 +148,19 @@ class RooflineTarget:
         prof = PROFILES[eng]
         run.update({"engine": eng, "engine_source": "calibrated" if prof.calibrated
                     else "prior", "compute_dtype": r.gemm_dtype()})
+        if self.arch.layer_attention:
+            run["kv_groups"] = self.kv_label
         text, pct = describe(eng, hw.name, prof.calibrated)
         run["expected_error"] = text
         metrics: dict[str, Any] = {f"roofline.{k}_s": v for k, v in ex.totals.terms.items()}
         if pct is not None:
             metrics["roofline.expected_error_pct"] = pct
         metrics["roofline.kv_bytes_per_token"] = st.sizing.bytes_per_slot
+        if isinstance(st.kv, GroupedKVManager):
+            # The pool's slots are one group's tokens (a page: group_size layers); a
+            # token held by every group takes one slot in each.
+            metrics["memory.kv_group_slots"] = st.sizing.num_slots
+            metrics["memory.token_capacity"] = st.sizing.num_slots // len(st.kv.plan)
         metrics["engine.sim_wall_s"] = sim_wall_s  # this CPU's seconds to simulate the run
         return ExecutorRecord(run, metrics)
 

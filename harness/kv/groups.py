@@ -1,0 +1,214 @@
+"""KV cache groups (issue #29): layers of one attention type share a group with its own
+block tables and freeing rule, and every group allocates from one block pool, as vLLM's
+hybrid KV cache manager does.
+
+Groups are planned as vLLM plans them for a uniform page size (:func:`plan_groups`): the
+group size is the layer count of the rarest attention type, and each type's layers are
+split into groups of that many (the last of a type padded: its pages are sized for a full
+group). A pool block is then ``block_size`` tokens of ``group_size`` layers, whatever its
+group. Each group is an ordinary manager over the shared pool: a full group a
+:class:`~harness.kv.paged.PagedKVManager` (it keeps every token), a sliding group a
+:class:`~harness.kv.evicting.WindowKVManager` with the model's window and no sinks (blocks
+wholly outside the window go back after each step), a chunked group one with
+:class:`~harness.kv.policies.chunk.ChunkPolicy` (blocks of finished chunks go back).
+
+:class:`GroupedKVManager` is the scheduler's one KV manager: a demand is met in every
+group or in none, so admission and preemption count what all groups will hold. What is
+not built yet (said where it would be asked for): prefix caching across groups (a hit must
+hold in every group: off), swap, the lower tiers, and the model executor (its forward
+would need a slot mapping per group); those runs are refused or run without them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from harness.kv.base import CacheOps, Demand, KVStats, KVUsage, PrefixHit, StepScores
+from harness.kv.block_pool import BlockPool
+from harness.kv.evicting import WindowKVManager
+from harness.kv.ledger import ReservationLedger
+from harness.kv.paged import PagedKVManager, cdiv
+from harness.kv.policies.chunk import ChunkPolicy
+from harness.kv.policies.window import WindowPolicy
+from harness.layer_types import LayerAttention, groups
+
+if TYPE_CHECKING:
+    from harness.sched.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One KV cache group: its attention and the real layers it holds (at most the plan's
+    group size; fewer in a type's padded last group)."""
+
+    attention: LayerAttention
+    layers: int
+
+
+def plan_groups(layers: tuple[LayerAttention, ...]) -> tuple[list[KVGroup], int]:
+    """The groups of ``layers`` and the group size (layers per pool page), full groups
+    first. Uniform attention is one group of every layer."""
+    kinds = groups(layers)
+    size = min(n for _, n in kinds)
+    out: list[KVGroup] = []
+    for a, n in kinds:
+        for k in range(cdiv(n, size)):
+            out.append(KVGroup(a, min(size, n - k * size)))
+    return out, size
+
+
+def describe_groups(plan: list[KVGroup], size: int) -> str:
+    """E.g. ``1 full + 6 sliding 1024 (10 layers a group; 8 padded)``."""
+    counts: dict[LayerAttention, int] = {}
+    for g in plan:
+        counts[g.attention] = counts.get(g.attention, 0) + 1
+    pad = sum(size - g.layers for g in plan)
+    return (" + ".join(f"{n} {a}" for a, n in counts.items())
+            + f" ({size} layers a group{f'; {pad} padded' if pad else ''})")
+
+
+class GroupedKVManager:
+    """One KV manager over several groups' managers and one pool (module docstring)."""
+
+    supports_swap = False
+
+    def __init__(self, num_blocks: int, block_size: int, plan: list[KVGroup], *,
+                 watermark: float = 0.01, max_chunk_tokens: int = 2048) -> None:
+        """``max_chunk_tokens``: the most tokens one step adds to a sequence (the
+        scheduler's token budget): a sliding or chunked group holds at most its span plus
+        one step's tokens and a block, which is what admission counts for it."""
+        self.block_size = block_size
+        self.max_chunk_tokens = max_chunk_tokens
+        self.ledger = ReservationLedger()
+        self.pool = BlockPool(num_blocks, block_size, self.ledger)
+        self.plan = plan
+        self.members: list[PagedKVManager] = [self._member(g.attention, num_blocks)
+                                              for g in plan]
+        self.watermark_blocks = max(1, int(watermark * num_blocks)) if watermark > 0 else 0
+        self.stats = KVStats()
+
+    def _member(self, a: LayerAttention, num_blocks: int) -> PagedKVManager:
+        common = {"enable_prefix_caching": False, "watermark": 0.0, "pool": self.pool}
+        if a.kind == "full":
+            return PagedKVManager(num_blocks, self.block_size, **common)  # type: ignore[arg-type]
+        policy = WindowPolicy(a.span, 0) if a.kind == "sliding" else ChunkPolicy(a.span)
+        return WindowKVManager(num_blocks, self.block_size, policy, **common)
+
+    def _sum_stats(self) -> None:
+        """The groups' counters, summed into :attr:`stats` (copies, given-back tokens)."""
+        for f in ("cow_copies", "evicted_tokens"):
+            setattr(self.stats, f, sum(getattr(m.stats, f) for m in self.members))
+
+    # -- admission -------------------------------------------------------------------
+    def slots_needed(self, prompt_len: int, max_tokens: int, n: int) -> int:
+        bs, total = self.block_size, prompt_len + max_tokens
+        full = self.members[0].slots_needed(prompt_len, max_tokens, n)  # a paged count
+        out = 0
+        for g in self.plan:
+            if g.attention.kind == "full":
+                out += full
+            else:  # its span, one step's tokens before the step gives back, a block
+                peak = min(total, g.attention.span + self.max_chunk_tokens + bs)
+                out += n * cdiv(peak, bs) * bs
+        return out
+
+    def admission_error(self, prompt_len: int, max_tokens: int, n: int) -> str | None:
+        bs = self.block_size
+        need = self.slots_needed(prompt_len, max_tokens, n) // bs
+        if need > self.pool.num_blocks:
+            return (f"needs {need} blocks of {bs} tokens over its {len(self.members)} KV "
+                    f"cache groups (prompt {prompt_len} + max_tokens {max_tokens}, n={n}) "
+                    f"but the whole pool has {self.pool.num_blocks}: raise cache.kv_budget "
+                    "or lower max_tokens")
+        return None
+
+    def reservation_size(self, prompt_len: int, max_tokens: int) -> int:
+        return self.block_size * len(self.members)
+
+    def lookup_prefix(self, seq: Sequence) -> PrefixHit:
+        return PrefixHit()  # prefix caching across groups is not built (module docstring)
+
+    def _need(self, demands: list[Demand]) -> int:
+        return sum(m.new_blocks(d) for m in self.members for d in demands)
+
+    def can_allocate(self, demands: list[Demand], watermark: bool) -> bool:
+        limit = self.pool.num_free - (self.watermark_blocks if watermark else 0)
+        return self._need(demands) <= limit
+
+    def allocate_group(self, demands: list[Demand]) -> list[list[int]]:
+        """Every group's blocks for the demands; the slots returned are the first
+        group's (the step record's; each group's own are in its tables)."""
+        out = [m.allocate_group(demands) for m in self.members]
+        return out[0]
+
+    def append_slot(self, seq: Sequence) -> int | None:
+        """A decode's slot in every group, or in none (None: the pool lacks a block some
+        group needs for it)."""
+        if self.pool.num_free < self._need([Demand(seq, 1)]):
+            return None
+        slots = [m.append_slot(seq) for m in self.members]
+        assert all(s is not None for s in slots), "counted first"
+        return slots[0]
+
+    def max_chunk(self, seq: Sequence) -> int | None:
+        return None
+
+    # -- sharing and release ---------------------------------------------------------------
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        for m in self.members:
+            m.fork(parent, child)
+
+    def free(self, seq: Sequence) -> None:
+        for m in self.members:
+            m.free(seq)
+
+    def holds(self, seq: Sequence) -> bool:
+        return self.members[0].holds(seq)
+
+    def held_tokens(self, seq: Sequence) -> int:
+        """The first group's held tokens (a full group's: every computed token, when the
+        model has one). Reads are declared per group from the context
+        (harness.backends.costs.GroupedCosts), not from this."""
+        return self.members[0].held_tokens(seq)
+
+    def tables(self, seqs: list[Sequence]) -> list[list[int]]:
+        return self.members[0].tables(seqs)
+
+    def take_cache_ops(self) -> CacheOps:
+        ops = CacheOps()
+        for m in self.members:
+            o = m.take_cache_ops()
+            ops.copies += o.copies
+            ops.invalidated += o.invalidated
+        return ops
+
+    # -- the step's clock and eviction -----------------------------------------------------
+    def end_forward(self) -> None:
+        self.ledger.now += 1  # once: the groups share this ledger
+
+    def observe(self, seqs: list[Sequence], scores: StepScores | None) -> None:
+        for m in self.members:
+            m.observe(seqs, None)
+        self._sum_stats()
+
+    def record_external(self, next_need: int | None) -> int:
+        return 0
+
+    def usage(self) -> KVUsage:
+        p = self.pool
+        return KVUsage(
+            total_slots=p.num_blocks * self.block_size,
+            reserved_slots=p.num_used * self.block_size,
+            used_slots=p.used_slots,
+            free_blocks=p.num_free - p.num_cached_free,
+            cached_free_blocks=p.num_cached_free,
+            shared_blocks=p.num_shared,
+            logical_blocks=sum(m.logical_blocks for m in self.members),
+            held_blocks=p.num_used,
+        )
+
+    def group_blocks(self) -> list[int]:
+        """Blocks each group's tables hold now (a block shared by forks counted once per
+        table that holds it)."""
+        return [m.logical_blocks for m in self.members]
