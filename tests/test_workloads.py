@@ -111,3 +111,17 @@ def test_initial_requests_are_the_same_on_every_call(name: str) -> None:
     wl = make_workload(cfg_for(name), ByteTokenizer())
     first = [(r.request_id, r.prompt_ids) for r in wl.initial_requests()]
     assert first == [(r.request_id, r.prompt_ids) for r in wl.initial_requests()]
+
+
+def test_a_prompt_longer_than_the_corpus() -> None:
+    """A 126k-token random prompt (the hybrid experiment's 128k context) is several
+    passages; it failed in randrange once a passage had to be as long as the prompt."""
+    import random
+
+    from harness.model.tokenizer import ByteTokenizer
+    from harness.workloads.common import token_prompt
+    from harness.workloads.text import corpus_words
+
+    n = 3 * len(corpus_words())
+    ids = token_prompt(ByteTokenizer(), random.Random(0), n)
+    assert len(ids) == n
