@@ -113,6 +113,13 @@ def test_grouped_and_uniform_on_the_same_requests(tmp_path: Path) -> None:
     # ... in half the bytes per slot, a sliding group giving back what its window left.
     assert g["roofline.kv_bytes_per_token"] * 2 == u["roofline.kv_bytes_per_token"]
     assert g["memory.kv_group_slots"] == 2 * g["memory.token_capacity"]
+    # Per group: the full group holds every token, the sliding one at most its window,
+    # one 512-token chunk and a block per running sequence.
+    full, sliding = g["memory.kv_group.0.peak_held_bytes"], g["memory.kv_group.1.peak_held_bytes"]
+    page = g["roofline.kv_bytes_per_token"] * 16
+    assert sliding < full
+    peak_seqs = max(s.running for s in grouped.steps)
+    assert sliding <= peak_seqs * (-(-(64 + 512) // 16) + 1) * page
     assert g["cache.evicted_tokens"] > 0 and u["cache.evicted_tokens"] == 0
     # Under one budget the grouped cache runs more sequences at once, and sooner.
     assert g["memory.max_running_seqs"] > 1.5 * u["memory.max_running_seqs"]

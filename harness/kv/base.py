@@ -84,6 +84,7 @@ class KVUsage:
     logical_blocks: int  # sum of table lengths: what would be held without sharing
     held_blocks: int  # distinct device blocks held (paged; 0 for contiguous)
     tier_blocks: tuple[int, ...] = ()  # blocks held in each lower tier (cpu, disk)
+    group_blocks: tuple[int, ...] = ()  # KV cache groups: blocks each group's tables hold
 
 
 @dataclass(slots=True)

@@ -206,6 +206,7 @@ class GroupedKVManager:
             shared_blocks=p.num_shared,
             logical_blocks=sum(m.logical_blocks for m in self.members),
             held_blocks=p.num_used,
+            group_blocks=tuple(self.group_blocks()),
         )
 
     def group_blocks(self) -> list[int]:

@@ -48,6 +48,8 @@ class StepRow:
     cpu_tier_blocks: int = 0
     disk_tier_blocks: int = 0
     tier_ops: int = 0  # blocks the step moved between tiers (stores, spills, loads)
+    # KV cache groups: blocks each group's tables held, "|"-separated ("" without groups).
+    group_blocks: str = ""
 
 
 @dataclass(slots=True)
@@ -120,4 +122,5 @@ class MetricsCollector:
             cpu_tier_blocks=u.tier_blocks[0] if u.tier_blocks else 0,
             disk_tier_blocks=u.tier_blocks[1] if len(u.tier_blocks) > 1 else 0,
             tier_ops=len(rec.tier_ops),
+            group_blocks="|".join(map(str, u.group_blocks)),
         ))

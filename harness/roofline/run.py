@@ -22,6 +22,7 @@ from harness.backends.costs import GroupedCosts
 from harness.engine.sampler import Sampler
 from harness.errors import UserError
 from harness.kv.groups import GroupedKVManager, KVGroup, describe_groups, plan_groups
+from harness.metrics.collector import StepRow
 from harness.model import ByteTokenizer, parse_dtype
 from harness.model.tokenizer import Tokenizer
 from harness.roofline.arch import ArchSpec
@@ -102,6 +103,17 @@ def kv_plan(arch: ArchSpec, backend: KVBackend, mode: str) -> tuple[list[KVGroup
     return plan, describe_groups(plan, size)
 
 
+def group_peaks(steps: list[StepRow]) -> list[int]:
+    """Most blocks each KV cache group held at a step (steps.csv's ``group_blocks``)."""
+    peaks: list[int] = []
+    for s in steps:
+        for i, n in enumerate(int(x) for x in s.group_blocks.split("|") if x):
+            if i == len(peaks):
+                peaks.append(0)
+            peaks[i] = max(peaks[i], n)
+    return peaks
+
+
 def kv_plan_label(arch: ArchSpec, st: Stack) -> str:
     """``run.kv_groups``: the groups a hybrid model's cache had, or its uniform layout."""
     if isinstance(st.kv, GroupedKVManager):
@@ -161,6 +173,9 @@ class RooflineTarget:
             # token held by every group takes one slot in each.
             metrics["memory.kv_group_slots"] = st.sizing.num_slots
             metrics["memory.token_capacity"] = st.sizing.num_slots // len(st.kv.plan)
+            page = st.sizing.block_size * st.sizing.bytes_per_slot
+            for i, peak in enumerate(group_peaks(st.collector.steps)):
+                metrics[f"memory.kv_group.{i}.peak_held_bytes"] = peak * page
         metrics["engine.sim_wall_s"] = sim_wall_s  # this CPU's seconds to simulate the run
         return ExecutorRecord(run, metrics)
 
