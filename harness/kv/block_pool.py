@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
+from harness.kv.base import KVUsage
 from harness.kv.ledger import ReservationLedger
 
 # Called with (block, hash, owner) as a named block is evicted from the LRU of cached-free
@@ -70,6 +71,24 @@ class BlockPool:
 
     def free_order(self) -> list[int]:
         return list(self._free)
+
+    def usage(self, logical_blocks: int, tier_blocks: tuple[int, ...] = (),
+              group_blocks: tuple[int, ...] = ()) -> KVUsage:
+        """The pool's accounting snapshot (the managers over it add what they know: the
+        blocks their tables would hold without sharing, lower tiers, KV cache groups)."""
+        bs = self.block_size
+        return KVUsage(
+            total_slots=self.num_blocks * bs,
+            reserved_slots=self.num_used * bs,
+            used_slots=self.used_slots,
+            free_blocks=self.num_free - self.num_cached_free,
+            cached_free_blocks=self.num_cached_free,
+            shared_blocks=self.num_shared,
+            logical_blocks=logical_blocks,
+            held_blocks=self.num_used,
+            tier_blocks=tier_blocks,
+            group_blocks=group_blocks,
+        )
 
     def lookup(self, block_hash: int) -> int | None:
         """A block holding this content: a held copy if any (taking it shares memory), else

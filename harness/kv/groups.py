@@ -196,18 +196,8 @@ class GroupedKVManager:
         return 0
 
     def usage(self) -> KVUsage:
-        p = self.pool
-        return KVUsage(
-            total_slots=p.num_blocks * self.block_size,
-            reserved_slots=p.num_used * self.block_size,
-            used_slots=p.used_slots,
-            free_blocks=p.num_free - p.num_cached_free,
-            cached_free_blocks=p.num_cached_free,
-            shared_blocks=p.num_shared,
-            logical_blocks=sum(m.logical_blocks for m in self.members),
-            held_blocks=p.num_used,
-            group_blocks=tuple(self.group_blocks()),
-        )
+        return self.pool.usage(sum(m.logical_blocks for m in self.members),
+                               group_blocks=tuple(self.group_blocks()))
 
     def group_blocks(self) -> list[int]:
         """Blocks each group's tables hold now (a block shared by forks counted once per

@@ -443,19 +443,9 @@ class PagedKVManager:
 
     # -- accounting ----------------------------------------------------------------------
     def usage(self) -> KVUsage:
-        p = self.pool
-        return KVUsage(
-            total_slots=p.num_blocks * self.block_size,
-            reserved_slots=p.num_used * self.block_size,
-            used_slots=p.used_slots,
-            free_blocks=p.num_free - p.num_cached_free,
-            cached_free_blocks=p.num_cached_free,
-            shared_blocks=p.num_shared,
-            logical_blocks=self.logical_blocks,
-            held_blocks=p.num_used,
-            tier_blocks=(tuple(t.num_used for t in self.tiers.tiers)
-                         if self.tiers is not None else ()),
-        )
+        return self.pool.usage(self.logical_blocks,
+                               tier_blocks=(tuple(t.num_used for t in self.tiers.tiers)
+                                            if self.tiers is not None else ()))
 
     @property
     def num_cpu_blocks_used(self) -> int:
