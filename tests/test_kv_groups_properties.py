@@ -1,0 +1,107 @@
+"""Property test: random admissions, decodes, evictions and frees against the grouped KV
+manager (harness.kv.groups), with a shadow cache per slot of what the K/V there stands for
+(the group and the token's whole prefix). After every step each live sequence must read
+back its own tokens in every group, at every position that group still holds (a full
+group: all; a sliding group: at least its window; a chunked group: its current chunk),
+and the pool's count of used blocks must be the blocks the groups' tables hold. A block
+handed to two groups, a window giving back a block it still sees, or a lost block fails."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from harness.kv.base import Demand
+from harness.kv.groups import GroupedKVManager, KVGroup
+from harness.layer_types import FULL, LayerAttention
+from harness.sched.sequence import Sequence
+from tests.helpers import make_seq
+
+BS = 4
+PLAN = [KVGroup(FULL, 2), KVGroup(LayerAttention("sliding", 6), 2),
+        KVGroup(LayerAttention("chunked", 8), 2)]
+
+
+class GroupedMachine(RuleBasedStateMachine):
+    @initialize(blocks=st.integers(12, 40))
+    def setup(self, blocks: int) -> None:
+        self.m = GroupedKVManager(blocks, BS, PLAN, watermark=0.0, max_chunk_tokens=16)
+        self.live: list[Sequence] = []
+        self.shadow: dict[int, tuple[int, int, tuple[int, ...]]] = {}
+
+    def _write(self, seq: Sequence, start: int, end: int) -> None:
+        for g, member in enumerate(self.m.members):
+            table = member.table_of(seq)
+            for p in range(start, end):
+                slot = table[p // BS] * BS + p % BS
+                self.shadow[slot] = (g, seq.seq_id, tuple(seq.token_ids[:p + 1]))
+
+    def _step_end(self) -> None:
+        self.m.end_forward()
+        self.m.observe(list(self.live), None)
+
+    @rule(tokens=st.lists(st.integers(0, 5), min_size=1, max_size=20))
+    def admit(self, tokens: list[int]) -> None:
+        seq = make_seq(tokens)
+        d = Demand(seq, seq.num_tokens)
+        if not self.m.can_allocate([d], watermark=False):
+            return
+        self.m.allocate_group([d])
+        seq.num_computed = seq.num_tokens
+        self._write(seq, 0, seq.num_tokens)
+        self.live.append(seq)
+        self._step_end()
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 1 << 16), tok=st.integers(0, 5))
+    def decode(self, i: int, tok: int) -> None:
+        seq = self.live[i % len(self.live)]
+        seq.token_ids.append(tok)
+        before = self.m.pool.num_used
+        slot = self.m.append_slot(seq)
+        if slot is None:  # all or nothing: no group took a block
+            seq.token_ids.pop()
+            assert self.m.pool.num_used == before
+            return
+        pos = seq.num_computed
+        seq.num_computed += 1
+        self._write(seq, pos, pos + 1)
+        self._step_end()
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 1 << 16))
+    def finish(self, i: int) -> None:
+        seq = self.live.pop(i % len(self.live))
+        self.m.free(seq)
+
+    @invariant()
+    def every_group_reads_back_what_it_must(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        for seq in self.live:
+            n = seq.num_computed
+            for g, (member, grp) in enumerate(zip(self.m.members, PLAN)):
+                a = grp.attention
+                table = member.table_of(seq)
+                first = 0 if a.kind == "full" else n - a.held(n + 1) + 1 if a.kind == \
+                    "chunked" else max(0, n + 1 - a.span)
+                for p in range(max(0, first), n):
+                    b = table[p // BS]
+                    assert b >= 0, f"group {g} gave back position {p} of {n} it still sees"
+                    want = (g, seq.seq_id, tuple(seq.token_ids[:p + 1]))
+                    assert self.shadow.get(b * BS + p % BS) == want, (g, p)
+
+    @invariant()
+    def pool_counts_the_groups_blocks(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        held = {b for m in self.m.members for s in self.live for b in m.table_of(s) if b >= 0}
+        assert self.m.pool.num_used == len(held)
+        per_group = [sum(1 for s in self.live for b in m.table_of(s) if b >= 0)
+                     for m in self.m.members]
+        assert self.m.group_blocks() == per_group
+
+
+TestGrouped = GroupedMachine.TestCase
+TestGrouped.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
