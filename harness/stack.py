@@ -105,7 +105,7 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
               f"cannot fill ({sizing.block_size - max_model_len}+ slots wasted each); lower "
               "backend.block_size", file=sys.stderr)
     prefix_caching = bool(cache.enable_prefix_caching and backend.supports_prefix_caching
-                          and backend.storage == "paged" and not groups)
+                          and backend.storage == "paged")
     if groups:
         check_groups(cache, sched, executor, quiet)
     if cache.enable_prefix_caching and not backend.supports_prefix_caching and not quiet:
@@ -124,7 +124,8 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
     if groups:
         kv: KVManager = GroupedKVManager(max(1, sizing.num_blocks), sizing.block_size, groups,
                                          watermark=cache.watermark,
-                                         max_chunk_tokens=sched.max_num_batched_tokens)
+                                         max_chunk_tokens=sched.max_num_batched_tokens,
+                                         enable_prefix_caching=prefix_caching)
     else:
         kv = backend.make_manager(dataclasses.replace(
             sizing, num_blocks=max(1, sizing.num_blocks),
@@ -165,10 +166,9 @@ def check_groups(cache: CacheSpec, sched: SchedulerConfig, executor: Executor | 
     if sched.preemption_mode == "swap":
         raise UserError("KV cache groups do not swap yet: use scheduler.preemption_mode="
                         "recompute")
-    if not quiet and (cache.enable_prefix_caching or cache.tiers.enabled):
-        print("kvbench: KV cache groups: prefix caching (and its lower tiers) is off for "
-              "this run: a hit would have to hold in every group, not built yet "
-              "(run.prefix_caching=false)", file=sys.stderr)
+    if not quiet and cache.tiers.enabled:
+        print("kvbench: KV cache groups: the prefix cache's lower tiers are not built for "
+              "groups yet, so this run has none (run.tiers=off)", file=sys.stderr)
 
 
 def make_tiers(cache: CacheSpec, backend: KVBackend, sizing: CacheSizing,

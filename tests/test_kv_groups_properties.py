@@ -1,6 +1,7 @@
-"""Property test: random admissions, decodes, evictions and frees against the grouped KV
-manager (harness.kv.groups), with a shadow cache per slot of what the K/V there stands for
-(the group and the token's whole prefix). After every step each live sequence must read
+"""Property test: random admissions (with prefix hits across groups), decodes, evictions
+and frees against the grouped KV manager (harness.kv.groups), with a shadow cache per slot
+of what the K/V there stands for (the group and the token's whole prefix: a hit on another
+request's blocks must read back the same). After every step each live sequence must read
 back its own tokens in every group, at every position that group still holds (a full
 group: all; a sliding group: at least its window; a chunked group: its current chunk),
 and the pool's count of used blocks must be the blocks the groups' tables hold. A block
@@ -19,6 +20,9 @@ from harness.sched.sequence import Sequence
 from tests.helpers import make_seq
 
 BS = 4
+# Prompts share one of a few leading runs (multi-turn histories, a system prompt), so
+# prefix hits across groups are common.
+BASES = [(), tuple(range(12)), tuple(range(12)) + (7, 7, 7, 7, 8, 8), (5,) * 20]
 PLAN = [KVGroup(FULL, 2), KVGroup(LayerAttention("sliding", 6), 2),
         KVGroup(LayerAttention("chunked", 8), 2)]
 
@@ -28,28 +32,32 @@ class GroupedMachine(RuleBasedStateMachine):
     def setup(self, blocks: int) -> None:
         self.m = GroupedKVManager(blocks, BS, PLAN, watermark=0.0, max_chunk_tokens=16)
         self.live: list[Sequence] = []
-        self.shadow: dict[int, tuple[int, int, tuple[int, ...]]] = {}
+        self.shadow: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self.hit_tokens = 0
 
     def _write(self, seq: Sequence, start: int, end: int) -> None:
         for g, member in enumerate(self.m.members):
             table = member.table_of(seq)
             for p in range(start, end):
                 slot = table[p // BS] * BS + p % BS
-                self.shadow[slot] = (g, seq.seq_id, tuple(seq.token_ids[:p + 1]))
+                self.shadow[slot] = (g, tuple(seq.token_ids[:p + 1]))
 
     def _step_end(self) -> None:
         self.m.end_forward()
         self.m.observe(list(self.live), None)
 
-    @rule(tokens=st.lists(st.integers(0, 5), min_size=1, max_size=20))
-    def admit(self, tokens: list[int]) -> None:
-        seq = make_seq(tokens)
-        d = Demand(seq, seq.num_tokens)
+    @rule(base=st.sampled_from(BASES), tail=st.lists(st.integers(0, 3), max_size=10))
+    def admit(self, base: tuple[int, ...], tail: list[int]) -> None:
+        seq = make_seq([*base, *tail] or [0])
+        hit = self.m.lookup_prefix(seq)
+        start = hit.num_blocks * BS
+        d = Demand.after(seq, seq.num_tokens - start, hit)
         if not self.m.can_allocate([d], watermark=False):
             return
         self.m.allocate_group([d])
+        self.hit_tokens += start
         seq.num_computed = seq.num_tokens
-        self._write(seq, 0, seq.num_tokens)
+        self._write(seq, start, seq.num_tokens)
         self.live.append(seq)
         self._step_end()
 
@@ -89,7 +97,7 @@ class GroupedMachine(RuleBasedStateMachine):
                 for p in range(max(0, first), n):
                     b = table[p // BS]
                     assert b >= 0, f"group {g} gave back position {p} of {n} it still sees"
-                    want = (g, seq.seq_id, tuple(seq.token_ids[:p + 1]))
+                    want = (g, tuple(seq.token_ids[:p + 1]))
                     assert self.shadow.get(b * BS + p % BS) == want, (g, p)
 
     @invariant()
@@ -101,6 +109,19 @@ class GroupedMachine(RuleBasedStateMachine):
         per_group = [sum(1 for s in self.live for b in m.table_of(s) if b >= 0)
                      for m in self.m.members]
         assert self.m.group_blocks() == per_group
+        # No block in two groups' tables (pages of different layers).
+        owners: dict[int, int] = {}
+        for g, m in enumerate(self.m.members):
+            for s in self.live:
+                for b in m.table_of(s):
+                    if b >= 0:
+                        assert owners.setdefault(b, g) == g, f"block {b} in groups {owners[b]}, {g}"
+
+    def teardown(self) -> None:
+        if hasattr(self, "m"):
+            self.m._sum_stats()
+            assert self.m.stats.prefix_hit_tokens + self.m.stats.self_hit_tokens == \
+                self.hit_tokens
 
 
 TestGrouped = GroupedMachine.TestCase

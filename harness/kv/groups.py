@@ -28,7 +28,7 @@ from harness.kv.base import CacheOps, Demand, KVStats, KVUsage, PrefixHit, StepS
 from harness.kv.block_pool import BlockPool
 from harness.kv.evicting import WindowKVManager
 from harness.kv.ledger import ReservationLedger
-from harness.kv.paged import PagedKVManager, cdiv
+from harness.kv.paged import GIVEN_BACK, PagedKVManager, cdiv
 from harness.kv.policies.chunk import ChunkPolicy
 from harness.kv.policies.window import WindowPolicy
 from harness.layer_types import LayerAttention, groups
@@ -74,7 +74,8 @@ class GroupedKVManager:
     supports_swap = False
 
     def __init__(self, num_blocks: int, block_size: int, plan: list[KVGroup], *,
-                 watermark: float = 0.01, max_chunk_tokens: int = 2048) -> None:
+                 watermark: float = 0.01, max_chunk_tokens: int = 2048,
+                 enable_prefix_caching: bool = True) -> None:
         """``max_chunk_tokens``: the most tokens one step adds to a sequence (the
         scheduler's token budget): a sliding or chunked group holds at most its span plus
         one step's tokens and a block, which is what admission counts for it."""
@@ -83,22 +84,37 @@ class GroupedKVManager:
         self.ledger = ReservationLedger()
         self.pool = BlockPool(num_blocks, block_size, self.ledger)
         self.plan = plan
-        self.members: list[PagedKVManager] = [self._member(g.attention, num_blocks)
-                                              for g in plan]
+        self.enable_prefix_caching = enable_prefix_caching
+        self.members: list[PagedKVManager] = [self._member(g.attention, num_blocks, i)
+                                              for i, g in enumerate(plan)]
+        for m in self.members[1:]:
+            m.count_group_hits = False  # a request's hits are counted once (the first group)
+        # lookup_prefix's per-group hit blocks, for the allocation that follows it, and
+        # each waiting sequence's chained hashes per group
+        self._plans: dict[int, list[list[int]]] = {}
+        self._chain_cache: dict[int, tuple[tuple[int, int], list[list[int]]]] = {}
         self.watermark_blocks = max(1, int(watermark * num_blocks)) if watermark > 0 else 0
         self.stats = KVStats()
 
-    def _member(self, a: LayerAttention, num_blocks: int) -> PagedKVManager:
-        common = {"enable_prefix_caching": False, "watermark": 0.0, "pool": self.pool}
+    def _member(self, a: LayerAttention, num_blocks: int, index: int) -> PagedKVManager:
+        # Each group names its blocks with its own salt: the same tokens' pages of two
+        # groups hold different layers.
+        common = {"enable_prefix_caching": self.enable_prefix_caching, "watermark": 0.0,
+                  "pool": self.pool, "hash_salt": index}
         if a.kind == "full":
             return PagedKVManager(num_blocks, self.block_size, **common)  # type: ignore[arg-type]
         policy = WindowPolicy(a.span, 0) if a.kind == "sliding" else ChunkPolicy(a.span)
         return WindowKVManager(num_blocks, self.block_size, policy, **common)
 
     def _sum_stats(self) -> None:
-        """The groups' counters, summed into :attr:`stats` (copies, given-back tokens)."""
+        """The groups' counters into :attr:`stats`: copies and given-back tokens summed;
+        prefix lookups and hits as the first group counted them (a hit is a hit of every
+        group: counted once)."""
         for f in ("cow_copies", "evicted_tokens"):
             setattr(self.stats, f, sum(getattr(m.stats, f) for m in self.members))
+        first = self.members[0].stats
+        for f in ("prefix_query_tokens", "prefix_hit_tokens", "self_hit_tokens"):
+            setattr(self.stats, f, getattr(first, f))
 
     # -- admission -------------------------------------------------------------------
     def slots_needed(self, prompt_len: int, max_tokens: int, n: int) -> int:
@@ -127,19 +143,84 @@ class GroupedKVManager:
         return self.block_size * len(self.members)
 
     def lookup_prefix(self, seq: Sequence) -> PrefixHit:
-        return PrefixHit()  # prefix caching across groups is not built (module docstring)
+        """The longest prefix every group can serve, as vLLM's hybrid manager finds it: a
+        full group needs every block before the hit's end, a sliding or chunked group only
+        the blocks the next query sees (its window, its chunk); blocks before those are
+        left out of its table (GIVEN_BACK). Returns the first group's blocks (their count
+        is the hit); each group's own are kept for the allocation that follows."""
+        self._plans.pop(seq.seq_id, None)
+        if not self.enable_prefix_caching or self.holds(seq):
+            return PrefixHit()
+        n_max = (len(seq.token_ids) - 1) // self.block_size
+        present = [[self.pool.lookup(h) for h in chain] for chain in self._chains(seq, n_max)]
+        k, settled = n_max, False
+        while not settled:  # a shorter hit moves every window back: ask every group again
+            settled = True
+            for g, have in zip(self.plan, present):
+                while k > 0 and any(b is None for b in have[self._first_seen(g, k):k]):
+                    k -= 1
+                    settled = False
+        if k == 0:
+            return PrefixHit()
+        plans: list[list[int]] = []
+        for g, have in zip(self.plan, present):
+            lo = self._first_seen(g, k)
+            plans.append([GIVEN_BACK if i < lo else (have[i] or 0) for i in range(k)])
+        self._plans[seq.seq_id] = plans
+        return PrefixHit(blocks=list(plans[0]))
+
+    def _chains(self, seq: Sequence, n: int) -> list[list[int]]:
+        """Each group's chained hashes of ``seq``'s first ``n`` blocks, kept while its
+        tokens stay the same (a waiting request is looked up again every step)."""
+        key = (len(seq.token_ids), n)
+        got = self._chain_cache.get(seq.seq_id)
+        if got is None or got[0] != key:
+            got = self._chain_cache[seq.seq_id] = (key, [m.chain_hashes(seq, n)
+                                                         for m in self.members])
+        return got[1]
+
+    def _first_seen(self, g: KVGroup, k: int) -> int:
+        """The first block a group needs after a hit of ``k`` blocks: what the query at
+        position k x block_size sees (every block for a full group)."""
+        p, a = k * self.block_size, g.attention
+        if a.kind == "sliding":
+            return max(0, p + 1 - a.span) // self.block_size
+        if a.kind == "chunked":
+            return (p - p % a.span) // self.block_size
+        return 0
+
+    def _member_demands(self, i: int, demands: list[Demand]) -> list[Demand]:
+        """Group ``i``'s view of the demands: its own hit blocks."""
+        out = []
+        for d in demands:
+            plan = self._plans.get(d.seq.seq_id) if d.hit_blocks else None
+            out.append(Demand(d.seq, d.num_tokens, list(plan[i]) if plan else []))
+        return out
 
     def _need(self, demands: list[Demand]) -> int:
-        return sum(m.new_blocks(d) for m in self.members for d in demands)
+        need = 0
+        for i, m in enumerate(self.members):
+            for d in self._member_demands(i, demands):
+                need += m.new_blocks(d)
+                need += sum(1 for b in d.hit_blocks if b >= 0 and self.pool.ref[b] == 0)
+        return need
 
     def can_allocate(self, demands: list[Demand], watermark: bool) -> bool:
         limit = self.pool.num_free - (self.watermark_blocks if watermark else 0)
         return self._need(demands) <= limit
 
     def allocate_group(self, demands: list[Demand]) -> list[list[int]]:
-        """Every group's blocks for the demands; the slots returned are the first
-        group's (the step record's; each group's own are in its tables)."""
-        out = [m.allocate_group(demands) for m in self.members]
+        """Every group's blocks for the demands (a prefix hit: each group's own hit
+        blocks, taken first in every group before anything is allocated); the slots
+        returned are the first group's (the step record's; each group's own are in its
+        tables)."""
+        views = [self._member_demands(i, demands) for i in range(len(self.members))]
+        for m, v in zip(self.members, views):  # every group's hits before any allocation
+            m.take_hits(v)
+        out = [m.extend_all(v) for m, v in zip(self.members, views)]
+        for d in demands:
+            self._plans.pop(d.seq.seq_id, None)
+            self._chain_cache.pop(d.seq.seq_id, None)
         return out[0]
 
     def append_slot(self, seq: Sequence) -> int | None:
@@ -162,6 +243,7 @@ class GroupedKVManager:
     def free(self, seq: Sequence) -> None:
         for m in self.members:
             m.free(seq)
+        self._chain_cache.pop(seq.seq_id, None)
 
     def holds(self, seq: Sequence) -> bool:
         return self.members[0].holds(seq)

@@ -30,7 +30,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def block_hash(parent: int, tokens: list[int], extra_key: int | str | None) -> int:
+def block_hash(parent: int, tokens: list[int], extra_key: object) -> int:
     """Chained hash of one full block. Python's tuple hash of ints is process-independent
     (PYTHONHASHSEED only salts str/bytes), 64-bit, and fast; a collision would alias two
     prefixes, which at 2^-64 per pair we accept, as vLLM's default builtin hash does."""
@@ -63,9 +63,12 @@ class PagedKVManager:
 
     def __init__(self, num_blocks: int, block_size: int, *, num_cpu_blocks: int = 0,
                  enable_prefix_caching: bool = True, watermark: float = 0.01,
-                 tiers: LowerTiers | None = None, pool: BlockPool | None = None) -> None:
+                 tiers: LowerTiers | None = None, pool: BlockPool | None = None,
+                 hash_salt: int | None = None) -> None:
         """``pool``: a block pool shared with other managers (KV cache groups,
-        harness.kv.groups: each group's tables over one pool); default: its own."""
+        harness.kv.groups: each group's tables over one pool); default: its own.
+        ``hash_salt``: mixed into every block hash (a group's blocks hold other layers
+        than another group's for the same tokens: their names must differ)."""
         self.block_size = block_size
         if pool is None:
             self.ledger = ReservationLedger()
@@ -86,6 +89,8 @@ class PagedKVManager:
         self.logical_blocks = 0
         self.stats = KVStats()
         self.tiers = tiers if enable_prefix_caching else None
+        self.hash_salt = hash_salt
+        self.count_group_hits = True  # KV cache groups: only one group counts a request's
         # write=through: blocks named while scheduling step t hold their K/V only after
         # forward t; they are written down with step t+1's operations.
         self._named_now: list[tuple[int, int]] = []  # (block, hash) named this step
@@ -150,7 +155,7 @@ class PagedKVManager:
         hit = PrefixHit()
         if not self.enable_prefix_caching or self.holds(seq):
             return hit
-        bs, toks, extra, tiers = self.block_size, seq.token_ids, seq.group.extra_key, self.tiers
+        bs, toks, extra, tiers = self.block_size, seq.token_ids, self.key_of(seq), self.tiers
         h = _ROOT_HASH
         # The last token is always computed (its logits are needed), so a prompt that is
         # all cached still leaves its last block to compute, as vLLM does.
@@ -190,7 +195,7 @@ class PagedKVManager:
         for d in demands:
             need += self._new_blocks(d)
             # A hit on an evictable block takes it out of the free count.
-            need += sum(1 for b in d.hit_blocks if self.pool.ref[b] == 0)
+            need += sum(1 for b in d.hit_blocks if b >= 0 and self.pool.ref[b] == 0)
         limit = self.pool.num_free - (self.watermark_blocks if watermark else 0)
         return need <= limit
 
@@ -198,6 +203,12 @@ class PagedKVManager:
         return self.allocate_group([d])[0]
 
     def allocate_group(self, demands: list[Demand]) -> list[list[int]]:
+        self.take_hits(demands)
+        return self.extend_all(demands)
+
+    def take_hits(self, demands: list[Demand]) -> None:
+        """The demands' prefix hits (device blocks referenced, lower-tier blocks loaded):
+        before any new block is allocated, which could evict a block a hit names."""
         loads = [hit for d in demands for hit in d.loads]
         if loads:
             assert self.tiers is not None
@@ -210,6 +221,9 @@ class PagedKVManager:
         if loads:
             assert self.tiers is not None
             self.tiers.unpin(loads)
+
+    def extend_all(self, demands: list[Demand]) -> list[list[int]]:
+        """After :meth:`take_hits`: each demand's new tokens' slots."""
         out = []
         for d in demands:
             start = (d.num_hit_blocks * self.block_size if d.hit_blocks or d.loads
@@ -217,19 +231,46 @@ class PagedKVManager:
             out.append(self._extend(d.seq, start, d.num_tokens))
         return out
 
+    def key_of(self, seq: Sequence) -> object:
+        """The extra key of ``seq``'s block hashes (its group's, with this manager's
+        salt when it has one)."""
+        key = seq.group.extra_key
+        return key if self.hash_salt is None else (key, self.hash_salt)
+
+    def chain_hashes(self, seq: Sequence, n: int) -> list[int]:
+        """The chained hashes of ``seq``'s first ``n`` full blocks."""
+        bs, toks, key = self.block_size, seq.token_ids, self.key_of(seq)
+        out, h = [], _ROOT_HASH
+        for i in range(n):
+            h = block_hash(h, toks[i * bs:(i + 1) * bs], key)
+            out.append(h)
+        return out
+
     def _take_hits(self, d: Demand) -> None:
         seq, pool = d.seq, self.pool
         st = self.blocks_of(seq)
         assert not st.table and seq.num_computed == 0, "hits only on a fresh table"
         rid = seq.group.request_id
-        for b in d.hit_blocks:
+        # A window's hit may leave blocks it no longer sees out (GIVEN_BACK): KV cache
+        # groups' sliding groups (harness.kv.groups). Their names continue the chain.
+        chain = self.chain_hashes(seq, len(d.hit_blocks)) if GIVEN_BACK in d.hit_blocks \
+            else None
+        for i, b in enumerate(d.hit_blocks):
+            if b == GIVEN_BACK:
+                assert chain is not None
+                st.table.append(GIVEN_BACK)
+                st.hashes.append(chain[i])
+                st.given_back += 1
+                st.cursor = i + 1
+                continue
             h = pool.block_hash[b]
             assert h is not None, f"hit block {b} lost its hash before it was taken"
             if pool.owner[b] == rid:
                 self.stats.self_hit_tokens += self.block_size
             else:
                 self.stats.prefix_hit_tokens += self.block_size
-                seq.group.prefix_hit_tokens += self.block_size
+                if self.count_group_hits:
+                    seq.group.prefix_hit_tokens += self.block_size
             pool.touch(b)
             st.table.append(b)
             st.hashes.append(h)
@@ -255,7 +296,7 @@ class PagedKVManager:
                 seq.group.prefix_hit_tokens += self.block_size
             st.table.append(b)
             st.hashes.append(h)
-        self.logical_blocks += d.num_hit_blocks
+        self.logical_blocks += d.num_hit_blocks - d.hit_blocks.count(GIVEN_BACK)
 
     def _extend(self, seq: Sequence, start: int, num_tokens: int) -> list[int]:
         """Slots for tokens ``[start, start + num_tokens)``: copy-on-write, new blocks,
@@ -313,7 +354,7 @@ class PagedKVManager:
     def _register_full_blocks(self, seq: Sequence, st: SeqBlocks, end: int) -> None:
         """Name the blocks that ``end`` tokens fill, so a later prompt (the next turn of a
         conversation re-sending this answer) can hit them."""
-        bs, toks, extra = self.block_size, seq.token_ids, seq.group.extra_key
+        bs, toks, extra = self.block_size, seq.token_ids, self.key_of(seq)
         hashes, rid = st.hashes, seq.group.request_id
         for i in range(len(hashes), end // bs):
             h = block_hash(hashes[-1] if hashes else _ROOT_HASH, toks[i * bs:(i + 1) * bs],
