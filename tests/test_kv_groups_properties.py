@@ -22,7 +22,7 @@ from tests.helpers import make_seq
 BS = 4
 # Prompts share one of a few leading runs (multi-turn histories, a system prompt), so
 # prefix hits across groups are common.
-BASES = [(), tuple(range(12)), tuple(range(12)) + (7, 7, 7, 7, 8, 8), (5,) * 20]
+BASES = [(), tuple(range(12)), (*range(12), 7, 7, 7, 7, 8, 8), (5,) * 20]
 PLAN = [KVGroup(FULL, 2), KVGroup(LayerAttention("sliding", 6), 2),
         KVGroup(LayerAttention("chunked", 8), 2)]
 
