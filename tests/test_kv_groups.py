@@ -133,3 +133,20 @@ def test_what_groups_refuse(tmp_path: Path) -> None:
         what_if(p, "backend=quest")
     with pytest.raises(UserError, match="do not swap yet"):
         what_if(p, "scheduler.preemption_mode=swap", "cache.swap_space=1GiB")
+
+
+def test_prefix_hits_across_groups_in_a_multiturn_what_if(tmp_path: Path) -> None:
+    """Conversations re-send their history: the grouped cache hits it in every group
+    (the sliding group only the blocks its window sees), as often as the uniform one."""
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(CONFIG))
+    common = ["executor=roofline", f"roofline.model={p}", "roofline.hardware=h100-sxm",
+              "cache.kv_budget=64MiB", "workload=multiturn", "workload.conversations=6",
+              "workload.turns=3", "workload.system_words=40", "workload.user_words=20"]
+    grouped = run(compose_cfg(common))
+    uniform = run(compose_cfg([*common, "roofline.kv_groups=uniform"]))
+    g, u = grouped.metrics, uniform.metrics
+    assert g["cache.prefix_hit_rate"] > 0.3
+    assert g["cache.prefix_hit_rate"] == pytest.approx(u["cache.prefix_hit_rate"])
+    assert g["cache.prefill_tokens_computed"] == u["cache.prefill_tokens_computed"]
+    assert grouped.outputs == uniform.outputs
