@@ -152,20 +152,34 @@ class GroupedKVManager:
         if not self.enable_prefix_caching or self.holds(seq):
             return PrefixHit()
         n_max = (len(seq.token_ids) - 1) // self.block_size
-        present = [[self.pool.lookup(h) for h in chain] for chain in self._chains(seq, n_max)]
-        k, settled = n_max, False
-        while not settled:  # a shorter hit moves every window back: ask every group again
+        chains, lookup = self._chains(seq, n_max), self.pool.lookup
+
+        def has(g: int, i: int) -> bool:
+            return lookup(chains[g][i]) is not None
+
+        # A full group's hit is its leading run (stop at the first miss: O(hit), as the
+        # paged manager's lookup); windowed groups are asked only about what they see.
+        k = n_max
+        for gi, g in enumerate(self.plan):
+            if g.attention.kind == "full":
+                j = 0
+                while j < k and has(gi, j):
+                    j += 1
+                k = j
+        settled = False
+        while k and not settled:  # a shorter hit moves every window back: ask again
             settled = True
-            for g, have in zip(self.plan, present):
-                while k > 0 and any(b is None for b in have[self._first_seen(g, k):k]):
+            for gi, g in enumerate(self.plan):
+                while k and not all(has(gi, i) for i in range(self._first_seen(g, k), k)):
                     k -= 1
                     settled = False
         if k == 0:
             return PrefixHit()
         plans: list[list[int]] = []
-        for g, have in zip(self.plan, present):
+        for gi, g in enumerate(self.plan):
             lo = self._first_seen(g, k)
-            plans.append([GIVEN_BACK if i < lo else (have[i] or 0) for i in range(k)])
+            plans.append([GIVEN_BACK if i < lo else (lookup(chains[gi][i]) or 0)
+                          for i in range(k)])
         self._plans[seq.seq_id] = plans
         return PrefixHit(blocks=list(plans[0]))
 
