@@ -115,6 +115,11 @@ def test_grouped_and_uniform_on_the_same_requests(tmp_path: Path) -> None:
     assert g["memory.kv_group_slots"] == 2 * g["memory.token_capacity"]
     # Per group: the full group holds every token, the sliding one at most its window,
     # one 512-token chunk and a block per running sequence.
+    # The waste split per group adds up to the run's: reservation + internal = waste.
+    for i in (0, 1):
+        assert g[f"memory.kv_group.{i}.reservation_pct"] + g[
+            f"memory.kv_group.{i}.internal_frag_pct"] == pytest.approx(
+            g[f"memory.kv_group.{i}.waste_pct"])
     full, sliding = g["memory.kv_group.0.peak_held_bytes"], g["memory.kv_group.1.peak_held_bytes"]
     page = g["roofline.kv_bytes_per_token"] * 16
     assert sliding < full

@@ -119,6 +119,12 @@ class GroupedMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         if hasattr(self, "m"):
+            # Every block's epochs are some group's: the per-group sums are the totals.
+            led = self.m.ledger
+            led.finish()
+            for f in ("reserved", "used", "reservation", "internal"):
+                assert sum(getattr(t, f) for t in led.by_tag.values()) == \
+                    getattr(led.totals, f), f
             self.m._sum_stats()
             assert self.m.stats.prefix_hit_tokens + self.m.stats.self_hit_tokens == \
                 self.hit_tokens

@@ -170,8 +170,8 @@ class BlockPool:
         self.used_slots -= n
         self.fill[b] -= n
         if self.ledger is not None:
-            self.ledger.close(b)
-            self.ledger.open(b, self.block_size, self.fill[b])
+            tag = self.ledger.close(b)
+            self.ledger.open(b, self.block_size, self.fill[b], tag)
 
     def register(self, b: int, block_hash: int, owner: int = -1) -> bool:
         """Name full block ``b`` by its chained hash so later prompts can hit it;

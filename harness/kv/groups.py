@@ -229,9 +229,15 @@ class GroupedKVManager:
         returned are the first group's (the step record's; each group's own are in its
         tables)."""
         views = [self._member_demands(i, demands) for i in range(len(self.members))]
-        for m, v in zip(self.members, views):  # every group's hits before any allocation
+        led = self.ledger
+        for i, (m, v) in enumerate(zip(self.members, views)):  # all hits before allocating
+            led.tag = i  # the ledger sums each group's blocks apart (the waste split)
             m.take_hits(v)
-        out = [m.extend_all(v) for m, v in zip(self.members, views)]
+        out = []
+        for i, (m, v) in enumerate(zip(self.members, views)):
+            led.tag = i
+            out.append(m.extend_all(v))
+        led.tag = None
         for d in demands:
             self._plans.pop(d.seq.seq_id, None)
             self._chain_cache.pop(d.seq.seq_id, None)
@@ -242,7 +248,11 @@ class GroupedKVManager:
         group needs for it)."""
         if self.pool.num_free < self._need([Demand(seq, 1)]):
             return None
-        slots = [m.append_slot(seq) for m in self.members]
+        slots = []
+        for i, m in enumerate(self.members):
+            self.ledger.tag = i
+            slots.append(m.append_slot(seq))
+        self.ledger.tag = None
         assert all(s is not None for s in slots), "counted first"
         return slots[0]
 

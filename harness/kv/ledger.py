@@ -13,7 +13,9 @@ keeps per-epoch integrals and classifies at close:
     internal     = (capacity - final_fill) * duration
 
 Time is the engine's step counter (``now``), so "time-averaged" means averaged over steps,
-as DESIGN.md's ``memory.waste_pct`` is. Every event is O(1).
+as DESIGN.md's ``memory.waste_pct`` is. Every event is O(1). A unit opened while ``tag``
+is set (KV cache groups: the group allocating, harness.kv.groups) is also summed into
+``by_tag[tag]``, so the split is known per group and in total.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class _Epoch:
     opened: int
     last_change: int
     fill_integral: int
+    tag: int | None = None
 
 
 @dataclass(slots=True)
@@ -48,10 +51,14 @@ class ReservationLedger:
         self.now = 0
         self._open: dict[int, _Epoch] = {}
         self.totals = LedgerTotals()
+        self.tag: int | None = None  # who opens units now (KV cache groups)
+        self.by_tag: dict[int, LedgerTotals] = {}
 
-    def open(self, unit: int, capacity: int, fill: int = 0) -> None:
+    def open(self, unit: int, capacity: int, fill: int = 0, tag: int | None = None) -> None:
+        """Open ``unit``'s epoch (``tag``: whose it is; default the ledger's ``tag``)."""
         assert unit not in self._open, f"unit {unit} opened twice"
-        self._open[unit] = _Epoch(capacity, fill, self.now, self.now, 0)
+        self._open[unit] = _Epoch(capacity, fill, self.now, self.now, 0,
+                                  self.tag if tag is None else tag)
 
     def fill(self, unit: int, fill: int) -> None:
         ep = self._open[unit]
@@ -60,15 +67,20 @@ class ReservationLedger:
         ep.fill = fill
         ep.last_change = self.now
 
-    def close(self, unit: int) -> None:
+    def close(self, unit: int) -> int | None:
+        """Close ``unit``'s epoch and classify it; returns its tag."""
         ep = self._open.pop(unit)
         duration = self.now - ep.opened
         used = ep.fill_integral + ep.fill * (self.now - ep.last_change)
-        t = self.totals
-        t.reserved += ep.capacity * duration
-        t.used += used
-        t.reservation += ep.fill * duration - used
-        t.internal += (ep.capacity - ep.fill) * duration
+        sums = [self.totals]
+        if ep.tag is not None:
+            sums.append(self.by_tag.setdefault(ep.tag, LedgerTotals()))
+        for t in sums:
+            t.reserved += ep.capacity * duration
+            t.used += used
+            t.reservation += ep.fill * duration - used
+            t.internal += (ep.capacity - ep.fill) * duration
+        return ep.tag
 
     def add_external(self, slots: int) -> None:
         """Free slots that the allocator could not give to the next request this step."""

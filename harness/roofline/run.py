@@ -176,6 +176,13 @@ class RooflineTarget:
             page = st.sizing.block_size * st.sizing.bytes_per_slot
             for i, peak in enumerate(group_peaks(st.collector.steps)):
                 metrics[f"memory.kv_group.{i}.peak_held_bytes"] = peak * page
+            for i, t in sorted(st.kv.ledger.by_tag.items()):  # the waste split per group
+                if t.reserved:
+                    metrics[f"memory.kv_group.{i}.waste_pct"] = 100.0 * (1 - t.used / t.reserved)
+                    metrics[f"memory.kv_group.{i}.reservation_pct"] = \
+                        100.0 * t.reservation / t.reserved
+                    metrics[f"memory.kv_group.{i}.internal_frag_pct"] = \
+                        100.0 * t.internal / t.reserved
         metrics["engine.sim_wall_s"] = sim_wall_s  # this CPU's seconds to simulate the run
         return ExecutorRecord(run, metrics)
 
