@@ -13,10 +13,13 @@ wholly outside the window go back after each step), a chunked group one with
 :class:`~harness.kv.policies.chunk.ChunkPolicy` (blocks of finished chunks go back).
 
 :class:`GroupedKVManager` is the scheduler's one KV manager: a demand is met in every
-group or in none, so admission and preemption count what all groups will hold. What is
-not built yet (said where it would be asked for): prefix caching across groups (a hit must
-hold in every group: off), swap, the lower tiers, and the model executor (its forward
-would need a slot mapping per group); those runs are refused or run without them.
+group or in none, so admission and preemption count what all groups will hold. Prefix
+caching works across groups as vLLM's hybrid manager does it: each group names its pages
+with its own salt, and a hit is the longest prefix every group can serve (a sliding group
+needs only the blocks its window still sees). The ledger sums each group's blocks apart
+(its ``tag``), so the waste split is per group too. Not built yet (said where it would be
+asked for): swap, the lower tiers, and the model executor (its forward would need a slot
+mapping per group); those runs are refused or run without them.
 """
 
 from __future__ import annotations
