@@ -13,7 +13,7 @@ from harness.errors import UserError
 from harness.layer_types import FULL, LayerAttention, describe, from_hf, groups, held_bytes
 from harness.model import load_model, save_hf
 from harness.roofline.hf_config import from_hf_config
-from harness.roofline.models import GEMMA_3_27B, GPT_OSS_120B, LLAMA_4_SCOUT
+from harness.roofline.models import GEMMA_2_27B, GEMMA_3_27B, GPT_OSS_120B, LLAMA_4_SCOUT
 from harness.runner import run
 from tests.compose import compose_cfg, tiny
 
@@ -80,6 +80,11 @@ def test_hybrid_presets_bytes_per_token_per_group_by_hand() -> None:
     assert GPT_OSS_120B.total_params() == pytest.approx(117e9, rel=0.01)
     assert GEMMA_3_27B.total_params() == pytest.approx(27e9, rel=0.01)
     assert LLAMA_4_SCOUT.total_params() == pytest.approx(109e9, rel=0.02)
+    # Gemma 2 27B: alternating, layer 0 sliding (transformers' rule), 27.2B.
+    assert GEMMA_2_27B.layer_attention == from_hf(
+        {"layer_types": ["sliding_attention", "full_attention"] * 23,
+         "sliding_window": 4096}, 46)
+    assert GEMMA_2_27B.total_params() == pytest.approx(27.2e9, rel=0.01)
 
 
 def roofline(*extra: str) -> dict[str, object]:

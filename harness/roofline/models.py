@@ -85,6 +85,13 @@ GPT_OSS_120B = _hybrid(
 GEMMA_3_27B = _hybrid(
     "Gemma-3-27B", 62, 5376, 32, 16, 128, 262208, 131072,
     _every(62, 6, FULL, LayerAttention("sliding", 1024)), tied=True, dense_ffn=21504)
+# - Gemma-2-27B: 46 layers alternating sliding (4096, layer 0) and full, 32 heads, 16 KV
+#   heads x 128, hidden 4608, GeGLU 36864, vocab 256000, 8192 positions, tied (the Gemma 2
+#   report's table; transformers' layer_types rule). The model of vLLM's hybrid-allocator
+#   benchmark (PR #11938): docs/hybrid_at_scale.md.
+GEMMA_2_27B = _hybrid(
+    "Gemma-2-27B", 46, 4608, 32, 16, 128, 256000, 8192,
+    _every(46, 2, FULL, LayerAttention("sliding", 4096)), tied=True, dense_ffn=36864)
 LLAMA_4_SCOUT = _hybrid(
     "Llama-4-Scout", 48, 5120, 40, 8, 128, 202048, 262144,
     _every(48, 4, FULL, LayerAttention("chunked", 8192)), tied=False, experts=16,
@@ -100,7 +107,7 @@ MODEL_SPECS: dict[str, ArchSpec] = {s.name.lower(): s for s in (
     llama_like("Mistral-7B", 32, 4096, 14336, 32, 8, 32768, 32768),
     llama_like("SmolLM2-135M", 30, 576, 1536, 9, 3, 49152, 8192, head_dim=64, tied=True),
     _deepseek_v3(),
-    GPT_OSS_120B, GEMMA_3_27B, LLAMA_4_SCOUT,
+    GPT_OSS_120B, GEMMA_2_27B, GEMMA_3_27B, LLAMA_4_SCOUT,
 )}
 
 
