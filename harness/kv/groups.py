@@ -199,12 +199,8 @@ class GroupedKVManager:
     def _first_seen(self, g: KVGroup, k: int) -> int:
         """The first block a group needs after a hit of ``k`` blocks: what the query at
         position k x block_size sees (every block for a full group)."""
-        p, a = k * self.block_size, g.attention
-        if a.kind == "sliding":
-            return max(0, p + 1 - a.span) // self.block_size
-        if a.kind == "chunked":
-            return (p - p % a.span) // self.block_size
-        return 0
+        seen = k * self.block_size + 1  # the context of the query at that position
+        return (seen - g.attention.held(seen)) // self.block_size
 
     def _member_demands(self, i: int, demands: list[Demand]) -> list[Demand]:
         """Group ``i``'s view of the demands: its own hit blocks."""
@@ -215,12 +211,8 @@ class GroupedKVManager:
         return out
 
     def _need(self, demands: list[Demand]) -> int:
-        need = 0
-        for i, m in enumerate(self.members):
-            for d in self._member_demands(i, demands):
-                need += m.new_blocks(d)
-                need += sum(1 for b in d.hit_blocks if b >= 0 and self.pool.ref[b] == 0)
-        return need
+        return sum(m.blocks_needed(self._member_demands(i, demands))
+                   for i, m in enumerate(self.members))
 
     def can_allocate(self, demands: list[Demand], watermark: bool) -> bool:
         limit = self.pool.num_free - (self.watermark_blocks if watermark else 0)

@@ -10,7 +10,9 @@ costs O(blocks it touches); nothing scans the pool.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import TYPE_CHECKING
 
 from harness.kv.base import CacheOps, CopyOp, Demand, KVStats, KVUsage, PrefixHit, StepScores
@@ -155,12 +157,10 @@ class PagedKVManager:
         hit = PrefixHit()
         if not self.enable_prefix_caching or self.holds(seq):
             return hit
-        bs, toks, extra, tiers = self.block_size, seq.token_ids, self.key_of(seq), self.tiers
-        h = _ROOT_HASH
+        tiers = self.tiers
         # The last token is always computed (its logits are needed), so a prompt that is
         # all cached still leaves its last block to compute, as vLLM does.
-        for i in range((len(toks) - 1) // bs):
-            h = block_hash(h, toks[i * bs:(i + 1) * bs], extra)
+        for h in islice(self._hash_chain(seq), (len(seq.token_ids) - 1) // self.block_size):
             if not hit.loads:
                 b = self.pool.lookup(h)
                 if b is not None:
@@ -185,19 +185,20 @@ class PagedKVManager:
             need += 1  # copy-on-write of the shared, partially filled last block
         return need
 
-    def new_blocks(self, d: Demand) -> int:
-        """Blocks meeting ``d`` takes from the pool (its fresh blocks and any copy-on-write
-        copy; prefix hits aside): what a manager over a shared pool counts."""
-        return self._new_blocks(d)
-
-    def can_allocate(self, demands: list[Demand], watermark: bool) -> bool:
+    def blocks_needed(self, demands: list[Demand]) -> int:
+        """Blocks meeting ``demands`` together takes from the pool: fresh blocks, any
+        copy-on-write copy, and hits on evictable cached blocks (each taken out of the
+        free count); what :meth:`can_allocate` holds to the free blocks, and what a
+        manager over a shared pool (KV cache groups) sums over its groups."""
         need = 0
         for d in demands:
             need += self._new_blocks(d)
-            # A hit on an evictable block takes it out of the free count.
             need += sum(1 for b in d.hit_blocks if b >= 0 and self.pool.ref[b] == 0)
+        return need
+
+    def can_allocate(self, demands: list[Demand], watermark: bool) -> bool:
         limit = self.pool.num_free - (self.watermark_blocks if watermark else 0)
-        return need <= limit
+        return self.blocks_needed(demands) <= limit
 
     def allocate(self, d: Demand) -> list[int]:
         return self.allocate_group([d])[0]
@@ -237,20 +238,24 @@ class PagedKVManager:
         key = seq.group.extra_key
         return key if self.hash_salt is None else (key, self.hash_salt)
 
+    def _hash_chain(self, seq: Sequence, start: int = 0,
+                    parent: int = _ROOT_HASH) -> Iterator[int]:
+        """The chained hashes of ``seq``'s full blocks from block ``start`` on, lazily
+        (``parent``: block ``start - 1``'s hash): the one place blocks are named."""
+        bs, toks, key = self.block_size, seq.token_ids, self.key_of(seq)
+        h = parent
+        for i in range(start, len(toks) // bs):
+            h = block_hash(h, toks[i * bs:(i + 1) * bs], key)
+            yield h
+
     def chain_hashes(self, seq: Sequence, n: int) -> list[int]:
         """The chained hashes of ``seq``'s first ``n`` full blocks."""
-        bs, toks, key = self.block_size, seq.token_ids, self.key_of(seq)
-        out, h = [], _ROOT_HASH
-        for i in range(n):
-            h = block_hash(h, toks[i * bs:(i + 1) * bs], key)
-            out.append(h)
-        return out
+        return list(islice(self._hash_chain(seq), n))
 
     def _take_hits(self, d: Demand) -> None:
         seq, pool = d.seq, self.pool
         st = self.blocks_of(seq)
         assert not st.table and seq.num_computed == 0, "hits only on a fresh table"
-        rid = seq.group.request_id
         # A window's hit may leave blocks it no longer sees out (GIVEN_BACK): KV cache
         # groups' sliding groups (harness.kv.groups). Their names continue the chain.
         chain = self.chain_hashes(seq, len(d.hit_blocks)) if GIVEN_BACK in d.hit_blocks \
@@ -265,12 +270,7 @@ class PagedKVManager:
                 continue
             h = pool.block_hash[b]
             assert h is not None, f"hit block {b} lost its hash before it was taken"
-            if pool.owner[b] == rid:
-                self.stats.self_hit_tokens += self.block_size
-            else:
-                self.stats.prefix_hit_tokens += self.block_size
-                if self.count_group_hits:
-                    seq.group.prefix_hit_tokens += self.block_size
+            self._count_hit(seq, pool.owner[b])
             pool.touch(b)
             st.table.append(b)
             st.hashes.append(h)
@@ -289,14 +289,21 @@ class PagedKVManager:
                 pool.set_fill(b, self.block_size)
                 pool.register(b, h, hit.owner)
                 seq.group.tier_hit_blocks[hit.tier - 1] += 1
-            if hit.owner == rid:
-                self.stats.self_hit_tokens += self.block_size
-            else:
-                self.stats.prefix_hit_tokens += self.block_size
-                seq.group.prefix_hit_tokens += self.block_size
+            self._count_hit(seq, hit.owner)
             st.table.append(b)
             st.hashes.append(h)
         self.logical_blocks += d.num_hit_blocks - d.hit_blocks.count(GIVEN_BACK)
+
+    def _count_hit(self, seq: Sequence, owner: int) -> None:
+        """One hit block of ``seq``: a self hit when its own request computed it (a
+        recompute after preemption), else a prefix hit, also on its group's count
+        (which, under KV cache groups, one group keeps)."""
+        if owner == seq.group.request_id:
+            self.stats.self_hit_tokens += self.block_size
+        else:
+            self.stats.prefix_hit_tokens += self.block_size
+            if self.count_group_hits:
+                seq.group.prefix_hit_tokens += self.block_size
 
     def _extend(self, seq: Sequence, start: int, num_tokens: int) -> list[int]:
         """Slots for tokens ``[start, start + num_tokens)``: copy-on-write, new blocks,
@@ -354,11 +361,10 @@ class PagedKVManager:
     def _register_full_blocks(self, seq: Sequence, st: SeqBlocks, end: int) -> None:
         """Name the blocks that ``end`` tokens fill, so a later prompt (the next turn of a
         conversation re-sending this answer) can hit them."""
-        bs, toks, extra = self.block_size, seq.token_ids, self.key_of(seq)
         hashes, rid = st.hashes, seq.group.request_id
-        for i in range(len(hashes), end // bs):
-            h = block_hash(hashes[-1] if hashes else _ROOT_HASH, toks[i * bs:(i + 1) * bs],
-                           extra)
+        first = len(hashes)
+        chain = self._hash_chain(seq, first, hashes[-1] if hashes else _ROOT_HASH)
+        for i, h in zip(range(first, end // self.block_size), chain):
             hashes.append(h)
             if self.pool.register(st.table[i], h, rid) and self.tiers is not None \
                     and self.tiers.write == "through":
