@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from harness.layer_types import LayerAttention
     from harness.sched.sequence import Sequence
     from harness.sched.step import StepRecord
 
@@ -188,49 +189,42 @@ class GroupedCosts(KVCosts):
     under a uniform cache. Counts are layer-weighted: ``Read.tokens`` and the prefill
     pairs are full-model equivalents (tokens x the share of layers that read them)."""
 
-    def __init__(self, layers: tuple[tuple[int, str, int], ...], layer_bytes: int,
+    def __init__(self, layers: list[tuple[LayerAttention, int]], layer_bytes: int,
                  block_size: int, slot_bytes: int) -> None:
-        """``layers``: (layer count, kind, span) per attention type."""
+        """``layers``: (attention, layer count) per attention type
+        (:func:`harness.layer_types.groups`)."""
         super().__init__(slot_bytes, block_size)
         self.layers, self.layer_bytes = layers, layer_bytes
-        self.total_layers = sum(n for n, _, _ in layers)
+        self.total_layers = sum(n for _, n in layers)
 
-    def _seen(self, kind: str, span: int, context: int, held: int) -> int:
-        if kind == "sliding":
-            return min(context, span)
-        if kind == "chunked":
-            return (context - 1) % span + 1 if context else 0
-        return held
+    @staticmethod
+    def _seen(a: LayerAttention, context: int, held: int) -> int:
+        """Keys a layer of attention ``a`` reads for the query ending ``context``: what
+        it holds (:meth:`LayerAttention.held`), or every held token for a full layer."""
+        return held if a.kind == "full" else a.held(context)
 
     def decode_read(self, context: int, held: int) -> Read:
-        layer_tokens = sum(n * self._seen(k, s, context, held) for n, k, s in self.layers)
+        layer_tokens = sum(n * self._seen(a, context, held) for a, n in self.layers)
         return Read(layer_tokens // self.total_layers, layer_tokens * self.layer_bytes)
 
     def prefill_pairs(self, start: int, n: int, held: int) -> int:
         total = 0
-        for count, kind, span in self.layers:
-            if kind == "sliding":
-                p = _window_sum(start + n, span, 0) - _window_sum(start, span, 0)
-            elif kind == "chunked":
-                p = _chunk_sum(start + n, span) - _chunk_sum(start, span)
+        for a, count in self.layers:
+            if a.kind == "sliding":
+                p = _window_sum(start + n, a.span, 0) - _window_sum(start, a.span, 0)
+            elif a.kind == "chunked":
+                p = _chunk_sum(start + n, a.span) - _chunk_sum(start, a.span)
             else:
                 p = KVCosts.prefill_pairs(self, start, n, held)
             total += count * p
         return total // self.total_layers
 
     def prefill_read(self, start: int, n: int, held: int) -> Read:
-        """The distinct keys a chunk's queries read together, per layer type: a sliding
-        layer from its first query's window start, a chunked one from its first query's
-        chunk start, a full one every held key."""
-        layer_tokens = 0
-        for count, kind, span in self.layers:
-            if kind == "sliding":
-                t = start + n - max(0, start - span + 1)
-            elif kind == "chunked":
-                t = start + n - (start - start % span)
-            else:
-                t = held
-            layer_tokens += count * t
+        """The distinct keys a chunk's queries read together: every held key for a full
+        layer, else from what its first query sees (its window or chunk) to the chunk's
+        end."""
+        layer_tokens = sum(count * (held if a.kind == "full" else n - 1 + a.held(start + 1))
+                           for a, count in self.layers)
         return Read(layer_tokens // self.total_layers, layer_tokens * self.layer_bytes)
 
 

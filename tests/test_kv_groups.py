@@ -61,7 +61,8 @@ def test_chunk_policy_against_brute_force() -> None:
 def test_grouped_costs_against_brute_force() -> None:
     """Decode reads and prefill pairs, summed layer by layer from what each query sees."""
     kinds = ((2, "full", 0), (3, "sliding", 7), (1, "chunked", 5))
-    c = GroupedCosts(kinds, layer_bytes=10, block_size=4, slot_bytes=30)
+    c = GroupedCosts([(LayerAttention(k, s), n) for n, k, s in kinds], layer_bytes=10,
+                     block_size=4, slot_bytes=30)
 
     def seen(kind: str, span: int, pos: int) -> int:  # keys the query at `pos` sees
         if kind == "sliding":

@@ -92,7 +92,7 @@ def kv_plan(arch: ArchSpec, backend: KVBackend, mode: str) -> tuple[list[KVGroup
             "laid out per layer type, which takes a backend whose bytes scale with the "
             f"layers (paged, fp8, int8 without sinks); backend {backend.name} is not one "
             "yet (issue #29)")
-    kinds = tuple((n, a.kind, a.span) for a, n in layer_types.groups(layers))
+    kinds = layer_types.groups(layers)
     bs = backend.costs().block_size
     if mode == "uniform":
         backend.use_costs(GroupedCosts(kinds, per_layer, bs, per_layer * arch.num_layers))
