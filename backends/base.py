@@ -108,6 +108,11 @@ class CacheSizing:
     num_blocks: int
     num_cpu_blocks: int
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block (a swap block, a lower tier's slot, a KV cache group's page)."""
+        return self.block_size * self.bytes_per_slot
+
 
 class KVBackend(ABC):
     """Base of every backend. Subclasses set ``name`` and ``storage`` and implement the

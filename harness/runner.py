@@ -94,8 +94,7 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
     rows = request_rows(st.collector)
     metrics.update(hit_rates(st.kv, st.tiers))
     if st.tiers is not None:
-        metrics.update(tier_metrics(st.tiers, st.collector.steps,
-                                    st.sizing.bytes_per_slot * st.sizing.block_size,
+        metrics.update(tier_metrics(st.tiers, st.collector.steps, st.sizing.block_bytes,
                                     st.engine.executor.transfer_s))
         metrics.update(ttft_by_source(rows))
     outputs = st.collector.outputs()

@@ -186,7 +186,7 @@ def make_tiers(cache: CacheSpec, backend: KVBackend, sizing: CacheSizing,
             print(f"kvbench: cache.tiers: {why}, so the prefix cache has no lower tiers "
                   "(run.tiers=off)", file=sys.stderr)
         return None
-    block_bytes = sizing.bytes_per_slot * sizing.block_size
+    block_bytes = sizing.block_bytes
     nums = []
     for key in ("cpu", "disk"):
         size = parse_bytes(getattr(spec, key))
@@ -246,7 +246,7 @@ def check_tier_space(cache: CacheSpec, tiers: LowerTiers, sizing: CacheSizing,
                      device: torch.device) -> None:
     """The lower tiers fit where they go (executor=model): the CPU tier in host memory
     beside the device cache (the same memory on a CPU), the disk tier on its disk."""
-    block = sizing.bytes_per_slot * sizing.block_size
+    block = sizing.block_bytes
     host = tiers.tiers[0].num_blocks * block
     if device.type != "cuda":
         host += sizing.num_blocks * block + sizing.num_cpu_blocks * block
@@ -269,8 +269,8 @@ def check_tier_space(cache: CacheSpec, tiers: LowerTiers, sizing: CacheSizing,
 def check_memory(device: torch.device, sizing: CacheSizing) -> None:
     """A budget the machine cannot hold is the user's mistake, said before allocating:
     1 TiB gave a raw allocator traceback, 32 GiB on a 24 GiB machine the OOM killer."""
-    need = sizing.num_blocks * sizing.block_size * sizing.bytes_per_slot
-    host = sizing.num_cpu_blocks * sizing.block_size * sizing.bytes_per_slot
+    need = sizing.num_blocks * sizing.block_bytes
+    host = sizing.num_cpu_blocks * sizing.block_bytes
     if device.type != "cuda":
         need, host = need + host, 0
     for where, dev, nbytes in ((str(device), device, need),

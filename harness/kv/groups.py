@@ -31,7 +31,7 @@ from harness.kv.base import CacheOps, Demand, KVStats, KVUsage, PrefixHit, StepS
 from harness.kv.block_pool import BlockPool
 from harness.kv.evicting import WindowKVManager
 from harness.kv.ledger import ReservationLedger
-from harness.kv.paged import GIVEN_BACK, PagedKVManager, cdiv
+from harness.kv.paged import GIVEN_BACK, PagedKVManager, cdiv, pool_admission_error
 from harness.kv.policies.chunk import ChunkPolicy
 from harness.kv.policies.window import WindowPolicy
 from harness.layer_types import LayerAttention, groups
@@ -133,14 +133,8 @@ class GroupedKVManager:
         return out
 
     def admission_error(self, prompt_len: int, max_tokens: int, n: int) -> str | None:
-        bs = self.block_size
-        need = self.slots_needed(prompt_len, max_tokens, n) // bs
-        if need > self.pool.num_blocks:
-            return (f"needs {need} blocks of {bs} tokens over its {len(self.members)} KV "
-                    f"cache groups (prompt {prompt_len} + max_tokens {max_tokens}, n={n}) "
-                    f"but the whole pool has {self.pool.num_blocks}: raise cache.kv_budget "
-                    "or lower max_tokens")
-        return None
+        return pool_admission_error(self, prompt_len, max_tokens, n,
+                                    f" over its {len(self.members)} KV cache groups")
 
     def reservation_size(self, prompt_len: int, max_tokens: int) -> int:
         return self.block_size * len(self.members)

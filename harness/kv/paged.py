@@ -21,6 +21,7 @@ from harness.kv.ledger import ReservationLedger
 from harness.kv.tiers import LowerTiers
 
 if TYPE_CHECKING:
+    from harness.kv.groups import GroupedKVManager
     from harness.sched.sequence import Sequence
 
 # Parent hash of a sequence's first block. Any constant works; it only has to be fixed.
@@ -37,6 +38,20 @@ def block_hash(parent: int, tokens: list[int], extra_key: object) -> int:
     (PYTHONHASHSEED only salts str/bytes), 64-bit, and fast; a collision would alias two
     prefixes, which at 2^-64 per pair we accept, as vLLM's default builtin hash does."""
     return hash((parent, tuple(tokens), extra_key))
+
+
+def pool_admission_error(kv: PagedKVManager | GroupedKVManager, prompt_len: int,
+                         max_tokens: int, n: int, over: str = "") -> str | None:
+    """Why a request of this shape can never fit ``kv``'s pool (its ``slots_needed``
+    exceed the whole pool), or None; ``over``: what the blocks are spread over."""
+    pool = kv.pool
+    bs = pool.block_size
+    need = kv.slots_needed(prompt_len, max_tokens, n) // bs
+    if need > pool.num_blocks:
+        return (f"needs {need} blocks of {bs} tokens{over} (prompt {prompt_len} + "
+                f"max_tokens {max_tokens}, n={n}) but the whole pool has "
+                f"{pool.num_blocks}: raise cache.kv_budget or lower max_tokens")
+    return None
 
 
 @dataclass(slots=True)
@@ -137,13 +152,7 @@ class PagedKVManager:
         return (prompt_len // bs + n * cdiv(prompt_len % bs + max_tokens, bs)) * bs
 
     def admission_error(self, prompt_len: int, max_tokens: int, n: int) -> str | None:
-        bs = self.block_size
-        need = self.slots_needed(prompt_len, max_tokens, n) // bs
-        if need > self.pool.num_blocks:
-            return (f"needs {need} blocks of {bs} tokens (prompt {prompt_len} + max_tokens "
-                    f"{max_tokens}, n={n}) but the whole pool has {self.pool.num_blocks}: "
-                    f"raise cache.kv_budget or lower max_tokens")
-        return None
+        return pool_admission_error(self, prompt_len, max_tokens, n)
 
     def reservation_size(self, prompt_len: int, max_tokens: int) -> int:
         return self.block_size

@@ -41,10 +41,6 @@ class TierOp:
     dst_tier: int
     dst: int
 
-    @property
-    def is_load(self) -> bool:
-        return self.dst_tier == GPU
-
 
 @dataclass(frozen=True, slots=True)
 class TierHit:
@@ -122,9 +118,6 @@ class LowerTiers:
             if s is not None:
                 return TierHit(t.level, s, h, t.owner[h])
         return None
-
-    def holds(self, h: int) -> bool:
-        return any(t.slot_of(h) is not None for t in self.tiers)
 
     def tier(self, level: int) -> Tier:
         return self.tiers[level - CPU]

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from harness.kv.ledger import LedgerTotals
 from harness.metrics.collector import MetricsCollector, StepRow
 from harness.metrics.goodput import peak_concurrency
 
@@ -18,6 +19,20 @@ def kv_read_bytes_per_token(steps: list[StepRow]) -> float | None:
     """Mean cache bytes a decode query read over ``steps`` (None: no decode ran)."""
     queries = sum(s.decode_tokens for s in steps)
     return sum(s.kv_read_bytes for s in steps) / queries if queries else None
+
+
+def waste_split(tot: LedgerTotals) -> dict[str, float]:
+    """The ledger's slot-steps as shares of what was reserved or free-but-unusable:
+    ``waste_pct`` and its parts, ``reservation_pct``, ``internal_frag_pct`` and
+    ``external_frag_pct`` (0 each when nothing was held)."""
+    denom = tot.reserved + tot.external
+    if not denom:
+        return dict.fromkeys(("waste_pct", "reservation_pct", "internal_frag_pct",
+                              "external_frag_pct"), 0.0)
+    return {"waste_pct": 100.0 * (1 - tot.used / denom),
+            "reservation_pct": 100.0 * tot.reservation / denom,
+            "internal_frag_pct": 100.0 * tot.internal / denom,
+            "external_frag_pct": 100.0 * tot.external / denom}
 
 
 def request_rows(col: MetricsCollector) -> list[dict[str, Any]]:
@@ -76,7 +91,6 @@ def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: 
         itl += [(b - a) * 1e3 for a, b in zip(t.token_times, t.token_times[1:])]
     tot = kv.ledger.totals
     st = kv.stats
-    denom = tot.reserved + tot.external
     steps = col.steps
     saved = [s.logical_blocks - s.held_blocks for s in steps]
     tpot = [r["tpot_ms"] for r in done if r["tpot_ms"] is not None]
@@ -96,10 +110,7 @@ def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: 
         "memory.peak_reserved_bytes": max((s.reserved_bytes for s in steps), default=0),
         "memory.peak_used_bytes": max((s.used_bytes for s in steps), default=0),
         # Time-averaged over steps, as the ledger integrates them (harness.kv.ledger).
-        "memory.waste_pct": 100.0 * (1 - tot.used / denom) if denom else 0.0,
-        "memory.reservation_pct": 100.0 * tot.reservation / denom if denom else 0.0,
-        "memory.internal_frag_pct": 100.0 * tot.internal / denom if denom else 0.0,
-        "memory.external_frag_pct": 100.0 * tot.external / denom if denom else 0.0,
+        **{f"memory.{k}": v for k, v in waste_split(tot).items()},
         "memory.max_running_seqs": max((s.running for s in steps), default=0),
         # The backend's declared reads (harness.backends.costs), the same under both
         # executors: cache bytes one decode query read, K/V with scales and metadata.

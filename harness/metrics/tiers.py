@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from harness.kv.base import KVManager
-from harness.kv.tiers import TIER_NAMES, LowerTiers
+from harness.kv.tiers import LowerTiers
 from harness.metrics.collector import StepRow
 
 SOURCES = ("none", "gpu", "cpu", "disk")
@@ -41,7 +41,7 @@ def tier_metrics(tiers: LowerTiers, steps: list[StepRow], block_bytes: int,
     s = tiers.stats
     m: dict[str, Any] = {}
     for i, t in enumerate(tiers.tiers):
-        name = TIER_NAMES[t.level]
+        name = t.name
         col = "cpu_tier_blocks" if name == "cpu" else "disk_tier_blocks"
         m.update({
             f"cache.tier.{name}.capacity_blocks": t.num_blocks,

@@ -114,7 +114,7 @@ class RooflineExecutor:
     def __init__(self, model: StepModel, backend: KVBackend,
                  tiers: TierLinks | None = None) -> None:
         """``tiers``: the links of the prefix cache's lower tiers (cache.tiers), whose
-        transfers are charged as time (:meth:`tier_seconds`)."""
+        transfers are charged as time (:meth:`TierLinks.seconds`)."""
         self.model, self.backend = model, backend
         self.links = tiers
         self.transfer_s = 0.0  # tier transfers, modelled (overlapped or not)

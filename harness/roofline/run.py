@@ -23,6 +23,7 @@ from harness.engine.sampler import Sampler
 from harness.errors import UserError
 from harness.kv.groups import GroupedKVManager, KVGroup, describe_groups, plan_groups
 from harness.metrics.collector import StepRow
+from harness.metrics.summary import waste_split
 from harness.model import ByteTokenizer, parse_dtype
 from harness.model.tokenizer import Tokenizer
 from harness.roofline.arch import ArchSpec
@@ -56,7 +57,7 @@ def build_roofline(rc: RunConfig, workload: Workload, quiet: bool = False,
     layout = KVLayout(arch.num_layers, arch.num_kv_heads, arch.head_dim, parse_dtype(r.dtype))
     device = torch.device("cpu")  # backends are built for their sizing only: no tensors
     backend = make_backend(rc.backend, layout, device)
-    plan, _ = kv_plan(arch, backend, r.kv_groups)
+    plan = kv_plan(arch, backend, r.kv_groups)
     budget = auto_kv_budget(arch, hw, r) if rc.cache.kv_budget == "auto" else \
         rc.cache.kv_budget
     step = StepModel(arch, hw, backend.bytes_per_slot(), COMPUTE[r.dtype],
@@ -75,15 +76,15 @@ def build_roofline(rc: RunConfig, workload: Workload, quiet: bool = False,
     return st, ex
 
 
-def kv_plan(arch: ArchSpec, backend: KVBackend, mode: str) -> tuple[list[KVGroup] | None,
-                                                                   str]:
-    """How ``arch``'s cache is laid out: None and "uniform" for a model whose layers all
-    attend fully; else its KV cache groups (``roofline.kv_groups=grouped``) or one
-    uniform cache (``uniform``), with the backend's costs declared per layer type
-    (:class:`~harness.backends.costs.GroupedCosts`). Returns (groups or None, label)."""
+def kv_plan(arch: ArchSpec, backend: KVBackend, mode: str) -> list[KVGroup] | None:
+    """How ``arch``'s cache is laid out: its KV cache groups
+    (``roofline.kv_groups=grouped``), or None for one uniform cache (every layer attends
+    fully, or ``uniform``); a model whose layers differ gets the backend's costs declared
+    per layer type (:class:`~harness.backends.costs.GroupedCosts`). The run's label of the
+    layout is :func:`kv_plan_label`'s."""
     layers = arch.layer_attention
     if not layers:
-        return None, "uniform"
+        return None
     per_layer = backend.per_layer_bytes()
     if per_layer is None:
         raise UserError(
@@ -96,11 +97,10 @@ def kv_plan(arch: ArchSpec, backend: KVBackend, mode: str) -> tuple[list[KVGroup
     bs = backend.costs().block_size
     if mode == "uniform":
         backend.use_costs(GroupedCosts(kinds, per_layer, bs, per_layer * arch.num_layers))
-        return None, (f"uniform: {layer_types.describe(layers)}, every layer holding every "
-                      "token")
+        return None
     plan, size = plan_groups(layers)
     backend.use_costs(GroupedCosts(kinds, per_layer, bs, per_layer * size))
-    return plan, describe_groups(plan, size)
+    return plan
 
 
 def group_peaks(steps: list[StepRow]) -> list[int]:
@@ -173,16 +173,13 @@ class RooflineTarget:
             # token held by every group takes one slot in each.
             metrics["memory.kv_group_slots"] = st.sizing.num_slots
             metrics["memory.token_capacity"] = st.sizing.num_slots // len(st.kv.plan)
-            page = st.sizing.block_size * st.sizing.bytes_per_slot
             for i, peak in enumerate(group_peaks(st.collector.steps)):
-                metrics[f"memory.kv_group.{i}.peak_held_bytes"] = peak * page
+                metrics[f"memory.kv_group.{i}.peak_held_bytes"] = peak * st.sizing.block_bytes
             for i, t in sorted(st.kv.ledger.by_tag.items()):  # the waste split per group
-                if t.reserved:
-                    metrics[f"memory.kv_group.{i}.waste_pct"] = 100.0 * (1 - t.used / t.reserved)
-                    metrics[f"memory.kv_group.{i}.reservation_pct"] = \
-                        100.0 * t.reservation / t.reserved
-                    metrics[f"memory.kv_group.{i}.internal_frag_pct"] = \
-                        100.0 * t.internal / t.reserved
+                if t.reserved:  # (a group has no external fragmentation: paged)
+                    split = waste_split(t)
+                    for k in ("waste_pct", "reservation_pct", "internal_frag_pct"):
+                        metrics[f"memory.kv_group.{i}.{k}"] = split[k]
         metrics["engine.sim_wall_s"] = sim_wall_s  # this CPU's seconds to simulate the run
         return ExecutorRecord(run, metrics)
 
