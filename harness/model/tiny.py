@@ -8,7 +8,9 @@ import math
 import torch
 from torch import Tensor
 
+from harness import layer_types
 from harness.model.config import ModelConfig
+from harness.model.gemma3 import make_model
 from harness.model.llama import LlamaModel
 from harness.model.tokenizer import ByteTokenizer
 
@@ -47,6 +49,30 @@ TINY_PRESETS: dict[str, ModelConfig] = {
         bos_token_id=ByteTokenizer.BOS,
         eos_token_ids=[ByteTokenizer.EOS],
     ),
+    # Gemma 3's architecture, shrunk: a 24-token window on 2 of every 3 layers (4 sliding, 2
+    # full: three KV cache groups of 2 layers), two RoPE bases, and a query scale that is
+    # not 1/sqrt(head_dim) (query_pre_attn_scalar 24, head_dim 16), so every Gemma-specific
+    # path is exercised in milliseconds.
+    "tiny-gemma3": ModelConfig(
+        name="tiny-gemma3",
+        vocab_size=_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=6,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        bos_token_id=ByteTokenizer.BOS,
+        eos_token_ids=[ByteTokenizer.EOS],
+        layer_attention=layer_types.from_hf(
+            {"sliding_window": 24, "sliding_window_pattern": 3}, 6),
+        family="gemma3",
+        rope_local_theta=10000.0,
+        query_pre_attn_scalar=24.0,
+    ),
 }
 
 
@@ -62,6 +88,7 @@ def random_weights(model: LlamaModel, seed: int = 0) -> dict[str, Tensor]:
     embeddings and head are N(0, _HEAD_STD^2), small next to those updates.
     """
     gen = torch.Generator().manual_seed(seed)
+    gemma = model.config.family == "gemma3"
     out: dict[str, Tensor] = {}
     for name, dst in model.named_weights():
         shape = tuple(dst.shape)
@@ -71,7 +98,8 @@ def random_weights(model: LlamaModel, seed: int = 0) -> dict[str, Tensor]:
             # the last byte forever); random-sign w cancels it.
             w = torch.randn(shape, generator=gen)
         elif name.endswith("norm.weight"):
-            w = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+            # Gemma's norms scale by 1 + w: w ~ N(0, 0.01) is the same scale ~1 as Llama's.
+            w = (0.0 if gemma else 1.0) + 0.1 * torch.randn(shape, generator=gen)
         elif name.endswith(".bias"):
             w = 0.1 * torch.randn(shape, generator=gen)
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -88,6 +116,6 @@ def build_tiny(
     """A preset from ``TINY_PRESETS`` with seeded random weights and the byte tokenizer."""
     if name not in TINY_PRESETS:
         raise ValueError(f"unknown tiny preset {name!r}; known: {sorted(TINY_PRESETS)}")
-    model = LlamaModel(TINY_PRESETS[name], dtype, device)
+    model = make_model(TINY_PRESETS[name], dtype, device)
     model.load_weights(random_weights(model, seed).items())
     return model, ByteTokenizer()
