@@ -45,6 +45,20 @@ class KVLayout:
         return torch.tensor([], dtype=self.dtype).element_size()
 
 
+@dataclass(frozen=True, slots=True)
+class LayerSlot:
+    """Where one model layer's K/V live and what it attends (a hybrid-attention model's
+    KV cache groups, harness.kv.groups): ``group``, the KV cache group whose block tables
+    and slot mapping it uses (the step's ``AttentionBatch`` of that group); ``storage``,
+    the cache tensor that holds it (a pool page holds one layer of each group position:
+    layer j of every group shares tensor j, as in vLLM); ``window``, its sliding window in
+    tokens, itself included (0: it sees every held token)."""
+
+    group: int = 0
+    storage: int = 0
+    window: int = 0
+
+
 @dataclass(slots=True)
 class PrefillChunk:
     """``num_tokens`` query tokens at batch rows ``[row, row + num_tokens)``, positions
@@ -123,6 +137,9 @@ class KVBackend(ABC):
     exact: bool = True  # False for lossy backends (quantized, evicting)
     # False where a block's content stops being what its hash names (H2O rewrites slots).
     supports_prefix_caching: bool = True
+    # Runs a hybrid-attention model under executor=model: attends each layer through its
+    # LayerSlot (its group's tables, its storage tensor, its window).
+    supports_groups: ClassVar[bool] = False
     Options: ClassVar[type[BackendOptions]] = BackendOptions
 
     def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:
@@ -148,6 +165,23 @@ class KVBackend(ABC):
         # KVBENCH_CHECK (the tests), where the engine holds it to the declaration.
         self.track_touches = CHECKS
         self._touch_acc: list[torch.Tensor | int] = [0, 0, 0]
+        # Every layer in its own storage, one group, no window: a uniform model.
+        self.layer_slots = tuple(LayerSlot(0, i, 0) for i in range(layout.num_layers))
+        self.per_layer_masks = False  # layers attend differently: touches counted per layer
+
+    def use_layer_slots(self, slots: tuple[LayerSlot, ...]) -> None:
+        """Attend each layer through its :class:`LayerSlot` (a hybrid-attention model:
+        harness.stack.kv_plan), before :meth:`allocate` (which then creates one storage
+        tensor per group position, not per layer)."""
+        assert len(slots) == self.layout.num_layers, (len(slots), self.layout.num_layers)
+        self.layer_slots = slots
+        self.per_layer_masks = len({s.window for s in slots}) > 1 or any(
+            s.group for s in slots)
+
+    @property
+    def storage_layers(self) -> int:
+        """Cache tensors per K and V: one per layer, or one per group position."""
+        return max(s.storage for s in self.layer_slots) + 1
 
     # -- costs: declared once (harness.backends.costs) --------------------------------
     def declare_costs(self) -> KVCosts:
@@ -240,6 +274,14 @@ class KVBackend(ABC):
         self.batch = batch
         self._touch_acc = [0, 0, 0]
 
+    def begin_groups(self, batches: list[AttentionBatch]) -> None:
+        """One step of KV cache groups: ``batches[g]`` is group g's batch (its slot mapping
+        and tables; the tokens and positions are the same in all). A backend that
+        :attr:`supports_groups` attends each layer with its group's."""
+        if len(batches) > 1:
+            raise NotImplementedError(f"backend {self.name} does not run KV cache groups")
+        self.begin_step(batches[0])
+
     @abstractmethod
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
@@ -274,6 +316,8 @@ class KVBackend(ABC):
         at layer 0, none after (0 also when not tracking). Most masks come from the step's
         lengths, tables and positions alone, the same for every layer; counting them once
         per layer cost a streamed quality run of the 30-layer model ~20% more."""
+        if self.per_layer_masks:  # layers see different keys: each counts its own
+            return 1 if self.track_touches else 0
         return self.layout.num_layers if self.track_touches and layer == 0 else 0
 
     def touch_prefill(self, pairs: torch.Tensor | int) -> None:
@@ -294,7 +338,8 @@ class KVBackend(ABC):
         keys, nbytes, pairs = (int(x.item()) if isinstance(x, torch.Tensor) else int(x)
                                for x in self._touch_acc)
         per_token, rem = divmod(keys, lay.num_layers * lay.num_kv_heads)
-        assert not rem, f"{self.name}: layers or KV heads read different token counts"
-        per_layer, rem = divmod(pairs, lay.num_layers)
-        assert not rem, f"{self.name}: layers saw different prefill pairs"
+        per_layer, rem2 = divmod(pairs, lay.num_layers)
+        if not self.per_layer_masks:  # layer-weighted averages where layers differ
+            assert not rem, f"{self.name}: layers or KV heads read different token counts"
+            assert not rem2, f"{self.name}: layers saw different prefill pairs"
         return Read(per_token, nbytes), per_layer

@@ -63,6 +63,7 @@ class KIVIOptions(PagedOptions):
 class KIVIBackend(PagedBackend):
     name = "kivi"
     exact = False
+    supports_groups = False  # per-layer residuals / page bounds: not per group yet
     Options = KIVIOptions
 
     def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from harness.backends.base import AttentionBatch, BackendOptions, KVLayout
+from harness.backends.base import AttentionBatch, BackendOptions, KVBackend, KVLayout
 from harness.backends.costs import KVCosts, WindowCosts
 from harness.backends.paged_storage import PagedStorageBackend
 from harness.errors import UserError
@@ -55,6 +55,7 @@ class PrefillTables:
 class PagedBackend(PagedStorageBackend):
     name = "paged"
     Options = PagedOptions
+    supports_groups = True  # and fp8 / int8 (without sinks); subclasses that add more say no
 
     def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:
         super().__init__(layout, device, **options)
@@ -64,6 +65,8 @@ class PagedBackend(PagedStorageBackend):
             and triton_for(device, required=kernel == "triton")
         self._kernel = "triton" if use_triton else "torch"
         self._prefill: PrefillTables | None = None
+        # Each KV cache group's batch and prefill tables this step (one without groups).
+        self._groups: list[tuple[AttentionBatch, PrefillTables | None]] = []
 
     @property
     def kernel(self) -> str:
@@ -82,15 +85,23 @@ class PagedBackend(PagedStorageBackend):
         return self.opts.kernel
 
     def begin_step(self, batch: AttentionBatch) -> None:
-        super().begin_step(batch)
-        self._prefill = None
+        self.begin_groups([batch])
+
+    def begin_groups(self, batches: list[AttentionBatch]) -> None:
+        KVBackend.begin_step(self, batches[0])
+        self._groups = [(b, self._prefill_tables(b)) for b in batches]
+        self._prefill = self._groups[0][1]
+
+    def _prefill_tables(self, batch: AttentionBatch) -> PrefillTables | None:
+        """The Triton prefill kernel's view of ``batch``'s chunks (None on the torch path
+        or without chunks)."""
         if self._kernel != "triton" or not batch.prefills:
-            return
+            return None
         chunks = batch.prefills
         assert all(a.row + a.num_tokens == b.row for a, b in itertools.pairwise(chunks))
         rows = [c.row for c in chunks] + [chunks[-1].row + chunks[-1].num_tokens]
         tables = torch.nn.utils.rnn.pad_sequence([c.table for c in chunks], batch_first=True)
-        self._prefill = PrefillTables(
+        return PrefillTables(
             cu_rows=torch.tensor(rows, dtype=torch.int64, device=self.device),
             starts=torch.tensor([c.start for c in chunks], dtype=torch.int64,
                                 device=self.device),
@@ -103,10 +114,16 @@ class PagedBackend(PagedStorageBackend):
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
+        # The layer's group, storage and window (one group, its own tensor, the backend's
+        # window for a uniform model; a hybrid model's: backends.base.LayerSlot).
+        s = self.layer_slots[layer]
+        if len(self._groups) > 1:
+            self.batch, self._prefill = self._groups[s.group]
+        window, sinks = (s.window, 0) if s.window else (self.window, self.window_sinks)
         if self._kernel == "triton":
-            return self._attend_triton(layer, q, k, v)
-        self.store(layer, k, v)
-        return self.torch_attend(layer, q, self.window or None, self.window_sinks)
+            return self._attend_triton(s.storage, q, k, v, window, sinks)
+        self.store(s.storage, k, v)
+        return self.torch_attend(s.storage, q, window or None, sinks)
 
     def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Per-(token, KV head) scales of a 1-byte cache (None for full precision)."""
@@ -120,7 +137,7 @@ class PagedBackend(PagedStorageBackend):
         store_kv(k, v, self.k_cache[layer], self.v_cache[layer], b.slot_mapping)
 
     def _attend_triton(self, layer: int, q: torch.Tensor, k: torch.Tensor,
-                       v: torch.Tensor) -> torch.Tensor:
+                       v: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
         # Imported here: importing triton fixes the interpreter switch for the process,
         # which triton_for() had to decide first.
         from harness.kernels.decode import paged_decode
@@ -129,11 +146,10 @@ class PagedBackend(PagedStorageBackend):
         b = self.batch
         assert b is not None
         self.store_triton(layer, k, v)
-        self.touch_by_bounds(layer, self.window or None, self.window_sinks)
+        self.touch_by_bounds(layer, window or None, sinks)
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         ks, vs = self.scales(layer)
-        shape = {"window": self.window, "sinks": self.window_sinks, "k_scale": ks,
-                 "v_scale": vs}
+        shape = {"window": window, "sinks": sinks, "k_scale": ks, "v_scale": vs}
         out = torch.empty_like(q)
         nd = b.num_decode
         if nd:

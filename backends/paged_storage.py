@@ -57,11 +57,14 @@ class PagedStorageBackend(KVBackend):
         lay = self.layout
         shape = (sizing.num_blocks, sizing.block_size, lay.num_kv_heads, lay.head_dim)
         self.block_size = sizing.block_size
+        # One tensor per storage layer: every layer, or under KV cache groups one per group
+        # position, each block owned by whichever group took it (LayerSlot).
+        n = self.storage_layers
         self.k_cache = [torch.zeros(shape, dtype=lay.dtype, device=self.device)
-                        for _ in range(lay.num_layers)]
+                        for _ in range(n)]
         self.v_cache = [torch.zeros_like(t) for t in self.k_cache]
         cpu_shape = (sizing.num_cpu_blocks, *shape[1:])
-        self.k_cpu = [torch.zeros(cpu_shape, dtype=lay.dtype) for _ in range(lay.num_layers)]
+        self.k_cpu = [torch.zeros(cpu_shape, dtype=lay.dtype) for _ in range(n)]
         self.v_cpu = [torch.zeros_like(t) for t in self.k_cpu]
 
     def make_manager(self, sizing: CacheSizing, **options: Any) -> KVManager:

@@ -84,16 +84,16 @@ class QuantizedBackend(PagedBackend):
         lay = self.layout
         self.block_size = sizing.block_size
         shape = (sizing.num_blocks, sizing.block_size, lay.num_kv_heads, lay.head_dim)
-        dev = self.device
+        dev, n = self.device, self.storage_layers  # per layer, or per group position
         self.k_cache = [torch.zeros(shape, dtype=self.cache_dtype, device=dev)
-                        for _ in range(lay.num_layers)]
+                        for _ in range(n)]
         self.v_cache = [torch.zeros_like(t) for t in self.k_cache]
         self.k_scale = [torch.zeros(shape[:3], dtype=torch.float32, device=dev)
-                        for _ in range(lay.num_layers)]
+                        for _ in range(n)]
         self.v_scale = [torch.zeros_like(t) for t in self.k_scale]
         sink_shape = (sizing.num_blocks, self.sink_tokens, lay.num_kv_heads, lay.head_dim)
         self.k_sink = [torch.zeros(sink_shape, dtype=lay.dtype, device=dev)
-                       for _ in range(lay.num_layers if self.sink_tokens else 0)]
+                       for _ in range(n if self.sink_tokens else 0)]
         self.v_sink = [torch.zeros_like(t) for t in self.k_sink]
         if sizing.num_cpu_blocks:
             raise ValueError(f"backend {self.name} does not swap: use "

@@ -51,6 +51,7 @@ class QuestOptions(PagedOptions):
 class QuestBackend(PagedBackend):
     name = "quest"
     exact = False
+    supports_groups = False  # per-layer residuals / page bounds: not per group yet
     Options = QuestOptions
 
     def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:

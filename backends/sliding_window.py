@@ -33,6 +33,7 @@ class SlidingWindowOptions(PagedOptions):
 
 class SlidingWindowBackend(PagedBackend):
     name = "sliding_window"
+    supports_groups = False  # its own window over every layer
     exact = False
     Options = SlidingWindowOptions
 

@@ -32,6 +32,7 @@ from harness.quality_config import QualityConfig
 from harness.roofline.config import RooflineConfig
 from harness.sched.scheduler import SchedulerConfig
 from harness.units import parse_bytes
+from harness.validate import one_of
 from harness.workloads import WORKLOADS, WorkloadOptions
 
 
@@ -116,6 +117,12 @@ class CacheSpec:
     enable_prefix_caching: bool = True
     watermark: float = 0.01  # share of the cache kept free at admission (at least a block)
     tiers: TierSpec = field(default_factory=TierSpec)  # host and disk below the device
+    # A model whose layers differ in attention (harness.layer_types), under both executors:
+    # "grouped", one KV cache group per attention type over one pool (a sliding layer
+    # holds its window; harness.kv.groups), or "uniform", every layer holding every token
+    # (the sliding layers still attend only to their window): what a cache without groups
+    # reserves. Ignored for a model whose layers all attend alike.
+    kv_groups: str = "grouped"
 
     def without_tiers(self) -> CacheSpec:
         """This cache with no lower tiers (the quality evaluation's stacks: their streamed
@@ -126,6 +133,7 @@ class CacheSpec:
         if not 0.0 <= self.watermark < 1.0:
             raise UserError(f"cache.watermark is a share of the cache in [0, 1), got "
                             f"{self.watermark}")
+        one_of(self, "cache", "kv_groups", ("grouped", "uniform"))
         check_sizes(self, "cache", ("swap_space",) if self.kv_budget == "auto" else
                     ("kv_budget", "swap_space"), "64MiB, 1GiB, 1000000")
 

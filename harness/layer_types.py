@@ -5,9 +5,8 @@ Hugging Face ``config.json`` as transformers reads it.
 A layer's type decides what its KV cache must hold: a full layer every token, a sliding
 layer its last W, a chunked layer the tokens of the current chunk. A model whose layers
 differ (Gemma 2/3, gpt-oss, Llama 4) needs one KV cache group per type to be measured
-right: the what-if builds them (harness.kv.groups); the real engine does not yet, so
-there such a model is refused (:func:`check_uniform`) instead of run as if every layer
-held every token.
+right: harness.stack.kv_plan builds them (harness.kv.groups) under both executors, and
+gives each layer its window in the real engine (backends.base.LayerSlot).
 """
 
 from __future__ import annotations
@@ -134,36 +133,14 @@ def describe(layers: tuple[LayerAttention, ...]) -> str:
     return " + ".join(f"{n} {a}" for a, n in groups(layers))
 
 
-def check_backend(name: str, layers: tuple[LayerAttention, ...], backend: Any) -> None:
-    """:func:`check_uniform` for a run's backend options (``backend.name``, and a window
-    backend's ``window`` and ``sink_tokens``)."""
-    check_uniform(name, layers, backend.name, getattr(backend, "window", None),
-                  getattr(backend, "sink_tokens", 0))
-
-
-def check_uniform(name: str, layers: tuple[LayerAttention, ...], backend: str,
-                  window: int | None = None, sinks: int = 0) -> None:
-    """Refuse a model whose KV memory a uniform cache would misstate: layers of different
-    attention types (KV cache groups are not built yet), or one window over every layer
-    unless the backend is that window (``backend=sliding_window`` with the model's window
-    and no sinks: then the uniform cache is the model's own)."""
+def own_window(layers: tuple[LayerAttention, ...], backend: Any) -> bool:
+    """Whether the run's backend options are the model's own cache: one sliding window
+    over every layer and ``backend=sliding_window`` with that window and no sinks (then a
+    uniform cache is the model's, and no KV cache groups are needed)."""
     kinds = set(layers)
-    if not kinds or kinds == {FULL}:
-        return
-    if len(kinds) > 1:
-        raise UserError(
-            f"{name} mixes attention types per layer ({describe(layers)}): its KV memory "
-            "needs one cache group per type (a sliding layer holds at most its window); "
-            "KV cache groups run in the what-if only so far (executor=roofline "
-            "roofline.model=<its config.json>; the real engine: issue #29), and a uniform "
-            "cache would overstate it, so this model is refused rather than misreported")
+    if len(kinds) != 1:
+        return False
     (only,) = kinds
-    if only.kind == "sliding" and backend == "sliding_window" and window == only.span \
-            and sinks == 0:
-        return
-    raise UserError(
-        f"{name} uses {only} attention on every layer: run it with backend=sliding_window "
-        f"backend.window={only.span} backend.sink_tokens=0 (its own cache)" if only.kind ==
-        "sliding" else
-        f"{name} uses {only} attention on every layer, which no backend models yet "
-        "(issue #29)")
+    return (only.kind == "sliding" and backend.name == "sliding_window"
+            and getattr(backend, "window", None) == only.span
+            and getattr(backend, "sink_tokens", 0) == 0)

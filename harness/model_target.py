@@ -9,12 +9,12 @@ import torch
 from harness.config import RunConfig
 from harness.engine.sampler import Sampler
 from harness.errors import UserError
-from harness.layer_types import check_backend
+from harness.metrics.groups import group_metrics
 from harness.metrics.tasks import add_task_scores
 from harness.model import load_model
 from harness.model.tokenizer import Tokenizer
 from harness.quality import load_texts, measure
-from harness.stack import Stack, build_stack
+from harness.stack import Stack, build_stack, kv_plan_label
 from harness.target import ExecutorRecord
 from harness.workloads.base import Workload
 
@@ -59,19 +59,21 @@ class ModelTarget:
 
     def build(self, workload: Workload) -> Stack:
         rc = self.rc
-        mc = self.loaded.config
-        check_backend(mc.name, mc.layer_attention, rc.backend)
         # The texts before the stack: a bad quality.text_file fails before the run.
         self.texts = load_texts(rc.quality, self.loaded) if rc.quality.enabled else None
         return build_stack(self.loaded, self.device, rc.backend, rc.cache, rc.scheduler,
                            Sampler(rc.seed), workload.initial_requests())
 
     def record(self, st: Stack, sim_wall_s: float) -> ExecutorRecord:
-        return ExecutorRecord({
+        run = {
             "executor": "model", "model": self.loaded.description, "kernel": st.backend.kernel,
             "device": str(self.device),
             "dtype": str(st.backend.layout.dtype).removeprefix("torch."),
-        })
+        }
+        layers = self.loaded.config.layer_attention
+        if layers:
+            run["kv_groups"] = kv_plan_label(layers, st.kv)
+        return ExecutorRecord(run, group_metrics(st.kv, st.sizing, st.collector.steps))
 
     def score(self, st: Stack, workload: Workload, outputs: dict[int, list[int]],
               metrics: dict[str, Any], rows: list[dict[str, Any]]) -> None:

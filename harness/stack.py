@@ -16,17 +16,26 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from harness.backends import get_backend
-from harness.backends.base import BackendOptions, CacheSizing, KVBackend, KVLayout
+from harness import layer_types
+from harness.backends import BACKENDS, get_backend
+from harness.backends.base import BackendOptions, CacheSizing, KVBackend, KVLayout, LayerSlot
+from harness.backends.costs import GroupedCosts
 from harness.backends.tier_storage import TierStorage
 from harness.engine.engine import Engine
 from harness.engine.executor import Executor
 from harness.engine.sampler import Sampler
 from harness.errors import UserError
 from harness.kv.base import KVManager
-from harness.kv.groups import GroupedKVManager, KVGroup
+from harness.kv.groups import (
+    GroupedKVManager,
+    KVGroup,
+    assign_layers,
+    describe_groups,
+    plan_groups,
+)
 from harness.kv.paged import PagedKVManager
 from harness.kv.tiers import LowerTiers
+from harness.layer_types import LayerAttention
 from harness.metrics.collector import MetricsCollector
 from harness.model import LoadedModel
 from harness.sched.scheduler import Scheduler, SchedulerConfig
@@ -72,11 +81,71 @@ def build_stack(loaded: LoadedModel, device: torch.device, backend_opts: Backend
     """One serving stack for ``backend_opts`` under the run's ``cache`` and ``sched``
     configs. With ``requests``, fail early (and say which budget would do) when the budget
     cannot hold even the smallest of them. ``kv_budget`` overrides ``cache.kv_budget``
-    (quality evaluation's reference)."""
+    (quality evaluation's reference). A hybrid-attention model gets its KV cache groups
+    (or its uniform cache with per-layer windows: ``cache.kv_groups``) here, so every
+    stack on it (the quality evaluation's too) attends as the model does."""
     backend = make_backend(backend_opts, model_layout(loaded), device)
+    mc = loaded.config
+    plan = None
+    if mc.layer_attention and not layer_types.own_window(mc.layer_attention, backend_opts):
+        check_model_groups(mc.name, mc.layer_attention, backend)
+        plan = kv_plan(mc.name, mc.layer_attention, backend, cache.kv_groups)
     return assemble_stack(backend, device, cache, sched, sampler,
-                          loaded.config.max_position_embeddings, tuple(loaded.tokenizer.eos_ids),
-                          model=loaded, requests=requests, quiet=quiet, kv_budget=kv_budget)
+                          mc.max_position_embeddings, tuple(loaded.tokenizer.eos_ids),
+                          model=loaded, requests=requests, quiet=quiet, kv_budget=kv_budget,
+                          groups=plan)
+
+
+def check_model_groups(name: str, layers: tuple[LayerAttention, ...],
+                       backend: KVBackend) -> None:
+    """What the real engine runs of a hybrid-attention model: sliding and full layers, on
+    a backend that attends per layer (:attr:`KVBackend.supports_groups`)."""
+    if any(a.kind == "chunked" for a in layers):
+        raise UserError(f"{name} has chunked-attention layers ({layer_types.describe(layers)})"
+                        ": the real engine does not mask chunks yet; its memory runs in the "
+                        "what-if (executor=roofline roofline.model=<its config.json>)")
+    if not backend.supports_groups:
+        able = ", ".join(n for n, cls in BACKENDS.items() if cls.supports_groups)
+        raise UserError(
+            f"{name} mixes attention types per layer ({layer_types.describe(layers)}): "
+            f"backend {backend.name} cannot attend per layer (a sliding layer's window, "
+            f"its KV cache group's tables); the backends that can: {able}")
+
+
+def kv_plan(name: str, layers: tuple[LayerAttention, ...], backend: KVBackend,
+            mode: str) -> list[KVGroup] | None:
+    """How a hybrid model's cache is laid out (``cache.kv_groups``): its KV cache groups
+    (``grouped``), or None for one uniform cache in which every layer holds every token
+    (``uniform``). Either way the backend's costs are declared per layer type
+    (:class:`~harness.backends.costs.GroupedCosts`) and each layer attends through its
+    :class:`~harness.backends.base.LayerSlot` (its group, storage tensor and window).
+    The run's label of the layout is :func:`kv_plan_label`'s."""
+    per_layer = backend.per_layer_bytes()
+    if per_layer is None:
+        raise UserError(
+            f"{name} mixes attention types per layer ({layer_types.describe(layers)}): "
+            "its cache is laid out per layer type, which takes a backend whose bytes scale "
+            f"with the layers (paged, fp8, int8 without sinks); backend {backend.name} is "
+            "not one yet (issue #29)")
+    kinds = layer_types.groups(layers)
+    bs = backend.costs().block_size
+    windows = [a.span if a.kind == "sliding" else 0 for a in layers]
+    if mode == "uniform":
+        backend.use_costs(GroupedCosts(kinds, per_layer, bs, per_layer * len(layers)))
+        backend.use_layer_slots(tuple(LayerSlot(0, i, w) for i, w in enumerate(windows)))
+        return None
+    plan, size = plan_groups(layers)
+    backend.use_costs(GroupedCosts(kinds, per_layer, bs, per_layer * size))
+    backend.use_layer_slots(tuple(LayerSlot(g, j, w) for (g, j), w in
+                                  zip(assign_layers(layers, plan, size), windows)))
+    return plan
+
+
+def kv_plan_label(layers: tuple[LayerAttention, ...], kv: KVManager) -> str:
+    """``run.kv_groups``: the groups a hybrid model's cache had, or its uniform layout."""
+    if isinstance(kv, GroupedKVManager):
+        return describe_groups(kv.plan, max(g.layers for g in kv.plan))
+    return f"uniform: {layer_types.describe(layers)}, every layer holding every token"
 
 
 def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
@@ -88,8 +157,8 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
     """The stack around ``backend``: the model's forward (``model``), or ``executor``
     (the roofline's), which needs no cache tensors, so none are allocated; the KV
     manager, the scheduler and the backend's sizing are the same either way. ``groups``:
-    KV cache groups of a hybrid-attention model (harness.kv.groups; the roofline only,
-    its backend's costs declared per layer type already)."""
+    KV cache groups of a hybrid-attention model (harness.kv.groups), its backend's costs
+    and layer slots set already (:func:`kv_plan`)."""
     budget = cache.kv_budget if kv_budget is None else kv_budget
     if budget == "auto":
         raise UserError("cache.kv_budget=auto sizes the cache from a hardware spec: it needs "
@@ -160,9 +229,6 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
 def check_groups(cache: CacheSpec, sched: SchedulerConfig, executor: Executor | None,
                  quiet: bool) -> None:
     """What KV cache groups do not do yet (harness.kv.groups), refused or said."""
-    if executor is None:
-        raise UserError("KV cache groups run under executor=roofline only: the model's "
-                        "forward would need a slot mapping per group (issue #29)")
     if sched.preemption_mode == "swap":
         raise UserError("KV cache groups do not swap yet: use scheduler.preemption_mode="
                         "recompute")

@@ -102,7 +102,7 @@ def test_grouped_and_uniform_on_the_same_requests(tmp_path: Path) -> None:
     p = tmp_path / "config.json"
     p.write_text(json.dumps(CONFIG))
     grouped = what_if(p)
-    uniform = what_if(p, "roofline.kv_groups=uniform")
+    uniform = what_if(p, "cache.kv_groups=uniform")
     g, u = grouped.metrics, uniform.metrics
     assert g["run.kv_groups"] == "1 full + 1 sliding 64 (2 layers a group)"
     assert u["run.kv_groups"].startswith("uniform: 2 full + 2 sliding 64")
@@ -150,7 +150,7 @@ def test_prefix_hits_across_groups_in_a_multiturn_what_if(tmp_path: Path) -> Non
               "cache.kv_budget=64MiB", "workload=multiturn", "workload.conversations=6",
               "workload.turns=3", "workload.system_words=40", "workload.user_words=20"]
     grouped = run(compose_cfg(common))
-    uniform = run(compose_cfg([*common, "roofline.kv_groups=uniform"]))
+    uniform = run(compose_cfg([*common, "cache.kv_groups=uniform"]))
     g, u = grouped.metrics, uniform.metrics
     assert g["cache.prefix_hit_rate"] > 0.3
     assert g["cache.prefix_hit_rate"] == pytest.approx(u["cache.prefix_hit_rate"])

@@ -111,16 +111,23 @@ def test_hybrid_models_run_grouped_or_are_refused(tmp_path: Path) -> None:
         m["run.kv_groups"]
 
 
-def test_a_windowed_model_runs_only_on_its_window(tmp_path: Path) -> None:
-    """A Mistral-style folder with a 32-token window on every layer: paged would give it
-    full attention (other tokens than the model's); its own window runs."""
+def test_a_windowed_model_runs_its_window_on_paged_or_its_own_backend(
+        tmp_path: Path) -> None:
+    """A Mistral-style folder with a 32-token window on every layer: paged runs it as one
+    sliding KV cache group (its layers masked to the window, blocks outside it given
+    back), with the same tokens as its own window backend; a backend that cannot attend
+    per layer is refused, never run with full attention."""
     folder = tmp_path / "mistral"
     save_hf(load_model("tiny").model, folder, byte_tokenizer=True)
     raw = json.loads((folder / "config.json").read_text())
     raw.update(model_type="mistral", sliding_window=32)
     (folder / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(UserError, match=r"backend=sliding_window backend\.window=32"):
-        run(tiny("model=hf", f"model.path={folder}"))
-    m = run(tiny("model=hf", f"model.path={folder}", "backend=sliding_window",
-                 "backend.window=32", "backend.sink_tokens=0")).metrics
-    assert m["requests.finished"] > 0
+    grouped = run(tiny("model=hf", f"model.path={folder}"))
+    own = run(tiny("model=hf", f"model.path={folder}", "backend=sliding_window",
+                   "backend.window=32", "backend.sink_tokens=0"))
+    assert grouped.metrics["requests.finished"] > 0
+    assert grouped.metrics["run.kv_groups"] == "1 sliding 32 (2 layers a group)"
+    assert grouped.outputs == own.outputs
+    assert grouped.metrics["cache.evicted_tokens"] > 0
+    with pytest.raises(UserError, match=r"backend quest cannot attend per layer"):
+        run(tiny("model=hf", f"model.path={folder}", "backend=quest"))

@@ -31,24 +31,33 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TINY = list(hm.TINY_PRESETS)
 
 
-def dense_attention(seq_lens: list[int]) -> hm.AttentionFn:
-    """Causal attention over a flat batch of consecutive sequences, no cache."""
+def dense_attention(seq_lens: list[int], windows: list[int] | None = None) -> hm.AttentionFn:
+    """Causal attention over a flat batch of consecutive sequences, no cache; a layer with
+    a window ``w`` (``windows[layer]`` > 0) sees keys j > i - w only."""
     bounds = torch.tensor([0, *seq_lens]).cumsum(0).tolist()
 
     def attn(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         out = torch.empty_like(q)
+        w = windows[layer] if windows else 0
         for lo, hi in pairwise(bounds):
             qs, ks, vs = (x[lo:hi].transpose(0, 1) for x in (q, k, v))
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            i = torch.arange(hi - lo)
+            mask = (i[None, :] <= i[:, None]) & ((i[None, :] > i[:, None] - w) if w else True)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
             out[lo:hi] = o.transpose(0, 1)
         return out
 
     return attn
 
 
+def windows_of(model: LlamaModel) -> list[int]:
+    return [a.span if a.kind == "sliding" else 0 for a in model.config.layer_attention]
+
+
 def run(model: LlamaModel, ids: list[int], indices: Tensor | None = None) -> Tensor:
     x = torch.tensor(ids)
-    logits: Tensor = model(x, torch.arange(len(ids)), dense_attention([len(ids)]), indices)
+    attn = dense_attention([len(ids)], windows_of(model))
+    logits: Tensor = model(x, torch.arange(len(ids)), attn, indices)
     return logits
 
 
@@ -63,7 +72,7 @@ def test_flat_batch_of_two_sequences_equals_each_alone(preset: str) -> None:
     b = torch.randint(0, 256, (12,), generator=gen)
     ids = torch.cat([a, b])
     positions = torch.cat([torch.arange(7), torch.arange(12)])  # restart per sequence
-    both = model(ids, positions, dense_attention([7, 12]))
+    both = model(ids, positions, dense_attention([7, 12], windows_of(model)))
     alone = torch.cat([run(model, a.tolist()), run(model, b.tolist())])
     assert both.dtype == torch.float32 and both.shape == (19, model.config.vocab_size)
     torch.testing.assert_close(both, alone, atol=1e-5, rtol=0)

@@ -18,8 +18,9 @@ caching works across groups as vLLM's hybrid manager does it: each group names i
 with its own salt, and a hit is the longest prefix every group can serve (a sliding group
 needs only the blocks its window still sees). The ledger sums each group's blocks apart
 (its ``tag``), so the waste split is per group too. Not built yet (said where it would be
-asked for): swap, the lower tiers, and the model executor (its forward would need a slot
-mapping per group); those runs are refused or run without them.
+asked for): swap and the lower tiers; those runs are refused or run without them. Under
+``executor=model`` each layer attends through its group's tables (:func:`assign_layers`,
+backends.base.LayerSlot; the engine builds one batch per group from :attr:`members`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,24 @@ def plan_groups(layers: tuple[LayerAttention, ...]) -> tuple[list[KVGroup], int]
         for k in range(cdiv(n, size)):
             out.append(KVGroup(a, min(size, n - k * size)))
     return out, size
+
+
+def assign_layers(layers: tuple[LayerAttention, ...], plan: list[KVGroup],
+                  size: int) -> list[tuple[int, int]]:
+    """(group, position in the group) of every layer, as vLLM assigns them: each attention
+    type's layers, in model order, fill that type's groups in plan order, ``size`` at a
+    time. A layer's position is the pool page's storage it uses (layer j of every group
+    shares the j-th tensor, so a block is a page whichever group takes it)."""
+    out: list[tuple[int, int]] = []
+    seen: dict[LayerAttention, int] = {}
+    for a in layers:
+        k = seen.get(a, 0)
+        seen[a] = k + 1
+        own = [gi for gi, g in enumerate(plan) if g.attention == a]
+        out.append((own[k // size], k % size))
+    for gi, g in enumerate(plan):  # the plan's layer counts are what was assigned
+        assert sum(1 for grp, _ in out if grp == gi) == g.layers, (gi, g, out)
+    return out
 
 
 def describe_groups(plan: list[KVGroup], size: int) -> str:

@@ -4,7 +4,7 @@ Covers the Llama-shaped families (llama, mistral, qwen2) and Gemma 3's text deco
 (gemma3_text). Sliding-window attention is an attention concern and therefore the KV
 backend's: the forward computes whatever attention the backend gives it, and a run gives
 each layer its window (backends.base.LayerSlot) or refuses a model it cannot
-(harness.layer_types.check_backend).
+(harness.stack.check_model_groups).
 """
 
 from __future__ import annotations
@@ -154,7 +154,8 @@ def load_hf(
 def save_hf(model: LlamaModel, folder: str | Path, byte_tokenizer: bool = False) -> None:
     """Write ``model`` as a folder that both `load_hf` and transformers can read.
 
-    Llama naming and config keys; a model with q/k/v bias is written as Qwen2. With
+    Llama naming and config keys; a model with q/k/v bias is written as Qwen2, a Gemma 3
+    one as gemma3_text (its layer types, window, RoPE bases and query scale). With
     ``byte_tokenizer`` the config marks that no tokenizer files are needed.
     """
     c = model.config
@@ -181,6 +182,16 @@ def save_hf(model: LlamaModel, folder: str | Path, byte_tokenizer: bool = False)
         "hidden_act": "silu",
         "torch_dtype": str(model.dtype).removeprefix("torch."),
     }
+    if c.family == "gemma3":
+        windows = {a.span for a in c.layer_attention if a.kind == "sliding"}
+        raw.update({
+            "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
+            "hidden_activation": "gelu_pytorch_tanh", "sliding_window": max(windows, default=0),
+            "layer_types": ["sliding_attention" if a.kind == "sliding" else "full_attention"
+                            for a in c.layer_attention] or None,
+            "query_pre_attn_scalar": int(c.query_pre_attn_scalar or c.head_dim),
+            "rope_local_base_freq": c.rope_local_theta, "pad_token_id": 0})
+        raw.pop("hidden_act")
     if byte_tokenizer:
         raw[BYTE_TOKENIZER_KEY] = "byte"
     (folder / "config.json").write_text(json.dumps(raw, indent=2))

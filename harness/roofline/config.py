@@ -36,11 +36,6 @@ class RooflineConfig:
     # The weight GEMMs' dtype: auto (the activations') or fp8 (W8A8 on the fp8 units;
     # needs weight_dtype=fp8, as TensorRT-LLM's FP8 checkpoints are).
     compute_dtype: str = "auto"
-    # A model whose layers differ in attention (harness.layer_types): "grouped", one KV
-    # cache group per attention type over one pool (a sliding layer holds its window;
-    # harness.kv.groups), or "uniform", every layer holding every token (the sliding
-    # layers still read only their window): what a cache without groups reserves.
-    kv_groups: str = "grouped"
 
     def __post_init__(self) -> None:
         at_least(self, "roofline", 1, "tp")
@@ -53,7 +48,6 @@ class RooflineConfig:
                             f"units: set roofline.weight_dtype=fp8 (got {self.weight_dtype})")
         in_range(self, "roofline", "gpu_memory_utilization", 0.0, 1.0, lo_open=True)
         one_of(self, "roofline", "attention", ("spec", *ATTENTION))
-        one_of(self, "roofline", "kv_groups", ("grouped", "uniform"))
 
     def gemm_dtype(self) -> str:
         """The weight GEMMs' dtype for the step model."""

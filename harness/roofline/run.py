@@ -16,14 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from harness import layer_types
-from harness.backends.base import KVBackend, KVLayout
-from harness.backends.costs import GroupedCosts
+from harness.backends.base import KVLayout
 from harness.engine.sampler import Sampler
-from harness.errors import UserError
-from harness.kv.groups import GroupedKVManager, KVGroup, describe_groups, plan_groups
-from harness.metrics.collector import StepRow
-from harness.metrics.summary import waste_split
+from harness.metrics.groups import group_metrics
 from harness.model import ByteTokenizer, parse_dtype
 from harness.model.tokenizer import Tokenizer
 from harness.roofline.arch import ArchSpec
@@ -35,7 +30,7 @@ from harness.roofline.hardware import get_hardware
 from harness.roofline.models import get_model_spec
 from harness.roofline.profile import kv_dtype_of
 from harness.roofline.steptime import StepModel
-from harness.stack import Stack, assemble_stack, make_backend
+from harness.stack import Stack, assemble_stack, kv_plan, kv_plan_label, make_backend
 from harness.target import ExecutorRecord
 from harness.workloads.base import Workload
 
@@ -57,7 +52,8 @@ def build_roofline(rc: RunConfig, workload: Workload, quiet: bool = False,
     layout = KVLayout(arch.num_layers, arch.num_kv_heads, arch.head_dim, parse_dtype(r.dtype))
     device = torch.device("cpu")  # backends are built for their sizing only: no tensors
     backend = make_backend(rc.backend, layout, device)
-    plan = kv_plan(arch, backend, r.kv_groups)
+    plan = kv_plan(arch.name, arch.layer_attention, backend, rc.cache.kv_groups) \
+        if arch.layer_attention else None
     budget = auto_kv_budget(arch, hw, r) if rc.cache.kv_budget == "auto" else \
         rc.cache.kv_budget
     step = StepModel(arch, hw, backend.bytes_per_slot(), COMPUTE[r.dtype],
@@ -74,52 +70,6 @@ def build_roofline(rc: RunConfig, workload: Workload, quiet: bool = False,
                         requests=workload.initial_requests(), quiet=quiet, kv_budget=budget,
                         groups=plan)
     return st, ex
-
-
-def kv_plan(arch: ArchSpec, backend: KVBackend, mode: str) -> list[KVGroup] | None:
-    """How ``arch``'s cache is laid out: its KV cache groups
-    (``roofline.kv_groups=grouped``), or None for one uniform cache (every layer attends
-    fully, or ``uniform``); a model whose layers differ gets the backend's costs declared
-    per layer type (:class:`~harness.backends.costs.GroupedCosts`). The run's label of the
-    layout is :func:`kv_plan_label`'s."""
-    layers = arch.layer_attention
-    if not layers:
-        return None
-    per_layer = backend.per_layer_bytes()
-    if per_layer is None:
-        raise UserError(
-            f"{arch.name} mixes attention types per layer ({layer_types.describe(layers)}): "
-            "its cache is "
-            "laid out per layer type, which takes a backend whose bytes scale with the "
-            f"layers (paged, fp8, int8 without sinks); backend {backend.name} is not one "
-            "yet (issue #29)")
-    kinds = layer_types.groups(layers)
-    bs = backend.costs().block_size
-    if mode == "uniform":
-        backend.use_costs(GroupedCosts(kinds, per_layer, bs, per_layer * arch.num_layers))
-        return None
-    plan, size = plan_groups(layers)
-    backend.use_costs(GroupedCosts(kinds, per_layer, bs, per_layer * size))
-    return plan
-
-
-def group_peaks(steps: list[StepRow]) -> list[int]:
-    """Most blocks each KV cache group held at a step (steps.csv's ``group_blocks``)."""
-    peaks: list[int] = []
-    for s in steps:
-        for i, n in enumerate(int(x) for x in s.group_blocks.split("|") if x):
-            if i == len(peaks):
-                peaks.append(0)
-            peaks[i] = max(peaks[i], n)
-    return peaks
-
-
-def kv_plan_label(arch: ArchSpec, st: Stack) -> str:
-    """``run.kv_groups``: the groups a hybrid model's cache had, or its uniform layout."""
-    if isinstance(st.kv, GroupedKVManager):
-        return describe_groups(st.kv.plan, max(g.layers for g in st.kv.plan))
-    return (f"uniform: {layer_types.describe(arch.layer_attention)}, every layer holding "
-            "every token")
 
 
 class RooflineTarget:
@@ -145,7 +95,8 @@ class RooflineTarget:
 
     def build(self, workload: Workload) -> Stack:
         st, self.executor = build_roofline(self.rc, workload, arch=self.arch)
-        self.kv_label = kv_plan_label(self.arch, st)
+        if self.arch.layer_attention:
+            self.kv_label = kv_plan_label(self.arch.layer_attention, st.kv)
         return st
 
     def record(self, st: Stack, sim_wall_s: float) -> ExecutorRecord:
@@ -168,18 +119,7 @@ class RooflineTarget:
         if pct is not None:
             metrics["roofline.expected_error_pct"] = pct
         metrics["roofline.kv_bytes_per_token"] = st.sizing.bytes_per_slot
-        if isinstance(st.kv, GroupedKVManager):
-            # The pool's slots are one group's tokens (a page: group_size layers); a
-            # token held by every group takes one slot in each.
-            metrics["memory.kv_group_slots"] = st.sizing.num_slots
-            metrics["memory.token_capacity"] = st.sizing.num_slots // len(st.kv.plan)
-            for i, peak in enumerate(group_peaks(st.collector.steps)):
-                metrics[f"memory.kv_group.{i}.peak_held_bytes"] = peak * st.sizing.block_bytes
-            for i, t in sorted(st.kv.ledger.by_tag.items()):  # the waste split per group
-                if t.reserved:  # (a group has no external fragmentation: paged)
-                    split = waste_split(t)
-                    for k in ("waste_pct", "reservation_pct", "internal_frag_pct"):
-                        metrics[f"memory.kv_group.{i}.{k}"] = split[k]
+        metrics.update(group_metrics(st.kv, st.sizing, st.collector.steps))
         metrics["engine.sim_wall_s"] = sim_wall_s  # this CPU's seconds to simulate the run
         return ExecutorRecord(run, metrics)
 

@@ -1,0 +1,147 @@
+"""Gemma 3 (a hybrid-attention model) through the whole engine against transformers'
+``Gemma3ForCausalLM``: the tiny preset here (seeded weights, a 24-token window on 4 of 6
+layers), the real 270M in tests/test_gemma3_270m.py. Prompts longer than the window,
+prefill chunks straddling its edge, decodes past it; with KV cache groups (a sliding
+group gives blocks back) and without (every layer holds every token, the sliding layers
+masked), on the torch path and the Triton kernels (interpreted on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.backends.base import BackendOptions
+from harness.backends.paged import PagedOptions
+from harness.config import CacheSpec
+from harness.kv.groups import GroupedKVManager
+from harness.metrics.groups import group_peaks
+from harness.model import LoadedModel, load_model
+from harness.model.config import ModelConfig
+from harness.sched.scheduler import SchedulerConfig
+from harness.sched.sequence import SamplingParams
+from harness.stack import Stack, build_stack
+from harness.workloads.base import Request
+from tests.test_engine_transformers import FixedRequests, RecordingSampler
+
+CPU = torch.device("cpu")
+
+
+def hf_gemma3(loaded: LoadedModel) -> torch.nn.Module:
+    """transformers' Gemma 3 with our config and weights (eager attention: its own
+    sliding-window mask)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    c: ModelConfig = loaded.config
+    kinds = ["sliding_attention" if a.kind == "sliding" else "full_attention"
+             for a in c.layer_attention]
+    window = next(a.span for a in c.layer_attention if a.kind == "sliding")
+    cfg = Gemma3TextConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, sliding_window=window,
+        layer_types=kinds, query_pre_attn_scalar=int(c.query_pre_attn_scalar or c.head_dim),
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": c.rope_theta},
+                         "sliding_attention": {"rope_type": "default",
+                                               "rope_theta": c.rope_local_theta}},
+        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=True,
+        attn_implementation="eager", pad_token_id=0)
+    model = Gemma3ForCausalLM(cfg).eval()
+    missing, unexpected = model.load_state_dict(loaded.model.hf_state_dict(), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    return model
+
+
+def engine_run(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int,
+               kv_groups: str = "grouped", budget: str = "256KiB", chunk: int = 16,
+               backend: BackendOptions | None = None) -> tuple[Stack, RecordingSampler]:
+    sampler = RecordingSampler()
+    st = build_stack(loaded, CPU, backend or PagedOptions(name="paged", kernel="torch"),
+                     CacheSpec(kv_budget=budget, kv_groups=kv_groups),
+                     SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=chunk), sampler)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    st.engine.run(FixedRequests([Request(i, p, params) for i, p in enumerate(prompts)]))
+    return st, sampler
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    return load_model("tiny-gemma3")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: LoadedModel) -> torch.nn.Module:
+    return hf_gemma3(tiny)
+
+
+def prompts(loaded: LoadedModel) -> list[list[int]]:
+    tok = loaded.tokenizer
+    return [tok.encode("Sliding windows forget: each of these layers sees 24 tokens back, "
+                       "never more"),
+            tok.encode("while the global layers keep every token of the prompt")]
+
+
+def assert_matches(loaded: LoadedModel, ref: torch.nn.Module, st: Stack,
+                   sampler: RecordingSampler, ps: list[list[int]], max_tokens: int,
+                   tol: float = 1e-4) -> None:
+    for rid, prompt in enumerate(ps):
+        out = st.engine.metrics.groups[rid].seqs[0].output_ids
+        with torch.no_grad():
+            theirs = ref(torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1:]
+        ours = torch.stack(sampler.rows[rid])
+        assert ours.shape[0] == max_tokens
+        assert (ours - theirs.float()).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+@pytest.mark.parametrize("kv_groups", ["grouped", "uniform"])
+def test_engine_logits_match_transformers(tiny: LoadedModel, reference: torch.nn.Module,
+                                          kv_groups: str, kernel: str) -> None:
+    ps = prompts(tiny)
+    assert min(len(p) for p in ps) > 2 * 24, "prompts longer than the window"
+    st, sampler = engine_run(tiny, ps, 12, kv_groups,
+                             backend=PagedOptions(name="paged", kernel=kernel))
+    steps = st.engine.metrics.steps
+    # 16-token chunks: a chunk runs across position 24 (the window's edge) beside decodes
+    assert any(s.decode_tokens and s.prefill_tokens for s in steps)
+    assert isinstance(st.kv, GroupedKVManager) == (kv_groups == "grouped")
+    assert st.backend.kernel == kernel
+    assert_matches(tiny, reference, st, sampler, ps, 12)
+
+
+def test_groups_give_blocks_back_with_identical_tokens(tiny: LoadedModel) -> None:
+    """The same run with and without groups: the same tokens, and the sliding groups hold
+    at most their window while the uniform cache holds every token of every layer."""
+    ps = prompts(tiny)
+    runs = {m: engine_run(tiny, ps, 60, m, budget="1MiB") for m in ("grouped", "uniform")}
+    g = runs["grouped"][0]
+    outs = {m: [g.seqs[0].output_ids for g in st.engine.metrics.groups.values()]
+            for m, (st, _) in runs.items()}
+    assert outs["grouped"] == outs["uniform"]
+    assert isinstance(g.kv, GroupedKVManager)
+    assert g.kv.stats.evicted_tokens > 0  # the sliding groups gave blocks back
+    # Bytes held at the peak: a pool block holds 2 layers (grouped), 6 (uniform).
+    peak = {m: max(s.reserved_bytes for s in st.engine.metrics.steps)
+            for m, (st, _) in runs.items()}
+    assert peak["grouped"] < 0.6 * peak["uniform"], peak
+    # A sliding group's tables keep at most its window + a step's tokens + a block per
+    # sequence (24 + 16 + 16 tokens: 4 blocks of 16, two sequences); the full group more.
+    peaks = group_peaks(g.engine.metrics.steps)
+    kinds = [grp.attention.kind for grp in g.kv.plan]
+    assert kinds == ["full", "sliding", "sliding"]
+    assert max(peaks[1:]) <= 2 * 4 < peaks[0], peaks
+
+
+def test_fp8_runs_groups_and_other_backends_refuse(tiny: LoadedModel) -> None:
+    from harness.backends.quantized import QuantizedOptions
+    from harness.errors import UserError
+
+    ps = prompts(tiny)
+    st, _ = engine_run(tiny, ps, 6, backend=QuantizedOptions(name="fp8", kernel="torch"))
+    assert isinstance(st.kv, GroupedKVManager)
+    from harness.backends.sliding_window import SlidingWindowOptions
+
+    with pytest.raises(UserError, match=r"backend sliding_window cannot attend per layer.*"
+                       r"paged"):
+        engine_run(tiny, ps, 2, backend=SlidingWindowOptions(name="sliding_window"))
+
