@@ -7,6 +7,9 @@ masked), on the torch path and the Triton kernels (interpreted on CPU)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -17,11 +20,14 @@ from harness.kv.groups import GroupedKVManager
 from harness.metrics.groups import group_peaks
 from harness.model import LoadedModel, load_model
 from harness.model.config import ModelConfig
+from harness.runner import run
 from harness.sched.scheduler import SchedulerConfig
 from harness.sched.sequence import SamplingParams
 from harness.stack import Stack, build_stack
 from harness.workloads.base import Request
+from tests.compose import compose_cfg
 from tests.test_engine_transformers import FixedRequests, RecordingSampler
+from tests.test_workloads import DESIGN_KEYS, SMALL
 
 CPU = torch.device("cpu")
 
@@ -145,3 +151,21 @@ def test_fp8_runs_groups_and_other_backends_refuse(tiny: LoadedModel) -> None:
                        r"paged"):
         engine_run(tiny, ps, 2, backend=SlidingWindowOptions(name="sliding_window"))
 
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_every_workload_runs_grouped_with_the_uniform_cache_tokens(name: str,
+                                                                    tmp_path: Path) -> None:
+    """Every workload on the hybrid model with KV cache groups (forks, beams, prefix hits
+    across groups, chunked long prompts, RULER): every design key, the per-group keys,
+    and the same tokens as the uniform cache (exact attention either way)."""
+    ovr = ["model=tiny_gemma3", f"workload={name}", "cache.kv_budget=1MiB", *SMALL[name]]
+    grouped = run(compose_cfg(ovr, tmp_path / "g"))
+    uniform = run(compose_cfg([*ovr, "cache.kv_groups=uniform"], tmp_path / "u"))
+    m = json.loads((tmp_path / "g" / "metrics.json").read_text())
+    assert [k for k in DESIGN_KEYS if k not in m] == []
+    assert m["requests.finished"] == len(grouped.requests) and m["requests.rejected"] == 0
+    assert m["run.kv_groups"] == "1 full + 2 sliding 24 (2 layers a group)"
+    assert m["memory.kv_group.0.peak_held_bytes"] > 0
+    assert uniform.metrics["run.kv_groups"].startswith("uniform: 2 full + 4 sliding 24")
+    assert grouped.outputs == uniform.outputs
