@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from harness.backends.costs import KVCosts, QuantCosts, Read
+from harness.backends.costs import KVCosts, QuantCosts, Read, WindowCosts
 from harness.errors import UserError
 from harness.kv.base import KVManager, StepScores
+from harness.kv.policies.base import EvictionPolicy
 from harness.sched.step import CHECKS, ScheduledSeq, StepRecord
 
 if TYPE_CHECKING:
@@ -204,9 +205,24 @@ class KVBackend(ABC):
         groups (harness.kv.groups) can split by layer. None: this method's costs do not
         split so (per-block metadata, overlays, residuals, evictions)."""
         c = self.costs()
-        if type(c) is KVCosts or (type(c) is QuantCosts and not c.sinks):
+        if type(c) in (KVCosts, WindowCosts) or (type(c) is QuantCosts and not c.sinks):
             n = self.layout.num_layers
             return c.slot_bytes // n if c.slot_bytes % n == 0 else None
+        return None
+
+    def layer_costs(self, layer_bytes: int) -> KVCosts:
+        """One full-attention layer's declaration at ``layer_bytes`` a token: what a
+        hybrid model's full layers read under this method (dense here; a window backend
+        its window: it then compresses the full layers only, the sliding ones keeping
+        their own window)."""
+        c = self.costs()
+        if isinstance(c, WindowCosts):
+            return WindowCosts(layer_bytes, c.block_size, c.window, c.sinks)
+        return KVCosts(layer_bytes, c.block_size)
+
+    def full_group_policy(self) -> EvictionPolicy | None:
+        """The eviction policy a hybrid model's full KV cache groups take from this
+        backend (None: they keep every token)."""
         return None
 
     def use_costs(self, costs: KVCosts) -> None:

@@ -182,30 +182,35 @@ def _chunk_sum(c: int, chunk: int) -> int:
 
 class GroupedCosts(KVCosts):
     """A model whose layers differ in attention (harness.layer_types): each layer type
-    reads what it sees, a full layer every held token, a sliding layer its window, a
-    chunked layer its chunk, at ``layer_bytes`` per token and layer (K/V with scales,
-    bytes that scale with layers). ``slot_bytes`` is what one slot of the cache costs:
-    a KV cache group's page (``group_layers`` layers) under KV cache groups, every layer
-    under a uniform cache. Counts are layer-weighted: ``Read.tokens`` and the prefill
-    pairs are full-model equivalents (tokens x the share of layers that read them)."""
+    reads what it sees, a full layer what the backend's own declaration says for one layer
+    (``full``: every held token for paged; a window's keys for a window backend, which then
+    compresses the full layers only), a sliding layer its window, a chunked layer its
+    chunk, at ``layer_bytes`` per token and layer (K/V with scales, bytes that scale with
+    layers). ``slot_bytes`` is what one slot of the cache costs: a KV cache group's page
+    (``group_layers`` layers) under KV cache groups, every layer under a uniform cache.
+    Counts are layer-weighted: ``Read.tokens`` and the prefill pairs are full-model
+    equivalents (tokens x the share of layers that read them)."""
 
     def __init__(self, layers: list[tuple[LayerAttention, int]], layer_bytes: int,
-                 block_size: int, slot_bytes: int) -> None:
+                 block_size: int, slot_bytes: int, full: KVCosts | None = None) -> None:
         """``layers``: (attention, layer count) per attention type
-        (:func:`harness.layer_types.groups`)."""
+        (:func:`harness.layer_types.groups`); ``full``: one full layer's declaration
+        (default: dense, ``layer_bytes`` a token)."""
         super().__init__(slot_bytes, block_size)
         self.layers, self.layer_bytes = layers, layer_bytes
+        self.full = full if full is not None else KVCosts(layer_bytes, block_size)
         self.total_layers = sum(n for _, n in layers)
 
-    @staticmethod
-    def _seen(a: LayerAttention, context: int, held: int) -> int:
-        """Keys a layer of attention ``a`` reads for the query ending ``context``: what
-        it holds (:meth:`LayerAttention.held`), or every held token for a full layer."""
-        return held if a.kind == "full" else a.held(context)
-
     def decode_read(self, context: int, held: int) -> Read:
-        layer_tokens = sum(n * self._seen(a, context, held) for a, n in self.layers)
-        return Read(layer_tokens // self.total_layers, layer_tokens * self.layer_bytes)
+        layer_tokens = nbytes = 0
+        for a, n in self.layers:
+            if a.kind == "full":
+                r = self.full.decode_read(context, held)
+                layer_tokens, nbytes = layer_tokens + n * r.tokens, nbytes + n * r.bytes
+            else:
+                t = a.held(context)
+                layer_tokens, nbytes = layer_tokens + n * t, nbytes + n * t * self.layer_bytes
+        return Read(layer_tokens // self.total_layers, nbytes)
 
     def prefill_pairs(self, start: int, n: int, held: int) -> int:
         total = 0
@@ -215,17 +220,23 @@ class GroupedCosts(KVCosts):
             elif a.kind == "chunked":
                 p = _chunk_sum(start + n, a.span) - _chunk_sum(start, a.span)
             else:
-                p = KVCosts.prefill_pairs(self, start, n, held)
+                p = self.full.prefill_pairs(start, n, held)
             total += count * p
         return total // self.total_layers
 
     def prefill_read(self, start: int, n: int, held: int) -> Read:
-        """The distinct keys a chunk's queries read together: every held key for a full
-        layer, else from what its first query sees (its window or chunk) to the chunk's
-        end."""
-        layer_tokens = sum(count * (held if a.kind == "full" else n - 1 + a.held(start + 1))
-                           for a, count in self.layers)
-        return Read(layer_tokens // self.total_layers, layer_tokens * self.layer_bytes)
+        """The distinct keys a chunk's queries read together: the full layers' own count,
+        else from what its first query sees (its window or chunk) to the chunk's end."""
+        layer_tokens = nbytes = 0
+        for a, count in self.layers:
+            if a.kind == "full":
+                r = self.full.prefill_read(start, n, held)
+                layer_tokens, nbytes = layer_tokens + count * r.tokens, nbytes + count * r.bytes
+            else:
+                t = n - 1 + a.held(start + 1)
+                layer_tokens += count * t
+                nbytes += count * t * self.layer_bytes
+        return Read(layer_tokens // self.total_layers, nbytes)
 
 
 class HeldSource(Protocol):

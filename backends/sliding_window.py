@@ -22,6 +22,7 @@ from harness.backends.base import CacheSizing, KVLayout
 from harness.backends.paged import PagedBackend, PagedOptions
 from harness.kv.base import KVManager
 from harness.kv.evicting import WindowKVManager
+from harness.kv.policies.base import EvictionPolicy
 from harness.kv.policies.window import WindowPolicy
 
 
@@ -33,7 +34,9 @@ class SlidingWindowOptions(PagedOptions):
 
 class SlidingWindowBackend(PagedBackend):
     name = "sliding_window"
-    supports_groups = False  # its own window over every layer
+    # A hybrid model: the window (and sinks) on its full layers only, its sliding layers
+    # keeping their own (harness.stack.kv_plan; the full KV cache groups give blocks back).
+    supports_groups = True
     exact = False
     Options = SlidingWindowOptions
 
@@ -44,6 +47,9 @@ class SlidingWindowBackend(PagedBackend):
         self.policy = WindowPolicy(o.window, o.sink_tokens)
         self.window = o.window
         self.window_sinks = self.sink_tokens = o.sink_tokens
+
+    def full_group_policy(self) -> EvictionPolicy | None:
+        return self.policy
 
     def make_manager(self, sizing: CacheSizing, **options: Any) -> KVManager:
         return WindowKVManager(sizing.num_blocks, sizing.block_size, self.policy,

@@ -34,6 +34,7 @@ from harness.kv.groups import (
     plan_groups,
 )
 from harness.kv.paged import PagedKVManager
+from harness.kv.policies.window import WindowPolicy
 from harness.kv.tiers import LowerTiers
 from harness.layer_types import LayerAttention
 from harness.metrics.collector import MetricsCollector
@@ -129,22 +130,35 @@ def kv_plan(name: str, layers: tuple[LayerAttention, ...], backend: KVBackend,
             "not one yet (issue #29)")
     kinds = layer_types.groups(layers)
     bs = backend.costs().block_size
+    full = backend.layer_costs(per_layer)
     windows = [a.span if a.kind == "sliding" else 0 for a in layers]
     if mode == "uniform":
-        backend.use_costs(GroupedCosts(kinds, per_layer, bs, per_layer * len(layers)))
+        if backend.full_group_policy() is not None:
+            raise UserError(
+                f"backend {backend.name} compresses a hybrid model's full layers only, "
+                "which takes KV cache groups (one uniform cache cannot give back the full "
+                "layers' blocks and keep the sliding layers' windows): use "
+                "cache.kv_groups=grouped")
+        backend.use_costs(GroupedCosts(kinds, per_layer, bs, per_layer * len(layers), full))
         backend.use_layer_slots(tuple(LayerSlot(0, i, w) for i, w in enumerate(windows)))
         return None
     plan, size = plan_groups(layers)
-    backend.use_costs(GroupedCosts(kinds, per_layer, bs, per_layer * size))
+    backend.use_costs(GroupedCosts(kinds, per_layer, bs, per_layer * size, full))
     backend.use_layer_slots(tuple(LayerSlot(g, j, w) for (g, j), w in
                                   zip(assign_layers(layers, plan, size), windows)))
     return plan
 
 
 def kv_plan_label(layers: tuple[LayerAttention, ...], kv: KVManager) -> str:
-    """``run.kv_groups``: the groups a hybrid model's cache had, or its uniform layout."""
+    """``run.kv_groups``: the groups a hybrid model's cache had (and what compressed its
+    full groups, if anything), or its uniform layout."""
     if isinstance(kv, GroupedKVManager):
-        return describe_groups(kv.plan, max(g.layers for g in kv.plan))
+        label = describe_groups(kv.plan, max(g.layers for g in kv.plan))
+        p = kv.full_policy
+        if isinstance(p, WindowPolicy) and any(g.attention.kind == "full" for g in kv.plan):
+            label += (f"; the full groups windowed by the backend ({p.window} tokens + "
+                      f"{p.sinks} sinks), the sliding ones keeping their own")
+        return label
     return f"uniform: {layer_types.describe(layers)}, every layer holding every token"
 
 
@@ -194,7 +208,8 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
         kv: KVManager = GroupedKVManager(max(1, sizing.num_blocks), sizing.block_size, groups,
                                          watermark=cache.watermark,
                                          max_chunk_tokens=sched.max_num_batched_tokens,
-                                         enable_prefix_caching=prefix_caching)
+                                         enable_prefix_caching=prefix_caching,
+                                         full_policy=backend.full_group_policy())
     else:
         kv = backend.make_manager(dataclasses.replace(
             sizing, num_blocks=max(1, sizing.num_blocks),

@@ -145,11 +145,11 @@ def test_fp8_runs_groups_and_other_backends_refuse(tiny: LoadedModel) -> None:
     ps = prompts(tiny)
     st, _ = engine_run(tiny, ps, 6, backend=QuantizedOptions(name="fp8", kernel="torch"))
     assert isinstance(st.kv, GroupedKVManager)
-    from harness.backends.sliding_window import SlidingWindowOptions
+    from harness.backends.kivi import KIVIOptions
 
-    with pytest.raises(UserError, match=r"backend sliding_window cannot attend per layer.*"
-                       r"paged"):
-        engine_run(tiny, ps, 2, backend=SlidingWindowOptions(name="sliding_window"))
+    with pytest.raises(UserError, match=r"backend kivi cannot attend per layer.*"
+                       r"paged, .*sliding_window"):
+        engine_run(tiny, ps, 2, backend=KIVIOptions(name="kivi"))
 
 
 
@@ -169,3 +169,49 @@ def test_every_workload_runs_grouped_with_the_uniform_cache_tokens(name: str,
     assert m["memory.kv_group.0.peak_held_bytes"] > 0
     assert uniform.metrics["run.kv_groups"].startswith("uniform: 2 full + 4 sliding 24")
     assert grouped.outputs == uniform.outputs
+
+
+def masked_reference(loaded: LoadedModel, ids: list[int],
+                     masks: list[tuple[int, int]]) -> torch.Tensor:
+    """Brute force: the whole sequence in one forward, layer i's query at p seeing keys
+    j <= p with j > p - window or j < sinks (``masks[i]`` = (window, sinks); 0 = all)."""
+    import torch.nn.functional as F
+
+    n = len(ids)
+    i = torch.arange(n)
+    causal = i[None, :] <= i[:, None]
+
+    def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        w, s = masks[layer]
+        mask = causal & ((i[None, :] > i[:, None] - w) | (i[None, :] < s)) if w else causal
+        qs, ks, vs = (x.transpose(0, 1) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+        return o.transpose(0, 1)
+
+    return loaded.model(torch.tensor(ids), i, attn)
+
+
+def test_a_window_backend_compresses_the_full_layers_only(tiny: LoadedModel) -> None:
+    """streaming_llm on a hybrid model: its window and sinks on the full layers (their
+    groups give blocks back), the model's own window on the sliding ones: the logits are
+    the brute-force forward with exactly those masks."""
+    from harness.backends.sliding_window import SlidingWindowOptions
+    from harness.errors import UserError
+
+    ps = prompts(tiny)
+    opts = SlidingWindowOptions(name="streaming_llm", window=12, sink_tokens=4,
+                                kernel="torch")
+    st, sampler = engine_run(tiny, ps, 20, backend=opts, budget="1MiB")
+    assert isinstance(st.kv, GroupedKVManager)
+    masks = [(24, 0) if a.kind == "sliding" else (12, 4) for a in tiny.config.layer_attention]
+    for rid, prompt in enumerate(ps):
+        out = st.engine.metrics.groups[rid].seqs[0].output_ids
+        ref = masked_reference(tiny, prompt + out[:-1], masks)[len(prompt) - 1:]
+        assert (torch.stack(sampler.rows[rid]) - ref).abs().max().item() <= 1e-4
+    # The full group holds sinks + window + a step + a block per sequence, not every token.
+    peaks = group_peaks(st.engine.metrics.steps)
+    assert peaks[0] <= 2 * 3 + 2, peaks  # 4 sinks (1 block) + 12 + 16 tokens: <= 4 blocks
+    label = st.kv.full_policy
+    assert label is not None
+    with pytest.raises(UserError, match=r"use cache\.kv_groups=grouped"):
+        engine_run(tiny, ps, 2, "uniform", backend=opts)

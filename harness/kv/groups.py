@@ -33,6 +33,7 @@ from harness.kv.block_pool import BlockPool
 from harness.kv.evicting import WindowKVManager
 from harness.kv.ledger import ReservationLedger
 from harness.kv.paged import GIVEN_BACK, PagedKVManager, cdiv, pool_admission_error
+from harness.kv.policies.base import EvictionPolicy
 from harness.kv.policies.chunk import ChunkPolicy
 from harness.kv.policies.window import WindowPolicy
 from harness.layer_types import LayerAttention, groups
@@ -97,10 +98,18 @@ class GroupedKVManager:
 
     def __init__(self, num_blocks: int, block_size: int, plan: list[KVGroup], *,
                  watermark: float = 0.01, max_chunk_tokens: int = 2048,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True,
+                 full_policy: EvictionPolicy | None = None) -> None:
         """``max_chunk_tokens``: the most tokens one step adds to a sequence (the
         scheduler's token budget): a sliding or chunked group holds at most its span plus
-        one step's tokens and a block, which is what admission counts for it."""
+        one step's tokens and a block, which is what admission counts for it.
+        ``full_policy``: a positional eviction policy for the full groups (a window
+        backend's: it compresses the layers that keep every token; the sliding and
+        chunked groups already bound theirs); None keeps every token there."""
+        if full_policy is not None and not full_policy.positional:
+            raise ValueError(f"policy {full_policy.name} is not positional: KV cache groups "
+                             "give back whole blocks only")
+        self.full_policy = full_policy
         self.block_size = block_size
         self.max_chunk_tokens = max_chunk_tokens
         self.ledger = ReservationLedger()
@@ -123,9 +132,11 @@ class GroupedKVManager:
         # groups hold different layers.
         common = {"enable_prefix_caching": self.enable_prefix_caching, "watermark": 0.0,
                   "pool": self.pool, "hash_salt": index}
-        if a.kind == "full":
+        if a.kind == "full" and self.full_policy is None:
             return PagedKVManager(num_blocks, self.block_size, **common)  # type: ignore[arg-type]
-        policy = WindowPolicy(a.span, 0) if a.kind == "sliding" else ChunkPolicy(a.span)
+        policy: EvictionPolicy = (self.full_policy if a.kind == "full" and self.full_policy
+                                  else WindowPolicy(a.span, 0) if a.kind == "sliding"
+                                  else ChunkPolicy(a.span))
         return WindowKVManager(num_blocks, self.block_size, policy, **common)
 
     def _sum_stats(self) -> None:
