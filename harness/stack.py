@@ -209,13 +209,14 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
                                          watermark=cache.watermark,
                                          max_chunk_tokens=sched.max_num_batched_tokens,
                                          enable_prefix_caching=prefix_caching,
-                                         full_policy=backend.full_group_policy())
+                                         full_policy=backend.full_group_policy(),
+                                         num_cpu_blocks=sizing.num_cpu_blocks)
     else:
         kv = backend.make_manager(dataclasses.replace(
             sizing, num_blocks=max(1, sizing.num_blocks),
             num_slots=max(sizing.block_size, sizing.num_slots)), **kv_opts)
-    swap = kv if sched.preemption_mode == "swap" and isinstance(kv, PagedKVManager) \
-        and kv.supports_swap else None
+    swap = kv if sched.preemption_mode == "swap" and \
+        isinstance(kv, PagedKVManager | GroupedKVManager) and kv.supports_swap else None
     scheduler = Scheduler(dataclasses.replace(sched, max_model_len=max_model_len),
                           kv, eos_ids, swap=swap)
     if sched.preemption_mode == "swap" and not (swap is not None and sizing.num_cpu_blocks):
@@ -243,10 +244,7 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
 
 def check_groups(cache: CacheSpec, sched: SchedulerConfig, executor: Executor | None,
                  quiet: bool) -> None:
-    """What KV cache groups do not do yet (harness.kv.groups), refused or said."""
-    if sched.preemption_mode == "swap":
-        raise UserError("KV cache groups do not swap yet: use scheduler.preemption_mode="
-                        "recompute")
+    """What KV cache groups do not do yet (harness.kv.groups), said."""
     if not quiet and cache.tiers.enabled:
         print("kvbench: KV cache groups: the prefix cache's lower tiers are not built for "
               "groups yet, so this run has none (run.tiers=off)", file=sys.stderr)

@@ -291,7 +291,7 @@ class PagedMachine(RuleBasedStateMachine):
                     else:
                         holders[b] += 1
         assert pool.ref == holders
-        assert m._cpu_ref == cpu_holders
+        assert m.cpu.ref == cpu_holders
         assert m.num_cpu_blocks_used == len(cpu_holders)
         # Counts the device-resident tables: what would be held on the device without
         # sharing (swapped tables hold CPU blocks).
@@ -342,7 +342,7 @@ class PagedMachine(RuleBasedStateMachine):
                 shadow = self.cpu if g.swapped else self.dev
                 for i in range(ev, len(table)):
                     b, filled = table[i], min(BS, s.num_computed - i * BS)
-                    fill = m._cpu_fill[b] if g.swapped else pool.fill[b]
+                    fill = m.cpu.fill[b] if g.swapped else pool.fill[b]
                     assert fill == filled, (s, i, b, fill, filled)
                     for k in range(filled):
                         assert shadow.get(b * BS + k) == content(s, i * BS + k), (s, i, b, k)

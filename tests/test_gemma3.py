@@ -215,3 +215,18 @@ def test_a_window_backend_compresses_the_full_layers_only(tiny: LoadedModel) -> 
     assert label is not None
     with pytest.raises(UserError, match=r"use cache\.kv_groups=grouped"):
         engine_run(tiny, ps, 2, "uniform", backend=opts)
+
+
+def test_groups_swap_and_come_back_with_the_same_tokens(tmp_path: Path) -> None:
+    """A budget too small for every sequence: swap preemption moves every group's blocks
+    of a sequence group to the shared CPU pool and back; the tokens are the roomy run's."""
+    ovr = ["model=tiny_gemma3", "workload=random", "workload.num_requests=8",
+           "workload.input_min=40", "workload.input_max=90", "workload.output_min=30",
+           "workload.output_max=60", "scheduler.max_num_batched_tokens=32"]
+    roomy = run(compose_cfg([*ovr, "cache.kv_budget=2MiB"]))
+    swapped = run(compose_cfg([*ovr, "cache.kv_budget=160KiB", "cache.swap_space=1MiB",
+                               "scheduler.preemption_mode=swap"], tmp_path))
+    m = swapped.metrics
+    assert m["sched.preemptions_swap"] > 0 and roomy.metrics["sched.preemptions_swap"] == 0
+    assert m["requests.finished"] == 8 and m["run.kv_groups"].startswith("1 full + 2 sliding")
+    assert swapped.outputs == roomy.outputs

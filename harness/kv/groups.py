@@ -18,7 +18,8 @@ caching works across groups as vLLM's hybrid manager does it: each group names i
 with its own salt, and a hit is the longest prefix every group can serve (a sliding group
 needs only the blocks its window still sees). The ledger sums each group's blocks apart
 (its ``tag``), so the waste split is per group too. Not built yet (said where it would be
-asked for): swap and the lower tiers; those runs are refused or run without them. Under
+asked for): the lower tiers (a run goes without them). Swap moves every group's blocks of a
+sequence group to one shared CPU pool and back. Under
 ``executor=model`` each layer attends through its group's tables (:func:`assign_layers`,
 backends.base.LayerSlot; the engine builds one batch per group from :attr:`members`).
 """
@@ -32,7 +33,13 @@ from harness.kv.base import CacheOps, Demand, KVStats, KVUsage, PrefixHit, StepS
 from harness.kv.block_pool import BlockPool
 from harness.kv.evicting import WindowKVManager
 from harness.kv.ledger import ReservationLedger
-from harness.kv.paged import GIVEN_BACK, PagedKVManager, cdiv, pool_admission_error
+from harness.kv.paged import (
+    GIVEN_BACK,
+    CpuSwapPool,
+    PagedKVManager,
+    cdiv,
+    pool_admission_error,
+)
 from harness.kv.policies.base import EvictionPolicy
 from harness.kv.policies.chunk import ChunkPolicy
 from harness.kv.policies.window import WindowPolicy
@@ -94,12 +101,12 @@ def describe_groups(plan: list[KVGroup], size: int) -> str:
 class GroupedKVManager:
     """One KV manager over several groups' managers and one pool (module docstring)."""
 
-    supports_swap = False
+    supports_swap = True  # every group's blocks to one shared CPU pool, and back
 
     def __init__(self, num_blocks: int, block_size: int, plan: list[KVGroup], *,
                  watermark: float = 0.01, max_chunk_tokens: int = 2048,
                  enable_prefix_caching: bool = True,
-                 full_policy: EvictionPolicy | None = None) -> None:
+                 full_policy: EvictionPolicy | None = None, num_cpu_blocks: int = 0) -> None:
         """``max_chunk_tokens``: the most tokens one step adds to a sequence (the
         scheduler's token budget): a sliding or chunked group holds at most its span plus
         one step's tokens and a block, which is what admission counts for it.
@@ -110,6 +117,9 @@ class GroupedKVManager:
             raise ValueError(f"policy {full_policy.name} is not positional: KV cache groups "
                              "give back whole blocks only")
         self.full_policy = full_policy
+        # Swap blocks are pages too: one CPU pool for every group's blocks.
+        self.cpu = CpuSwapPool(num_cpu_blocks)
+        self.num_cpu_blocks = num_cpu_blocks
         self.block_size = block_size
         self.max_chunk_tokens = max_chunk_tokens
         self.ledger = ReservationLedger()
@@ -131,7 +141,7 @@ class GroupedKVManager:
         # Each group names its blocks with its own salt: the same tokens' pages of two
         # groups hold different layers.
         common = {"enable_prefix_caching": self.enable_prefix_caching, "watermark": 0.0,
-                  "pool": self.pool, "hash_salt": index}
+                  "pool": self.pool, "hash_salt": index, "cpu_pool": self.cpu}
         if a.kind == "full" and self.full_policy is None:
             return PagedKVManager(num_blocks, self.block_size, **common)  # type: ignore[arg-type]
         policy: EvictionPolicy = (self.full_policy if a.kind == "full" and self.full_policy
@@ -307,6 +317,39 @@ class GroupedKVManager:
             ops.copies += o.copies
             ops.invalidated += o.invalidated
         return ops
+
+    # -- swap: every group's blocks of a sequence group, or none ---------------------------
+    def _swap_blocks(self, seqs: list[Sequence]) -> int:
+        # A block belongs to one group's tables: the groups' distinct blocks add up.
+        return sum(len(m._distinct(seqs)) for m in self.members)
+
+    def can_swap_out(self, seqs: list[Sequence]) -> bool:
+        return self._swap_blocks(seqs) <= len(self.cpu.free)
+
+    def can_swap_in(self, seqs: list[Sequence]) -> bool:
+        return self._swap_blocks(seqs) <= self.pool.num_free - self.watermark_blocks
+
+    def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Every group's blocks of ``seqs`` to the shared CPU pool: (device block, cpu
+        block) copies; a copy moves the whole page (every storage layer's block)."""
+        out: list[tuple[int, int]] = []
+        for i, m in enumerate(self.members):
+            self.ledger.tag = i
+            out += m.swap_out(seqs)
+        self.ledger.tag = None
+        return out
+
+    def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        out: list[tuple[int, int]] = []
+        for i, m in enumerate(self.members):
+            self.ledger.tag = i
+            out += m.swap_in(seqs)
+        self.ledger.tag = None
+        return out
+
+    @property
+    def num_cpu_blocks_used(self) -> int:
+        return self.num_cpu_blocks - len(self.cpu.free)
 
     # -- the step's clock and eviction -----------------------------------------------------
     def end_forward(self) -> None:

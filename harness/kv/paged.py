@@ -71,6 +71,17 @@ class SeqBlocks:
         return len(self.table) - self.given_back
 
 
+class CpuSwapPool:
+    """CPU swap blocks: the free ids, each used block's reference count (blocks shared by
+    forks move once) and fill. One per manager, or one shared by KV cache groups."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.free: deque[int] = deque(range(num_blocks))
+        self.ref: dict[int, int] = {}
+        self.fill: dict[int, int] = {}
+
+
 class PagedKVManager:
     """Block-table bookkeeping over a :class:`BlockPool` plus a CPU swap pool, and
     optionally lower tiers of the prefix cache (``tiers``: host memory, disk) that named
@@ -81,9 +92,10 @@ class PagedKVManager:
     def __init__(self, num_blocks: int, block_size: int, *, num_cpu_blocks: int = 0,
                  enable_prefix_caching: bool = True, watermark: float = 0.01,
                  tiers: LowerTiers | None = None, pool: BlockPool | None = None,
-                 hash_salt: int | None = None) -> None:
+                 hash_salt: int | None = None, cpu_pool: CpuSwapPool | None = None) -> None:
         """``pool``: a block pool shared with other managers (KV cache groups,
-        harness.kv.groups: each group's tables over one pool); default: its own.
+        harness.kv.groups: each group's tables over one pool); default: its own; likewise
+        ``cpu_pool``, the swap blocks (default: ``num_cpu_blocks`` of its own).
         ``hash_salt``: mixed into every block hash (a group's blocks hold other layers
         than another group's for the same tokens: their names must differ)."""
         self.block_size = block_size
@@ -97,10 +109,8 @@ class PagedKVManager:
         # At least one block whenever a watermark is asked for: int(0.01 * 45) would be 0,
         # and an admission that fills the pool to the last block preempts at once.
         self.watermark_blocks = max(1, int(watermark * num_blocks)) if watermark > 0 else 0
-        self.num_cpu_blocks = num_cpu_blocks
-        self._cpu_free: deque[int] = deque(range(num_cpu_blocks))
-        self._cpu_ref: dict[int, int] = {}
-        self._cpu_fill: dict[int, int] = {}
+        self.cpu = cpu_pool if cpu_pool is not None else CpuSwapPool(num_cpu_blocks)
+        self.num_cpu_blocks = self.cpu.num_blocks
         self._seqs: dict[int, SeqBlocks] = {}  # seq id -> its blocks
         self._ops = CacheOps()
         self.logical_blocks = 0
@@ -444,7 +454,7 @@ class PagedKVManager:
         return {b for st in self._held(seqs) for b in st.table if b >= 0}
 
     def can_swap_out(self, seqs: list[Sequence]) -> bool:
-        return len(self._distinct(seqs)) <= len(self._cpu_free)
+        return len(self._distinct(seqs)) <= len(self.cpu.free)
 
     def can_swap_in(self, seqs: list[Sequence]) -> bool:
         return len(self._distinct(seqs)) <= self.pool.num_free - self.watermark_blocks
@@ -452,6 +462,7 @@ class PagedKVManager:
     def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
         """Move the group's blocks to CPU; returns (device block, cpu block) copies."""
         mapping: dict[int, int] = {}
+        cpu = self.cpu
         held = self._held(seqs)
         for st in held:
             table = st.table
@@ -459,12 +470,12 @@ class PagedKVManager:
                 if b < 0:
                     continue
                 if b not in mapping:
-                    c = self._cpu_free.popleft()
+                    c = cpu.free.popleft()
                     mapping[b] = c
-                    self._cpu_ref[c] = 0
-                    self._cpu_fill[c] = self.pool.fill[b]
+                    cpu.ref[c] = 0
+                    cpu.fill[c] = self.pool.fill[b]
                 c = mapping[b]
-                self._cpu_ref[c] += 1
+                cpu.ref[c] += 1
                 table[i] = c
                 self.pool.release(b)
         self.stats.swapped_out_blocks += len(mapping)
@@ -475,6 +486,7 @@ class PagedKVManager:
     def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
         """Bring a swapped group back; returns (cpu block, device block) copies."""
         mapping: dict[int, int] = {}
+        cpu = self.cpu
         held = self._held(seqs)
         for st in held:
             table = st.table
@@ -484,15 +496,15 @@ class PagedKVManager:
                 if c not in mapping:
                     b = self.pool.allocate()
                     assert b is not None, "can_swap_in must be called first"
-                    self.pool.set_fill(b, self._cpu_fill[c])
+                    self.pool.set_fill(b, cpu.fill[c])
                     mapping[c] = b
                 else:
                     self.pool.touch(mapping[c])
                 table[i] = mapping[c]
-                self._cpu_ref[c] -= 1
-                if self._cpu_ref[c] == 0:
-                    del self._cpu_ref[c], self._cpu_fill[c]
-                    self._cpu_free.append(c)
+                cpu.ref[c] -= 1
+                if cpu.ref[c] == 0:
+                    del cpu.ref[c], cpu.fill[c]
+                    cpu.free.append(c)
         self.stats.swapped_in_blocks += len(mapping)
         self.logical_blocks += sum(st.num_held for st in held)
         return list(mapping.items())
@@ -505,4 +517,4 @@ class PagedKVManager:
 
     @property
     def num_cpu_blocks_used(self) -> int:
-        return self.num_cpu_blocks - len(self._cpu_free)
+        return self.num_cpu_blocks - len(self.cpu.free)
