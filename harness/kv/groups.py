@@ -332,20 +332,19 @@ class GroupedKVManager:
     def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
         """Every group's blocks of ``seqs`` to the shared CPU pool: (device block, cpu
         block) copies; a copy moves the whole page (every storage layer's block)."""
-        out: list[tuple[int, int]] = []
-        for i, m in enumerate(self.members):
-            self.ledger.tag = i
-            out += m.swap_out(seqs)
-        self.ledger.tag = None
-        return out
+        return self._swap(seqs, out=True)
 
     def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
-        out: list[tuple[int, int]] = []
+        """Every group's swapped blocks of ``seqs`` back: (cpu block, device block)."""
+        return self._swap(seqs, out=False)
+
+    def _swap(self, seqs: list[Sequence], out: bool) -> list[tuple[int, int]]:
+        copies: list[tuple[int, int]] = []
         for i, m in enumerate(self.members):
-            self.ledger.tag = i
-            out += m.swap_in(seqs)
+            self.ledger.tag = i  # blocks taken back in are the group's (the waste split)
+            copies += m.swap_out(seqs) if out else m.swap_in(seqs)
         self.ledger.tag = None
-        return out
+        return copies
 
     @property
     def num_cpu_blocks_used(self) -> int:

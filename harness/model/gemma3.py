@@ -110,11 +110,10 @@ class Gemma3Model(LlamaModel):
             gate, up = F.linear(x, layer.gate_up_weight).chunk(2, dim=-1)
             mlp = F.linear(F.gelu(gate, approximate="tanh") * up, layer.down_weight)
             h = h + gemma_norm(mlp, layer.post_ff_norm, eps)
-        if logits_indices is not None:
-            h = h[logits_indices]
-        h = gemma_norm(h, self.final_norm, eps)
-        head = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(h, head).float()
+        return self.logits(h, logits_indices)
+
+    def norm(self, x: Tensor, weight: Tensor) -> Tensor:
+        return gemma_norm(x, weight, self.config.rms_norm_eps)
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Llama's names, with Gemma's norms: ``post_attention_layernorm`` follows the

@@ -129,11 +129,19 @@ class LlamaModel(nn.Module):
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
             gate, up = F.linear(x, layer.gate_up_weight).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, layer.down_weight)
+        return self.logits(h, logits_indices)
+
+    def norm(self, x: Tensor, weight: Tensor) -> Tensor:
+        """The model's RMSNorm (Llama's; Gemma's scales by 1 + w)."""
+        return rms_norm(x, weight, self.config.rms_norm_eps)
+
+    def logits(self, h: Tensor, logits_indices: Tensor | None) -> Tensor:
+        """float32 logits of the rows ``logits_indices`` of the last hidden states ``h``
+        (T, hidden) (None: all): the final norm, then the head (tied or not)."""
         if logits_indices is not None:
             h = h[logits_indices]
-        h = rms_norm(h, self.final_norm, c.rms_norm_eps)
         head = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(h, head).float()
+        return F.linear(self.norm(h, self.final_norm), head).float()
 
     # ---- weights in Hugging Face naming -------------------------------------------------
 
