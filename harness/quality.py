@@ -23,6 +23,7 @@ import torch
 
 from harness.backends.base import BackendOptions
 from harness.backends.contiguous import ContiguousOptions
+from harness.backends.paged import PagedOptions
 from harness.engine.sampler import Sampler
 from harness.errors import UserError
 from harness.metrics.bootstrap import ci_keys
@@ -41,6 +42,15 @@ if TYPE_CHECKING:
 # The exact reference every backend is scored against: its own reservation per sequence,
 # nothing shared, nothing evicted, fp32 (reference_model).
 REFERENCE = ContiguousOptions(name="contiguous", reserve="exact")
+# A hybrid-attention model's reference attends each layer through its window (KV cache
+# groups, backends.base.LayerSlot), which contiguous storage does not: exact paged then.
+HYBRID_REFERENCE = PagedOptions(name="paged", kernel="torch")
+
+
+def reference_backend(loaded: LoadedModel) -> BackendOptions:
+    """The exact reference for ``loaded``: :data:`REFERENCE`, or for a model whose layers
+    differ in attention :data:`HYBRID_REFERENCE`."""
+    return HYBRID_REFERENCE if loaded.config.layer_attention else REFERENCE
 
 
 def load_texts(cfg: QualityConfig, loaded: LoadedModel) -> list[list[int]]:
@@ -178,7 +188,8 @@ def evaluate_quality(loaded: LoadedModel, device: torch.device, rc: RunConfig,
     # Budgets: the reference holds every text whole; the backend gets the run's budget.
     ref_budget = fp32_bytes_per_token(ref_model) * (qc.text_tokens + 16) * len(texts) * 2
     ref = ForcedSampler(texts, qc.prefill_tokens)
-    _stream(ref_model, device, REFERENCE, rc, ref, texts, qc.prefill_tokens, ref_budget)
+    _stream(ref_model, device, reference_backend(ref_model), rc, ref, texts,
+            qc.prefill_tokens, ref_budget)
     test = ForcedSampler(texts, qc.prefill_tokens, reference=ref.stacked())
     held_mean, held_peak, reads = _stream(loaded, device, rc.backend, rc, test, texts,
                                           qc.prefill_tokens, rc.cache.kv_budget)
@@ -229,8 +240,9 @@ def generation_agreement(loaded: LoadedModel, device: torch.device, rc: RunConfi
     ref_model = reference_model(loaded, rc, device)
     workload = make_workload(rc.workload, ref_model.tokenizer)
     budget = fp32_bytes_per_token(ref_model) * max(2 * capacity, 4096)
-    st = build_stack(ref_model, device, REFERENCE, rc.cache.without_tiers(), rc.scheduler,
-                     Sampler(rc.seed), quiet=True, kv_budget=budget)
+    st = build_stack(ref_model, device, reference_backend(ref_model),
+                     rc.cache.without_tiers(), rc.scheduler, Sampler(rc.seed), quiet=True,
+                     kv_budget=budget)
     st.engine.run(workload)
     return agreement(outputs, st.collector.outputs())
 

@@ -26,6 +26,7 @@ from harness.engine.executor import Executor
 from harness.engine.sampler import Sampler
 from harness.errors import UserError
 from harness.kv.base import KVManager
+from harness.kv.evicting import WindowKVManager
 from harness.kv.groups import (
     GroupedKVManager,
     KVGroup,
@@ -123,12 +124,22 @@ def kv_plan(name: str, layers: tuple[LayerAttention, ...], backend: KVBackend,
     The run's label of the layout is :func:`kv_plan_label`'s."""
     per_layer = backend.per_layer_bytes()
     if per_layer is None:
+        sinks = getattr(backend, "sink_tokens", 0)
+        fix = ("set backend.sink_tokens=0 (its full-precision sinks are per sequence, not "
+               "per layer)" if backend.name in ("fp8", "int8") and sinks else
+               "use backend=paged, fp8, int8 (without sinks) or sliding_window")
         raise UserError(
             f"{name} mixes attention types per layer ({layer_types.describe(layers)}): "
             "its cache is laid out per layer type, which takes a backend whose bytes scale "
-            f"with the layers (paged, fp8, int8 without sinks); backend {backend.name} is "
-            "not one yet (issue #29)")
+            f"with the layers; backend {backend.name} as configured is not one: {fix}")
     kinds = layer_types.groups(layers)
+    if backend.full_group_policy() is not None and all(a.kind != "full" for a in layers):
+        span = layers[0].span
+        raise UserError(
+            f"{name} has no full-attention layer ({layer_types.describe(layers)}): backend "
+            f"{backend.name}'s window would apply to none of them and be ignored. Run it "
+            f"with backend=paged (its own windows), or backend.window={span} "
+            "backend.sink_tokens=0 (the model's own cache)")
     bs = backend.costs().block_size
     full = backend.layer_costs(per_layer)
     windows = [a.span if a.kind == "sliding" else 0 for a in layers]
@@ -151,7 +162,10 @@ def kv_plan(name: str, layers: tuple[LayerAttention, ...], backend: KVBackend,
 
 def kv_plan_label(layers: tuple[LayerAttention, ...], kv: KVManager) -> str:
     """``run.kv_groups``: the groups a hybrid model's cache had (and what compressed its
-    full groups, if anything), or its uniform layout."""
+    full groups, if anything), the model's own window (one window over every layer, run as
+    ``backend=sliding_window`` with it), or its uniform layout."""
+    if isinstance(kv, WindowKVManager) and len(set(layers)) == 1:
+        return f"the model's own window: {layer_types.describe(layers)}, one cache"
     if isinstance(kv, GroupedKVManager):
         label = describe_groups(kv.plan, max(g.layers for g in kv.plan))
         p = kv.full_policy
@@ -190,7 +204,7 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
     prefix_caching = bool(cache.enable_prefix_caching and backend.supports_prefix_caching
                           and backend.storage == "paged")
     if groups:
-        check_groups(cache, sched, executor, quiet)
+        check_groups(cache, quiet)
     if cache.enable_prefix_caching and not backend.supports_prefix_caching and not quiet:
         print(f"kvbench: backend {backend.name} rewrites cached blocks, so prefix caching "
               "is off for this run (run.prefix_caching=false)", file=sys.stderr)
@@ -242,8 +256,7 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
     return Stack(backend, sizing, kv, scheduler, collector, engine, prefix_caching, tiers)
 
 
-def check_groups(cache: CacheSpec, sched: SchedulerConfig, executor: Executor | None,
-                 quiet: bool) -> None:
+def check_groups(cache: CacheSpec, quiet: bool) -> None:
     """What KV cache groups do not do yet (harness.kv.groups), said."""
     if not quiet and cache.tiers.enabled:
         print("kvbench: KV cache groups: the prefix cache's lower tiers are not built for "

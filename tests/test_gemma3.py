@@ -143,8 +143,13 @@ def test_fp8_runs_groups_and_other_backends_refuse(tiny: LoadedModel) -> None:
     from harness.errors import UserError
 
     ps = prompts(tiny)
-    st, _ = engine_run(tiny, ps, 6, backend=QuantizedOptions(name="fp8", kernel="torch"))
+    fp8 = QuantizedOptions(name="fp8", kernel="torch")
+    st, _ = engine_run(tiny, ps, 30, backend=fp8, budget="1MiB")
+    uni, _ = engine_run(tiny, ps, 30, "uniform", backend=fp8, budget="1MiB")
     assert isinstance(st.kv, GroupedKVManager)
+    # Per-token scales: the same bytes whichever storage tensor and block hold a token,
+    # so a layer reading another group's or layer's blocks would change the tokens.
+    assert st.engine.metrics.outputs() == uni.engine.metrics.outputs()
     from harness.backends.kivi import KIVIOptions
 
     with pytest.raises(UserError, match=r"backend kivi cannot attend per layer.*"
@@ -211,8 +216,6 @@ def test_a_window_backend_compresses_the_full_layers_only(tiny: LoadedModel) -> 
     # The full group holds sinks + window + a step + a block per sequence, not every token.
     peaks = group_peaks(st.engine.metrics.steps)
     assert peaks[0] <= 2 * 3 + 2, peaks  # 4 sinks (1 block) + 12 + 16 tokens: <= 4 blocks
-    label = st.kv.full_policy
-    assert label is not None
     with pytest.raises(UserError, match=r"use cache\.kv_groups=grouped"):
         engine_run(tiny, ps, 2, "uniform", backend=opts)
 
@@ -229,4 +232,23 @@ def test_groups_swap_and_come_back_with_the_same_tokens(tmp_path: Path) -> None:
     m = swapped.metrics
     assert m["sched.preemptions_swap"] > 0 and roomy.metrics["sched.preemptions_swap"] == 0
     assert m["requests.finished"] == 8 and m["run.kv_groups"].startswith("1 full + 2 sliding")
+    assert m["sched.swapped_bytes"] > 0  # every group's swapped blocks counted
     assert swapped.outputs == roomy.outputs
+
+
+def test_the_record_and_the_quality_reference_of_a_hybrid_model() -> None:
+    """run.kv_groups names a window backend on the full groups; the quality evaluation's
+    exact reference attends per layer too (paged: contiguous cannot), so exact paged
+    scores as the reference does."""
+    base = ["model=tiny_gemma3", "workload=random", "workload.num_requests=3",
+            "workload.input_max=60", "workload.output_max=20", "cache.kv_budget=1MiB"]
+    m = run(compose_cfg([*base, "backend=streaming_llm", "backend.window=12"])).metrics
+    assert m["run.kv_groups"] == ("1 full + 2 sliding 24 (2 layers a group); the full groups "
+                                  "windowed by the backend (12 tokens + 4 sinks), the sliding "
+                                  "ones keeping their own")
+    q = run(compose_cfg([*base, "quality.enabled=true", "quality.text_tokens=80",
+                         "quality.prefill_tokens=16", "quality.num_texts=2",
+                         "quality.generation_agreement=true"])).metrics
+    assert abs(q["quality.ppl_delta_pct"]) < 1e-3 and q["quality.top1_agreement"] == 1.0
+    # generation agreement reruns the workload on the reference: every token the same
+    assert q["quality.gen_exact_match_rate"] == 1.0

@@ -129,5 +129,11 @@ def test_a_windowed_model_runs_its_window_on_paged_or_its_own_backend(
     assert grouped.metrics["run.kv_groups"] == "1 sliding 32 (2 layers a group)"
     assert grouped.outputs == own.outputs
     assert grouped.metrics["cache.evicted_tokens"] > 0
+    assert own.metrics["run.kv_groups"] == "the model's own window: 2 sliding 32, one cache"
+    # Another window over a model that has no full layer would apply to none: refused.
+    with pytest.raises(UserError, match=r"no full-attention layer.*backend\.window=32 "
+                       r"backend\.sink_tokens=0"):
+        run(tiny("model=hf", f"model.path={folder}", "backend=sliding_window",
+                 "backend.window=16"))
     with pytest.raises(UserError, match=r"backend quest cannot attend per layer"):
         run(tiny("model=hf", f"model.path={folder}", "backend=quest"))

@@ -153,7 +153,7 @@ class GroupedKVManager:
         """The groups' counters into :attr:`stats`: copies and given-back tokens summed;
         prefix lookups and hits as the first group counted them (a hit is a hit of every
         group: counted once)."""
-        for f in ("cow_copies", "evicted_tokens"):
+        for f in ("cow_copies", "evicted_tokens", "swapped_out_blocks", "swapped_in_blocks"):
             setattr(self.stats, f, sum(getattr(m.stats, f) for m in self.members))
         first = self.members[0].stats
         for f in ("prefix_query_tokens", "prefix_hit_tokens", "self_hit_tokens"):
@@ -162,7 +162,12 @@ class GroupedKVManager:
     # -- admission -------------------------------------------------------------------
     def slots_needed(self, prompt_len: int, max_tokens: int, n: int) -> int:
         bs, total = self.block_size, prompt_len + max_tokens
-        full = self.members[0].slots_needed(prompt_len, max_tokens, n)  # a paged count
+        p = self.full_policy
+        if isinstance(p, WindowPolicy):  # a windowed full group: its sinks' blocks on top
+            full = n * cdiv(min(total, p.window + cdiv(p.sinks, bs) * bs
+                                + self.max_chunk_tokens + bs), bs) * bs
+        else:  # a paged count (the first group is a full one when the model has any)
+            full = self.members[0].slots_needed(prompt_len, max_tokens, n)
         out = 0
         for g in self.plan:
             if g.attention.kind == "full":
@@ -302,9 +307,9 @@ class GroupedKVManager:
         return self.members[0].holds(seq)
 
     def held_tokens(self, seq: Sequence) -> int:
-        """The first group's held tokens (a full group's: every computed token, when the
-        model has one). Reads are declared per group from the context
-        (harness.backends.costs.GroupedCosts), not from this."""
+        """The first group's held tokens: a full group's when the model has one (the plan
+        puts full groups first), which is what GroupedCosts' full layers read; its sliding
+        and chunked layers' reads come from the context."""
         return self.members[0].held_tokens(seq)
 
     def tables(self, seqs: list[Sequence]) -> list[list[int]]:

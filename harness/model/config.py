@@ -37,7 +37,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     # Every layer's attention (harness.layer_types; empty: full everywhere). The forward
-    # computes full attention; a window is the KV backend's (backend=sliding_window).
+    # never masks: each layer's window is applied by the KV backend (its LayerSlot,
+    # backends.base, set by harness.stack.kv_plan).
     layer_attention: tuple[LayerAttention, ...] = ()
     # "llama" (harness.model.llama) or "gemma3" (harness.model.gemma3: QK-norm, GeGLU,
     # pre- and post-norms, scaled embeddings).

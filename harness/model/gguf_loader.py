@@ -18,6 +18,7 @@ from torch import Tensor
 
 from harness import layer_types
 from harness.errors import UserError
+from harness.layer_types import FULL, LayerAttention
 from harness.model.config import ModelConfig
 from harness.model.gemma3 import make_model
 from harness.model.llama import LlamaModel
@@ -130,8 +131,15 @@ def read_config(reader: Any, name: str) -> ModelConfig:
     extra: dict[str, Any] = {}
     if gemma:
         window = int(get("attention.sliding_window"))
-        pattern = int(_field(reader, f"{arch}.attention.sliding_window_pattern",
-                             GEMMA3_PATTERN))
+        pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", GEMMA3_PATTERN)
+        if isinstance(pattern, list):  # newer converters: one flag per layer (True: slides)
+            if len(pattern) != layers:
+                raise ValueError(f"{arch}.attention.sliding_window_pattern has {len(pattern)} "
+                                 f"entries for {layers} layers")
+            kinds = [LayerAttention("sliding", window) if p else FULL for p in pattern]
+        else:
+            kinds = list(layer_types.from_hf(
+                {"sliding_window": window, "sliding_window_pattern": int(pattern)}, layers))
         extra = {
             "family": "gemma3",
             "rope_local_theta": GEMMA3_LOCAL_THETA,
@@ -139,8 +147,7 @@ def read_config(reader: Any, name: str) -> ModelConfig:
             # 1/sqrt(hidden / heads) for the 27B (62 layers; config.json's
             # query_pre_attn_scalar=168) and 1/sqrt(head_dim) for every other size: so here.
             "query_pre_attn_scalar": float(hidden // heads if layers == 62 else head_dim),
-            "layer_attention": layer_types.compact(layer_types.from_hf(
-                {"sliding_window": window, "sliding_window_pattern": pattern}, layers)),
+            "layer_attention": layer_types.compact(tuple(kinds)),
         }
     return ModelConfig(
         name=name,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from harness import layer_types
 from harness.backends.base import KVLayout
 from harness.engine.sampler import Sampler
 from harness.metrics.groups import group_metrics
@@ -52,8 +53,9 @@ def build_roofline(rc: RunConfig, workload: Workload, quiet: bool = False,
     layout = KVLayout(arch.num_layers, arch.num_kv_heads, arch.head_dim, parse_dtype(r.dtype))
     device = torch.device("cpu")  # backends are built for their sizing only: no tensors
     backend = make_backend(rc.backend, layout, device)
-    plan = kv_plan(arch.name, arch.layer_attention, backend, rc.cache.kv_groups) \
-        if arch.layer_attention else None
+    layers = arch.layer_attention
+    plan = kv_plan(arch.name, layers, backend, rc.cache.kv_groups) \
+        if layers and not layer_types.own_window(layers, rc.backend) else None
     budget = auto_kv_budget(arch, hw, r) if rc.cache.kv_budget == "auto" else \
         rc.cache.kv_budget
     step = StepModel(arch, hw, backend.bytes_per_slot(), COMPUTE[r.dtype],
