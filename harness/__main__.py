@@ -307,6 +307,10 @@ def cli() -> None:
         _fail(e, full_error)
 
 
+# Options that moved: an old override names its new key in the error.
+MOVED = {"roofline.kv_groups": "cache.kv_groups (it applies to both executors)"}
+
+
 def _fail(e: Exception, full_error: bool) -> None:
     """Report an error that reached the top (Hydra's, or a launcher's) and exit."""
     from omegaconf.errors import OmegaConfBaseException
@@ -326,8 +330,9 @@ def _fail(e: Exception, full_error: bool) -> None:
         sys.exit(EXIT_USER if _is_config_error(e) else EXIT_CRASH)
     cause = e.__cause__
     extra = f"\n{cause}" if isinstance(cause, OmegaConfBaseException) else ""
-    print(f"{e}{extra}\n\nkvbench: configuration error (python -m harness --help lists the "
-          "options)", file=sys.stderr)
+    moved = [f"\n{old} is now {new}" for old, new in MOVED.items() if old in f"{e}{extra}"]
+    print(f"{e}{extra}{''.join(moved)}\n\nkvbench: configuration error (python -m harness "
+          "--help lists the options)", file=sys.stderr)
     sys.exit(EXIT_USER)
 
 

@@ -46,3 +46,10 @@ def test_sweep_through_separate_processes(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     runs = sorted(m.parent.name for m in tmp_path.rglob("metrics.json"))
     assert runs == ["0-paged-multiturn", "1-contiguous-multiturn"]
+
+
+def test_a_moved_option_names_its_new_key(tmp_path: Path) -> None:
+    p = harness(*SMALL, "roofline.kv_groups=uniform", f"hydra.run.dir={tmp_path}/run",
+                cwd=tmp_path)
+    assert p.returncode == 2
+    assert "roofline.kv_groups is now cache.kv_groups" in p.stderr
