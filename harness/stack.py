@@ -203,8 +203,6 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
               "backend.block_size", file=sys.stderr)
     prefix_caching = bool(cache.enable_prefix_caching and backend.supports_prefix_caching
                           and backend.storage == "paged")
-    if groups:
-        check_groups(cache, quiet)
     if cache.enable_prefix_caching and not backend.supports_prefix_caching and not quiet:
         print(f"kvbench: backend {backend.name} rewrites cached blocks, so prefix caching "
               "is off for this run (run.prefix_caching=false)", file=sys.stderr)
@@ -213,7 +211,7 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
                                if backend.storage == "paged" else
                                {"max_model_len": max_model_len, "watermark": cache.watermark,
                                 "granule": sizing.block_size})
-    tiers = None if groups else make_tiers(cache, backend, sizing, prefix_caching, quiet)
+    tiers = make_tiers(cache, backend, sizing, prefix_caching, quiet)
     if tiers is not None:
         kv_opts["tiers"] = tiers
     # A budget below one block still gets a 1-block manager, only so that check_budget
@@ -224,7 +222,7 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
                                          max_chunk_tokens=sched.max_num_batched_tokens,
                                          enable_prefix_caching=prefix_caching,
                                          full_policy=backend.full_group_policy(),
-                                         num_cpu_blocks=sizing.num_cpu_blocks)
+                                         num_cpu_blocks=sizing.num_cpu_blocks, tiers=tiers)
     else:
         kv = backend.make_manager(dataclasses.replace(
             sizing, num_blocks=max(1, sizing.num_blocks),
@@ -254,13 +252,6 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
     engine = Engine(model.model if model is not None else None, backend, scheduler, sampler,
                     collector, device, executor)
     return Stack(backend, sizing, kv, scheduler, collector, engine, prefix_caching, tiers)
-
-
-def check_groups(cache: CacheSpec, quiet: bool) -> None:
-    """What KV cache groups do not do yet (harness.kv.groups), said."""
-    if not quiet and cache.tiers.enabled:
-        print("kvbench: KV cache groups: the prefix cache's lower tiers are not built for "
-              "groups yet, so this run has none (run.tiers=off)", file=sys.stderr)
 
 
 def make_tiers(cache: CacheSpec, backend: KVBackend, sizing: CacheSizing,

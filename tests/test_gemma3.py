@@ -252,3 +252,47 @@ def test_the_record_and_the_quality_reference_of_a_hybrid_model() -> None:
     assert abs(q["quality.ppl_delta_pct"]) < 1e-3 and q["quality.top1_agreement"] == 1.0
     # generation agreement reruns the workload on the reference: every token the same
     assert q["quality.gen_exact_match_rate"] == 1.0
+
+
+def test_groups_take_the_prefix_cache_tiers_with_the_same_tokens(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Multi-turn histories leave a small device pool and come back from the CPU and disk
+    tiers, every group's pages under its own names (the sliding groups' given-back blocks
+    go down too): the same tokens as without tiers (KVBENCH_CHECK fills every loaded
+    block with garbage first, so a load that reads nothing fails), and fewer prefill
+    tokens computed. Hits are counted once (the first group's), loads in every group."""
+    from tests.compose import tiny as tiny_cfg
+
+    common = ("model=tiny_gemma3", "cache.kv_budget=600KiB",
+              "scheduler.max_num_batched_tokens=64", "workload.conversations=8",
+              "workload.turns=3", "workload.system_words=60", "workload.user_words=12",
+              "workload.answer_tokens=12")
+    off = run(tiny_cfg(*common))
+    on = run(tiny_cfg(*common, "cache.tiers.cpu=160KiB", "cache.tiers.disk=4MiB"))
+    assert dict(on.outputs) == dict(off.outputs)
+    m = on.metrics
+    assert m["run.kv_groups"].startswith("1 full + 2 sliding 24")
+    assert m["cache.hit_rate.disk"] > 0.1
+    shares = [m[f"cache.hit_rate.{k}"] for k in ("gpu", "cpu", "disk", "miss")]
+    assert sum(shares) == pytest.approx(1.0) and min(shares) >= 0
+    assert m["cache.prefill_tokens_computed"] < 0.5 * off.metrics["cache.prefill_tokens_computed"]
+    # Every group loads its own pages; a request's tier hits are its first group's.
+    up = m["cache.tier.cpu.blocks_up"] + m["cache.tier.disk.blocks_up"]
+    hits = sum(r["tier_hit_blocks_cpu"] + r["tier_hit_blocks_disk"] for r in on.requests)
+    assert 0 < hits < up
+    # The control: loads that read nothing (the target keeps a huge value) change tokens.
+    from harness.backends.tier_storage import TierStorage
+    from harness.kv.tiers import GPU, TierOp
+
+    real = TierStorage._one
+
+    def skip_loads(self: TierStorage, op: TierOp) -> None:
+        if op.dst_tier == GPU:
+            for t in self.tensors:
+                t[op.dst] = 1e4
+            return
+        real(self, op)
+
+    monkeypatch.setattr(TierStorage, "_one", skip_loads)
+    broken = run(tiny_cfg(*common, "cache.tiers.cpu=160KiB", "cache.tiers.disk=4MiB"))
+    assert dict(broken.outputs) != dict(off.outputs)

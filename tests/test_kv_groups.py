@@ -135,7 +135,7 @@ def test_grouped_and_uniform_on_the_same_requests(tmp_path: Path) -> None:
 def test_what_groups_refuse(tmp_path: Path) -> None:
     p = tmp_path / "config.json"
     p.write_text(json.dumps(CONFIG))
-    with pytest.raises(UserError, match="backend quest is not one yet"):
+    with pytest.raises(UserError, match="backend quest as configured is not one: use "):
         what_if(p, "backend=quest")
     # Swap is built (every group's blocks to one CPU pool; tests/test_gemma3.py checks
     # the tokens): a what-if swaps too.

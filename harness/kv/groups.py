@@ -17,9 +17,10 @@ group or in none, so admission and preemption count what all groups will hold. P
 caching works across groups as vLLM's hybrid manager does it: each group names its pages
 with its own salt, and a hit is the longest prefix every group can serve (a sliding group
 needs only the blocks its window still sees). The ledger sums each group's blocks apart
-(its ``tag``), so the waste split is per group too. Not built yet (said where it would be
-asked for): the lower tiers (a run goes without them). Swap moves every group's blocks of a
-sequence group to one shared CPU pool and back. Under
+(its ``tag``), so the waste split is per group too. Swap moves every group's blocks of a
+sequence group to one shared CPU pool and back, and the prefix cache's lower tiers hold
+every group's pages (each under its group's names; a group's hit is a device run, then
+loads). Under
 ``executor=model`` each layer attends through its group's tables (:func:`assign_layers`,
 backends.base.LayerSlot; the engine builds one batch per group from :attr:`members`).
 """
@@ -43,6 +44,7 @@ from harness.kv.paged import (
 from harness.kv.policies.base import EvictionPolicy
 from harness.kv.policies.chunk import ChunkPolicy
 from harness.kv.policies.window import WindowPolicy
+from harness.kv.tiers import LowerTiers
 from harness.layer_types import LayerAttention, groups
 
 if TYPE_CHECKING:
@@ -106,7 +108,8 @@ class GroupedKVManager:
     def __init__(self, num_blocks: int, block_size: int, plan: list[KVGroup], *,
                  watermark: float = 0.01, max_chunk_tokens: int = 2048,
                  enable_prefix_caching: bool = True,
-                 full_policy: EvictionPolicy | None = None, num_cpu_blocks: int = 0) -> None:
+                 full_policy: EvictionPolicy | None = None, num_cpu_blocks: int = 0,
+                 tiers: LowerTiers | None = None) -> None:
         """``max_chunk_tokens``: the most tokens one step adds to a sequence (the
         scheduler's token budget): a sliding or chunked group holds at most its span plus
         one step's tokens and a block, which is what admission counts for it.
@@ -117,6 +120,8 @@ class GroupedKVManager:
             raise ValueError(f"policy {full_policy.name} is not positional: KV cache groups "
                              "give back whole blocks only")
         self.full_policy = full_policy
+        # The prefix cache's lower tiers, shared: each group's pages under its own names.
+        self.tiers = tiers if enable_prefix_caching else None
         # Swap blocks are pages too: one CPU pool for every group's blocks.
         self.cpu = CpuSwapPool(num_cpu_blocks)
         self.num_cpu_blocks = num_cpu_blocks
@@ -132,7 +137,7 @@ class GroupedKVManager:
             m.count_group_hits = False  # a request's hits are counted once (the first group)
         # lookup_prefix's per-group hit blocks, for the allocation that follows it, and
         # each waiting sequence's chained hashes per group
-        self._plans: dict[int, list[list[int]]] = {}
+        self._plans: dict[int, list[PrefixHit]] = {}
         self._chain_cache: dict[int, tuple[tuple[int, int], list[list[int]]]] = {}
         self.watermark_blocks = max(1, int(watermark * num_blocks)) if watermark > 0 else 0
         self.stats = KVStats()
@@ -141,7 +146,8 @@ class GroupedKVManager:
         # Each group names its blocks with its own salt: the same tokens' pages of two
         # groups hold different layers.
         common = {"enable_prefix_caching": self.enable_prefix_caching, "watermark": 0.0,
-                  "pool": self.pool, "hash_salt": index, "cpu_pool": self.cpu}
+                  "pool": self.pool, "hash_salt": index, "cpu_pool": self.cpu,
+                  "tiers": self.tiers}
         if a.kind == "full" and self.full_policy is None:
             return PagedKVManager(num_blocks, self.block_size, **common)  # type: ignore[arg-type]
         policy: EvictionPolicy = (self.full_policy if a.kind == "full" and self.full_policy
@@ -188,42 +194,63 @@ class GroupedKVManager:
         """The longest prefix every group can serve, as vLLM's hybrid manager finds it: a
         full group needs every block before the hit's end, a sliding or chunked group only
         the blocks the next query sees (its window, its chunk); blocks before those are
-        left out of its table (GIVEN_BACK). Returns the first group's blocks (their count
-        is the hit); each group's own are kept for the allocation that follows."""
+        left out of its table (GIVEN_BACK). Within what a group needs, the device serves
+        a leading run and the lower tiers (if any) the rest, as the paged manager's
+        lookup (a connector is asked for what follows the device's hit). Returns the
+        first group's hit (its block count is the hit); each group's own is kept for the
+        allocation that follows."""
         self._plans.pop(seq.seq_id, None)
         if not self.enable_prefix_caching or self.holds(seq):
             return PrefixHit()
         n_max = (len(seq.token_ids) - 1) // self.block_size
-        chains, lookup = self._chains(seq, n_max), self.pool.lookup
+        chains, lookup, tiers = self._chains(seq, n_max), self.pool.lookup, self.tiers
 
-        def has(g: int, i: int) -> bool:
+        def on_device(g: int, i: int) -> bool:
             return lookup(chains[g][i]) is not None
+
+        def below(g: int, i: int) -> bool:
+            return tiers is not None and tiers.find(chains[g][i]) is not None
+
+        def run(g: int, lo: int, k: int) -> int:
+            """How far from ``lo`` (at most ``k``) a device run, then a tier run, reach."""
+            j = lo
+            while j < k and on_device(g, j):
+                j += 1
+            while j < k and below(g, j):
+                j += 1
+            return j
 
         # A full group's hit is its leading run (stop at the first miss: O(hit), as the
         # paged manager's lookup); windowed groups are asked only about what they see.
         k = n_max
         for gi, g in enumerate(self.plan):
             if g.attention.kind == "full":
-                j = 0
-                while j < k and has(gi, j):
-                    j += 1
-                k = j
+                k = run(gi, 0, k)
         settled = False
         while k and not settled:  # a shorter hit moves every window back: ask again
             settled = True
             for gi, g in enumerate(self.plan):
-                while k and not all(has(gi, i) for i in range(self._first_seen(g, k), k)):
+                while k and run(gi, self._first_seen(g, k), k) < k:
                     k -= 1
                     settled = False
         if k == 0:
             return PrefixHit()
-        plans: list[list[int]] = []
+        plans: list[PrefixHit] = []
         for gi, g in enumerate(self.plan):
             lo = self._first_seen(g, k)
-            plans.append([GIVEN_BACK if i < lo else (lookup(chains[gi][i]) or 0)
-                          for i in range(k)])
+            hit = PrefixHit(blocks=[GIVEN_BACK] * lo)
+            j = lo
+            while j < k and (b := lookup(chains[gi][j])) is not None:
+                hit.blocks.append(b)
+                j += 1
+            for i in range(j, k):
+                assert tiers is not None
+                found = tiers.find(chains[gi][i])
+                assert found is not None, "run() found it"
+                hit.loads.append(found)
+            plans.append(hit)
         self._plans[seq.seq_id] = plans
-        return PrefixHit(blocks=list(plans[0]))
+        return PrefixHit(list(plans[0].blocks), list(plans[0].loads))
 
     def _chains(self, seq: Sequence, n: int) -> list[list[int]]:
         """Each group's chained hashes of ``seq``'s first ``n`` blocks, kept while its
@@ -242,11 +269,12 @@ class GroupedKVManager:
         return (seen - g.attention.held(seen)) // self.block_size
 
     def _member_demands(self, i: int, demands: list[Demand]) -> list[Demand]:
-        """Group ``i``'s view of the demands: its own hit blocks."""
+        """Group ``i``'s view of the demands: its own hit blocks and loads."""
         out = []
         for d in demands:
-            plan = self._plans.get(d.seq.seq_id) if d.hit_blocks else None
-            out.append(Demand(d.seq, d.num_tokens, list(plan[i]) if plan else []))
+            plan = self._plans.get(d.seq.seq_id) if d.hit_blocks or d.loads else None
+            out.append(Demand(d.seq, d.num_tokens, list(plan[i].blocks), list(plan[i].loads))
+                       if plan else Demand(d.seq, d.num_tokens))
         return out
 
     def _need(self, demands: list[Demand]) -> int:
@@ -263,10 +291,29 @@ class GroupedKVManager:
         returned are the first group's (the step record's; each group's own are in its
         tables)."""
         views = [self._member_demands(i, demands) for i in range(len(self.members))]
-        led = self.ledger
+        led, pool = self.ledger, self.pool
+        # A group's loads take fresh blocks, which may evict cached blocks: every group's
+        # device hits are held first (and every group's tier hits pinned), so that no
+        # group's loads evict or overwrite what another group is about to take.
+        held: list[int] = []
+        loads = [hit for v in views for d in v for hit in d.loads]
+        if loads:
+            assert self.tiers is not None
+            for i, v in enumerate(views):
+                led.tag = i
+                for b in (b for d in v for b in d.hit_blocks if b >= 0):
+                    if pool.ref[b] == 0:
+                        pool.touch(b)
+                        held.append(b)
+            self.tiers.pin(loads)
         for i, (m, v) in enumerate(zip(self.members, views)):  # all hits before allocating
             led.tag = i  # the ledger sums each group's blocks apart (the waste split)
             m.take_hits(v)
+        for b in held:
+            pool.release(b)
+        if loads:
+            assert self.tiers is not None
+            self.tiers.unpin(loads)
         out = []
         for i, (m, v) in enumerate(zip(self.members, views)):
             led.tag = i
@@ -317,10 +364,11 @@ class GroupedKVManager:
 
     def take_cache_ops(self) -> CacheOps:
         ops = CacheOps()
-        for m in self.members:
+        for m in self.members:  # each drains the shared tiers' ops queued so far: in order
             o = m.take_cache_ops()
             ops.copies += o.copies
             ops.invalidated += o.invalidated
+            ops.tier_ops += o.tier_ops
         return ops
 
     # -- swap: every group's blocks of a sequence group, or none ---------------------------
@@ -358,6 +406,8 @@ class GroupedKVManager:
     # -- the step's clock and eviction -----------------------------------------------------
     def end_forward(self) -> None:
         self.ledger.now += 1  # once: the groups share this ledger
+        for m in self.members:
+            m.settle_named()
 
     def observe(self, seqs: list[Sequence], scores: StepScores | None) -> None:
         for m in self.members:
@@ -368,8 +418,11 @@ class GroupedKVManager:
         return 0
 
     def usage(self) -> KVUsage:
+        t = self.tiers
         return self.pool.usage(sum(m.logical_blocks for m in self.members),
-                               group_blocks=tuple(self.group_blocks()))
+                               group_blocks=tuple(self.group_blocks()),
+                               tier_blocks=(tuple(x.num_used for x in t.tiers)
+                                            if t is not None else ()))
 
     def group_blocks(self) -> list[int]:
         """Blocks each group's tables hold now (a block shared by forks counted once per

@@ -304,10 +304,11 @@ class PagedKVManager:
                 assert new is not None, "can_allocate must be called first"
                 b = new
                 assert self.tiers is not None
-                self.tiers.load(hit, b)
+                self.tiers.load(hit, b, count_hit=self.count_group_hits)
                 pool.set_fill(b, self.block_size)
                 pool.register(b, h, hit.owner)
-                seq.group.tier_hit_blocks[hit.tier - 1] += 1
+                if self.count_group_hits:
+                    seq.group.tier_hit_blocks[hit.tier - 1] += 1
             self._count_hit(seq, hit.owner)
             st.table.append(b)
             st.hashes.append(h)
@@ -436,7 +437,12 @@ class PagedKVManager:
     # -- the step's clock and eviction (none here: see harness.kv.evicting) ---------------
     def end_forward(self) -> None:
         self.ledger.now += 1
-        if self._named_now:  # their K/V exist now: written through with the next ops
+        self.settle_named()
+
+    def settle_named(self) -> None:
+        """After a forward: the blocks named this step hold their K/V now, so they are
+        written through with the next step's ops (``cache.tiers.write=through``)."""
+        if self._named_now:
             self._named_ready += self._named_now
             self._named_now = []
 

@@ -185,13 +185,16 @@ class LowerTiers:
             if s is not None:
                 t.lru[hit.block_hash] = s
 
-    def load(self, hit: TierHit, gpu_block: int) -> None:
-        """Queue the copy of ``hit`` into device block ``gpu_block``."""
+    def load(self, hit: TierHit, gpu_block: int, count_hit: bool = True) -> None:
+        """Queue the copy of ``hit`` into device block ``gpu_block``. ``count_hit``: its
+        tokens count as hit tokens (KV cache groups: one group counts a prompt's hits,
+        every group's loads move bytes)."""
         t = self.tier(hit.tier)
         assert t.slot_of(hit.block_hash) == hit.slot, "a hit must be pinned until loaded"
         self.ops.append(TierOp(hit.tier, hit.slot, GPU, gpu_block))
         self.stats.blocks_up[hit.tier - CPU] += 1
-        self.stats.hit_tokens[hit.tier - CPU] += self.block_size
+        if count_hit:
+            self.stats.hit_tokens[hit.tier - CPU] += self.block_size
 
     def take_ops(self) -> list[TierOp]:
         ops, self.ops = self.ops, []
