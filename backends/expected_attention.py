@@ -127,7 +127,7 @@ class ExpectedAttentionBackend(ScoredBackend):
         seq = c.sched.seq
         p = seq.num_prompt_tokens
         lo, hi = max(c.start, self.n_sink), min(c.start + c.num_tokens, p)
-        if layer == 0 and c.start == 0:
+        if layer == self.first_scored and c.start == 0:
             self._qstats.pop(seq.seq_id, None)  # a prompt (re)starts: fresh statistics
         if hi <= lo or not self.selects(seq):
             return  # no prompt query here, or a prompt within its budget: never scored
@@ -156,7 +156,7 @@ class ExpectedAttentionBackend(ScoredBackend):
             scores = self.expected(k, v, st, layer, c.start + c.num_tokens).float()
         else:
             cand = cand[:0]
-        if layer == self.layout.num_layers - 1 and c.start + c.num_tokens >= seq.num_prompt_tokens:
+        if layer == self.last_scored and c.start + c.num_tokens >= seq.num_prompt_tokens:
             self._qstats.pop(seq.seq_id, None)  # the prompt's statistics are spent
         return cand, scores
 

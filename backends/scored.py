@@ -46,6 +46,7 @@ from harness.backends.base import (
 )
 from harness.backends.slotted import SlottedBackend
 from harness.kv.base import StepScores
+from harness.kv.policies.base import EvictionPolicy
 from harness.kv.policies.budget import PREFILL, BudgetPolicy, check_budget_options
 from harness.validate import one_of
 
@@ -86,6 +87,9 @@ class ScoredBackend(SlottedBackend):
 
     policy: BudgetPolicy
     Options: ClassVar[type[BackendOptions]] = ScorerOptions
+    # A hybrid model: the policy chooses the full layers' tokens (their KV cache group),
+    # the sliding layers keep their own window (harness.stack.kv_plan).
+    supports_groups = True
     Policy: ClassVar[Callable[[Any], BudgetPolicy]]
     reads: ClassVar[str] = "weights"  # weights | keys | window | held (module docstring)
 
@@ -100,6 +104,20 @@ class ScoredBackend(SlottedBackend):
     @property
     def trigger(self) -> str | None:
         return self.policy.prefill
+
+    def full_group_policy(self) -> EvictionPolicy | None:
+        return self.policy
+
+    @property
+    def first_scored(self) -> int:
+        """The first layer that scores keys (0; a hybrid model's first full layer)."""
+        return next(i for i, s in enumerate(self.layer_slots) if not s.window)
+
+    @property
+    def last_scored(self) -> int:
+        """The last layer that scores keys, after which a selection follows (the last
+        layer; a hybrid model's last full layer)."""
+        return max(i for i, s in enumerate(self.layer_slots) if not s.window)
 
     @abstractmethod
     def score(self, w: torch.Tensor | None, k: torch.Tensor) -> torch.Tensor:
@@ -205,7 +223,7 @@ class ScoredBackend(SlottedBackend):
         scored, s = self.held_scores(layer, c, held)
         if scored.numel():
             self._received.index_add_(0, scored, s)
-        if layer == self.layout.num_layers - 1:
+        if layer == self.last_scored:
             self._selected_slots.append(held)
 
     def held_scores(self, layer: int, c: PrefillChunk,
@@ -230,7 +248,7 @@ class ScoredBackend(SlottedBackend):
         if self.policy.keep(p, seq.group.params.max_tokens) >= p or first >= end \
                 or lo <= 0:
             return  # nothing to select, no window query in this chunk, or no key before it
-        if layer == 0 and c.start <= lo:  # the window starts here: (re)start its buffer
+        if layer == self.first_scored and c.start <= lo:  # the window starts: (re)start
             self._obs[seq.seq_id] = torch.zeros(
                 (self.layout.num_layers, q.shape[1], lo), dtype=torch.float32,
                 device=self.device)
@@ -243,7 +261,7 @@ class ScoredBackend(SlottedBackend):
         scored = (kpos >= 0) & (kpos < lo)
         self._obs[seq.seq_id][layer].index_add_(
             1, kpos[scored], self.score(w[..., scored], k[scored]))
-        if (end == p or self.policy.streaming) and layer == self.layout.num_layers - 1:
+        if (end == p or self.policy.streaming) and layer == self.last_scored:
             # Pooled by position; each held key takes its position's score (streaming: the
             # positions evicted by earlier chunks hold nothing, and pool as zeros).
             pooled = self.pool(self._obs.pop(seq.seq_id))

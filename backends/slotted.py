@@ -37,6 +37,8 @@ class SlottedBackend(PagedStorageBackend):
     # A block whose slots were rewritten or compacted is not the block its hash names.
     supports_prefix_caching = False
     policy: EvictionPolicy
+    # This step's batch per KV cache group (one: a model without groups).
+    _groups: tuple[AttentionBatch, ...] = ()
 
     def make_manager(self, sizing: CacheSizing, **options: Any) -> KVManager:
         options.pop("num_cpu_blocks", None)
@@ -61,8 +63,17 @@ class SlottedBackend(PagedStorageBackend):
             if move:
                 self.slot_pos[src] = -1
 
+    def begin_groups(self, batches: list[AttentionBatch]) -> None:
+        """KV cache groups: the first group is the full one, whose tokens the policy
+        chooses (its slots, positions and masks are this backend's state); the sliding
+        groups are positional and attend through the paged reference (:meth:`attend`)."""
+        self._groups = tuple(batches)
+        self.begin_step(batches[0])
+
     def begin_step(self, batch: AttentionBatch) -> None:
         super().begin_step(batch)
+        if not self._groups or self._groups[0] is not batch:  # a step without groups
+            self._groups = (batch,)
         bs = self.block_size
         offs = torch.arange(bs, device=self.device)
         self.slot_pos[batch.slot_mapping] = batch.positions
@@ -77,6 +88,9 @@ class SlottedBackend(PagedStorageBackend):
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
+        slot = self.layer_slots[layer]
+        if slot.window:  # a hybrid model's sliding layer: its own window, nothing chosen
+            return self.attend_window(slot.storage, slot.group, slot.window, q, k, v)
         b = self.batch
         assert b is not None
         self.store(layer, k, v)
@@ -91,6 +105,23 @@ class SlottedBackend(PagedStorageBackend):
             rows = slice(c.row, c.row + c.num_tokens)
             out[rows] = self.attend_chunk(layer, q[rows], c, slots)
         return out
+
+    def attend_window(self, storage: int, group: int, window: int, q: torch.Tensor,
+                      k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """A sliding layer of a hybrid model: its group's positional tables (given-back
+        blocks masked by the window), the paged reference attention; the full group's
+        state (slot positions, scores) is not touched."""
+        self.batch = self._groups[group]
+        try:
+            PagedStorageBackend.store(self, storage, k, v)
+            return self.torch_attend(storage, q, window)
+        finally:
+            self.batch = self._groups[0]
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``layer`` is the model's: its storage tensor is its LayerSlot's (KV cache
+        groups share tensors across groups; the layer itself otherwise)."""
+        super().store(self.layer_slots[layer].storage, k, v)
 
     def attend_chunk(self, layer: int, q: torch.Tensor, c: PrefillChunk,
                      slots: torch.Tensor) -> torch.Tensor:
@@ -118,8 +149,9 @@ class SlottedBackend(PagedStorageBackend):
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at ``slots`` (any shape S) as (*S, KV, D) tensors in ``dtype``."""
         kv_heads, d = self.layout.num_kv_heads, self.layout.head_dim
-        k = self.k_cache[layer].view(-1, kv_heads, d)[slots]
-        v = self.v_cache[layer].view(-1, kv_heads, d)[slots]
+        i = self.layer_slots[layer].storage
+        k = self.k_cache[i].view(-1, kv_heads, d)[slots]
+        v = self.v_cache[i].view(-1, kv_heads, d)[slots]
         return k.to(dtype), v.to(dtype)
 
     def declare_costs(self) -> KVCosts:
@@ -128,7 +160,8 @@ class SlottedBackend(PagedStorageBackend):
         return KVCosts(self.full_slot_bytes(), self.block_size)
 
     def held_slots(self) -> int | None:
-        return int((self.slot_pos >= 0).sum())
+        # Under KV cache groups the sliding groups' slots keep no positions here.
+        return None if self.per_layer_masks else int((self.slot_pos >= 0).sum())
 
     def touch_slots(self, valid: torch.Tensor, layers: int, decode: bool) -> None:
         """Count ``layers`` layers' reads from a mask over held slots (B, [n,] L): the

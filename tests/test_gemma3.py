@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -296,3 +297,71 @@ def test_groups_take_the_prefix_cache_tiers_with_the_same_tokens(
     monkeypatch.setattr(TierStorage, "_one", skip_loads)
     broken = run(tiny_cfg(*common, "cache.tiers.cpu=160KiB", "cache.tiers.disk=4MiB"))
     assert dict(broken.outputs) != dict(off.outputs)
+
+
+@pytest.mark.parametrize("method", ["snapkv", "h2o"])
+def test_a_scoring_method_chooses_the_full_layers_tokens_only(tiny: LoadedModel,
+                                                              method: str) -> None:
+    """A scored method on a hybrid model: its policy chooses which tokens the full layers
+    keep (their KV cache group), the sliding layers keep their own window. Brute force:
+    one forward over the whole sequence in which each query row sees what the engine's
+    attention saw when that token ran (full layers: every earlier token while the prompt
+    is read, then the tokens the full group held at that step; sliding layers: their
+    window), and every logits row the engine sampled from equals it."""
+    from harness.backends.h2o import H2OOptions
+    from harness.backends.snapkv import SnapKVOptions
+
+    opts: BackendOptions = (SnapKVOptions(name="snapkv", budget=16, budget_ratio=0,
+                                          window=8) if method == "snapkv" else
+                            H2OOptions(name="h2o", budget=40, budget_ratio=0))
+    prompt = prompts(tiny)[0]
+    sampler = RecordingSampler()
+    st = build_stack(tiny, CPU, opts, CacheSpec(kv_budget="1MiB"),
+                     SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32), sampler)
+    kv = st.kv
+    assert isinstance(kv, GroupedKVManager) and kv.chooses
+    full = kv.members[0]
+    from harness.kv.evicting import EvictingKVManager
+
+    assert isinstance(full, EvictingKVManager)
+    # Each query position -> the positions the full group held when it ran (a query sees
+    # those at or before it).
+    seen: dict[int, list[int]] = {}
+    real = st.backend.begin_groups
+
+    def spy(batches: list[Any]) -> None:
+        b = batches[0]
+        for s in [*b.decode_seqs, *(c.sched for c in b.prefills)]:
+            held = sorted(int(p) for p in full.live_slots(s.seq)[1])
+            for pos in range(s.start, s.start + s.num_tokens):
+                seen[pos] = held
+        real(batches)
+
+    st.backend.begin_groups = spy  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    st.engine.run(FixedRequests([Request(0, prompt, params)]))
+    out = st.engine.metrics.groups[0].seqs[0].output_ids
+    ids, p = prompt + out[:-1], len(prompt)
+    assert full.stats.evicted_tokens > 0 or kv.members[0].stats.evicted_tokens > 0
+    assert any(len([j for j in v if j <= k]) < k + 1 for k, v in seen.items()), \
+        "the full group chose tokens"
+    n = len(ids)
+    i = torch.arange(n)
+    causal = i[None, :] <= i[:, None]
+    full_mask = torch.zeros(n, n, dtype=torch.bool)
+    for pos, keep in seen.items():
+        full_mask[pos, keep] = True
+    full_mask &= causal
+    masks = [(i[None, :] > i[:, None] - a.span) & causal if a.kind == "sliding" else full_mask
+             for a in tiny.config.layer_attention]
+
+    import torch.nn.functional as F
+
+    def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        qs, ks, vs = (x.transpose(0, 1) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=masks[layer], enable_gqa=True)
+        return o.transpose(0, 1)
+
+    ref = tiny.model(torch.tensor(ids), i, attn)[p - 1:]
+    ours = torch.stack(sampler.rows[0])
+    assert (ours - ref).abs().max().item() <= 1e-4

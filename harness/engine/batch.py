@@ -136,5 +136,8 @@ def build_inputs(rec: StepRecord, kv: TableSource, device: torch.device,
         logits_rows=i64(rows, device),
         samplers=samplers,
         attn=attn,
-        groups=[group_batch(attn, g, block_size, device) for g in groups],
+        # The first group's batch is the record's (its slots need not be positional: a
+        # token-choosing full group reuses slots); the others' are read from their tables.
+        groups=[attn, *(group_batch(attn, g, block_size, device) for g in groups[1:])]
+        if groups else [],
     )

@@ -18,7 +18,7 @@ import torch
 
 from harness.backends.base import KVBackend
 from harness.backends.costs import StepReads, step_reads
-from harness.engine.batch import build_inputs
+from harness.engine.batch import build_inputs, group_batch
 from harness.kv.base import KVManager, StepScores
 from harness.kv.groups import GroupedKVManager
 from harness.model.llama import LlamaModel
@@ -114,8 +114,10 @@ class ModelExecutor:
         assert kv is not None, "bind() the KV manager first"
         if isinstance(kv, GroupedKVManager):  # each layer attends through its group's
             inputs = build_inputs(rec, kv, self.device, kv.members, kv.block_size)
-            if CHECKS:  # the first group's slots, read from its tables, are the record's
-                assert torch.equal(inputs.groups[0].slot_mapping, inputs.attn.slot_mapping)
+            if CHECKS and not kv.chooses:  # positional: the first group's slots read from
+                # its tables are the record's (the others are read the same way)
+                again = group_batch(inputs.attn, kv.members[0], kv.block_size, self.device)
+                assert torch.equal(again.slot_mapping, inputs.attn.slot_mapping)
             self.backend.begin_groups(inputs.groups)
         else:
             inputs = build_inputs(rec, kv, self.device)

@@ -224,6 +224,11 @@ class EvictingKVManager(PolicyKVManager):
         self._owed += owed - st.owed
         st.owed = owed
 
+    @property
+    def owed_blocks(self) -> int:
+        """Blocks promised to admitted sequences that they do not hold yet."""
+        return self._owed
+
     def can_allocate(self, demands: list[Demand], watermark: bool) -> bool:
         need = sum(self._new_blocks(d) for d in demands)
         limit = self.pool.num_free - self._owed - (self.watermark_blocks if watermark else 0)

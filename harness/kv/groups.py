@@ -30,9 +30,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from harness.errors import UserError
 from harness.kv.base import CacheOps, Demand, KVStats, KVUsage, PrefixHit, StepScores
 from harness.kv.block_pool import BlockPool
-from harness.kv.evicting import WindowKVManager
+from harness.kv.evicting import EvictingKVManager, WindowKVManager
 from harness.kv.ledger import ReservationLedger
 from harness.kv.paged import (
     GIVEN_BACK,
@@ -103,7 +104,6 @@ def describe_groups(plan: list[KVGroup], size: int) -> str:
 class GroupedKVManager:
     """One KV manager over several groups' managers and one pool (module docstring)."""
 
-    supports_swap = True  # every group's blocks to one shared CPU pool, and back
 
     def __init__(self, num_blocks: int, block_size: int, plan: list[KVGroup], *,
                  watermark: float = 0.01, max_chunk_tokens: int = 2048,
@@ -116,10 +116,18 @@ class GroupedKVManager:
         ``full_policy``: a positional eviction policy for the full groups (a window
         backend's: it compresses the layers that keep every token; the sliding and
         chunked groups already bound theirs); None keeps every token there."""
-        if full_policy is not None and not full_policy.positional:
-            raise ValueError(f"policy {full_policy.name} is not positional: KV cache groups "
-                             "give back whole blocks only")
+        self.chooses = full_policy is not None and not full_policy.positional
+        if self.chooses and sum(g.attention.kind == "full" for g in plan) != 1:
+            raise UserError(
+                f"a policy that chooses tokens ({full_policy.name if full_policy else ''}) "
+                "runs on a hybrid model with one full KV cache group only; this plan has "
+                f"{sum(g.attention.kind == 'full' for g in plan)}: use backend=paged, fp8, "
+                "int8 or sliding_window")
+        if self.chooses and plan[0].attention.kind != "full":
+            raise UserError("a policy that chooses tokens needs a full KV cache group")
         self.full_policy = full_policy
+        # A token-choosing policy's slots hold no block-aligned content: no swap then.
+        self.supports_swap = not self.chooses
         # The prefix cache's lower tiers, shared: each group's pages under its own names.
         self.tiers = tiers if enable_prefix_caching else None
         # Swap blocks are pages too: one CPU pool for every group's blocks.
@@ -150,6 +158,9 @@ class GroupedKVManager:
                   "tiers": self.tiers}
         if a.kind == "full" and self.full_policy is None:
             return PagedKVManager(num_blocks, self.block_size, **common)  # type: ignore[arg-type]
+        if a.kind == "full" and self.chooses:  # the policy chooses the full layers' tokens
+            assert self.full_policy is not None
+            return EvictingKVManager(num_blocks, self.block_size, self.full_policy, **common)
         policy: EvictionPolicy = (self.full_policy if a.kind == "full" and self.full_policy
                                   else WindowPolicy(a.span, 0) if a.kind == "sliding"
                                   else ChunkPolicy(a.span))
@@ -281,8 +292,15 @@ class GroupedKVManager:
         return sum(m.blocks_needed(self._member_demands(i, demands))
                    for i, m in enumerate(self.members))
 
+    def _owed(self) -> int:
+        """Blocks a token-choosing full group promised its admitted sequences (kept free
+        for them, as its own manager keeps them: harness.kv.evicting)."""
+        m = self.members[0]
+        return m.owed_blocks if isinstance(m, EvictingKVManager) else 0
+
     def can_allocate(self, demands: list[Demand], watermark: bool) -> bool:
-        limit = self.pool.num_free - (self.watermark_blocks if watermark else 0)
+        limit = self.pool.num_free - self._owed() - (self.watermark_blocks if watermark
+                                                     else 0)
         return self._need(demands) <= limit
 
     def allocate_group(self, demands: list[Demand]) -> list[list[int]]:
@@ -292,6 +310,16 @@ class GroupedKVManager:
         tables)."""
         views = [self._member_demands(i, demands) for i in range(len(self.members))]
         led, pool = self.ledger, self.pool
+        if not any(d.hit_blocks or d.loads for d in demands):  # each group its own way
+            got = []  # (a token-choosing group reuses slots it freed: its own allocate)
+            for i, (m, v) in enumerate(zip(self.members, views)):
+                led.tag = i
+                got.append(m.allocate_group(v))
+            led.tag = None
+            for d in demands:
+                self._plans.pop(d.seq.seq_id, None)
+                self._chain_cache.pop(d.seq.seq_id, None)
+            return got[0]
         # A group's loads take fresh blocks, which may evict cached blocks: every group's
         # device hits are held first (and every group's tier hits pinned), so that no
         # group's loads evict or overwrite what another group is about to take.
@@ -327,7 +355,7 @@ class GroupedKVManager:
     def append_slot(self, seq: Sequence) -> int | None:
         """A decode's slot in every group, or in none (None: the pool lacks a block some
         group needs for it)."""
-        if self.pool.num_free < self._need([Demand(seq, 1)]):
+        if self.pool.num_free - self._owed() < self._need([Demand(seq, 1)]):
             return None
         slots = []
         for i, m in enumerate(self.members):
@@ -338,7 +366,7 @@ class GroupedKVManager:
         return slots[0]
 
     def max_chunk(self, seq: Sequence) -> int | None:
-        return None
+        return self.members[0].max_chunk(seq) if self.chooses else None
 
     # -- sharing and release ---------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -410,8 +438,9 @@ class GroupedKVManager:
             m.settle_named()
 
     def observe(self, seqs: list[Sequence], scores: StepScores | None) -> None:
-        for m in self.members:
-            m.observe(seqs, None)
+        # The scores are the full group's slots' (the backend scores its full layers).
+        for i, m in enumerate(self.members):
+            m.observe(seqs, scores if i == 0 and self.chooses else None)
         self._sum_stats()
 
     def record_external(self, next_need: int | None) -> int:
