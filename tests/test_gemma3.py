@@ -175,6 +175,12 @@ def test_every_workload_runs_grouped_with_the_uniform_cache_tokens(name: str,
     assert m["memory.kv_group.0.peak_held_bytes"] > 0
     assert uniform.metrics["run.kv_groups"].startswith("uniform: 2 full + 4 sliding 24")
     assert grouped.outputs == uniform.outputs
+    # A scored method choosing the full group's tokens runs every workload too (forks,
+    # beams, chunked prompts; its reads held to the attention's under KVBENCH_CHECK).
+    chosen = run(compose_cfg([*ovr, "backend=snapkv", "backend.budget=40",
+                              "backend.budget_ratio=0"])).metrics
+    assert chosen["requests.finished"] == len(grouped.requests)
+    assert chosen["requests.rejected"] == 0
 
 
 def masked_reference(loaded: LoadedModel, ids: list[int],
