@@ -288,19 +288,9 @@ def test_groups_take_the_prefix_cache_tiers_with_the_same_tokens(
     hits = sum(r["tier_hit_blocks_cpu"] + r["tier_hit_blocks_disk"] for r in on.requests)
     assert 0 < hits < up
     # The control: loads that read nothing (the target keeps a huge value) change tokens.
-    from harness.backends.tier_storage import TierStorage
-    from harness.kv.tiers import GPU, TierOp
+    from tests.test_tiers_engine import break_loads
 
-    real = TierStorage._one
-
-    def skip_loads(self: TierStorage, op: TierOp) -> None:
-        if op.dst_tier == GPU:
-            for t in self.tensors:
-                t[op.dst] = 1e4
-            return
-        real(self, op)
-
-    monkeypatch.setattr(TierStorage, "_one", skip_loads)
+    break_loads(monkeypatch)
     broken = run(tiny_cfg(*common, "cache.tiers.cpu=160KiB", "cache.tiers.disk=4MiB"))
     assert dict(broken.outputs) != dict(off.outputs)
 

@@ -77,11 +77,8 @@ def test_block_bytes_are_what_the_backend_holds() -> None:
         ts.close()
 
 
-def test_a_load_that_reads_nothing_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The control: skip every load's copy (the target keeps its garbage) and the tokens
-    differ, so the equality above can fail."""
-    common = ("cache.kv_budget=700KiB", *LOAD)
-    off = run(tiny(*common))
+def break_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every load into the device writes a huge value instead of the tier's block."""
     real = TierStorage._one
 
     def skip_loads(self: TierStorage, op: TierOp) -> None:
@@ -92,6 +89,14 @@ def test_a_load_that_reads_nothing_is_caught(monkeypatch: pytest.MonkeyPatch) ->
         real(self, op)
 
     monkeypatch.setattr(TierStorage, "_one", skip_loads)
+
+
+def test_a_load_that_reads_nothing_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control: skip every load's copy (the target keeps its garbage) and the tokens
+    differ, so the equality above can fail."""
+    common = ("cache.kv_budget=700KiB", *LOAD)
+    off = run(tiny(*common))
+    break_loads(monkeypatch)
     broken = run(tiny(*common, *TIERS))
     assert broken.metrics["cache.tier.cpu.blocks_up"] > 0
     assert outputs(broken) != outputs(off)
