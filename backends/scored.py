@@ -42,6 +42,7 @@ from harness.backends.base import (
     BackendOptions,
     CacheSizing,
     KVLayout,
+    LayerSlot,
     PrefillChunk,
 )
 from harness.backends.slotted import SlottedBackend
@@ -97,6 +98,9 @@ class ScoredBackend(SlottedBackend):
         super().__init__(layout, device, **options)
         assert self.reads in READS, f"{type(self).__name__}.reads: one of {READS}"
         self.policy = type(self).Policy(self.opts)
+        # The first and last layers that score keys (a selection follows the last): every
+        # layer's, or a hybrid model's full layers' (use_layer_slots).
+        self.first_scored, self.last_scored = 0, layout.num_layers - 1
         # reads == "window": seq id -> (layers, query heads, first window position): the
         # layer's scores by key position so far (scratch beside the cache, not charged).
         self._obs: dict[int, torch.Tensor] = {}
@@ -108,16 +112,10 @@ class ScoredBackend(SlottedBackend):
     def full_group_policy(self) -> EvictionPolicy | None:
         return self.policy
 
-    @property
-    def first_scored(self) -> int:
-        """The first layer that scores keys (0; a hybrid model's first full layer)."""
-        return next(i for i, s in enumerate(self.layer_slots) if not s.window)
-
-    @property
-    def last_scored(self) -> int:
-        """The last layer that scores keys, after which a selection follows (the last
-        layer; a hybrid model's last full layer)."""
-        return max(i for i, s in enumerate(self.layer_slots) if not s.window)
+    def use_layer_slots(self, slots: tuple[LayerSlot, ...]) -> None:
+        super().use_layer_slots(slots)
+        full = [i for i, s in enumerate(slots) if not s.window]
+        self.first_scored, self.last_scored = full[0], full[-1]
 
     @abstractmethod
     def score(self, w: torch.Tensor | None, k: torch.Tensor) -> torch.Tensor:

@@ -160,8 +160,9 @@ class SlottedBackend(PagedStorageBackend):
         return KVCosts(self.full_slot_bytes(), self.block_size)
 
     def held_slots(self) -> int | None:
-        # Under KV cache groups the sliding groups' slots keep no positions here.
-        return None if self.per_layer_masks else int((self.slot_pos >= 0).sum())
+        # Under KV cache groups only the full group's slots keep positions here (the
+        # executor then compares with that group's used slots).
+        return int((self.slot_pos >= 0).sum())
 
     def touch_slots(self, valid: torch.Tensor, layers: int, decode: bool) -> None:
         """Count ``layers`` layers' reads from a mask over held slots (B, [n,] L): the

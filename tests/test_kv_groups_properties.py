@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from harness.kv.base import Demand
 from harness.kv.groups import GroupedKVManager, KVGroup
+from harness.kv.tiers import GPU, LowerTiers
 from harness.layer_types import FULL, LayerAttention
 from harness.sched.sequence import Sequence
 from tests.helpers import make_seq
@@ -132,3 +133,54 @@ class GroupedMachine(RuleBasedStateMachine):
 
 TestGrouped = GroupedMachine.TestCase
 TestGrouped.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
+
+
+class GroupedTiersMachine(GroupedMachine):
+    """The same machine with the prefix cache's lower tiers below a small pool: blocks
+    leave the device (stores, spills between tiers) and come back (loads) through the
+    step's tier ops, applied to a shadow of every tier slot before the step's new tokens
+    are written, as the engine applies them before the forward. A load into the wrong
+    block, a group's load evicting another group's hit, or an op out of order shows as a
+    group reading back another prefix than its own."""
+
+    @initialize(blocks=st.integers(12, 30), cpu=st.integers(1, 8), disk=st.integers(0, 12),
+                write=st.sampled_from(["evict", "through"]))
+    def setup_tiers(self, blocks: int, cpu: int, disk: int, write: str) -> None:
+        self.tiers = LowerTiers([cpu, disk] if disk else [cpu], BS, write)
+        self.m = GroupedKVManager(blocks, BS, PLAN, watermark=0.0, max_chunk_tokens=16,
+                                  tiers=self.tiers)
+        self.live = []
+        self.shadow = {}
+        self.below: dict[tuple[int, int], list[object]] = {}  # (tier, slot) -> content
+        self.hit_tokens = 0
+
+    def setup(self, blocks: int) -> None:  # type: ignore[override]
+        pass  # replaced by setup_tiers (one initializer per machine)
+
+    def _apply_tier_ops(self) -> None:
+        for op in self.m.take_cache_ops().tier_ops:
+            if op.src_tier == GPU:
+                content = [self.shadow.get(op.src * BS + i) for i in range(BS)]
+            else:
+                content = self.below[(op.src_tier, op.src)]
+            if op.dst_tier == GPU:
+                for i, c in enumerate(content):
+                    if c is None:
+                        self.shadow.pop(op.dst * BS + i, None)
+                    else:
+                        self.shadow[op.dst * BS + i] = c  # type: ignore[assignment]
+            else:
+                self.below[(op.dst_tier, op.dst)] = content
+
+    def _write(self, seq: Sequence, start: int, end: int) -> None:
+        self._apply_tier_ops()
+        super()._write(seq, start, end)
+
+    def teardown(self) -> None:
+        super().teardown()
+        if hasattr(self, "tiers"):
+            assert not any(t.pinned for t in self.tiers.tiers), "a hit left pinned"
+
+
+TestGroupedTiers = GroupedTiersMachine.TestCase
+TestGroupedTiers.settings = settings(max_examples=600, stateful_step_count=60, deadline=None)

@@ -158,7 +158,8 @@ def check_touched(rec: StepRecord, declared: StepReads, backend: KVBackend,
         f"decode bytes, prefill pairs) = {got}, its declare_costs() says {want}: the "
         "declaration (harness.backends.costs) and the attention disagree")
     held = backend.held_slots()
-    used = kv.usage().used_slots if held is not None else None
+    used = None if held is None else kv.group_used_slots(0) if isinstance(
+        kv, GroupedKVManager) and kv.chooses else kv.usage().used_slots
     assert held == used, (
         f"backend {backend.name}, step {rec.step}: {held} slots hold a live token on the "
         f"device, the KV manager counts {used}")

@@ -104,7 +104,6 @@ def describe_groups(plan: list[KVGroup], size: int) -> str:
 class GroupedKVManager:
     """One KV manager over several groups' managers and one pool (module docstring)."""
 
-
     def __init__(self, num_blocks: int, block_size: int, plan: list[KVGroup], *,
                  watermark: float = 0.01, max_chunk_tokens: int = 2048,
                  enable_prefix_caching: bool = True,
@@ -440,7 +439,9 @@ class GroupedKVManager:
     def observe(self, seqs: list[Sequence], scores: StepScores | None) -> None:
         # The scores are the full group's slots' (the backend scores its full layers).
         for i, m in enumerate(self.members):
+            self.ledger.tag = i  # a copy an eviction makes (a shared block) is the group's
             m.observe(seqs, scores if i == 0 and self.chooses else None)
+        self.ledger.tag = None
         self._sum_stats()
 
     def record_external(self, next_need: int | None) -> int:
@@ -452,6 +453,12 @@ class GroupedKVManager:
                                group_blocks=tuple(self.group_blocks()),
                                tier_blocks=(tuple(x.num_used for x in t.tiers)
                                             if t is not None else ()))
+
+    def group_used_slots(self, i: int) -> int:
+        """Slots holding a token in group ``i``'s blocks (a block shared by forks once)."""
+        assert not self.supports_swap or not self.cpu.ref, "swapped tables hold CPU ids"
+        fill = self.pool.fill
+        return sum(fill[b] for b in self.members[i].held_blocks())
 
     def group_blocks(self) -> list[int]:
         """Blocks each group's tables hold now (a block shared by forks counted once per

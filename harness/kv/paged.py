@@ -132,6 +132,11 @@ class PagedKVManager:
             st = self._seqs[seq.seq_id] = SeqBlocks()
         return st
 
+    def held_blocks(self) -> set[int]:
+        """The blocks every sequence's table holds now (device blocks unless some are
+        swapped out: a swapped table holds CPU block ids)."""
+        return {b for st in self._seqs.values() for b in st.table if b >= 0}
+
     def table_of(self, seq: Sequence) -> list[int]:
         """``seq``'s block table as held (GIVEN_BACK entries included); a copy."""
         st = self._seqs.get(seq.seq_id)
