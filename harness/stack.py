@@ -172,6 +172,9 @@ def kv_plan_label(layers: tuple[LayerAttention, ...], kv: KVManager) -> str:
         if isinstance(p, WindowPolicy) and any(g.attention.kind == "full" for g in kv.plan):
             label += (f"; the full groups windowed by the backend ({p.window} tokens + "
                       f"{p.sinks} sinks), the sliding ones keeping their own")
+        elif p is not None:
+            label += (f"; the full group's tokens chosen by {p.name}, the sliding groups "
+                      "keeping their own window")
         return label
     return f"uniform: {layer_types.describe(layers)}, every layer holding every token"
 
