@@ -288,15 +288,18 @@ class KVBackend(ABC):
 
     def begin_step(self, batch: AttentionBatch) -> None:
         self.batch = batch
+        self.group_batches: tuple[AttentionBatch, ...] = (batch,)
         self._touch_acc = [0, 0, 0]
 
     def begin_groups(self, batches: list[AttentionBatch]) -> None:
         """One step of KV cache groups: ``batches[g]`` is group g's batch (its slot mapping
-        and tables; the tokens and positions are the same in all). A backend that
-        :attr:`supports_groups` attends each layer with its group's."""
-        if len(batches) > 1:
+        and tables; the tokens and positions are the same in all), kept in
+        :attr:`group_batches`; the step begins on the first group's (:meth:`begin_step`).
+        A backend that :attr:`supports_groups` attends each layer with its group's."""
+        if len(batches) > 1 and not self.supports_groups:
             raise NotImplementedError(f"backend {self.name} does not run KV cache groups")
         self.begin_step(batches[0])
+        self.group_batches = tuple(batches)
 
     @abstractmethod
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from harness.backends.base import AttentionBatch, BackendOptions, KVBackend, KVLayout
+from harness.backends.base import AttentionBatch, BackendOptions, KVLayout
 from harness.backends.costs import KVCosts, WindowCosts
 from harness.backends.paged_storage import PagedStorageBackend
 from harness.errors import UserError
@@ -65,8 +65,8 @@ class PagedBackend(PagedStorageBackend):
             and triton_for(device, required=kernel == "triton")
         self._kernel = "triton" if use_triton else "torch"
         self._prefill: PrefillTables | None = None
-        # Each KV cache group's batch and prefill tables this step (one without groups).
-        self._groups: list[tuple[AttentionBatch, PrefillTables | None]] = []
+        # KV cache groups: each group's prefill tables this step, built on first use.
+        self._group_prefill: dict[int, PrefillTables | None] = {}
 
     @property
     def kernel(self) -> str:
@@ -85,12 +85,9 @@ class PagedBackend(PagedStorageBackend):
         return self.opts.kernel
 
     def begin_step(self, batch: AttentionBatch) -> None:
-        self.begin_groups([batch])
-
-    def begin_groups(self, batches: list[AttentionBatch]) -> None:
-        KVBackend.begin_step(self, batches[0])
-        self._groups = [(b, self._prefill_tables(b)) for b in batches]
-        self._prefill = self._groups[0][1]
+        super().begin_step(batch)
+        self._prefill = self._prefill_tables(batch)
+        self._group_prefill = {0: self._prefill}
 
     def _prefill_tables(self, batch: AttentionBatch) -> PrefillTables | None:
         """The Triton prefill kernel's view of ``batch``'s chunks (None on the torch path
@@ -117,8 +114,11 @@ class PagedBackend(PagedStorageBackend):
         # The layer's group, storage and window (one group, its own tensor, the backend's
         # window for a uniform model; a hybrid model's: backends.base.LayerSlot).
         s = self.layer_slots[layer]
-        if len(self._groups) > 1:
-            self.batch, self._prefill = self._groups[s.group]
+        if len(self.group_batches) > 1:
+            self.batch = self.group_batches[s.group]
+            if s.group not in self._group_prefill:
+                self._group_prefill[s.group] = self._prefill_tables(self.batch)
+            self._prefill = self._group_prefill[s.group]
         window, sinks = (s.window, 0) if s.window else (self.window, self.window_sinks)
         if self._kernel == "triton":
             return self._attend_triton(s.storage, q, k, v, window, sinks)

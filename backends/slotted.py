@@ -37,8 +37,6 @@ class SlottedBackend(PagedStorageBackend):
     # A block whose slots were rewritten or compacted is not the block its hash names.
     supports_prefix_caching = False
     policy: EvictionPolicy
-    # This step's batch per KV cache group (one: a model without groups).
-    _groups: tuple[AttentionBatch, ...] = ()
 
     def make_manager(self, sizing: CacheSizing, **options: Any) -> KVManager:
         options.pop("num_cpu_blocks", None)
@@ -63,17 +61,10 @@ class SlottedBackend(PagedStorageBackend):
             if move:
                 self.slot_pos[src] = -1
 
-    def begin_groups(self, batches: list[AttentionBatch]) -> None:
-        """KV cache groups: the first group is the full one, whose tokens the policy
-        chooses (its slots, positions and masks are this backend's state); the sliding
-        groups are positional and attend through the paged reference (:meth:`attend`)."""
-        self._groups = tuple(batches)
-        self.begin_step(batches[0])
-
     def begin_step(self, batch: AttentionBatch) -> None:
+        # (KV cache groups: the first group's, the full one whose tokens the policy
+        # chooses; the sliding groups attend through the paged reference, attend_window.)
         super().begin_step(batch)
-        if not self._groups or self._groups[0] is not batch:  # a step without groups
-            self._groups = (batch,)
         bs = self.block_size
         offs = torch.arange(bs, device=self.device)
         self.slot_pos[batch.slot_mapping] = batch.positions
@@ -111,12 +102,12 @@ class SlottedBackend(PagedStorageBackend):
         """A sliding layer of a hybrid model: its group's positional tables (given-back
         blocks masked by the window), the paged reference attention; the full group's
         state (slot positions, scores) is not touched."""
-        self.batch = self._groups[group]
+        self.batch = self.group_batches[group]
         try:
             PagedStorageBackend.store(self, storage, k, v)
             return self.torch_attend(storage, q, window)
         finally:
-            self.batch = self._groups[0]
+            self.batch = self.group_batches[0]
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """``layer`` is the model's: its storage tensor is its LayerSlot's (KV cache

@@ -107,11 +107,15 @@ def check_model_groups(name: str, layers: tuple[LayerAttention, ...],
                         ": the real engine does not mask chunks yet; its memory runs in the "
                         "what-if (executor=roofline roofline.model=<its config.json>)")
     if not backend.supports_groups:
-        able = ", ".join(n for n, cls in BACKENDS.items() if cls.supports_groups)
         raise UserError(
             f"{name} mixes attention types per layer ({layer_types.describe(layers)}): "
             f"backend {backend.name} cannot attend per layer (a sliding layer's window, "
-            f"its KV cache group's tables); the backends that can: {able}")
+            f"its KV cache group's tables); the backends that can: {group_backends()}")
+
+
+def group_backends() -> str:
+    """The backends that run a hybrid-attention model (for the messages that refuse one)."""
+    return ", ".join(n for n, cls in BACKENDS.items() if cls.supports_groups)
 
 
 def kv_plan(name: str, layers: tuple[LayerAttention, ...], backend: KVBackend,
@@ -127,7 +131,7 @@ def kv_plan(name: str, layers: tuple[LayerAttention, ...], backend: KVBackend,
         sinks = getattr(backend, "sink_tokens", 0)
         fix = ("set backend.sink_tokens=0 (its full-precision sinks are per sequence, not "
                "per layer)" if backend.name in ("fp8", "int8") and sinks else
-               "use backend=paged, fp8, int8 (without sinks) or sliding_window")
+               f"use one of: {group_backends()}")
         raise UserError(
             f"{name} mixes attention types per layer ({layer_types.describe(layers)}): "
             "its cache is laid out per layer type, which takes a backend whose bytes scale "

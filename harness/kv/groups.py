@@ -27,6 +27,7 @@ backends.base.LayerSlot; the engine builds one batch per group from :attr:`membe
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -302,65 +303,62 @@ class GroupedKVManager:
                                                      else 0)
         return self._need(demands) <= limit
 
+    def _tagged(self) -> Iterator[tuple[int, PagedKVManager]]:
+        """Each group's manager in turn, with the ledger's tag set to the group while it
+        acts (the ledger sums each group's blocks apart: the waste split)."""
+        try:
+            for i, m in enumerate(self.members):
+                self.ledger.tag = i
+                yield i, m
+        finally:
+            self.ledger.tag = None
+
     def allocate_group(self, demands: list[Demand]) -> list[list[int]]:
         """Every group's blocks for the demands (a prefix hit: each group's own hit
         blocks, taken first in every group before anything is allocated); the slots
         returned are the first group's (the step record's; each group's own are in its
         tables)."""
         views = [self._member_demands(i, demands) for i in range(len(self.members))]
-        led, pool = self.ledger, self.pool
-        if not any(d.hit_blocks or d.loads for d in demands):  # each group its own way
-            got = []  # (a token-choosing group reuses slots it freed: its own allocate)
-            for i, (m, v) in enumerate(zip(self.members, views)):
-                led.tag = i
-                got.append(m.allocate_group(v))
-            led.tag = None
-            for d in demands:
-                self._plans.pop(d.seq.seq_id, None)
-                self._chain_cache.pop(d.seq.seq_id, None)
-            return got[0]
-        # A group's loads take fresh blocks, which may evict cached blocks: every group's
-        # device hits are held first (and every group's tier hits pinned), so that no
-        # group's loads evict or overwrite what another group is about to take.
+        if any(d.hit_blocks or d.loads for d in demands):
+            self._take_all_hits(views)
+            out = [m.extend_all(views[i]) for i, m in self._tagged()]
+        else:  # each group its own way (a token-choosing group reuses slots it freed)
+            out = [m.allocate_group(views[i]) for i, m in self._tagged()]
+        for d in demands:
+            self._plans.pop(d.seq.seq_id, None)
+            self._chain_cache.pop(d.seq.seq_id, None)
+        return out[0]
+
+    def _take_all_hits(self, views: list[list[Demand]]) -> None:
+        """Every group's prefix hits, before any group allocates. A group's loads take
+        fresh blocks, which may evict cached blocks: every group's device hits are held
+        first (and every group's tier hits pinned), so that no group's loads evict or
+        overwrite what another group is about to take."""
+        pool = self.pool
         held: list[int] = []
         loads = [hit for v in views for d in v for hit in d.loads]
         if loads:
             assert self.tiers is not None
-            for i, v in enumerate(views):
-                led.tag = i
-                for b in (b for d in v for b in d.hit_blocks if b >= 0):
+            for i, _ in self._tagged():
+                for b in (b for d in views[i] for b in d.hit_blocks if b >= 0):
                     if pool.ref[b] == 0:
                         pool.touch(b)
                         held.append(b)
             self.tiers.pin(loads)
-        for i, (m, v) in enumerate(zip(self.members, views)):  # all hits before allocating
-            led.tag = i  # the ledger sums each group's blocks apart (the waste split)
-            m.take_hits(v)
+        for i, m in self._tagged():
+            m.take_hits(views[i])
         for b in held:
             pool.release(b)
         if loads:
             assert self.tiers is not None
             self.tiers.unpin(loads)
-        out = []
-        for i, (m, v) in enumerate(zip(self.members, views)):
-            led.tag = i
-            out.append(m.extend_all(v))
-        led.tag = None
-        for d in demands:
-            self._plans.pop(d.seq.seq_id, None)
-            self._chain_cache.pop(d.seq.seq_id, None)
-        return out[0]
 
     def append_slot(self, seq: Sequence) -> int | None:
         """A decode's slot in every group, or in none (None: the pool lacks a block some
         group needs for it)."""
         if self.pool.num_free - self._owed() < self._need([Demand(seq, 1)]):
             return None
-        slots = []
-        for i, m in enumerate(self.members):
-            self.ledger.tag = i
-            slots.append(m.append_slot(seq))
-        self.ledger.tag = None
+        slots = [m.append_slot(seq) for _, m in self._tagged()]
         assert all(s is not None for s in slots), "counted first"
         return slots[0]
 
@@ -420,10 +418,8 @@ class GroupedKVManager:
 
     def _swap(self, seqs: list[Sequence], out: bool) -> list[tuple[int, int]]:
         copies: list[tuple[int, int]] = []
-        for i, m in enumerate(self.members):
-            self.ledger.tag = i  # blocks taken back in are the group's (the waste split)
+        for _, m in self._tagged():  # blocks taken back in are the group's
             copies += m.swap_out(seqs) if out else m.swap_in(seqs)
-        self.ledger.tag = None
         return copies
 
     @property
@@ -438,10 +434,8 @@ class GroupedKVManager:
 
     def observe(self, seqs: list[Sequence], scores: StepScores | None) -> None:
         # The scores are the full group's slots' (the backend scores its full layers).
-        for i, m in enumerate(self.members):
-            self.ledger.tag = i  # a copy an eviction makes (a shared block) is the group's
+        for i, m in self._tagged():  # a copy an eviction makes (a shared block): the group's
             m.observe(seqs, scores if i == 0 and self.chooses else None)
-        self.ledger.tag = None
         self._sum_stats()
 
     def record_external(self, next_need: int | None) -> int:
