@@ -19,7 +19,7 @@ from harness.roofline.hardware import A100_KERNELS, H100_KERNELS
 
 def test_every_published_run_composes_and_the_sets_are_apart() -> None:
     ids: dict[str, str] = {}
-    for name in ("fit", "validation"):
+    for name in validate.SETS:
         sources, runs = validate.load(name)
         for r in runs:
             assert r["id"] not in ids, f"{r['id']} in both {ids.get(r['id'])} and {name}"
@@ -54,20 +54,73 @@ def test_vllm_scheduler_setup_reaches_the_run() -> None:
 
 
 def test_engine_fit_recovers_known_constants() -> None:
-    # Synthetic runs whose length is forward + the engine terms with known constants.
+    # Synthetic runs whose length and whose requests' TPOT and end-to-end times are the
+    # forward time + the engine terms with known constants (all-reduce latency included:
+    # the trace's forward carries the latency the run used, 40 us, which the fit replaces).
     rng = np.random.default_rng(0)
-    truth = np.array([3e-3, 80e-6, 1e-3, 4e-6])
+    truth = np.array([3e-3, 80e-6, 1e-3, 4e-6, 12e-6])
     runs = []
     for i in range(6):
-        steps = [(float(rng.uniform(5e-3, 30e-3)), int(rng.integers(1, 256)),
-                  bool(j % (1 + i % 3) == 0)) for j in range(200)]
-        fwd, x = validate._features({"trace": steps})
-        dur = fwd + float(x @ truth)
-        point = {"figures": {"requests_per_s": 100 / dur}, "num_prompts": 100}
-        runs.append((point, {"trace": steps, "output_tokens": 0}))
-    got = validate.fit_engine(runs, (0, 1, 2, 3))
-    for k, v in zip(("schedule_s", "schedule_per_seq_s", "step_s", "step_per_seq_s"), truth):
-        assert got[k] == pytest.approx(v, rel=1e-6)
+        n_ar = 160 * (i % 2)
+        fwd = rng.uniform(5e-3, 30e-3, 200)
+        seqs = rng.integers(1, 256, 200)
+        fresh = np.arange(200) % (1 + i % 3) == 0
+        x = np.stack([fresh, fresh * seqs, np.ones(200), seqs, np.full(200, n_ar)], 1)
+        true_t = np.cumsum(fwd + x @ truth)
+        ran_t = np.cumsum(fwd + n_ar * 40e-6 + x[:, :4] @ truth[:4] * 0.5)
+        steps = [(float(f + n_ar * 40e-6), int(q), bool(fr), float(t))
+                 for f, q, fr, t in zip(fwd, seqs, fresh, ran_t)]
+        # One request finishes at each of four steps, its first token at step 10.
+        ends = (60, 99, 150, 199)
+        reqs = [(0.0, float(ran_t[10]), float(ran_t[e]), e - 9) for e in ends]
+        tpot = np.mean([(true_t[e] - true_t[10]) / (e - 10) for e in ends])
+        e2e = np.median([true_t[e] for e in ends])
+        point = {"figures": {"requests_per_s": 100 / true_t[-1], "tpot_ms_mean": 1e3 * tpot,
+                             "e2e_ms_median": 1e3 * e2e},
+                 "num_prompts": 100, "engine": "trtllm"}
+        runs.append((point, {"trace": steps, "output_tokens": 0, "prompt_tokens": 0,
+                             "requests": reqs, "allreduces": n_ar,
+                             "allreduce_latency": 40e-6}))
+    got = validate.fit_engine(runs, (0, 1, 2, 3, 4))
+    for k, v in zip(validate.CONSTANTS, truth):
+        assert got[k] == pytest.approx(v, rel=1e-6), k
+
+
+def test_fitted_figures_are_exactly_affine_in_the_constants(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A real traced all-at-once run: its figures predicted from the trace at other
+    # constants equal a second run's at those constants (the fit's premise).
+    import dataclasses
+
+    from harness.roofline import engines
+
+    sources, _ = validate.load("calibration")
+    point = {"id": "t", "set": "calibration", "source": "nim-1.8.0-llama33-70b-fp8-tp2",
+             "engine": "trtllm", "model": "Llama-3.1-70B", "hardware": "h100-sxm", "tp": 2,
+             "weight_dtype": "fp8", "compute_dtype": "fp8", "backend": "fp8",
+             "workload": {"input": 300, "output": 24}, "concurrency": 3, "num_prompts": 7,
+             "rate": 0, "max_model_len": 400,
+             "figures": {"tpot_ms_mean": 20.0, "output_tokens_per_s": 100.0,
+                         "e2e_ms_median": 900.0}}
+    src = sources[point["source"]]
+    first = validate.run_point((point, src, True))
+    rows = validate._figure_rows(point, first)
+    other = np.array([2e-3, 50e-6, 1.5e-3, 30e-6, 9e-6])
+    monkeypatch.setitem(engines.PROFILES, "trtllm", dataclasses.replace(
+        engines.PROFILES["trtllm"], **dict(zip(validate.CONSTANTS, other))))
+    second = validate.run_point((point, src, False))["pred"]
+    assert second["tpot_ms_mean"] != pytest.approx(first["pred"]["tpot_ms_mean"], rel=1e-3)
+    for metric, base, a, _pub in rows:
+        pred = base + float(a @ other)
+        want = (first["output_tokens"] / second[metric] if metric.endswith("_per_s")
+                else second[metric] / 1e3)
+        assert pred == pytest.approx(want, rel=1e-9), metric
+
+
+def test_concurrency_caps_the_running_requests() -> None:
+    sources, runs = validate.load("calibration")
+    r = next(x for x in runs if x.get("concurrency") == 5)
+    assert "scheduler.max_num_seqs=5" in validate.overrides(r, sources[r["source"]])
 
 
 @pytest.mark.parametrize(("gpu", "consts"), [("h100", H100_KERNELS), ("a100", A100_KERNELS)])

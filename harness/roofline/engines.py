@@ -4,7 +4,8 @@ from the hardware's.
 A profile is the engine's CPU time per step, as a few constants (harness.roofline.
 steptime's ``engine`` term): ``schedule_s + schedule_per_seq_s x seqs`` on each step
 scheduled anew (multi-step scheduling makes the others not fresh) and ``step_s +
-step_per_seq_s x seqs`` on every step (launch, sampling, output processing), plus the
+step_per_seq_s x seqs`` on every step (launch, sampling, output processing); its
+all-reduce kernels' small-message latency (``allreduce_latency_s``); plus the
 ``scheduler.*`` settings that mirror how that engine batches (``scheduler``: what
 ``python -m harness.roofline.validate`` runs each published point with; a user's run
 takes them only as given on the command line, see the README).
@@ -35,6 +36,9 @@ class EngineProfile:
     schedule_per_seq_s: float = 0.0  # ... per running sequence
     step_s: float = 0.0  # CPU seconds on every step
     step_per_seq_s: float = 0.0  # ... per running sequence
+    # One small all-reduce's seconds with the engine's own kernels (None: the hardware
+    # spec's NCCL latency, harness.roofline.steptime).
+    allreduce_latency_s: float | None = None
     scheduler: dict[str, Any] = field(default_factory=dict)
     memory_utilization: float = 0.9  # the share of GPU memory its published runs used
     calibrated: bool = False
@@ -80,7 +84,10 @@ PROFILES: dict[str, EngineProfile] = {p.name: p for p in (
 
 
 FIT_RESULT = Path(__file__).resolve().parent / "published" / "fit_result.json"
-CONSTANTS = ("schedule_s", "schedule_per_seq_s", "step_s", "step_per_seq_s")
+# What `--fit` fits (harness.roofline.validate): the CPU time's four terms and the
+# all-reduce latency (fitted only for an engine with points at tp > 1).
+CONSTANTS = ("schedule_s", "schedule_per_seq_s", "step_s", "step_per_seq_s",
+             "allreduce_latency_s")
 
 
 def _with_fit(profiles: dict[str, EngineProfile], path: Path) -> dict[str, EngineProfile]:
@@ -92,7 +99,8 @@ def _with_fit(profiles: dict[str, EngineProfile], path: Path) -> dict[str, Engin
     out = dict(profiles)
     for name, f in fitted.items():
         if name in out:
-            consts: dict[str, Any] = {k: float(f[k]) for k in CONSTANTS}
+            consts: dict[str, Any] = {k: None if f[k] is None else float(f[k])
+                                      for k in CONSTANTS if k in f}
             out[name] = dataclasses.replace(out[name], calibrated=True,
                                             fitted_to=tuple(f["sources"]), **consts)
     return out

@@ -126,7 +126,9 @@ class RooflineExecutor:
         self.needs_scores = False
         self._written: list[ScheduledSeq] = []
         self._ops_s = 0.0  # cache operations' time, charged to the next forward
-        self.trace: list[tuple[float, int, bool]] | None = None
+        # The fit's record (harness.roofline.validate): per step (forward s, seqs, fresh,
+        # the clock at its end), when set to a list.
+        self.trace: list[tuple[float, int, bool, float]] | None = None
 
     def bind(self, kv: KVManager) -> None:
         self.kv = kv
@@ -161,8 +163,8 @@ class RooflineExecutor:
             self._tier_s = 0.0
         self.totals.add(t)
         self.clock.advance(float(t.total))
-        if self.trace is not None:  # the fit's record: (forward s, seqs, fresh)
-            self.trace.append((float(t.forward), sh.seqs, rec.fresh))
+        if self.trace is not None:
+            self.trace.append((float(t.forward), sh.seqs, rec.fresh, self.clock.t))
         if self.needs_scores:
             self._written = list(rec.seqs)
         # One-hot rows at each sequence's synthetic token: the engine's own sampling code

@@ -14,7 +14,7 @@ less the terms are max + (1 - overlap) x min: one CPU core, ``overlap=0``, adds 
                    b_kv ctx_prefill / tp_kv / (bw eff_bw))
     decode   = max(2 H (d_qk + d_v) L ctx_decode / tp / (peak eff_attn),
                    b_kv ctx_decode / tp_kv / (bw eff_bw))
-    allreduce = 2 L (2 (tp - 1) / tp x T h b_act / link_bw + latency(tp))  (tp > 1)
+    allreduce = 2 L (2 (tp - 1) / tp x T h b_act / link_bw + latency)  (tp > 1)
     nongemm  = L (6 t_kernel + T B_tok / (bw eff_elem))
     engine   = [fresh] (schedule_s + schedule_per_seq_s x seqs)
                + step_s + step_per_seq_s x seqs
@@ -27,11 +27,14 @@ gemm_corner_p``; 0 keeps max(c, m)), so a step near the ridge (~256 tokens) is n
 side alone and small TP8 matrices stream below the bandwidth share. ``nongemm`` is the
 two RMSNorms, RoPE, SiLU-and-mul and two residual adds of each layer: six kernels of
 ``nongemm_kernel_s`` and ``B_tok`` bytes a token (ArchSpec.nongemm_bytes_per_token).
-``latency(tp)`` is NCCL's small-message all-reduce time at that degree (Vidur: 30-45 us on
-H100 NVLink). ``engine`` is the serving engine's CPU time (harness.roofline.engines): a
-scheduling decision on each step scheduled anew (``StepRecord.fresh``; multi-step
-scheduling makes the others not fresh), and per-step work (launch, sampling, output
-processing); without a profile, the spec's ``step_overhead_s + per_seq_overhead_s x seqs``.
+``latency`` is a small message's all-reduce time: the engine profile's
+``allreduce_latency_s`` where it has one (the custom one-shot all-reduce kernels vLLM and
+TensorRT-LLM use on NVLink below a few MB, fitted), else the spec's NCCL figure at that
+degree (Vidur's tables: 30-45 us on H100 NVLink). ``engine`` is the serving engine's CPU
+time (harness.roofline.engines): a scheduling decision on each step scheduled anew
+(``StepRecord.fresh``; multi-step scheduling makes the others not fresh), and per-step
+work (launch, sampling, output processing); without a profile, the spec's
+``step_overhead_s + per_seq_overhead_s x seqs``.
 GEMMs run at ``gemm_dtype``'s peak (``roofline.compute_dtype=fp8``: W8A8 on the fp8 units).
 
 ``pairs`` are the (query, key) pairs of the step's prefill chunks (a chunk of n tokens
@@ -144,6 +147,13 @@ class StepModel:
         self.peak = hw.flops(compute_dtype)
         self.gemm_peak = hw.flops(self.gemm_dtype)
         self.engine = engine
+        # Two all-reduces a layer under tensor parallelism, each paying a small message's
+        # latency: the engine's own kernels' where its profile has one (custom one-shot
+        # all-reduce, vLLM's and TensorRT-LLM's), else the spec's (NCCL, Vidur's tables).
+        self.allreduces = 2 * arch.num_layers if tp > 1 and hw.link_bw > 0 else 0
+        self.allreduce_latency = (
+            engine.allreduce_latency_s if engine is not None
+            and engine.allreduce_latency_s is not None else hw.allreduce_latency(tp))
         self.weight_bytes = weight_bytes
         self.act_bytes = 2.0 if compute_dtype in ("bf16", "fp16", "bfloat16", "float16",
                                                   "fp8") else 4.0
@@ -187,10 +197,10 @@ class StepModel:
         touched = a.expert_params * a.expert_share_touched(tokens) if a.num_experts else 0.0
         vh = a.vocab_size * a.hidden_size
         ar = 0.0
-        if tp > 1 and self.hw.link_bw > 0:
+        if self.allreduces:
             nbytes = tokens * a.hidden_size * self.act_bytes
-            ar = 2 * a.num_layers * (2 * (tp - 1) / tp * nbytes / self.hw.link_bw
-                                     + self.hw.allreduce_latency(tp))
+            ar = self.allreduces * (2 * (tp - 1) / tp * nbytes / self.hw.link_bw
+                                    + self.allreduce_latency)
         widen = 0.0
         if self.hw.attention == "gather":
             pairs, ctx_decode, kvb = pairs_full, gather_decode, self.gather_rank_bytes

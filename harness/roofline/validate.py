@@ -4,15 +4,19 @@ engine profiles to the fit set, and report predicted / published on the held-out
     python -m harness.roofline.validate [--set fit|validation|both] [--fit] [--only ID,...]
                                         [--jobs 2] [--out F]
 
-Two files (harness/roofline/published): ``fit.yaml`` (../shared/WHATIF_DATA.md's points,
-the only end-to-end points any constant is fitted to) and ``validation.yaml`` (frozen
-before the fit, never fitted to). Each run is one published configuration, composed as
-kvbench overrides (:func:`overrides`): its engine's profile and scheduler settings
-(harness.roofline.engines), then its source's, then its own. ``--fit`` fits each engine
-profile's CPU constants to that engine's all-at-once fit points (their schedules do not
-depend on time: the step shapes are recorded once, and the run's length is linear in the
-constants, solved by non-negative least squares on the relative error) and writes
-``fit_result.json``, which harness.roofline.engines reads. ``validation_result.json``
+Three files (harness/roofline/published): ``fit.yaml`` (../shared/WHATIF_DATA.md's
+points), ``calibration.yaml`` (further published points found later, kept apart from it:
+the only other end-to-end points any constant is fitted to) and ``validation.yaml``
+(frozen before the fit, never fitted to). Each run is one published configuration,
+composed as kvbench overrides (:func:`overrides`): its engine's profile and scheduler
+settings (harness.roofline.engines), then its source's, then its own (``concurrency: c``,
+a closed-loop client, as ``scheduler.max_num_seqs=c`` over a queue). ``--fit`` fits each
+engine profile's CPU constants to that engine's all-at-once points of the fit and
+calibration sets: their schedules do not depend on time, so the step shapes are recorded
+once and every fitted figure (a run's length for its throughput, a request's end-to-end
+time, its mean TPOT) is affine in the constants (:func:`_figure_rows`), solved by
+non-negative least squares on the relative error; it writes ``fit_result.json``, which
+harness.roofline.engines reads. ``validation_result.json``
 (what every roofline run's ``roofline.expected_error_pct`` is read from) is written after
 a validation run.
 
@@ -37,11 +41,13 @@ import yaml
 
 from harness.errors import UserError
 from harness.roofline.bands import GPU_CLASS
-from harness.roofline.engines import FIT_RESULT
+from harness.roofline.engines import CONSTANTS, FIT_RESULT
 
 HERE = Path(__file__).resolve().parent / "published"
 VALIDATION_RESULT = HERE / "validation_result.json"  # read by harness.roofline.bands
-SETS = {"fit": HERE / "fit.yaml", "validation": HERE / "validation.yaml"}
+SETS = {"fit": HERE / "fit.yaml", "calibration": HERE / "calibration.yaml",
+        "validation": HERE / "validation.yaml"}
+FITTED_SETS = ("fit", "calibration")  # what --fit fits to; validation never
 CLAIMED = {"requests_per_s": "throughput", "output_tokens_per_s": "throughput",
            "total_tokens_per_s": "throughput", "tpot_ms_mean": "tpot",
            "tpot_ms_median": "tpot"}
@@ -71,6 +77,8 @@ def _scheduler(run: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
     s.update(source.get("scheduler", {}).get(run["engine"], {}))
     s.update(run.get("scheduler", {}))
     s["max_model_len"] = run["max_model_len"]
+    if "concurrency" in run:  # a closed loop of c clients: at most c in flight
+        s["max_num_seqs"] = min(int(run["concurrency"]), int(s.get("max_num_seqs", 256)))
     # Budgets an engine derives from the run (harness.roofline.engines names them).
     budget = s.get("max_num_batched_tokens")
     if budget == "max(max_model_len, 2048)":  # vLLM V0 without chunked prefill
@@ -127,8 +135,9 @@ def predicted(result: Any) -> dict[str, float]:
 
 def run_point(args: tuple[dict[str, Any], dict[str, Any], bool]) -> dict[str, Any]:
     """One published run under executor=roofline: its predicted metrics, and with
-    ``trace`` each step's (forward s, seqs, fresh) and the run's output tokens; a point
-    the what-if refuses comes back with its ``error``."""
+    ``trace`` each step's (forward s, seqs, fresh, clock at its end), the run's output
+    and prompt tokens and each finished request's (arrival, first token, finish) times and
+    output tokens; a point the what-if refuses comes back with its ``error``."""
     point, source, trace = args
     try:
         return _run_point(point, source, trace)
@@ -143,7 +152,8 @@ def _run_point(point: dict[str, Any], source: dict[str, Any], trace: bool) -> di
 
     cfg = compose_config(overrides(point, source))
     t0 = time.perf_counter()
-    traced: list[tuple[float, int, bool]] = []
+    traced: list[tuple[float, int, bool, float]] = []
+    allreduce: list[float] = []  # the step model's all-reduces a step and their latency
     if trace:  # record the steps: RooflineTarget.build hands the executor over
         orig = RooflineTarget.build
 
@@ -151,6 +161,8 @@ def _run_point(point: dict[str, Any], source: dict[str, Any], trace: bool) -> di
             st = orig(self, workload)
             assert self.executor is not None
             self.executor.trace = traced
+            allreduce[:] = [self.executor.model.allreduces,
+                            self.executor.model.allreduce_latency]
             return st
 
         RooflineTarget.build = build  # type: ignore[method-assign]
@@ -166,7 +178,12 @@ def _run_point(point: dict[str, Any], source: dict[str, Any], trace: bool) -> di
            "duration_s": res.metrics["engine.wall_s"]}
     if trace:
         out["trace"] = traced
+        out["allreduces"], out["allreduce_latency"] = allreduce
         out["output_tokens"] = sum(r["output_tokens"] for r in res.requests)
+        out["prompt_tokens"] = sum(r["prompt_tokens"] for r in res.requests)
+        out["requests"] = [(r["arrival_s"], r["arrival_s"] + r["ttft_ms"] / 1e3,
+                            r["arrival_s"] + r["e2e_ms"] / 1e3, r["output_tokens"])
+                           for r in res.requests if r["status"] == "finished"]
     return out
 
 
@@ -180,33 +197,96 @@ def run_all(points: list[dict[str, Any]], sources: dict[str, Any], jobs: int,
 
 
 # -- the fit --------------------------------------------------------------------------
-def _features(r: dict[str, Any]) -> tuple[float, np.ndarray]:
-    """A traced run's forward seconds and its length's linear terms in the profile's
-    constants (schedule_s, schedule_per_seq_s, step_s, step_per_seq_s)."""
+def _steps(r: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A traced run's per-step seconds apart from the fitted terms, its per-step linear
+    terms in the profile's constants (:data:`CONSTANTS`: fresh, fresh x seqs, 1, seqs, the
+    all-reduces) and each step's end time."""
     tr = r["trace"]
-    fwd = sum(f for f, _, _ in tr)
-    x = np.array([sum(1.0 for _, _, fr in tr if fr), sum(float(s) for _, s, fr in tr if fr),
-                  float(len(tr)), sum(float(s) for _, s, _ in tr)])
-    return fwd, x
+    n_ar = float(r.get("allreduces", 0))
+    fwd = np.array([s[0] for s in tr], dtype=np.float64) \
+        - n_ar * float(r.get("allreduce_latency", 0.0))
+    seqs = np.array([s[1] for s in tr], dtype=np.float64)
+    fresh = np.array([1.0 if s[2] else 0.0 for s in tr])
+    x = np.stack([fresh, fresh * seqs, np.ones_like(seqs), seqs,
+                  np.full_like(seqs, n_ar)], axis=1)
+    return fwd, x, np.array([s[3] for s in tr], dtype=np.float64)
+
+
+def _features(r: dict[str, Any]) -> tuple[float, np.ndarray]:
+    """A traced run's forward seconds and its length's linear terms in :data:`CONSTANTS`."""
+    fwd, x, _ = _steps(r)
+    return float(fwd.sum()), x.sum(axis=0)
+
+
+def _figure_rows(point: dict[str, Any], r: dict[str, Any]
+                 ) -> list[tuple[str, float, np.ndarray, float]]:
+    """Each fitted figure of a traced all-at-once run as ``(metric, base, a, published)``:
+    predicted = base + a . constants, exactly, while the schedule stays the one traced (it
+    does not depend on time when every request is there at t=0). A run's length for a
+    throughput figure (its tokens or requests over the figure); a request's end-to-end
+    time, the sum of the steps up to the one that finished it; a mean TPOT, each request's
+    steps after its first token over its output tokens - 1. A median is the median
+    request's (two middle ones averaged)."""
+    fwd, x, t_end = _steps(r)
+    cf = np.concatenate([[0.0], np.cumsum(fwd)])
+    cx = np.vstack([np.zeros((1, x.shape[1])), np.cumsum(x, axis=0)])
+    # The steps that ended by time t (a token's time is the clock at the end of the step
+    # that made it; the requests' times come back through milliseconds: a tolerance).
+    at = lambda t: int(np.searchsorted(t_end, t + 1e-9 * max(1.0, t), side="right"))  # noqa: E731
+    reqs = r["requests"]
+    fig = point["figures"]
+    now = _current(point, r)
+    out: list[tuple[str, float, np.ndarray, float]] = []
+    for metric, pub in fig.items():
+        kind = CLAIMED.get(metric)
+        if kind == "throughput":
+            work = {"output_tokens_per_s": r["output_tokens"], "requests_per_s":
+                    point["num_prompts"],
+                    "total_tokens_per_s": r["output_tokens"] + r["prompt_tokens"]}[metric]
+            out.append((metric, float(cf[-1]), cx[-1], work / pub))
+            continue
+        if metric.startswith("e2e_ms"):
+            per = [(cf[at(fin)] - cf[at(arr)], cx[at(fin)] - cx[at(arr)])
+                   for arr, _, fin, _ in reqs]
+        elif metric.startswith("tpot_ms"):
+            per = [((cf[at(fin)] - cf[at(first)]) / (n - 1),
+                    (cx[at(fin)] - cx[at(first)]) / (n - 1))
+                   for _, first, fin, n in reqs if n > 1]
+        else:
+            continue  # TTFT and ITL are not fitted
+        if metric.endswith("_median"):
+            per = sorted(per, key=lambda p: float(p[0] + p[1] @ now))
+            mid = per[(len(per) - 1) // 2: len(per) // 2 + 1]
+        else:
+            mid = per
+        out.append((metric, float(np.mean([m[0] for m in mid])),
+                    np.mean([m[1] for m in mid], axis=0), pub / 1e3))
+    return out
+
+
+def _current(point: dict[str, Any], r: dict[str, Any]) -> np.ndarray:
+    """The constants the traced run ran with (its engine profile's, the latency its step
+    model used)."""
+    from harness.roofline.engines import PROFILES
+
+    prof = PROFILES[point["engine"]]
+    c = [float(getattr(prof, k) or 0.0) for k in CONSTANTS]
+    c[CONSTANTS.index("allreduce_latency_s")] = float(r.get("allreduce_latency", 0.0))
+    return np.array(c)
 
 
 def fit_engine(runs: list[tuple[dict[str, Any], dict[str, Any]]],
                keys: tuple[int, ...]) -> dict[str, float]:
-    """Non-negative least squares on the relative error of each run's length, over the
-    constants ``keys`` (indices into :func:`_features`' terms). A run's published length
-    is its output tokens (or requests) over the published throughput."""
+    """Non-negative least squares on the relative error of every fitted figure of each
+    run (:func:`_figure_rows`), over the constants ``keys`` (indices into
+    :data:`CONSTANTS`); each run weighs the same whatever its number of figures."""
     rows, target = [], []
     for point, r in runs:
-        fwd, x = _features(r)
-        fig = point["figures"]
-        if "output_tokens_per_s" in fig:
-            dur = r["output_tokens"] / fig["output_tokens_per_s"]
-        elif "requests_per_s" in fig:
-            dur = point["num_prompts"] / fig["requests_per_s"]
-        else:
-            continue
-        rows.append(x[list(keys)] / dur)
-        target.append(1.0 - fwd / dur)
+        figs = _figure_rows(point, r)
+        for _, base, a, pub in figs:
+            w = 1.0 / np.sqrt(len(figs))
+            rows.append(w * a[list(keys)] / pub)
+            target.append(w * (1.0 - base / pub))
     A, b = np.array(rows), np.array(target)
     best: tuple[float, np.ndarray] | None = None
     for k in range(len(keys), 0, -1):  # every subset: the NNLS optimum is one of them
@@ -219,26 +299,36 @@ def fit_engine(runs: list[tuple[dict[str, Any], dict[str, Any]]],
             err = float(np.sum((A @ full - b) ** 2))
             if best is None or err < best[0]:
                 best = (err, full)
-    names = ("schedule_s", "schedule_per_seq_s", "step_s", "step_per_seq_s")
-    out = dict.fromkeys(names, 0.0)
+    out = dict.fromkeys(CONSTANTS, 0.0)
     if best is not None:
         for i, v in zip(keys, best[1]):
-            out[names[i]] = float(v)
+            out[CONSTANTS[i]] = float(v)
     return out
 
 
 def do_fit(jobs: int) -> dict[str, Any]:
-    sources, runs = load("fit")
-    at_once = [p for p in runs if p["rate"] == 0]
+    """Fit every engine profile with all-at-once points in :data:`FITTED_SETS`."""
+    sources: dict[str, Any] = {}
+    at_once: list[dict[str, Any]] = []
+    for name in FITTED_SETS:
+        s, runs = load(name)
+        sources.update(s)
+        at_once += [p for p in runs if p["rate"] == 0]
     res = {r["id"]: r for r in run_all(at_once, sources, jobs, trace=True)}
     result: dict[str, Any] = {"fitted_at": time.strftime("%Y-%m-%d"), "engines": {}}
     for eng in sorted({p["engine"] for p in at_once}):
-        pts = [(p, res[p["id"]]) for p in at_once if p["engine"] == eng]
+        pts = [(p, res[p["id"]]) for p in at_once
+               if p["engine"] == eng and "error" not in res[p["id"]]]
         # An engine whose points all schedule every step cannot tell scheduling from
-        # per-step time: fit the per-step pair only.
-        multi = any(not fr for _, r in pts for _, _, fr in r["trace"])
-        keys = (0, 1, 2, 3) if multi else (2, 3)
-        result["engines"][eng] = {**fit_engine(pts, keys),
+        # per-step time: fit the per-step pair only; its all-reduce latency only from
+        # points with all-reduces (tp > 1), else the spec's stays (None).
+        multi = any(not s[2] for _, r in pts for s in r["trace"])
+        ar = any(r["allreduces"] for _, r in pts)
+        keys = ((0, 1) if multi else ()) + (2, 3) + ((4,) if ar else ())
+        fitted: dict[str, Any] = fit_engine(pts, keys)
+        if not ar:
+            fitted["allreduce_latency_s"] = None
+        result["engines"][eng] = {**fitted,
                                   "points": [p["id"] for p, _ in pts],
                                   "sources": sorted({p["source"] for p, _ in pts})}
     FIT_RESULT.write_text(json.dumps(result, indent=1) + "\n")
@@ -326,7 +416,9 @@ def measured_specs() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--set", default="both", choices=("fit", "validation", "both"))
+    ap.add_argument("--set", default="all",
+                    choices=("fit", "calibration", "validation", "both", "all"),
+                    help="both: fit and validation; all: the three sets")
     ap.add_argument("--fit", action="store_true", help="fit the engine profiles first")
     ap.add_argument("--only", default="", help="comma-separated run ids")
     ap.add_argument("--source", default="", help="only the runs of these sources (comma-separated)")
@@ -340,7 +432,7 @@ def main(argv: list[str] | None = None) -> None:
         import harness.roofline.engines as engines
 
         importlib.reload(engines)  # the profiles now read the new fit
-    names = ("fit", "validation") if args.set == "both" else (args.set,)
+    names = {"both": ("fit", "validation"), "all": tuple(SETS)}.get(args.set, (args.set,))
     points: list[dict[str, Any]] = []
     sources: dict[str, Any] = {}
     for n in names:
