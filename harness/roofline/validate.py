@@ -161,8 +161,9 @@ def _run_point(point: dict[str, Any], source: dict[str, Any], trace: bool) -> di
             st = orig(self, workload)
             assert self.executor is not None
             self.executor.trace = traced
-            allreduce[:] = [self.executor.model.allreduces,
-                            self.executor.model.allreduce_latency]
+            m = self.executor.model
+            allreduce[:] = [m.allreduces, m.allreduce_latency,
+                            m.hw.allreduce_latency(m.tp)]
             return st
 
         RooflineTarget.build = build  # type: ignore[method-assign]
@@ -178,7 +179,7 @@ def _run_point(point: dict[str, Any], source: dict[str, Any], trace: bool) -> di
            "duration_s": res.metrics["engine.wall_s"]}
     if trace:
         out["trace"] = traced
-        out["allreduces"], out["allreduce_latency"] = allreduce
+        out["allreduces"], out["allreduce_latency"], out["spec_allreduce_latency"] = allreduce
         out["output_tokens"] = sum(r["output_tokens"] for r in res.requests)
         out["prompt_tokens"] = sum(r["prompt_tokens"] for r in res.requests)
         out["requests"] = [(r["arrival_s"], r["arrival_s"] + r["ttft_ms"] / 1e3,
@@ -281,9 +282,12 @@ def fit_engine(runs: list[tuple[dict[str, Any], dict[str, Any]]],
     run (:func:`_figure_rows`), over the constants ``keys`` (indices into
     :data:`CONSTANTS`); each run weighs the same whatever its number of figures."""
     rows, target = [], []
+    ar = CONSTANTS.index("allreduce_latency_s")
     for point, r in runs:
         figs = _figure_rows(point, r)
         for _, base, a, pub in figs:
+            if ar not in keys:  # not fitted: the spec's latency (the profile's None)
+                base += a[ar] * r.get("spec_allreduce_latency", 0.0)
             w = 1.0 / np.sqrt(len(figs))
             rows.append(w * a[list(keys)] / pub)
             target.append(w * (1.0 - base / pub))
@@ -313,17 +317,20 @@ def do_fit(jobs: int) -> dict[str, Any]:
     for name in FITTED_SETS:
         s, runs = load(name)
         sources.update(s)
-        at_once += [p for p in runs if p["rate"] == 0]
+        at_once += [p for p in runs if p["rate"] == 0 and s[p["source"]].get("fit", True)]
     res = {r["id"]: r for r in run_all(at_once, sources, jobs, trace=True)}
     result: dict[str, Any] = {"fitted_at": time.strftime("%Y-%m-%d"), "engines": {}}
     for eng in sorted({p["engine"] for p in at_once}):
         pts = [(p, res[p["id"]]) for p in at_once
                if p["engine"] == eng and "error" not in res[p["id"]]]
         # An engine whose points all schedule every step cannot tell scheduling from
-        # per-step time: fit the per-step pair only; its all-reduce latency only from
-        # points with all-reduces (tp > 1), else the spec's stays (None).
+        # per-step time: fit the per-step pair only. Its all-reduce latency only from
+        # per-token latencies (TPOT, end-to-end) at tp > 1: a throughput at full batch
+        # cannot tell it from the per-step time (fitted to vLLM 0.6's throughput points
+        # alone it went to 0); else the spec's stays (None).
         multi = any(not s[2] for _, r in pts for s in r["trace"])
-        ar = any(r["allreduces"] for _, r in pts)
+        ar = any(r["allreduces"] and any(CLAIMED.get(m) != "throughput"
+                                         for m in p["figures"]) for p, r in pts)
         keys = ((0, 1) if multi else ()) + (2, 3) + ((4,) if ar else ())
         fitted: dict[str, Any] = fit_engine(pts, keys)
         if not ar:
