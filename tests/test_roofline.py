@@ -144,6 +144,16 @@ def test_auto_budget_and_weights_that_do_not_fit() -> None:
     assert auto_kv_budget(a, H100, cfg) == pytest.approx(want, rel=1e-6)
     with pytest.raises(UserError, match="leave no room"):
         auto_kv_budget(a, H100, RooflineConfig(tp=1))
+    # TensorRT-LLM's fraction is of the memory the weights leave free: 70B fp8 on one
+    # H100 keeps 0.95 x (80 GB - 2 GiB - 70.6 GB) for its cache, not 0.95 x 80 GB - ...
+    free = RooflineConfig(tp=1, weight_dtype="fp8", gpu_memory_utilization=0.95,
+                          memory_utilization_of="free")
+    w = a.total_params() * 1.0
+    assert auto_kv_budget(a, H100, free) == pytest.approx(
+        0.95 * (80e9 - 2 * 2**30 - w), rel=1e-6)
+    total = RooflineConfig(tp=1, weight_dtype="fp8", gpu_memory_utilization=0.95)
+    assert auto_kv_budget(a, H100, total) == pytest.approx(
+        0.95 * 80e9 - 2 * 2**30 - w, rel=1e-6)
 
 
 def test_roofline_run_is_deterministic_and_recorded(tmp_path: Path) -> None:

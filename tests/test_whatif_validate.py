@@ -84,6 +84,15 @@ def test_engine_fit_recovers_known_constants() -> None:
     got = validate.fit_engine(runs, (0, 1, 2, 3, 4))
     for k, v in zip(validate.CONSTANTS, truth):
         assert got[k] == pytest.approx(v, rel=1e-6), k
+    # Latency not fitted: the spec's stays in the runs' time, the CPU terms still come out.
+    for _, r in runs:
+        r["spec_allreduce_latency"] = truth[4]
+    got = validate.fit_engine(runs, (0, 1, 2, 3))
+    for k, v in zip(validate.CONSTANTS[:4], truth[:4]):
+        assert got[k] == pytest.approx(v, rel=1e-6), k
+    for _, r in runs:
+        r["spec_allreduce_latency"] = 0.0
+    assert validate.fit_engine(runs, (0, 1, 2, 3))["step_s"] != pytest.approx(truth[2])
 
 
 def test_fitted_figures_are_exactly_affine_in_the_constants(

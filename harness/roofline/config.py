@@ -25,6 +25,10 @@ class RooflineConfig:
     dtype: str = "bfloat16"  # activations and the cache (float32 | bfloat16 | float16)
     weight_dtype: str = "bfloat16"  # bytes per weight: float32 bfloat16 float16 fp8 int8 int4
     gpu_memory_utilization: float = 0.9  # share of each device's memory the server may use
+    # What that share is of: "total" (vLLM's gpu_memory_utilization: of the device's
+    # memory, weights included) or "free" (TensorRT-LLM's kv_cache_free_gpu_mem_fraction:
+    # of what the weights and the activation reserve leave).
+    memory_utilization_of: str = "total"
     activation_reserve: str = "auto"  # per device, kept for activations (auto: the spec's)
     # How attention runs: the spec's (fused kernels on a GPU, the torch gather on the cpu
     # spec), or forced: "fused" | "gather" (harness.roofline.shape).
@@ -47,6 +51,7 @@ class RooflineConfig:
             raise UserError("roofline.compute_dtype=fp8 multiplies fp8 weights on the fp8 "
                             f"units: set roofline.weight_dtype=fp8 (got {self.weight_dtype})")
         in_range(self, "roofline", "gpu_memory_utilization", 0.0, 1.0, lo_open=True)
+        one_of(self, "roofline", "memory_utilization_of", ("total", "free"))
         one_of(self, "roofline", "attention", ("spec", *ATTENTION))
 
     def gemm_dtype(self) -> str:
@@ -69,7 +74,9 @@ def weights_bytes(arch: ArchSpec, cfg: RooflineConfig) -> int:
 
 def auto_kv_budget(arch: ArchSpec, hw: HardwareSpec, cfg: RooflineConfig) -> int:
     """``cache.kv_budget=auto``, as serving engines size it: memory x utilization minus
-    the weights minus an activation reserve, per rank, over the tensor-parallel group, as
+    the weights minus an activation reserve (vLLM), or utilization x (memory minus the
+    weights minus the reserve) (``memory_utilization_of=free``: TensorRT-LLM's fraction
+    of the free memory), per rank, over the tensor-parallel group, as
     distinct cache content: a cache split by KV head adds up over its shards, and a KV
     head replicated on ``tp / kv_heads`` ranks (MLA's latent: on every rank) is counted
     once (:meth:`ArchSpec.kv_shards`), so the tokens it holds are what the group holds."""
@@ -83,7 +90,10 @@ def auto_kv_budget(arch: ArchSpec, hw: HardwareSpec, cfg: RooflineConfig) -> int
                         f"{format_bytes(hw.mem_bytes)} at gpu_memory_utilization "
                         f"{cfg.gpu_memory_utilization}): lower roofline.activation_reserve")
     w = weights_bytes(arch, cfg)
-    budget = arch.kv_shards(cfg.tp) * (usable - reserve - w / cfg.tp)
+    per_rank = usable - reserve - w / cfg.tp
+    if cfg.memory_utilization_of == "free":
+        per_rank = cfg.gpu_memory_utilization * (hw.mem_bytes - reserve - w / cfg.tp)
+    budget = arch.kv_shards(cfg.tp) * per_rank
     if budget <= 0:
         raise UserError(f"{arch.name}'s weights ({format_bytes(w)} in {cfg.weight_dtype}) "
                         f"leave no room for a KV cache on {cfg.tp} x {hw.name} "

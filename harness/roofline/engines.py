@@ -41,6 +41,7 @@ class EngineProfile:
     allreduce_latency_s: float | None = None
     scheduler: dict[str, Any] = field(default_factory=dict)
     memory_utilization: float = 0.9  # the share of GPU memory its published runs used
+    memory_utilization_of: str = "total"  # of the device's memory, or "free" (after weights)
     calibrated: bool = False
     fitted_to: tuple[str, ...] = ()  # fit.yaml sources
     note: str = ""
@@ -73,11 +74,12 @@ PROFILES: dict[str, EngineProfile] = {p.name: p for p in (
         "trtllm", "TensorRT-LLM (inflight batching)", step_s=1e-3, step_per_seq_s=5e-6,
         scheduler={"mixing": "mixed", "chunked_prefill": False, "admission": "no_evict",
                    "max_num_seqs": 2048, "max_num_batched_tokens": "max(input, 8192)"},
-        memory_utilization=0.95,
+        memory_utilization=0.95, memory_utilization_of="free",
         note="GUARANTEED_NO_EVICT admission, context requests whole (chunked context off), "
              "max_batch_size 2048 / max_num_tokens 8192 (trtllm defaults; trtllm-bench "
              "raises max_num_tokens to the dataset's longest prompt); "
-             "kv_cache_free_gpu_mem_fraction 0.95 as its perf docs use"),
+             "kv_cache_free_gpu_mem_fraction 0.95 as its perf docs use (a fraction of "
+             "the memory free after the weights, not of the device's)"),
     EngineProfile("kvbench", "this engine (the hardware spec's own overheads)",
                   calibrated=True, note="the cpu spec's overheads are measured here"),
 )}

@@ -100,6 +100,7 @@ def overrides(run: dict[str, Any], source: dict[str, Any]) -> list[str]:
           f"roofline.weight_dtype={run['weight_dtype']}", f"roofline.engine={run['engine']}",
           f"roofline.compute_dtype={run.get('compute_dtype', 'auto')}",
           f"roofline.gpu_memory_utilization={prof.memory_utilization}",
+          f"roofline.memory_utilization_of={prof.memory_utilization_of}",
           f"backend={run['backend']}", "cache.kv_budget=auto",
           "cache.enable_prefix_caching=false", "workload=random",
           f"workload.num_requests={run['num_prompts']}", f"workload.rate={run['rate']}",
@@ -457,9 +458,13 @@ def main(argv: list[str] | None = None) -> None:
     print(markdown(rows))
     print(measured_specs())
     print(f"\n({len(points)} runs, {time.perf_counter() - t0:.0f} s)")
-    if "validation" in names and not args.only and not args.source:
+    if "validation" in names and not args.only:
+        # Every run of the sources it ran (all of them without --source): the bands say
+        # which, so that a band from part of the set reads as such.
+        ran = sorted({p["source"] for p in points if p["set"] == "validation"})
         VALIDATION_RESULT.write_text(json.dumps(
-            {"validated_at": time.strftime("%Y-%m-%d"), "bands": bands(rows)}, indent=1) + "\n")
+            {"validated_at": time.strftime("%Y-%m-%d"), "sources": ran,
+             "all_sources": not args.source, "bands": bands(rows)}, indent=1) + "\n")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
 
