@@ -190,12 +190,25 @@ def _run_point(point: dict[str, Any], source: dict[str, Any], trace: bool) -> di
 
 
 def run_all(points: list[dict[str, Any]], sources: dict[str, Any], jobs: int,
-            trace: bool = False) -> list[dict[str, Any]]:
+            trace: bool = False, partial: Path | None = None) -> list[dict[str, Any]]:
+    """Every point's result, in order; with ``partial``, the rows of the points done so
+    far are rewritten there after each one (a long run killed keeps what it did)."""
     args = [(p, sources[p["source"]], trace) for p in points]
+    out: list[dict[str, Any]] = []
+
+    def done(r: dict[str, Any]) -> None:
+        out.append(r)
+        if partial is not None:
+            partial.write_text(json.dumps(compare(points[:len(out)], out), indent=1))
+
     if jobs <= 1:
-        return [run_point(a) for a in args]
+        for a in args:
+            done(run_point(a))
+        return out
     with ProcessPoolExecutor(jobs) as ex:
-        return list(ex.map(run_point, args))
+        for r in ex.map(run_point, args):
+            done(r)
+    return out
 
 
 # -- the fit --------------------------------------------------------------------------
@@ -431,7 +444,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--only", default="", help="comma-separated run ids")
     ap.add_argument("--source", default="", help="only the runs of these sources (comma-separated)")
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--out", default="", help="also write the rows as JSON here")
+    ap.add_argument("--out", default="", help="also write the rows as JSON here (and, as "
+                    "the run goes, those done so far to OUT.partial)")
     args = ap.parse_args(argv)
     if args.fit:
         print(json.dumps(do_fit(args.jobs), indent=1))
@@ -454,7 +468,10 @@ def main(argv: list[str] | None = None) -> None:
         srcs = set(args.source.split(","))
         points = [p for p in points if p["source"] in srcs]
     t0 = time.perf_counter()
-    rows = compare(points, run_all(points, sources, args.jobs))
+    partial = Path(f"{args.out}.partial") if args.out else None
+    rows = compare(points, run_all(points, sources, args.jobs, partial=partial))
+    if partial is not None:
+        partial.unlink(missing_ok=True)
     print(markdown(rows))
     print(measured_specs())
     print(f"\n({len(points)} runs, {time.perf_counter() - t0:.0f} s)")
