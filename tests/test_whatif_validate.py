@@ -185,3 +185,25 @@ def test_a_point_the_what_if_refuses_is_reported_not_dropped() -> None:
     assert "leave no room" in r["error"]
     rows = validate.compare([p], [r])
     assert rows and all(x["error_pct"] == 100.0 and "failed" in x for x in rows)
+
+
+def test_a_long_run_keeps_the_rows_done_so_far(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    sources, runs = validate.load("calibration")
+    pts = runs[:3]
+    seen: list[int] = []
+    partial = tmp_path / "rows.json.partial"
+
+    def fake(args: tuple[dict, dict, bool]) -> dict:
+        # What the partial file holds when the next point starts: every point before it.
+        seen.append(len(json.loads(partial.read_text())) if partial.exists() else 0)
+        if len(seen) == 3:
+            raise KeyboardInterrupt  # killed while running the third point
+        return {"id": args[0]["id"], "pred": dict.fromkeys(validate.METRICS, 1.0)}
+
+    monkeypatch.setattr(validate, "run_point", fake)
+    with pytest.raises(KeyboardInterrupt):
+        validate.run_all(pts, sources, jobs=1, partial=partial)
+    rows = json.loads(partial.read_text())
+    assert seen == [0, len(pts[0]["figures"]), len(rows)]
+    assert {r["id"] for r in rows} == {pts[0]["id"], pts[1]["id"]}
