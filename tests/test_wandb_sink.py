@@ -136,6 +136,7 @@ def test_failure_mid_logging_closes_the_run_and_names_the_sync_dir(
         log_run_to_wandb(cfg, result, cfg.logger)
     assert "No space left on device" in str(e.value)
     assert e.value.run_dir is not None and e.value.run_dir.parent == tmp_path / "wandb"
+    wait_until_complete(e.value.run_dir)  # the failed run's file, too, is flushed late
     assert read_run(e.value.run_dir).exit_code == 1  # closed as failed, not left open
 
     msg = record_wandb_failure(tmp_path, e.value)
