@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from harness.roofline.validate import figure_table
+
 
 def summary(rows: list[dict[str, Any]]) -> list[str]:
     out = ["| set | source | engine | kind | n | median abs. error % | worst % |",
@@ -42,20 +44,11 @@ def light_vs_saturated(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def every(rows: list[dict[str, Any]]) -> list[str]:
-    out = ["| set | run | engine | metric | published | predicted | error % |",
-           "|---|---|---|---|---|---|---|"]
-    out += [f"| {r['set']} | {r['id']} | {r['engine']}{'' if r['calibrated'] else ' (prior)'}"
-            f" | {r['metric']} | {r['published']:.4g} | {r['predicted']:.4g} | "
-            f"{r['error_pct']:+.1f} |" for r in rows]
-    return out
-
-
 def main() -> None:
     rows = json.loads(Path(sys.argv[1]).read_text())
     print("\n".join(["## Summary by set, source, engine and metric kind", "", *summary(rows),
                      "", "## Light vs saturated load (TensorRT-LLM online table)", "",
-                     *light_vs_saturated(rows), "", "## Every figure", "", *every(rows)]))
+                     *light_vs_saturated(rows), "", "## Every figure", "", *figure_table(rows)]))
 
 
 if __name__ == "__main__":

@@ -90,9 +90,10 @@ def auto_kv_budget(arch: ArchSpec, hw: HardwareSpec, cfg: RooflineConfig) -> int
                         f"{format_bytes(hw.mem_bytes)} at gpu_memory_utilization "
                         f"{cfg.gpu_memory_utilization}): lower roofline.activation_reserve")
     w = weights_bytes(arch, cfg)
-    per_rank = usable - reserve - w / cfg.tp
     if cfg.memory_utilization_of == "free":
         per_rank = cfg.gpu_memory_utilization * (hw.mem_bytes - reserve - w / cfg.tp)
+    else:
+        per_rank = usable - reserve - w / cfg.tp
     budget = arch.kv_shards(cfg.tp) * per_rank
     if budget <= 0:
         raise UserError(f"{arch.name}'s weights ({format_bytes(w)} in {cfg.weight_dtype}) "

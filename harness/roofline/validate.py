@@ -195,11 +195,13 @@ def run_all(points: list[dict[str, Any]], sources: dict[str, Any], jobs: int,
     far are rewritten there after each one (a long run killed keeps what it did)."""
     args = [(p, sources[p["source"]], trace) for p in points]
     out: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
 
     def done(r: dict[str, Any]) -> None:
         out.append(r)
-        if partial is not None:
-            partial.write_text(json.dumps(compare(points[:len(out)], out), indent=1))
+        if partial is not None:  # the new point's rows added to those before it
+            rows.extend(compare([points[len(out) - 1]], [r]))
+            partial.write_text(json.dumps(rows, indent=1))
 
     if jobs <= 1:
         for a in args:
@@ -225,12 +227,6 @@ def _steps(r: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     x = np.stack([fresh, fresh * seqs, np.ones_like(seqs), seqs,
                   np.full_like(seqs, n_ar)], axis=1)
     return fwd, x, np.array([s[3] for s in tr], dtype=np.float64)
-
-
-def _features(r: dict[str, Any]) -> tuple[float, np.ndarray]:
-    """A traced run's forward seconds and its length's linear terms in :data:`CONSTANTS`."""
-    fwd, x, _ = _steps(r)
-    return float(fwd.sum()), x.sum(axis=0)
 
 
 def _figure_rows(point: dict[str, Any], r: dict[str, Any]
@@ -404,17 +400,22 @@ def bands(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def figure_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Every figure as a markdown table: predicted against published."""
+    head = ["| set | run | engine | metric | published | predicted | error % |",
+            "|---|---|---|---|---|---|---|"]
+    return head + [
+        f"| {r['set']} | {r['id']} | {r['engine']}{'' if r['calibrated'] else ' (prior)'}"
+        f" | {r['metric']} | {r['published']:.4g} | {r['predicted']:.4g} | "
+        f"{r['error_pct']:+.1f} |" for r in rows]
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
-    head = ("| set | run | engine | metric | published | predicted | error % |\n"
-            "|---|---|---|---|---|---|---|")
-    body = [f"| {r['set']} | {r['id']} | {r['engine']}{'' if r['calibrated'] else ' (prior)'}"
-            f" | {r['metric']} | {r['published']:.4g} | {r['predicted']:.4g} | "
-            f"{r['error_pct']:+.1f} |" for r in rows]
     summ = ["", "| set | profile | metric kind | n | median abs. error % | worst % |",
             "|---|---|---|---|---|---|"]
     summ += [f"| {s['set']} | {s['profile']} | {s['kind']} | {s['n']} | "
              f"{s['median_abs_pct']:.1f} | {s['worst_abs_pct']:.1f} |" for s in summary(rows)]
-    return "\n".join([head, *body, *summ])
+    return "\n".join([*figure_table(rows), *summ])
 
 
 def measured_specs() -> str:
