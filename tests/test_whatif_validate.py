@@ -14,7 +14,9 @@ import pytest
 
 from harness.config import compose_config, run_config
 from harness.roofline import bands, kernel_fit, validate
-from harness.roofline.hardware import A100_KERNELS, H100_KERNELS
+from harness.roofline.hardware import A100_KERNELS, H100_KERNELS, get_hardware
+from harness.roofline.models import get_model_spec
+from harness.roofline.trtllm_bench import batch_limits
 
 
 def test_every_published_run_composes_and_the_sets_are_apart() -> None:
@@ -129,6 +131,36 @@ def test_fitted_figures_are_exactly_affine_in_the_constants(
 def test_concurrency_caps_the_running_requests() -> None:
     sources, runs = validate.load("calibration")
     r = next(x for x in runs if x.get("concurrency") == 5)
+    assert "scheduler.max_num_seqs=5" in validate.overrides(r, sources[r["source"]])
+
+
+def test_trtllm_bench_limits_follow_its_heuristic() -> None:
+    # Worked by hand from TensorRT-LLM's tuning.py: Llama-3.1-8B fp8 (8.03e9 params, 1 B
+    # each; KV 2 x 32 layers x 8 heads x 128 x 1 B) on one 141 GB H200 at 0.95:
+    # (131.32 - 7.48) GiB x 0.95 / (64 KiB x 22,000) = 87.6 requests -> 96 (32s);
+    # tokens 87.6 x 11 = 963 -> 2048, then at least 20,000 + 96 with chunking off.
+    arch = get_model_spec("Llama-3.1-8B")
+    h200 = get_hardware("h200").mem_bytes
+    assert batch_limits(arch, h200, 1, 1.0, 1.0, 20000, 2000, 20000, 0.95) == (96, 20096)
+    # Chunked prefill on: no prompt floor on the token budget.
+    assert batch_limits(arch, h200, 1, 1.0, 1.0, 20000, 2000, 20000, 0.95, True) == (96, 2048)
+    # Short sequences: the request cap of 4096, tokens 4096 x 2 capped at 32768 -> 8192.
+    assert batch_limits(arch, h200, 1, 1.0, 1.0, 128, 128, 128, 0.95) == (4096, 8192)
+    # 256 <= R < 1024 rounds to 128s: 8B fp8 on an 80 GB H100 at 128/2048.
+    h100 = get_hardware("h100-sxm").mem_bytes
+    assert batch_limits(arch, h100, 1, 1.0, 1.0, 128, 2048, 128, 0.95) == (512, 2048)
+
+
+def test_the_trtllm_profile_runs_trtllm_bench_limits() -> None:
+    # The v0.19 long-prompt row: a prompt plus a full batch of decodes fit one step (the
+    # budget of the prompt alone let one sequence run at a time: 83% low).
+    sources, runs = validate.load("validation")
+    r = next(x for x in runs if x["id"] == "trt-v0.19-8b-h200-tp1-20000x2000")
+    ov = validate.overrides(r, sources[r["source"]])
+    assert "scheduler.max_num_seqs=96" in ov and "scheduler.max_num_batched_tokens=20096" in ov
+    # A closed loop of clients caps what trtllm-bench would allow.
+    sources, runs = validate.load("calibration")
+    r = next(x for x in runs if x.get("concurrency") == 5 and x["engine"] == "trtllm")
     assert "scheduler.max_num_seqs=5" in validate.overrides(r, sources[r["source"]])
 
 

@@ -73,11 +73,11 @@ PROFILES: dict[str, EngineProfile] = {p.name: p for p in (
     EngineProfile(
         "trtllm", "TensorRT-LLM (inflight batching)", step_s=1e-3, step_per_seq_s=5e-6,
         scheduler={"mixing": "mixed", "chunked_prefill": False, "admission": "no_evict",
-                   "max_num_seqs": 2048, "max_num_batched_tokens": "max(input, 8192)"},
+                   "max_num_seqs": "trtllm-bench", "max_num_batched_tokens": "trtllm-bench"},
         memory_utilization=0.95, memory_utilization_of="free",
         note="GUARANTEED_NO_EVICT admission, context requests whole (chunked context off), "
-             "max_batch_size 2048 / max_num_tokens 8192 (trtllm defaults; trtllm-bench "
-             "raises max_num_tokens to the dataset's longest prompt); "
+             "max_batch_size / max_num_tokens as trtllm-bench derives them from the "
+             "dataset (harness.roofline.trtllm_bench); "
              "kv_cache_free_gpu_mem_fraction 0.95 as its perf docs use (a fraction of "
              "the memory free after the weights, not of the device's)"),
     EngineProfile("kvbench", "this engine (the hardware spec's own overheads)",

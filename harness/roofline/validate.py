@@ -77,17 +77,44 @@ def _scheduler(run: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
     s.update(source.get("scheduler", {}).get(run["engine"], {}))
     s.update(run.get("scheduler", {}))
     s["max_model_len"] = run["max_model_len"]
-    if "concurrency" in run:  # a closed loop of c clients: at most c in flight
+    if "concurrency" in run and s.get("max_num_seqs") != "trtllm-bench":
+        # a closed loop of c clients: at most c in flight
         s["max_num_seqs"] = min(int(run["concurrency"]), int(s.get("max_num_seqs", 256)))
     # Budgets an engine derives from the run (harness.roofline.engines names them).
     budget = s.get("max_num_batched_tokens")
     if budget == "max(max_model_len, 2048)":  # vLLM V0 without chunked prefill
         s["max_num_batched_tokens"] = max(run["max_model_len"], 2048)
-    elif budget == "max(input, 8192)":  # trtllm-bench: the longest prompt fits a step
-        wl = run["workload"]
-        longest = 1024 if wl == "sharegpt" else int(wl["input"])
-        s["max_num_batched_tokens"] = max(longest, 8192)
+    if "trtllm-bench" in (s.get("max_num_seqs"), budget):
+        s.update(_trtllm_bench(run, s))
     return s
+
+
+def _trtllm_bench(run: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
+    """The ``"trtllm-bench"`` rule: the batch limits trtllm-bench derives from the run's
+    dataset (harness.roofline.trtllm_bench), capped by a closed loop's clients."""
+    from harness.roofline.config import WEIGHT_BYTES
+    from harness.roofline.engines import PROFILES
+    from harness.roofline.hardware import get_hardware
+    from harness.roofline.models import get_model_spec
+    from harness.roofline.trtllm_bench import batch_limits
+
+    wl = run["workload"]
+    if wl == "sharegpt":  # the lognormal stand-in's means; its prompts stop at 1024
+        isl, osl, longest = 220, 200, 1024
+    else:
+        isl, osl = int(wl["input"]), int(wl["output"])
+        longest = isl
+    kv_bytes = 1.0 if run["backend"] in ("fp8", "int8") else 2.0
+    bs, tokens = batch_limits(
+        get_model_spec(run["model"]), get_hardware(run["hardware"]).mem_bytes, int(run["tp"]),
+        WEIGHT_BYTES[run["weight_dtype"]], kv_bytes, isl, osl, longest,
+        PROFILES[run["engine"]].memory_utilization, bool(s.get("chunked_prefill")))
+    out: dict[str, Any] = {}
+    if s.get("max_num_seqs") == "trtllm-bench":
+        out["max_num_seqs"] = bs if "concurrency" not in run else min(bs, int(run["concurrency"]))
+    if s.get("max_num_batched_tokens") == "trtllm-bench":
+        out["max_num_batched_tokens"] = tokens
+    return out
 
 
 def overrides(run: dict[str, Any], source: dict[str, Any]) -> list[str]:
