@@ -2,8 +2,9 @@
 
 Peaks are the vendors' dense figures (no sparsity), per device. Efficiencies are the
 share of a peak a kernel reaches: priors for the GPUs (typical of large GEMMs and of
-streaming kernels on them), measured for ``h200`` (bf16 GEMM ~790 TFLOP/s of 989, device
-copy ~4.3 TB/s of 4.8), and measured and fitted for ``cpu``:
+streaming kernels on them), Vidur-fitted for ``h100-sxm`` and the A100s (the ``h200``,
+the same GH100 die with more memory, takes the H100's with a measured copy share of
+~4.3 TB/s of 4.8), and measured and fitted for ``cpu``:
 ``python -m harness.roofline.calibrate`` writes harness/roofline/cpu_calibration.json,
 read here. A CPU's GEMM speed depends on the row count in ways no roofline captures (one
 row is a GEMV that streams the weights; a row count off the kernel's 4-row tiles costs a
@@ -128,10 +129,12 @@ HARDWARE: dict[str, HardwareSpec] = {h.name: h for h in (
     # H100 SXM5: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, 80 GB; NCCL all-reduce bus
     # bandwidth 340 GB/s (Vidur, h100_dgx) of NVLink's 450 one way.
     _gpu("h100-sxm", 989, 1979, 67, 3.35, 80, 340, **H100_KERNELS, source="fitted"),
-    # H200: the H100's compute and NVLink, 4.8 TB/s HBM3e, 141 GB. Vidur profiles no H200:
-    # the H100's kernel constants, with one measured point's GEMM share (bf16 GEMM ~790
-    # TFLOP/s = 0.80 of peak) and copy bandwidth share (~4.3 TB/s = 0.90 of 4.8).
-    _gpu("h200", 989, 1979, 67, 4.8, 141, 340, **{**H100_KERNELS, "eff_gemm": 0.80},
+    # H200: the H100's GH100 die, clocks and NVLink, 4.8 TB/s HBM3e, 141 GB. Vidur profiles
+    # no H200: the H100's kernel constants, GEMM share included, and a measured copy share
+    # (~4.3 TB/s = 0.90 of 4.8). One bf16 micro-benchmark's GEMM share (~790 TFLOP/s, 0.80)
+    # was the prior until 2026-12-03: TensorRT-LLM v1.0's H200 rows (calibration.yaml,
+    # trtllm-perf-overview-v1.0-h200) came out +5% to +18% with it, +2% to +10% with 0.70.
+    _gpu("h200", 989, 1979, 67, 4.8, 141, 340, **H100_KERNELS,
          source="measured"),
     # A100: no fp8 units (fp8 runs as bf16); NCCL bus bandwidth 190 GB/s (a100_dgx).
     _gpu("a100-80gb", 312, 312, 19.5, 2.039, 80, 190, **A100_KERNELS, source="fitted"),
