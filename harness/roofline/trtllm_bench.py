@@ -29,6 +29,15 @@ import math
 from harness.roofline.arch import ArchSpec
 
 GiB = 2**30
+# finetune_setting's rounding: (below this value, round up to a multiple of this step).
+_BATCH_STEPS = ((256, 32), (1024, 128), (math.inf, 256))
+_TOKEN_STEPS = ((4096, 256), (8192, 512), (math.inf, 1024))
+
+
+def _round_up(raw: float, steps: tuple[tuple[float, int], ...], floor: int) -> int:
+    """``raw`` rounded up to the step of the first tier it lies below, at least ``floor``."""
+    step = next(st for below, st in steps if raw < below)
+    return max(floor, step * math.ceil(raw / step))
 
 
 def batch_limits(arch: ArchSpec, mem_bytes: int, tp: int, weight_bytes_per_param: float,
@@ -49,18 +58,8 @@ def batch_limits(arch: ArchSpec, mem_bytes: int, tp: int, weight_bytes_per_param
                          "fits trtllm-bench's KV estimate")
     raw_bs = min(requests, 4096.0)
     raw_tokens = min(raw_bs * (1 + isl / osl), 32768.0)
-    if raw_bs < 256:
-        max_bs = max(64, 32 * math.ceil(raw_bs / 32))
-    elif raw_bs < 1024:
-        max_bs = 128 * math.ceil(raw_bs / 128)
-    else:
-        max_bs = 256 * math.ceil(raw_bs / 256)
-    if raw_tokens < 4096:
-        max_tokens = max(2048, 256 * math.ceil(raw_tokens / 256))
-    elif raw_tokens < 8192:
-        max_tokens = 512 * math.ceil(raw_tokens / 512)
-    else:
-        max_tokens = 1024 * math.ceil(raw_tokens / 1024)
+    max_bs = _round_up(raw_bs, _BATCH_STEPS, floor=64)
+    max_tokens = _round_up(raw_tokens, _TOKEN_STEPS, floor=2048)
     if not chunked_prefill:
         max_tokens = max(max_tokens, max_isl + max_bs)
     return max_bs, max_tokens

@@ -77,21 +77,20 @@ def _scheduler(run: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
     s.update(source.get("scheduler", {}).get(run["engine"], {}))
     s.update(run.get("scheduler", {}))
     s["max_model_len"] = run["max_model_len"]
-    if "concurrency" in run and s.get("max_num_seqs") != "trtllm-bench":
-        # a closed loop of c clients: at most c in flight
-        s["max_num_seqs"] = min(int(run["concurrency"]), int(s.get("max_num_seqs", 256)))
     # Budgets an engine derives from the run (harness.roofline.engines names them).
     budget = s.get("max_num_batched_tokens")
     if budget == "max(max_model_len, 2048)":  # vLLM V0 without chunked prefill
         s["max_num_batched_tokens"] = max(run["max_model_len"], 2048)
     if "trtllm-bench" in (s.get("max_num_seqs"), budget):
         s.update(_trtllm_bench(run, s))
+    if "concurrency" in run:  # a closed loop of c clients: at most c in flight
+        s["max_num_seqs"] = min(int(run["concurrency"]), int(s.get("max_num_seqs", 256)))
     return s
 
 
 def _trtllm_bench(run: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
     """The ``"trtllm-bench"`` rule: the batch limits trtllm-bench derives from the run's
-    dataset (harness.roofline.trtllm_bench), capped by a closed loop's clients."""
+    dataset (harness.roofline.trtllm_bench), for the limits the profile leaves to it."""
     from harness.roofline.config import WEIGHT_BYTES
     from harness.roofline.engines import PROFILES
     from harness.roofline.hardware import get_hardware
@@ -111,7 +110,7 @@ def _trtllm_bench(run: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
         PROFILES[run["engine"]].memory_utilization, bool(s.get("chunked_prefill")))
     out: dict[str, Any] = {}
     if s.get("max_num_seqs") == "trtllm-bench":
-        out["max_num_seqs"] = bs if "concurrency" not in run else min(bs, int(run["concurrency"]))
+        out["max_num_seqs"] = bs
     if s.get("max_num_batched_tokens") == "trtllm-bench":
         out["max_num_batched_tokens"] = tokens
     return out
