@@ -16,7 +16,7 @@ from harness.model.tokenizer import Tokenizer
 from harness.quality import load_texts, measure
 from harness.stack import Stack, build_stack, kv_plan_label
 from harness.target import ExecutorRecord
-from harness.workloads.base import Workload
+from harness.workloads.base import Workload, request_shapes
 
 
 def resolve_device(name: str) -> torch.device:
@@ -62,7 +62,7 @@ class ModelTarget:
         # The texts before the stack: a bad quality.text_file fails before the run.
         self.texts = load_texts(rc.quality, self.loaded) if rc.quality.enabled else None
         return build_stack(self.loaded, self.device, rc.backend, rc.cache, rc.scheduler,
-                           Sampler(rc.seed), workload.initial_requests())
+                           Sampler(rc.seed), request_shapes(workload))
 
     def record(self, st: Stack, sim_wall_s: float) -> ExecutorRecord:
         run = {

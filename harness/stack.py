@@ -10,6 +10,8 @@ import dataclasses
 import shutil
 import sys
 import tempfile
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,7 +45,7 @@ from harness.model import LoadedModel
 from harness.sched.scheduler import Scheduler, SchedulerConfig
 from harness.sizing import min_budget_for, size_cache
 from harness.units import format_bytes, parse_bytes
-from harness.workloads.base import Request
+from harness.workloads.base import RequestShape
 
 if TYPE_CHECKING:  # harness.config imports quality, which builds stacks
     from harness.config import CacheSpec
@@ -78,11 +80,12 @@ def make_backend(opts: BackendOptions, layout: KVLayout, device: torch.device) -
 
 def build_stack(loaded: LoadedModel, device: torch.device, backend_opts: BackendOptions,
                 cache: CacheSpec, sched: SchedulerConfig, sampler: Sampler,
-                requests: list[Request] | None = None, quiet: bool = False,
+                shapes: Iterable[RequestShape] | None = None, quiet: bool = False,
                 kv_budget: str | int | None = None) -> Stack:
     """One serving stack for ``backend_opts`` under the run's ``cache`` and ``sched``
-    configs. With ``requests``, fail early (and say which budget would do) when the budget
-    cannot hold even the smallest of them. ``kv_budget`` overrides ``cache.kv_budget``
+    configs. With ``shapes`` (the requests', harness.workloads.base.request_shapes), fail
+    early (and say which budget would do) when the budget cannot hold even the smallest
+    of them. ``kv_budget`` overrides ``cache.kv_budget``
     (quality evaluation's reference). A hybrid-attention model gets its KV cache groups
     (or its uniform cache with per-layer windows: ``cache.kv_groups``) here, so every
     stack on it (the quality evaluation's too) attends as the model does."""
@@ -94,7 +97,7 @@ def build_stack(loaded: LoadedModel, device: torch.device, backend_opts: Backend
         plan = kv_plan(mc.name, mc.layer_attention, backend, cache.kv_groups)
     return assemble_stack(backend, device, cache, sched, sampler,
                           mc.max_position_embeddings, tuple(loaded.tokenizer.eos_ids),
-                          model=loaded, requests=requests, quiet=quiet, kv_budget=kv_budget,
+                          model=loaded, shapes=shapes, quiet=quiet, kv_budget=kv_budget,
                           groups=plan)
 
 
@@ -186,7 +189,8 @@ def kv_plan_label(layers: tuple[LayerAttention, ...], kv: KVManager) -> str:
 def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
                    sched: SchedulerConfig, sampler: Sampler, max_position: int,
                    eos_ids: tuple[int, ...], model: LoadedModel | None = None,
-                   executor: Executor | None = None, requests: list[Request] | None = None,
+                   executor: Executor | None = None,
+                   shapes: Iterable[RequestShape] | None = None,
                    quiet: bool = False, kv_budget: str | int | None = None,
                    groups: list[KVGroup] | None = None) -> Stack:
     """The stack around ``backend``: the model's forward (``model``), or ``executor``
@@ -244,8 +248,8 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
             "set cache.swap_space (e.g. 1GiB)" if swap is not None else
             f"scheduler.preemption_mode=swap: backend {backend.name} does not swap; use "
             f"scheduler.preemption_mode=recompute")
-    if requests is not None:
-        check_budget(requests, kv, backend, sizing, cache.watermark, quiet)
+    if shapes is not None:
+        check_budget(shapes, kv, backend, sizing, cache.watermark, quiet)
     if executor is None:  # a roofline run holds no K/V tensors
         if tiers is not None:
             check_tier_space(cache, tiers, sizing, device)
@@ -289,30 +293,33 @@ def make_tiers(cache: CacheSpec, backend: KVBackend, sizing: CacheSizing,
     return LowerTiers(nums, sizing.block_size, spec.write)
 
 
-def check_budget(requests: list[Request], kv: KVManager, backend: KVBackend,
+def check_budget(shapes: Iterable[RequestShape], kv: KVManager, backend: KVBackend,
                  sizing: CacheSizing, watermark: float, quiet: bool = False) -> None:
     """Fail at start, with a budget that fits every request, if no request can ever be
-    admitted; warn (with the same suggestion) if some cannot."""
-    if not requests:
+    admitted; warn (with the same suggestion) if some cannot. ``shapes``: (prompt tokens,
+    max_tokens, n) per request."""
+    count = Counter(shapes)  # a million-row trace has far fewer distinct shapes
+    if not count:
         return
-    needs = [kv.slots_needed(len(r.prompt_ids), r.params.max_tokens, r.params.n)
-             for r in requests]
+    need_of = {sh: kv.slots_needed(*sh) for sh in count}
+    needs = list(need_of.values())
     # An admission must leave the watermark free (at least one block; see the managers).
     wm = kv.watermark_blocks * sizing.block_size if isinstance(kv, PagedKVManager) \
         else getattr(kv, "watermark_slots", 0)
     room = sizing.num_slots - wm
-    too_big = sum(1 for n in needs if n > room)
+    too_big = sum(count[sh] for sh, n in need_of.items() if n > room)
+    total = sum(count.values())
     if not too_big:
         return
     want = min_budget_for(backend, sizing, max(needs), watermark)
     fix = f"cache.kv_budget={want} ({format_bytes(want)})"
     holds = (f"cache.kv_budget={format_bytes(sizing.kv_budget_bytes)} holds "
              f"{sizing.num_slots} tokens for backend {backend.name}")
-    if too_big == len(needs):
+    if too_big == total:
         raise UserError(f"{holds}, but the smallest request needs {min(needs)}: set {fix} "
                         f"or more to run this workload")
     if not quiet:
-        print(f"kvbench: warning: {holds}; {too_big} of {len(needs)} requests need more "
+        print(f"kvbench: warning: {holds}; {too_big} of {total} requests need more "
               f"(up to {max(needs)}) and will be rejected: {fix} fits them all",
               file=sys.stderr)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -16,7 +16,7 @@ from harness.model.llama import LlamaModel
 from harness.sched.scheduler import Scheduler
 from harness.sched.sequence import Sequence, SequenceGroup
 from harness.sched.step import NewToken, StepOutcome
-from harness.workloads.base import FollowsRejections, Request, Workload
+from harness.workloads.base import FollowsRejections, Request, StreamsRequests, Workload
 
 ProgressFn = Callable[[int, int, float], None]  # (requests done, total known, tokens/s)
 
@@ -51,23 +51,25 @@ class Engine:
         sch, col = self.scheduler, self.metrics
         clock = self.executor.clock  # the wall clock, or the roofline's modelled time
         start = clock.now()
+        # Requests not yet arrived, by (arrival, request id): follow-ups in a heap, and a
+        # streamed workload's initial requests (StreamsRequests) taken from its iterator
+        # one at a time, in the same order, as if they had all been in the heap.
         pending: list[tuple[float, int, Request]] = []
-        for r in workload.initial_requests():
-            heapq.heappush(pending, (r.arrival_s, r.request_id, r))
-        total, done, out_tokens, idle = len(pending), 0, 0, 0
+        arrivals = _Arrivals(pending, workload)
+        total, done, out_tokens, idle = arrivals.total, 0, 0, 0
         carry_s = 0.0  # bookkeeping after the last row was taken, charged to the next
-        while pending or sch.has_unfinished:
+        while arrivals or sch.has_unfinished:
             now = clock.now() - start
-            while pending and pending[0][0] <= now:
-                arrival, _, req = heapq.heappop(pending)
-                g = req.to_group(arrival)
+            while (req := arrivals.pop_until(now)) is not None:
+                arrival = req[0]
+                g = req[1].to_group(arrival)
                 col.on_arrival(g, arrival)
                 if not sch.add(g):
                     done += 1
                     total += self._follow_up(workload, g, pending, now, rejected=True)
             if not sch.has_unfinished:
-                if pending:
-                    clock.sleep(pending[0][0] - (clock.now() - start))
+                if arrivals:
+                    clock.sleep(arrivals.next_time() - (clock.now() - start))
                 continue
             t0 = clock.now()
             rec = sch.schedule()
@@ -165,3 +167,51 @@ class Engine:
                 advance_beams(g, live, beam_logits, self.scheduler.eos_token_ids,
                               self.scheduler.cfg.max_model_len, out)
         return out
+
+
+class _Arrivals:
+    """The requests yet to arrive: the ``pending`` heap of (arrival, request id, request)
+    that follow-ups are pushed to, merged with a streamed workload's iterator (whose
+    requests come in that same order), so that the engine takes them exactly as it would
+    from one heap holding them all, without holding them all."""
+
+    def __init__(self, pending: list[tuple[float, int, Request]], workload: Workload) -> None:
+        self.pending = pending
+        self._stream: Iterator[Request] | None = None
+        self._head: Request | None = None
+        if isinstance(workload, StreamsRequests):
+            self._stream = workload.stream_requests()
+            self._head = next(self._stream, None)
+            self.total = workload.num_initial
+        else:
+            for r in workload.initial_requests():
+                heapq.heappush(pending, (r.arrival_s, r.request_id, r))
+            self.total = len(pending)
+
+    def __bool__(self) -> bool:
+        return bool(self.pending) or self._head is not None
+
+    def next_time(self) -> float:
+        h, p = self._head, self.pending
+        if h is None:
+            return p[0][0]
+        return min(h.arrival_s, p[0][0]) if p else h.arrival_s
+
+    def pop_until(self, now: float) -> tuple[float, Request] | None:
+        """The next request arrived by ``now`` (None: none has)."""
+        h, p = self._head, self.pending
+        if h is not None and h.arrival_s <= now and (
+                not p or (h.arrival_s, h.request_id) < p[0][:2]):
+            assert self._stream is not None
+            nxt = next(self._stream, None)
+            if nxt is not None and (nxt.arrival_s, nxt.request_id) < (h.arrival_s,
+                                                                       h.request_id):
+                raise AssertionError(f"stream_requests out of order: request "
+                                     f"{nxt.request_id} at {nxt.arrival_s} s after "
+                                     f"{h.request_id} at {h.arrival_s} s")
+            self._head = nxt
+            return h.arrival_s, h
+        if p and p[0][0] <= now:
+            arrival, _, req = heapq.heappop(p)
+            return arrival, req
+        return None

@@ -137,6 +137,7 @@ def run_once(overrides: list[str], loaded: Any, base: list[str] = BASE,
     from harness.config import run_config
     from harness.stack import build_stack
     from harness.workloads import make_workload
+    from harness.workloads.base import request_shapes
 
     rc = run_config(compose([*base, *overrides]))
     if rc.workload.seed is None:
@@ -144,7 +145,7 @@ def run_once(overrides: list[str], loaded: Any, base: list[str] = BASE,
     torch.manual_seed(rc.seed)
     wl = make_workload(rc.workload, loaded.tokenizer)
     st = build_stack(loaded, torch.device(device), rc.backend, rc.cache, rc.scheduler,
-                     Sampler(rc.seed), wl.initial_requests(), quiet=True)
+                     Sampler(rc.seed), request_shapes(wl), quiet=True)
     rec = Recorder(st.engine.executor, st.backend.costs())
     rec.bind(st.kv)
     st.engine.executor = rec

@@ -33,7 +33,7 @@ from harness.roofline.profile import kv_dtype_of
 from harness.roofline.steptime import StepModel
 from harness.stack import Stack, assemble_stack, kv_plan, kv_plan_label, make_backend
 from harness.target import ExecutorRecord
-from harness.workloads.base import Workload
+from harness.workloads.base import Workload, request_shapes
 
 if TYPE_CHECKING:
     from harness.config import RunConfig
@@ -69,7 +69,7 @@ def build_roofline(rc: RunConfig, workload: Workload, quiet: bool = False,
     eos = tuple(ByteTokenizer().eos_ids)
     st = assemble_stack(backend, device, rc.cache, rc.scheduler, Sampler(rc.seed),
                         arch.max_position_embeddings, eos, executor=ex,
-                        requests=workload.initial_requests(), quiet=quiet, kv_budget=budget,
+                        shapes=request_shapes(workload), quiet=quiet, kv_budget=budget,
                         groups=plan)
     return st, ex
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -56,6 +57,37 @@ class FollowsRejections(Protocol):
     def on_rejected(self, group: SequenceGroup) -> list[Request]:
         """Follow-ups of a rejected request (as ``on_finished``'s: arrival_s from now)."""
         ...
+
+
+@runtime_checkable
+class StreamsRequests(Protocol):
+    """A workload too large to hold as requests (a million-row trace): the engine pulls
+    its initial requests one at a time as their arrival comes (:meth:`stream_requests`,
+    in nondecreasing (arrival_s, request_id) order), and the stack checks the budget from
+    their shapes alone. Its ``initial_requests()`` still builds them all (for small runs
+    and tests)."""
+
+    num_initial: int  # how many stream_requests yields
+
+    def stream_requests(self) -> Iterator[Request]:
+        """The initial requests, built as they are reached, sorted by arrival then id."""
+        ...
+
+    def initial_shapes(self) -> Iterator[tuple[int, int, int]]:
+        """(prompt tokens, max_tokens, n) per initial request, without building them."""
+        ...
+
+
+RequestShape = tuple[int, int, int]  # (prompt tokens, max_tokens, n): what sizes a request
+
+
+def request_shapes(workload: Workload) -> Iterator[RequestShape]:
+    """Every initial request's shape: a streamed workload's without building its
+    requests, any other's from them."""
+    if isinstance(workload, StreamsRequests):
+        return workload.initial_shapes()
+    return ((len(r.prompt_ids), r.params.max_tokens, r.params.n)
+            for r in workload.initial_requests())
 
 
 @runtime_checkable

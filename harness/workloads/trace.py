@@ -26,8 +26,12 @@ from __future__ import annotations
 
 import random
 import sys
+from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 import harness
 from harness.errors import UserError
@@ -36,7 +40,7 @@ from harness.sched.sequence import SamplingParams, SequenceGroup
 from harness.validate import one_of
 from harness.workloads.base import Request, WorkloadOptions
 from harness.workloads.common import token_prompt
-from harness.workloads.trace_formats import TraceRow, read_trace
+from harness.workloads.trace_formats import TraceRow, scan_trace
 
 OVER_LENGTH = ("truncate", "reject")
 REPO = Path(harness.__file__).resolve().parents[1]
@@ -79,7 +83,7 @@ class TraceConfig(WorkloadOptions):
 
 @dataclass(slots=True)
 class _Plan:
-    """What one kept row will be sent as."""
+    """What one kept row will be sent as (:attr:`TraceWorkload.plans`, built on demand)."""
 
     row: TraceRow
     arrival_s: float  # after window and speed-up
@@ -98,85 +102,120 @@ def fit(prompt: int, output: int, limit: int) -> tuple[int, int]:
     return min(prompt, limit - output), output
 
 
+# Mooncake blocks kept drawn (an id's tokens are drawn again, the same, when it was
+# dropped): a million-row trace names millions of ids, 4 KB each as lists.
+BLOCK_CACHE = 4096
+
+
 class TraceWorkload:
+    """The kept rows are columns (``kept``: row indices in arrival order, with their
+    lengths, arrivals and links), and requests are built as the engine reaches them
+    (:meth:`stream_requests`), so memory does not grow with the trace's length."""
+
     name = "trace"
 
     def __init__(self, cfg: TraceConfig, tok: Tokenizer) -> None:
         self.cfg, self.tok = cfg, tok
-        path = cfg.resolved_path()
-        self.format, rows, self.rebased_s = read_trace(path, cfg.format)
-        self.num_rows = len(rows)
+        self.index = scan_trace(cfg.resolved_path(), cfg.format)
+        self.format, self.rebased_s = self.index.format, self.index.rebased_s
+        self.num_rows = len(self.index)
         self.truncated = self.rejected = self.raised_outputs = 0
-        self._blocks: dict[int, list[int]] = {}
-        self.plans = self._plan(rows)
-        self._next: dict[int, _Plan] = {p.follows: p for p in self.plans
-                                        if p.follows is not None}
-        self._initial = [self._request(p, self._fresh_prompt(p)) for p in self.plans
-                         if p.follows is None]
+        self._blocks: OrderedDict[int, list[int]] = OrderedDict()
+        self._plan()
 
     # -- which rows, when, how long --------------------------------------------------
-    def _plan(self, rows: list[TraceRow]) -> list[_Plan]:
-        c = self.cfg
+    def _plan(self) -> None:
+        """The kept rows, as arrays in arrival order (ties: file order): ``kept`` (row
+        index = request id), ``arrival`` (after window and speed-up), ``prompt_len``,
+        ``output_len``, ``follows`` (the row index of the conversation's previous kept
+        turn, -1: none) and ``rejected`` (too long, over_length=reject)."""
+        c, ix = self.cfg, self.index
         end = c.start_s + c.duration_s if c.duration_s > 0 else float("inf")
-        kept = sorted((r for r in rows if c.start_s <= r.arrival_s < end),
-                      key=lambda r: (r.arrival_s, r.index))
+        t = ix.arrival_s
+        rows = np.flatnonzero((t >= c.start_s) & (t < end))
+        rows = rows[np.lexsort((rows, t[rows]))]
         if c.max_requests:
-            kept = kept[:c.max_requests]
-        if not kept:
+            rows = rows[:c.max_requests]
+        if not len(rows):
             raise UserError(f"no trace row arrives in the window [{c.start_s}, {end}) s of "
-                            f"{c.path} (its {len(rows)} rows span 0 to "
-                            f"{max(r.arrival_s for r in rows):.3f} s): widen "
+                            f"{c.path} (its {len(t)} rows span 0 to "
+                            f"{float(t.max()):.3f} s): widen "
                             "workload.start_s / workload.duration_s")
+        prompt = ix.prompt_tokens[rows].copy()
+        output = ix.output_tokens[rows].copy()
+        low = output < 1  # the engine's smallest request generates one token
+        self.raised_outputs = int(low.sum())
+        output[low] = 1
+        rejected = np.zeros(len(rows), dtype=bool)
         limit = c.max_model_len
-        plans: list[_Plan] = []
-        last_turn: dict[str, _Plan] = {}
-        for r in kept:
-            prompt, output = r.prompt_tokens, r.output_tokens
-            if output < 1:  # the engine's smallest request generates one token
-                output, self.raised_outputs = 1, self.raised_outputs + 1
-            p = _Plan(r, (r.arrival_s - c.start_s) / c.speedup, prompt, output)
-            if limit is not None and prompt + output > limit:
-                if c.over_length == "reject":
-                    self.rejected += 1
-                    p.rejected = (f"trace row at {r.line}: prompt {prompt} + output {output}"
-                                  f" tokens exceed max_model_len={limit} "
-                                  "(workload.over_length=reject)")
-                else:
-                    self.truncated += 1
-                    p.prompt_len, p.output_len = fit(prompt, output, limit)
-            if r.conversation is not None:
-                # A turn follows the conversation's previous kept turn, unless either was
-                # rejected or the turns arrive out of order: then it starts afresh.
-                prev = last_turn.get(r.conversation)
-                if (prev is not None and prev.rejected is None and p.rejected is None
-                        and (r.turn is None or prev.row.turn is None
-                             or r.turn > prev.row.turn)):
-                    p.follows = prev.row.index
-                last_turn[r.conversation] = p
-            plans.append(p)
-        if plans and all(p.rejected is not None for p in plans):
-            raise UserError(f"every one of the {len(plans)} trace rows in the window is longer "
+        if limit is not None:
+            over = prompt + output > limit
+            if c.over_length == "reject":
+                rejected = over
+                self.rejected = int(over.sum())
+            else:
+                self.truncated = int(over.sum())
+                out_cut = np.where(output >= limit, limit // 2, output)
+                prompt = np.where(over, np.minimum(prompt, limit - out_cut), prompt)
+                output = np.where(over, out_cut, output)
+        if rejected.all():
+            raise UserError(f"every one of the {len(rows)} trace rows in the window is longer "
                             f"than max_model_len={limit} (workload.over_length=reject): "
                             "nothing would run; raise scheduler.max_model_len or use "
                             "workload.over_length=truncate")
-        self.hash_mismatch = self._check_hash_ids(kept)
-        return plans
+        follows = np.full(len(rows), -1, dtype=np.int64)
+        conv = ix.conversation[rows]
+        if (conv >= 0).any():
+            turn = ix.turn[rows]
+            last: dict[int, int] = {}  # conversation -> position of its last kept turn
+            for k in np.flatnonzero(conv >= 0).tolist():
+                # A turn follows the conversation's previous kept turn, unless either was
+                # rejected or the turns arrive out of order: then it starts afresh.
+                prev = last.get(int(conv[k]))
+                if (prev is not None and not rejected[prev] and not rejected[k]
+                        and (turn[k] < 0 or turn[prev] < 0 or turn[k] > turn[prev])):
+                    follows[k] = rows[prev]
+                last[int(conv[k])] = k
+        self.kept, self.prompt_len, self.output_len = rows, prompt, output
+        self.arrival = (t[rows] - c.start_s) / c.speedup
+        self.follows, self.rejected_rows = follows, rejected
+        self._next = {int(f): k for k, f in enumerate(follows.tolist()) if f >= 0}
+        self.num_initial = int((follows < 0).sum())
+        self.hash_mismatch = self._check_hash_ids(rows)
 
-    def _check_hash_ids(self, rows: list[TraceRow]) -> int:
+    def _check_hash_ids(self, rows: np.ndarray) -> int:
         """Rows whose hash ids do not cover their prompt as ``hash_block_tokens`` says
         (ceil(input_length / hash_block_tokens) ids): warned about with the count, as a
         wrong block size makes every shared prefix the wrong length."""
-        bt = self.cfg.hash_block_tokens
-        bad = [r for r in rows if r.hash_ids
-               and len(r.hash_ids) != -(-r.prompt_tokens // bt)]
-        if bad:
-            r = bad[0]
+        bt, ix = self.cfg.hash_block_tokens, self.index
+        n = ix.num_hash_ids[rows]
+        want = -(-ix.prompt_tokens[rows] // bt)
+        bad = np.flatnonzero((n > 0) & (n != want))
+        if len(bad):
+            r = int(rows[bad[0]])
             print(f"kvbench: warning: {len(bad)} of {len(rows)} trace rows have hash_ids that "
                   f"do not match their input_length at workload.hash_block_tokens={bt} "
-                  f"(e.g. line {r.line}: {len(r.hash_ids or ())} ids for {r.prompt_tokens} "
-                  f"tokens, {-(-r.prompt_tokens // bt)} expected): is hash_block_tokens "
-                  "the trace's block size?", file=sys.stderr)
+                  f"(e.g. line {ix.line[r]}: {ix.num_hash_ids[r]} ids for "
+                  f"{ix.prompt_tokens[r]} tokens, {want[bad[0]]} expected): is "
+                  "hash_block_tokens the trace's block size?", file=sys.stderr)
         return len(bad)
+
+    def _reason(self, k: int) -> str | None:
+        if not self.rejected_rows[k]:
+            return None
+        r, ix = int(self.kept[k]), self.index
+        return (f"trace row at {ix.line[r]}: prompt {ix.prompt_tokens[r]} + output "
+                f"{max(1, int(ix.output_tokens[r]))} tokens exceed max_model_len="
+                f"{self.cfg.max_model_len} (workload.over_length=reject)")
+
+    @property
+    def plans(self) -> list[_Plan]:
+        """Every kept row as a :class:`_Plan`, in arrival order. Builds one object per row
+        (and reads every row's hash ids again): for small traces and tests."""
+        return [_Plan(self.index.row(int(r)), float(self.arrival[k]), int(self.prompt_len[k]),
+                      int(self.output_len[k]),
+                      int(self.follows[k]) if self.follows[k] >= 0 else None, self._reason(k))
+                for k, r in enumerate(self.kept.tolist())]
 
     # -- prompts -----------------------------------------------------------------------
     def _rng(self, *key: object) -> random.Random:
@@ -185,50 +224,78 @@ class TraceWorkload:
         return random.Random("/".join(map(str, (self.cfg.seed_value, *key))))
 
     def _block(self, hash_id: int) -> list[int]:
-        if hash_id not in self._blocks:
-            self._blocks[hash_id] = token_prompt(self.tok, self._rng("block", hash_id),
-                                                 self.cfg.hash_block_tokens, add_bos=False)
-        return self._blocks[hash_id]
+        got = self._blocks.get(hash_id)
+        if got is None:
+            got = token_prompt(self.tok, self._rng("block", hash_id),
+                               self.cfg.hash_block_tokens, add_bos=False)
+            self._blocks[hash_id] = got
+            if len(self._blocks) > BLOCK_CACHE:
+                self._blocks.popitem(last=False)
+        else:
+            self._blocks.move_to_end(hash_id)
+        return got
 
-    def _fresh_prompt(self, p: _Plan) -> list[int]:
-        n, ids = p.prompt_len, p.row.hash_ids
+    def _fresh_prompt(self, k: int) -> list[int]:
+        row = int(self.kept[k])
+        n, ids = int(self.prompt_len[k]), self.index.hash_ids(row)
         if not ids:
-            return token_prompt(self.tok, self._rng("row", p.row.index), n)
+            return token_prompt(self.tok, self._rng("row", row), n)
         out = [self.tok.bos_id] if self.tok.bos_id is not None else []
         for h in ids:
             if len(out) >= n:
                 break
             out += self._block(h)
         if len(out) < n:  # fewer ids than the length needs: the rest is the row's own
-            out += token_prompt(self.tok, self._rng("row", p.row.index), n - len(out),
+            out += token_prompt(self.tok, self._rng("row", row), n - len(out),
                                 add_bos=False)
         return out[:n]
 
-    def _request(self, p: _Plan, prompt: list[int], earliest: float | None = None) -> Request:
+    def _params(self, k: int) -> SamplingParams:
+        c, out = self.cfg, int(self.output_len[k])
+        max_tokens = max(c.max_tokens, out) if c.max_tokens else out
+        return SamplingParams(max_tokens=max_tokens, temperature=c.temperature,
+                              ignore_eos=True, seed=c.seed_value,
+                              stop_after=out if c.max_tokens else None)
+
+    def _request(self, k: int, prompt: list[int], earliest: float | None = None) -> Request:
+        row, ix = int(self.kept[k]), self.index
+        conv, turn = int(ix.conversation[row]), int(ix.turn[row])
+        meta = {"line": int(ix.line[row]),
+                "conversation": ix.conversations[conv] if conv >= 0 else None,
+                "turn": turn if turn >= 0 else None}
+        return Request(row, prompt, self._params(k),
+                       arrival_s=0.0 if earliest is not None else float(self.arrival[k]),
+                       priority=int(ix.priority[row]), meta=meta, earliest_s=earliest,
+                       rejected_reason=self._reason(k))
+
+    def stream_requests(self) -> Iterator[Request]:
+        """The requests known at the start (every kept row that follows no earlier turn),
+        built one at a time in arrival order (ties: request id), as the engine reaches
+        them."""
+        for k in np.flatnonzero(self.follows < 0).tolist():
+            yield self._request(k, self._fresh_prompt(k))
+
+    def initial_shapes(self) -> Iterator[tuple[int, int, int]]:
+        """(prompt tokens, max_tokens, n) of every request known at the start, without
+        building them (the stack's budget check)."""
         c = self.cfg
-        max_tokens = max(c.max_tokens, p.output_len) if c.max_tokens else p.output_len
-        params = SamplingParams(max_tokens=max_tokens, temperature=c.temperature,
-                                ignore_eos=True, seed=c.seed_value,
-                                stop_after=p.output_len if c.max_tokens else None)
-        meta = {"line": p.row.line, "conversation": p.row.conversation, "turn": p.row.turn}
-        return Request(p.row.index, prompt, params,
-                       arrival_s=0.0 if earliest is not None else p.arrival_s,
-                       priority=p.row.priority, meta=meta, earliest_s=earliest,
-                       rejected_reason=p.rejected)
+        first = self.follows < 0
+        for p, o in zip(self.prompt_len[first].tolist(), self.output_len[first].tolist()):
+            yield p, max(c.max_tokens, o) if c.max_tokens else o, 1
 
     def initial_requests(self) -> list[Request]:
-        return list(self._initial)
+        return list(self.stream_requests())
 
     def on_finished(self, group: SequenceGroup) -> list[Request]:
-        nxt = self._next.pop(group.request_id, None)
-        if nxt is None:
+        k = self._next.pop(group.request_id, None)
+        if k is None:
             return []
         history = list(group.prompt_ids) + list(group.output_ids)
-        n = nxt.prompt_len
+        n, row = int(self.prompt_len[k]), int(self.kept[k])
         if len(history) < n:
-            history += token_prompt(self.tok, self._rng("row", nxt.row.index),
-                                    n - len(history), add_bos=False)
-        return [self._request(nxt, history[:n], earliest=nxt.arrival_s)]
+            history += token_prompt(self.tok, self._rng("row", row), n - len(history),
+                                    add_bos=False)
+        return [self._request(k, history[:n], earliest=float(self.arrival[k]))]
 
     def on_rejected(self, group: SequenceGroup) -> list[Request]:
         """A rejected turn's next turn still arrives when the trace says (the trace is
@@ -236,15 +303,15 @@ class TraceWorkload:
         return self.on_finished(group)
 
     def workload_metrics(self) -> dict[str, float]:
-        arrivals = [p.arrival_s for p in self.plans]
-        span = max(arrivals) - min(arrivals)
+        n = len(self.kept)
+        span = float(self.arrival.max() - self.arrival.min())
         return {
             "trace.rows": float(self.num_rows),
             # Seconds subtracted from the file's times: arrivals count from its first row.
             "trace.rebased_s": self.rebased_s,
-            "trace.requests": float(len(self.plans)),
+            "trace.requests": float(n),
             "trace.span_s": span,
-            "trace.offered_rps": (len(self.plans) - 1) / span if span > 0 else 0.0,
+            "trace.offered_rps": (n - 1) / span if span > 0 else 0.0,
             "trace.truncated": float(self.truncated),
             "trace.rejected_too_long": float(self.rejected),
             "trace.outputs_raised_to_1": float(self.raised_outputs),

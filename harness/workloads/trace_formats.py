@@ -28,10 +28,13 @@ import csv
 import datetime as dt
 import json
 import math
+from array import array
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
+
+import numpy as np
 
 from harness.errors import UserError
 
@@ -42,6 +45,7 @@ REQUIRED = {
     "azure": ("TIMESTAMP", "ContextTokens", "GeneratedTokens"),
     "kvbench": ("arrival_s", "prompt_tokens", "output_tokens"),
 }
+BOM = b"\xef\xbb\xbf"  # utf-8-sig's byte-order mark
 _MAX_REPORTED = 8  # malformed lines listed in the error; the rest are counted
 # Most tokens a row's length may say: far past any model's context (a row of 1e12 tokens
 # is a broken file, not a request to cut down silently).
@@ -83,6 +87,8 @@ def _number(rec: dict[str, Any], key: str) -> tuple[Any, float]:
 def _int(rec: dict[str, Any], key: str, minimum: int,
          maximum: int = MAX_ROW_TOKENS) -> int:
     v = rec.get(key)
+    if type(v) is int and minimum <= v <= maximum:  # the common case, first (1M rows)
+        return v
     if isinstance(v, int | str) and not isinstance(v, bool) and len(str(v)) > 20:
         raise _Bad(f"{key} has {len(str(v).strip().lstrip('+-'))} digits: must be in "
                    f"[{minimum}, {maximum:,}]")
@@ -95,6 +101,9 @@ def _int(rec: dict[str, Any], key: str, minimum: int,
 
 
 def _seconds(rec: dict[str, Any], key: str, scale: float) -> float:
+    v = rec.get(key)
+    if (type(v) is int or type(v) is float) and 0 <= v < math.inf:  # the common case
+        return v * scale
     v, f = _number(rec, key)
     if not math.isfinite(f) or f < 0:
         raise _Bad(f"{key}={v!r} must be a finite number >= 0")
@@ -130,8 +139,8 @@ def _azure_time(v: Any) -> tuple[float, str | None]:
 
 def _mooncake(rec: dict[str, Any], index: int, line: int) -> TraceRow:
     ids = rec.get("hash_ids", [])
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool)
-                                            for i in ids):
+    # type() is int: no bool, no float (a set of the types: C speed over a million rows)
+    if not isinstance(ids, list) or not set(map(type, ids)) <= {int}:
         raise _Bad(f"hash_ids={ids!r} is not a list of integers")
     return TraceRow(index, line, _seconds(rec, "timestamp", 1e-3),
                     _int(rec, "input_length", 1), _int(rec, "output_length", 0),
@@ -177,43 +186,65 @@ def sniff(path: Path) -> tuple[str, str]:
     return kind, why
 
 
-def _records(path: Path, kind: str, errors: list[str]) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, record) per data row of a CSV (header first) or JSONL file."""
+def _records(path: Path, kind: str, errors: list[str]
+             ) -> Iterator[tuple[int, dict[str, Any], int]]:
+    """(line number, record, byte offset of its line) per data row of a CSV (header
+    first) or JSONL file, read as a stream. A JSONL row's offset lets
+    :meth:`TraceIndex.record` read it again; a CSV row's is -1 (its columns are all a
+    replay needs)."""
+    if kind == "csv":
+        yield from _csv_records(path, errors)
+        return
+    try:
+        f = path.open("rb")
+    except OSError as e:
+        raise UserError(f"workload.path={path}: cannot read it ({e.strerror or e})") from None
+    with f:
+        offset = 0
+        for no, raw in enumerate(f, 1):
+            at, offset = offset, offset + len(raw)
+            if no == 1 and raw.startswith(BOM):  # not part of the first key
+                raw, at = raw[len(BOM):], at + len(BOM)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UserError(f"workload.path={path} is not UTF-8 text ({e.reason} at byte "
+                                f"{at + e.start})") from None
+            if not text.strip():
+                continue
+            try:
+                rec = json.loads(text)
+            except RecursionError:
+                errors.append(f"{path}:{no}: JSON nested too deeply to be a trace row")
+                continue
+            except ValueError as e:
+                errors.append(f"{path}:{no}: not valid JSON ({e})")
+                continue
+            if not isinstance(rec, dict):
+                errors.append(f"{path}:{no}: a JSON {type(rec).__name__}, not an object")
+                continue
+            yield no, rec, at
+
+
+def _csv_records(path: Path, errors: list[str]) -> Iterator[tuple[int, dict[str, Any], int]]:
     try:  # utf-8-sig: a byte-order mark (Excel's CSVs) is not part of the first column
         f = path.open(newline="", encoding="utf-8-sig")
     except OSError as e:
         raise UserError(f"workload.path={path}: cannot read it ({e.strerror or e})") from None
     with f:
         try:
-            if kind == "csv":
-                reader = csv.DictReader(f)
-                try:
-                    for rec in reader:
-                        if None in rec:  # more fields than the header names
-                            n = len(rec) - 1  # the header's fields (None holds the extra)
-                            errors.append(f"{path}:{reader.line_num}: {n + len(rec[None])} "
-                                          f"fields, the header has {n}")
-                            continue
-                        yield reader.line_num, rec
-                except csv.Error as e:  # a field over csv's 128 KiB limit, a NUL byte
-                    raise UserError(f"{path}:{reader.line_num + 1}: not a CSV row ({e}): a "
-                                    "trace's fields are numbers and short ids") from None
-                return
-            for no, text in enumerate(f, 1):
-                if not text.strip():
-                    continue
-                try:
-                    rec = json.loads(text)
-                except RecursionError:
-                    errors.append(f"{path}:{no}: JSON nested too deeply to be a trace row")
-                    continue
-                except ValueError as e:
-                    errors.append(f"{path}:{no}: not valid JSON ({e})")
-                    continue
-                if not isinstance(rec, dict):
-                    errors.append(f"{path}:{no}: a JSON {type(rec).__name__}, not an object")
-                    continue
-                yield no, rec
+            reader = csv.DictReader(f)
+            try:
+                for rec in reader:
+                    if None in rec:  # more fields than the header names
+                        n = len(rec) - 1  # the header's fields (None holds the extra)
+                        errors.append(f"{path}:{reader.line_num}: {n + len(rec[None])} "
+                                      f"fields, the header has {n}")
+                        continue
+                    yield reader.line_num, rec, -1
+            except csv.Error as e:  # a field over csv's 128 KiB limit, a NUL byte
+                raise UserError(f"{path}:{reader.line_num + 1}: not a CSV row ({e}): a "
+                                "trace's fields are numbers and short ids") from None
         except UnicodeDecodeError as e:
             raise UserError(f"workload.path={path} is not UTF-8 text ({e.reason} at byte "
                             f"{e.start})") from None
@@ -231,22 +262,87 @@ def detect(rec: dict[str, Any], path: Path, why: str = "") -> str:
                     f"{wanted} (or set workload.format)")
 
 
-def read_trace(path: Path, fmt: str = "auto") -> tuple[str, list[TraceRow], float]:
-    """The trace's format, its rows in file order (arrivals from the earliest row) and the
-    seconds subtracted to get there; a UserError lists malformed lines."""
+@dataclass
+class TraceIndex:
+    """A trace after one streaming pass over its file: every row validated (what
+    :func:`read_trace` promises), and kept as columns of numbers, one entry per data row
+    in file order, instead of one object per row: a million rows take tens of MB. What a
+    row's columns do not hold (a Mooncake row's ``hash_ids``) is read again from the file
+    when its request is built (:meth:`hash_ids`), by the byte offset of its line."""
+
+    path: Path
+    format: str
+    rebased_s: float  # seconds subtracted so that arrivals count from the earliest row
+    arrival_s: np.ndarray  # float64 (n,): seconds from the earliest row
+    prompt_tokens: np.ndarray  # int64 (n,)
+    output_tokens: np.ndarray  # int64 (n,)
+    line: np.ndarray  # int64 (n,): 1-based line in the file
+    offset: np.ndarray  # int64 (n,): byte offset of a JSONL row's line; -1 in a CSV
+    num_hash_ids: np.ndarray  # int64 (n,): len(hash_ids); -1 where the row has none
+    priority: np.ndarray  # int64 (n,)
+    turn: np.ndarray  # int64 (n,): -1 where the row has none
+    conversation: np.ndarray  # int64 (n,): index into ``conversations``, -1: none
+    conversations: list[str]
+    _file: BinaryIO | None = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.arrival_s)
+
+    def hash_ids(self, i: int) -> tuple[int, ...] | None:
+        """Row ``i``'s Mooncake hash ids, read again from its line (validated by the
+        scan: a changed file is an error, not a different replay)."""
+        if self.num_hash_ids[i] < 0:
+            return None
+        if self._file is None:
+            self._file = self.path.open("rb")
+        self._file.seek(int(self.offset[i]))
+        raw = self._file.readline()
+        try:
+            ids = tuple(json.loads(raw.decode("utf-8")).get("hash_ids", []))
+        except (ValueError, AttributeError):
+            ids = ()
+        if len(ids) != self.num_hash_ids[i]:
+            raise UserError(f"{self.path}:{self.line[i]}: the trace changed while it was "
+                            "replayed (its line no longer holds the row read at the start)")
+        return ids
+
+    def row(self, i: int) -> TraceRow:
+        """Row ``i`` as a :class:`TraceRow` (arrival rebased)."""
+        conv, turn = int(self.conversation[i]), int(self.turn[i])
+        return TraceRow(i, int(self.line[i]), float(self.arrival_s[i]),
+                        int(self.prompt_tokens[i]), int(self.output_tokens[i]),
+                        hash_ids=self.hash_ids(i),
+                        conversation=self.conversations[conv] if conv >= 0 else None,
+                        turn=turn if turn >= 0 else None, priority=int(self.priority[i]))
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def scan_trace(path: Path, fmt: str = "auto") -> TraceIndex:
+    """One streaming pass over the trace: every row parsed and validated as
+    :func:`read_trace` does (the same messages), kept as :class:`TraceIndex` columns.
+    Memory grows by ~70 bytes per row whatever the row holds."""
     if fmt not in FORMATS:
         raise UserError(f"unknown workload.format {fmt!r}; known: {', '.join(FORMATS)}")
     if not path.is_file():
         raise UserError(f"workload.path={path} is not a file (example traces: traces/)")
     errors: list[str] = []
-    rows: list[TraceRow] = []
+    cols = {k: array("q") for k in ("prompt", "output", "line", "offset", "nhash", "prio",
+                                     "turn", "conv")}
+    arrival = array("d")
+    convs: dict[str, int] = {}
     seen_turns: set[tuple[str, int]] = set()
+    first_tz: dict[str | None, int] = {}  # azure: each UTC offset's first line
     kind, why = sniff(path)
-    for line, rec in _records(path, kind, errors):
+    n = 0
+    for line, rec, offset in _records(path, kind, errors):
         if fmt == "auto":
             fmt = detect(rec, path, why)
         try:
-            row = PARSERS[fmt](rec, len(rows), line)
+            row = PARSERS[fmt](rec, n, line)
             if row.conversation is not None and row.turn is not None:
                 key = (row.conversation, row.turn)
                 if key in seen_turns:
@@ -256,30 +352,47 @@ def read_trace(path: Path, fmt: str = "auto") -> tuple[str, list[TraceRow], floa
         except _Bad as e:
             errors.append(f"{path}:{line}: {e}")
             continue
-        rows.append(row)
+        if fmt == "azure":
+            first_tz.setdefault(row.tz, line)
+        arrival.append(row.arrival_s)
+        cols["prompt"].append(row.prompt_tokens)
+        cols["output"].append(row.output_tokens)
+        cols["line"].append(line)
+        cols["offset"].append(offset)
+        cols["nhash"].append(-1 if row.hash_ids is None else len(row.hash_ids))
+        cols["prio"].append(row.priority)
+        cols["turn"].append(-1 if row.turn is None else row.turn)
+        cols["conv"].append(-1 if row.conversation is None
+                            else convs.setdefault(row.conversation, len(convs)))
+        n += 1
     if errors:
         more = len(errors) - _MAX_REPORTED
         raise UserError(f"{len(errors)} malformed line(s) in the {fmt} trace "
                         f"{path} ({why}):\n  " + "\n  ".join(errors[:_MAX_REPORTED])
                         + (f"\n  ... and {more} more" if more > 0 else ""))
-    if not rows:
+    if not n:
         raise UserError(f"workload.path={path} holds no requests")
-    scale = 1e-6 if fmt == "azure" else 1.0  # azure: microseconds since the epoch
-    if fmt == "azure":
-        _one_time_zone(path, rows)
-    t0 = min(r.arrival_s for r in rows)
-    for r in rows:
-        r.arrival_s = (r.arrival_s - t0) * scale
-    return fmt, rows, t0 * scale
-
-
-def _one_time_zone(path: Path, rows: list[TraceRow]) -> None:
-    first: dict[str | None, TraceRow] = {}
-    for r in rows:
-        first.setdefault(r.tz, r)
-    if len(first) > 1:
-        seen = "; ".join(f"line {r.line}: {'no UTC offset' if tz == 'none' else tz or 'seconds'}"
-                         for tz, r in first.items())
+    if len(first_tz) > 1:
+        seen = "; ".join(f"line {ln}: {'no UTC offset' if tz == 'none' else tz or 'seconds'}"
+                         for tz, ln in first_tz.items())
         raise UserError(f"workload.path={path}: its TIMESTAMPs mix time zones ({seen}); "
                         "arrivals between them would be off by the offsets (hours): write "
                         "every stamp with the same UTC offset, or none")
+    t = np.frombuffer(arrival, dtype=np.float64).copy()
+    scale = 1e-6 if fmt == "azure" else 1.0  # azure: microseconds since the epoch
+    t0 = float(t.min())
+    t = (t - t0) * scale
+    c = {k: np.frombuffer(v, dtype=np.int64).copy() for k, v in cols.items()}
+    return TraceIndex(path, fmt, t0 * scale, t, c["prompt"], c["output"], c["line"],
+                      c["offset"], c["nhash"], c["prio"], c["turn"], c["conv"], list(convs))
+
+
+def read_trace(path: Path, fmt: str = "auto") -> tuple[str, list[TraceRow], float]:
+    """The trace's format, its rows in file order (arrivals from the earliest row) and the
+    seconds subtracted to get there; a UserError lists malformed lines. One object per
+    row: for small traces (the replay itself reads :func:`scan_trace`'s columns)."""
+    idx = scan_trace(path, fmt)
+    try:
+        return idx.format, [idx.row(i) for i in range(len(idx))], idx.rebased_s
+    finally:
+        idx.close()

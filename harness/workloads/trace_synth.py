@@ -1,0 +1,81 @@
+"""Mooncake-like traces of any length, generated from a seed (nothing copied from a
+published trace): for testing replay at scale, e.g. a million rows.
+
+    python -m harness.workloads.trace_synth OUT.jsonl --rows 1000000 [--rate 300] [--seed 0]
+
+Shaped like the Mooncake conversation trace's published summary (FAST'25: mean input
+~12k tokens, mean output ~340, 512-token hash blocks, prompts that share leading blocks):
+input lengths lognormal (median 6,000, capped at 64k), outputs lognormal (median 250,
+capped at 2,048), Poisson arrivals at ``rate`` per second; each prompt starts with one
+of ``docs`` shared documents (Zipf-popular, 1-16 blocks) and ends with blocks of its own.
+Written as a stream: memory does not grow with ``rows``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+from pathlib import Path
+
+BLOCK = 512
+
+
+def write_mooncake_like(path: Path, rows: int, rate: float = 300.0, seed: int = 0,
+                        docs: int = 10_000) -> None:
+    """Write ``rows`` Mooncake-format lines (timestamp ms, input_length, output_length,
+    hash_ids) to ``path``."""
+    rng = random.Random(seed)
+    doc_blocks = [1 + min(15, int(rng.expovariate(1 / 3))) for _ in range(docs)]
+    doc_first = [0] * docs
+    next_id = 0
+    for d in range(docs):
+        doc_first[d] = next_id
+        next_id += doc_blocks[d]
+    # Zipf(1.1) popularity over the documents, drawn by inverse CDF.
+    weights = [1 / (k + 1) ** 1.1 for k in range(docs)]
+    cum, acc = [], 0.0
+    for w in weights:
+        acc += w
+        cum.append(acc)
+    t_ms = 0.0
+    with path.open("w") as f:
+        for _ in range(rows):
+            t_ms += rng.expovariate(rate / 1e3)
+            n_in = min(65_536, max(16, int(rng.lognormvariate(math.log(6000), 1.0))))
+            n_out = min(2048, max(1, int(rng.lognormvariate(math.log(250), 0.9))))
+            d = _bisect(cum, rng.random() * acc)
+            n_blocks = -(-n_in // BLOCK)
+            shared = min(doc_blocks[d], n_blocks)
+            ids = list(range(doc_first[d], doc_first[d] + shared))
+            own = n_blocks - shared
+            ids += range(next_id, next_id + own)
+            next_id += own
+            f.write(json.dumps({"timestamp": int(t_ms), "input_length": n_in,
+                                "output_length": n_out, "hash_ids": ids}) + "\n")
+
+
+def _bisect(cum: list[float], x: float) -> int:
+    lo, hi = 0, len(cum) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if cum[mid] < x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--rows", type=int, default=1_000_000)
+    ap.add_argument("--rate", type=float, default=300.0, help="requests per second")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    write_mooncake_like(a.out, a.rows, a.rate, a.seed)
+
+
+if __name__ == "__main__":
+    main()
