@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import pytest
 
@@ -359,3 +359,54 @@ def test_an_azure_trace_mixing_time_zones_is_refused(tmp_path: Path) -> None:
                                         r"UTC\+0000; line 3: UTC-0500; line 4: no UTC "
                                         r"offset\)"):
         read_trace(p)
+
+
+@pytest.mark.parametrize("path", ["mooncake_example.jsonl", "kvbench_example.csv"])
+def test_a_streamed_replay_equals_one_from_every_request_at_once(
+        path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The engine takes a trace's requests one at a time from its stream, merged with the
+    # follow-up turns; the same run with every request pushed at the start (the way every
+    # other workload runs) must be the same run, request for request.
+    import harness.engine.engine as engine
+
+    cfg = ["executor=roofline", "roofline.model=Llama-3.1-8B", "roofline.hardware=a100-80gb",
+           "workload=trace", f"workload.path={FOLDER / path}", "workload.speedup=40",
+           "cache.kv_budget=1GiB", "scheduler.max_num_seqs=4", "scheduler.max_model_len=4096"]
+    streamed = run(compose_cfg(cfg))
+
+    class Never(Protocol):  # no workload has this: the engine takes initial_requests()
+        def never_implemented_(self) -> None: ...
+
+    monkeypatch.setattr(engine, "StreamsRequests", runtime_checkable(Never))
+    whole = run(compose_cfg(cfg))
+    assert streamed.requests == whole.requests
+    assert len(streamed.requests) >= 18
+    assert max(r["ttft_ms"] for r in streamed.requests) > 10 * min(
+        r["ttft_ms"] for r in streamed.requests)  # requests queued: arrivals interleave
+    keys = [k for k in whole.metrics if k.startswith(("latency.", "throughput.", "memory."))]
+    assert {k: streamed.metrics[k] for k in keys} == {k: whole.metrics[k] for k in keys}
+
+
+def test_a_trace_is_scanned_into_columns_and_built_as_reached(tmp_path: Path) -> None:
+    from harness.workloads.trace_synth import write_mooncake_like
+
+    p = tmp_path / "big.jsonl"
+    write_mooncake_like(p, 3000, rate=50.0, seed=1)
+    wl = trace(p, max_requests=100)
+    assert wl.num_rows == 3000 and wl.num_initial == 100
+    built: list[int] = []
+    real = wl._fresh_prompt
+    wl._fresh_prompt = lambda k: built.append(k) or real(k)  # type: ignore[method-assign]
+    stream = wl.stream_requests()
+    first = next(stream)
+    assert built == [0] and first.request_id == int(wl.kept[0])  # one built, not 100
+    rest = list(stream)
+    times = [(r.arrival_s, r.request_id) for r in [first, *rest]]
+    assert times == sorted(times) and len(times) == 100
+    # The same requests as the per-row reader gives (hash ids read again by offset).
+    _, rows, _ = read_trace(p)
+    for r in [first, *rest]:
+        row = rows[r.request_id]
+        assert len(r.prompt_ids) == min(row.prompt_tokens, wl.cfg.max_model_len or 10**9)
+    shapes = list(wl.initial_shapes())
+    assert shapes == [(len(r.prompt_ids), r.params.max_tokens, 1) for r in [first, *rest]]
