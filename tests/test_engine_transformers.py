@@ -69,8 +69,7 @@ def test_engine_logits_match_transformers(smollm2: hm.LoadedModel,
     assert any(s.decode_tokens and s.prefill_tokens for s in engine.metrics.steps), \
         "the test must mix a prefill chunk and decodes in one step"
     for rid, prompt in enumerate(prompts):
-        g = engine.metrics.groups[rid]
-        full = prompt + g.seqs[0].output_ids
+        full = prompt + engine.metrics.outputs()[rid]
         with torch.no_grad():
             ref = smollm2_transformers(torch.tensor([full[:-1]])).logits[0].float()
         ours = torch.stack(sampler.rows[rid])

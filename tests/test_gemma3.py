@@ -92,7 +92,7 @@ def assert_matches(loaded: LoadedModel, ref: torch.nn.Module, st: Stack,
                    sampler: RecordingSampler, ps: list[list[int]], max_tokens: int,
                    tol: float = 1e-4) -> None:
     for rid, prompt in enumerate(ps):
-        out = st.engine.metrics.groups[rid].seqs[0].output_ids
+        out = st.engine.metrics.outputs()[rid]
         with torch.no_grad():
             theirs = ref(torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1:]
         ours = torch.stack(sampler.rows[rid])
@@ -122,9 +122,8 @@ def test_groups_give_blocks_back_with_identical_tokens(tiny: LoadedModel) -> Non
     ps = prompts(tiny)
     runs = {m: engine_run(tiny, ps, 60, m, budget="1MiB") for m in ("grouped", "uniform")}
     g = runs["grouped"][0]
-    outs = {m: [g.seqs[0].output_ids for g in st.engine.metrics.groups.values()]
-            for m, (st, _) in runs.items()}
-    assert outs["grouped"] == outs["uniform"]
+    outs = {m: sorted(st.engine.metrics.outputs().items()) for m, (st, _) in runs.items()}
+    assert outs["grouped"] == outs["uniform"] and len(outs["grouped"]) == len(ps)
     assert isinstance(g.kv, GroupedKVManager)
     assert g.kv.stats.evicted_tokens > 0  # the sliding groups gave blocks back
     # Bytes held at the peak: a pool block holds 2 layers (grouped), 6 (uniform).
@@ -217,7 +216,7 @@ def test_a_window_backend_compresses_the_full_layers_only(tiny: LoadedModel) -> 
     assert isinstance(st.kv, GroupedKVManager)
     masks = [(24, 0) if a.kind == "sliding" else (12, 4) for a in tiny.config.layer_attention]
     for rid, prompt in enumerate(ps):
-        out = st.engine.metrics.groups[rid].seqs[0].output_ids
+        out = st.engine.metrics.outputs()[rid]
         ref = masked_reference(tiny, prompt + out[:-1], masks)[len(prompt) - 1:]
         assert (torch.stack(sampler.rows[rid]) - ref).abs().max().item() <= 1e-4
     # The full group holds sinks + window + a step + a block per sequence, not every token.
@@ -336,7 +335,7 @@ def test_a_scoring_method_chooses_the_full_layers_tokens_only(tiny: LoadedModel,
     st.backend.begin_groups = spy  # type: ignore[method-assign]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     st.engine.run(FixedRequests([Request(0, prompt, params)]))
-    out = st.engine.metrics.groups[0].seqs[0].output_ids
+    out = st.engine.metrics.outputs()[0]
     ids, p = prompt + out[:-1], len(prompt)
     assert full.stats.evicted_tokens > 0  # the policy chose (and its slots were reused)
     assert all(m.stats.evicted_tokens > 0 for m in kv.members[1:])  # windows gave back

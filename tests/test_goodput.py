@@ -102,3 +102,23 @@ def test_the_quality_floor_in_a_run_counts_agreement_with_the_reference() -> Non
                          "quality.prefill_tokens=8", "slo.min_agreement=1.0"]))
     assert all(x["agree_tokens"] == x["output_tokens"] for x in r.requests)
     assert r.metrics["requests.meeting_slo"] == 3 and r.metrics["latency.slo_attainment"] == 1
+
+
+def test_weighted_percentiles_equal_numpys_on_the_repeated_values() -> None:
+    # The run's ITLs are kept as (value, count) (MetricsCollector.itl_ms): a percentile of
+    # them must be numpy's of the values repeated, to the last bit.
+    import numpy as np
+
+    from harness.metrics.summary import weighted_percentile
+
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        n = int(rng.integers(1, 40))
+        vals = rng.choice([0.1, 0.2, 0.30000000000000004, 1e-3, 7.5, 12.0],
+                          size=n) if trial % 2 else rng.exponential(5.0, size=n)
+        counts = rng.integers(0, 5, size=n)
+        counts[int(rng.integers(0, n))] += 1  # at least one value
+        flat = np.repeat(vals, counts)
+        for q in (0, 1, 33.3, 50, 90, 99, 99.9, 100):
+            assert weighted_percentile(vals, counts, q) == float(np.percentile(flat, q))
+    assert weighted_percentile(np.zeros(0), np.zeros(0, dtype=np.int64), 50) is None

@@ -6,7 +6,12 @@ into DESIGN.md's metrics.json keys at the end.
 
 from __future__ import annotations
 
+import itertools
+from array import array
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from harness.backends.costs import StepReads
 from harness.kv.base import KVManager
@@ -58,42 +63,94 @@ class RequestTimes:
     first_scheduled: float | None = None
     token_times: list[float] = field(default_factory=list)
     finished: float | None = None
+    last_token_step: int = -1  # index into MetricsCollector.token_t of its last token
 
 
 class MetricsCollector:
     """Collects rows; knows the byte size of a slot to report bytes. It only reads: the
-    KV manager and the scheduler keep their own counters and the ledger."""
+    KV manager and the scheduler keep their own counters and the ledger.
 
-    def __init__(self, kv: KVManager, scheduler: Scheduler, bytes_per_slot: int) -> None:
+    A request's times and group are held while it runs; when it finishes, its
+    requests.csv row is made (:func:`request_row`) and both are let go, so a run of a
+    million requests does not hold a million prompts. What outlives them: the rows, the
+    output ids (unless ``keep_outputs`` is off) and the inter-token latencies of the whole
+    run as a count per step (:meth:`itl_ms`), from which every ITL percentile is exact."""
+
+    def __init__(self, kv: KVManager, scheduler: Scheduler, bytes_per_slot: int,
+                 keep_outputs: bool = True) -> None:
         self.kv = kv
         self.scheduler = scheduler
         self.bytes_per_slot = bytes_per_slot
+        self.keep_outputs = keep_outputs
         self.steps: list[StepRow] = []
-        self.requests: dict[int, RequestTimes] = {}
-        self.groups: dict[int, SequenceGroup] = {}
+        self.requests: dict[int, RequestTimes] = {}  # running or waiting
+        self.groups: dict[int, SequenceGroup] = {}  # running or waiting (or rejected)
+        # requests.csv rows in arrival order; None: not finished yet (made at the end)
+        self.rows: dict[int, dict[str, Any] | None] = {}
+        self._outputs: dict[int, list[int]] = {}
+        self.spans: list[tuple[float, float]] = []  # (arrival, finish) of each finished
+        # The clock of each step that made tokens; ITLs as the number of requests whose
+        # consecutive tokens came in steps k-1 and k (``itl_next[k]``), and the rest
+        # (tokens further apart: a preemption, a prompt-only step in between) as values.
+        self.token_t = array("d")
+        self.itl_next = array("q")
+        self.itl_other = array("d")
 
     def outputs(self) -> dict[int, list[int]]:
         """Request id -> its output ids, for every request that got a sequence."""
-        return {rid: g.output_ids for rid, g in self.groups.items() if g.seqs}
+        out = dict(self._outputs)
+        out.update({rid: g.output_ids for rid, g in self.groups.items() if g.seqs})
+        return out
 
     def on_arrival(self, group: SequenceGroup, now: float) -> None:
         self.requests[group.request_id] = RequestTimes(arrival=now)
         self.groups[group.request_id] = group
+        self.rows[group.request_id] = None
 
     def on_tokens(self, rec: StepRecord, upd: StepUpdate, sampled_groups: list[SequenceGroup],
                   now: float) -> None:
+        reqs = self.requests
         for s in rec.seqs:
-            t = self.requests[s.seq.group.request_id]
+            t = reqs[s.seq.group.request_id]
             if t.first_scheduled is None:
                 t.first_scheduled = now
+        k = len(self.token_t)
+        self.token_t.append(now)
+        self.itl_next.append(0)
         # One token event per group per step: for n > 1 the samples advance together.
         seen: set[int] = set()
         for g in sampled_groups:
-            if g.request_id not in seen:
-                seen.add(g.request_id)
-                self.requests[g.request_id].token_times.append(now)
+            rid = g.request_id
+            if rid not in seen:
+                seen.add(rid)
+                t = reqs[rid]
+                t.token_times.append(now)
+                if t.last_token_step == k - 1:
+                    self.itl_next[k] += 1
+                elif t.last_token_step >= 0:
+                    self.itl_other.append((now - self.token_t[t.last_token_step]) * 1e3)
+                t.last_token_step = k
         for g in upd.finished:
-            self.requests[g.request_id].finished = now
+            rid = g.request_id
+            t = reqs.pop(rid)
+            t.finished = now
+            self.rows[rid] = request_row(rid, g, t, self.kv.block_size, self.bytes_per_slot)
+            self.spans.append((t.arrival, now))
+            del self.groups[rid]
+            if self.keep_outputs and g.seqs:
+                self._outputs[rid] = g.output_ids
+
+    def itl_ms(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every inter-token latency of the run (ms) as (values, counts): the same
+        multiset as each request's consecutive token-time differences, in (b - a) * 1e3,
+        without holding one number per token."""
+        t = np.frombuffer(self.token_t, dtype=np.float64)
+        n = np.frombuffer(self.itl_next, dtype=np.int64)
+        k = np.flatnonzero(n[1:]) + 1 if len(n) > 1 else np.zeros(0, dtype=np.int64)
+        vals = np.concatenate([(t[k] - t[k - 1]) * 1e3,
+                               np.frombuffer(self.itl_other, dtype=np.float64)])
+        counts = np.concatenate([n[k], np.ones(len(self.itl_other), dtype=np.int64)])
+        return vals, counts
 
     def on_step(self, rec: StepRecord, upd: StepUpdate, t_start: float, t_end: float,
                 forward_s: float, run_start: float, reads: StepReads | None = None) -> None:
@@ -124,3 +181,41 @@ class MetricsCollector:
             tier_ops=len(rec.tier_ops),
             group_blocks="|".join(map(str, u.group_blocks)),
         ))
+
+
+def request_row(rid: int, g: SequenceGroup, t: RequestTimes, block_size: int,
+                bytes_per_slot: int) -> dict[str, Any]:
+    """One request's requests.csv row (latencies in ms, relative to arrival)."""
+    # Beam search: the chosen beam's tokens (forks copy their parent's outputs, so a
+    # sum over beams would count shared history again). Samples: every sample's.
+    out_tokens = (len(g.best_output) if g.best_output is not None
+                  else sum(s.num_output_tokens for s in g.seqs))
+    tt = t.token_times
+    ttft = (tt[0] - t.arrival) * 1e3 if tt else None
+    itls = [(b - a) * 1e3 for a, b in itertools.pairwise(tt)]
+    e2e = (t.finished - t.arrival) * 1e3 if t.finished is not None else None
+    best = g.seqs[0] if g.seqs else None
+    return {
+        "request_id": rid,
+        "status": ("rejected" if g.rejected_reason else
+                   "finished" if t.finished is not None else "unfinished"),
+        "rejected_reason": g.rejected_reason or "",
+        "arrival_s": t.arrival,
+        "prompt_tokens": len(g.prompt_ids),
+        "output_tokens": out_tokens,
+        "num_seqs": len(g.seqs),
+        "ttft_ms": ttft,
+        "tpot_ms": float(np.mean(itls)) if itls else None,
+        "itl_ms_max": max(itls) if itls else None,
+        "e2e_ms": e2e,
+        "prefix_hit_tokens": g.prefix_hit_tokens,
+        "prefix_source": g.prefix_source,
+        "tier_hit_blocks_cpu": g.tier_hit_blocks[0],
+        "tier_hit_blocks_disk": g.tier_hit_blocks[1],
+        "preemptions_recompute": g.num_preemptions_recompute,
+        "preemptions_swap": g.num_preemptions_swap,
+        "recomputed_tokens": g.num_recomputed_tokens,
+        "swapped_out_bytes": g.num_swapped_blocks * block_size * bytes_per_slot,
+        "finish_reason": best.finish_reason if best else "",
+        "output_ids": " ".join(map(str, g.output_ids)),
+    }

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from harness.kv.ledger import LedgerTotals
-from harness.metrics.collector import MetricsCollector, StepRow
+from harness.metrics.collector import MetricsCollector, StepRow, request_row
 from harness.metrics.goodput import peak_concurrency
 
 
@@ -36,44 +36,32 @@ def waste_split(tot: LedgerTotals) -> dict[str, float]:
 
 
 def request_rows(col: MetricsCollector) -> list[dict[str, Any]]:
-    """One row per request for requests.csv (latencies in ms, relative to arrival)."""
-    rows = []
-    for rid, t in col.requests.items():
-        g = col.groups[rid]
-        # Beam search: the chosen beam's tokens (forks copy their parent's outputs, so a
-        # sum over beams would count shared history again). Samples: every sample's.
-        out_tokens = (len(g.best_output) if g.best_output is not None
-                      else sum(s.num_output_tokens for s in g.seqs))
-        ttft = (t.token_times[0] - t.arrival) * 1e3 if t.token_times else None
-        itls = [(b - a) * 1e3 for a, b in zip(t.token_times, t.token_times[1:])]
-        e2e = (t.finished - t.arrival) * 1e3 if t.finished is not None else None
-        best = g.seqs[0] if g.seqs else None
-        rows.append({
-            "request_id": rid,
-            "status": ("rejected" if g.rejected_reason else
-                       "finished" if t.finished is not None else "unfinished"),
-            "rejected_reason": g.rejected_reason or "",
-            "arrival_s": t.arrival,
-            "prompt_tokens": len(g.prompt_ids),
-            "output_tokens": out_tokens,
-            "num_seqs": len(g.seqs),
-            "ttft_ms": ttft,
-            "tpot_ms": float(np.mean(itls)) if itls else None,
-            "itl_ms_max": max(itls) if itls else None,
-            "e2e_ms": e2e,
-            "prefix_hit_tokens": g.prefix_hit_tokens,
-            "prefix_source": g.prefix_source,
-            "tier_hit_blocks_cpu": g.tier_hit_blocks[0],
-            "tier_hit_blocks_disk": g.tier_hit_blocks[1],
-            "preemptions_recompute": g.num_preemptions_recompute,
-            "preemptions_swap": g.num_preemptions_swap,
-            "recomputed_tokens": g.num_recomputed_tokens,
-            "swapped_out_bytes": g.num_swapped_blocks * col.kv.block_size
-            * col.bytes_per_slot,
-            "finish_reason": best.finish_reason if best else "",
-            "output_ids": " ".join(map(str, g.output_ids)),
-        })
-    return rows
+    """One row per request for requests.csv, in arrival order: a finished request's as
+    made when it finished, the others' (rejected, unfinished) from what they hold now."""
+    bs, bps = col.kv.block_size, col.bytes_per_slot
+    return [row if row is not None else request_row(rid, col.groups[rid], col.requests[rid],
+                                                    bs, bps)
+            for rid, row in col.rows.items()]
+
+
+def weighted_percentile(values: np.ndarray, counts: np.ndarray, q: float) -> float | None:
+    """``np.percentile(np.repeat(values, counts), q)`` (linear interpolation, numpy's own
+    arithmetic) without the repeat: the two order statistics around rank q/100 (n - 1)
+    found by cumulative counts."""
+    keep = counts > 0
+    values, counts = values[keep], counts[keep]
+    if not len(values):
+        return None
+    order = np.argsort(values, kind="stable")
+    v, c = values[order], np.cumsum(counts[order])
+    n = int(c[-1])
+    virtual = np.float64(q) / 100 * (n - 1)
+    lo = int(np.floor(virtual))
+    hi = min(lo + 1, n - 1)
+    a, b = v[np.searchsorted(c, lo, side="right")], v[np.searchsorted(c, hi, side="right")]
+    gamma = virtual - lo
+    diff = b - a  # numpy's _lerp: from the nearer end
+    return float(b - diff * (1 - gamma) if gamma >= 0.5 else a + diff * gamma)
 
 
 def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: int,
@@ -86,9 +74,7 @@ def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: 
     prompt_tokens = sum(r["prompt_tokens"] for r in done)
     ttft = [r["ttft_ms"] for r in done if r["ttft_ms"] is not None]
     e2e = [r["e2e_ms"] for r in done if r["e2e_ms"] is not None]
-    itl: list[float] = []
-    for t in col.requests.values():
-        itl += [(b - a) * 1e3 for a, b in zip(t.token_times, t.token_times[1:])]
+    itl_v, itl_n = col.itl_ms()
     tot = kv.ledger.totals
     st = kv.stats
     steps = col.steps
@@ -101,8 +87,9 @@ def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: 
         "throughput.requests_per_s": len(done) / wall_s if wall_s else 0.0,
         "latency.ttft_ms.p50": _pct(ttft, 50), "latency.ttft_ms.p90": _pct(ttft, 90),
         "latency.ttft_ms.p99": _pct(ttft, 99),
-        "latency.itl_ms.p50": _pct(itl, 50), "latency.itl_ms.p90": _pct(itl, 90),
-        "latency.itl_ms.p99": _pct(itl, 99),
+        "latency.itl_ms.p50": weighted_percentile(itl_v, itl_n, 50),
+        "latency.itl_ms.p90": weighted_percentile(itl_v, itl_n, 90),
+        "latency.itl_ms.p99": weighted_percentile(itl_v, itl_n, 99),
         "latency.e2e_ms.p50": _pct(e2e, 50), "latency.e2e_ms.p99": _pct(e2e, 99),
         "latency.tpot_ms.p50": _pct(tpot, 50), "latency.tpot_ms.p99": _pct(tpot, 99),
         "memory.kv_budget_bytes": kv_budget_bytes,
@@ -138,8 +125,7 @@ def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: 
         "requests.finished": len(done),
         "requests.rejected": sum(1 for r in reqs if r["status"] == "rejected"),
         # Requests in flight (arrived, not finished: waiting, running or swapped) at once.
-        "requests.peak_concurrency": peak_concurrency(
-            [(t.arrival, t.finished) for t in col.requests.values() if t.finished is not None]),
+        "requests.peak_concurrency": peak_concurrency(col.spans),
         "engine.step_ms_mean": float(np.mean([s.step_ms for s in steps])) if steps else 0.0,
         "engine.overhead_ms_mean": (float(np.mean([s.overhead_ms for s in steps]))
                                     if steps else 0.0),

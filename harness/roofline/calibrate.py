@@ -150,7 +150,7 @@ def run_once(overrides: list[str], loaded: Any, base: list[str] = BASE,
     rec.bind(st.kv)
     st.engine.executor = rec
     wall = st.engine.run(wl)
-    out = sum(len(g.output_ids) for g in st.collector.groups.values())
+    out = sum(len(o) for o in st.collector.outputs().values())
     return (rec.shapes, [r.step_ms / 1e3 for r in st.collector.steps], out, wall,
             st.backend.bytes_per_slot(), kv_dtype_of(st.backend),
             "gather" if st.backend.kernel == "torch" else "fused")

@@ -108,7 +108,6 @@ class Scheduler:
         self._waiting_keys: list[tuple[int, float, int]] = []
         self.running: list[SequenceGroup] = []  # admission order: LIFO victims at the end
         self.swapped: deque[SequenceGroup] = deque()
-        self.finished: list[SequenceGroup] = []
         self.rejected: list[SequenceGroup] = []
         self._just_finished: list[SequenceGroup] = []
         self._next_seq_id = 0
@@ -530,6 +529,5 @@ class Scheduler:
         for g in done_groups:
             self._release_worst(g)
         self.running = [g for g in self.running if id(g) not in done]
-        self.finished += done_groups
         self._just_finished = []
         return done_groups

@@ -1,0 +1,72 @@
+"""What a run keeps of its requests: a finished request's row is made when it finishes and
+its group let go, and the run's inter-token latencies are kept as counts per step, from
+which every percentile equals the one over each request's own token times."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+import pytest
+
+import harness.metrics.collector as collector
+from harness.runner import run
+from tests.compose import compose_cfg
+
+ROOFLINE = ["executor=roofline", "roofline.model=Llama-3.1-8B", "roofline.hardware=a100-80gb",
+            "workload=random", "workload.num_requests=40", "workload.rate=200",
+            "workload.input_max=600", "workload.output_max=120", "scheduler.max_num_seqs=12",
+            "cache.kv_budget=160MiB"]
+
+
+@pytest.mark.parametrize("extra", [
+    ["scheduler.preemption_mode=recompute"],
+    ["scheduler.preemption_mode=swap", "cache.swap_space=1GiB"],
+    # prompt-only steps between a request's tokens: ITLs over two steps and more
+    ["scheduler.mixing=prefill_first", "scheduler.chunked_prefill=false",
+     "scheduler.max_num_batched_tokens=1024"],
+])
+def test_itl_percentiles_equal_those_of_every_requests_token_times(
+        extra: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[int, list[float]] = {}
+    real = collector.MetricsCollector.on_tokens
+
+    def spy(self: Any, rec: Any, upd: Any, groups: Any, now: float) -> None:
+        for rid in dict.fromkeys(g.request_id for g in groups):
+            seen.setdefault(rid, []).append(now)
+        real(self, rec, upd, groups, now)
+
+    monkeypatch.setattr(collector.MetricsCollector, "on_tokens", spy)
+    r = run(compose_cfg([*ROOFLINE, *extra]))
+    itl = [(b - a) * 1e3 for tt in seen.values() for a, b in itertools.pairwise(tt)]
+    for q in (50, 90, 99):
+        assert r.metrics[f"latency.itl_ms.p{q}"] == float(np.percentile(itl, q))
+    m = r.metrics
+    if "recompute" in extra[0]:
+        assert m["sched.preemptions_recompute"] > 0  # tokens of a request steps apart
+    if "swap" in extra[0]:
+        assert m["sched.preemptions_swap"] > 0
+    rows = {x["request_id"]: x for x in r.requests}
+    assert list(rows) == sorted(rows, key=lambda i: rows[i]["arrival_s"])  # arrival order
+    for rid, tt in seen.items():
+        gaps = [(b - a) * 1e3 for a, b in itertools.pairwise(tt)]
+        assert rows[rid]["itl_ms_max"] == (max(gaps) if gaps else None)
+
+
+def test_a_finished_request_is_let_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    live: list[int] = []
+    real = collector.MetricsCollector.on_tokens
+
+    def spy(self: Any, rec: Any, upd: Any, groups: Any, now: float) -> None:
+        real(self, rec, upd, groups, now)
+        live.append(len(self.groups))
+
+    monkeypatch.setattr(collector.MetricsCollector, "on_tokens", spy)
+    r = run(compose_cfg(ROOFLINE))
+    # Never more groups held than requests in flight (12 running plus the queue), and
+    # none at the end; every finished request's outputs and row are still there.
+    assert max(live) < 40 and live[-1] == 0
+    assert len(r.outputs) == 40 and all(len(o) == x["output_tokens"] for o, x in
+                                        zip((r.outputs[x["request_id"]] for x in r.requests),
+                                            r.requests))
