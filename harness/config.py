@@ -161,6 +161,26 @@ class WandbLoggerSpec(LoggerSpec):
     dir: str | None = None  # None: the run's results folder (W&B adds wandb/ below it)
 
 
+RECORD_FORMATS = ("csv", "parquet")
+
+
+@dataclass
+class RecordsSpec:
+    """How a run writes its per-step and per-request records (``records.*``)."""
+
+    # csv: steps.csv and requests.csv; parquet: steps.parquet and requests.parquet
+    # (columnar, compressed, what pandas.read_parquet reads; needs pyarrow, the [parquet]
+    # extra). Written a chunk at a time either way, never as one string in memory.
+    format: str = "csv"
+    # Keep each request's output ids (RunResult.outputs, requests' output_ids column).
+    # false: not kept, and the column is left out: a million requests' outputs are GBs
+    # (under executor=roofline they are synthetic ids anyway). Quality scoring needs them.
+    output_ids: bool = True
+
+    def __post_init__(self) -> None:
+        one_of(self, "records", "format", RECORD_FORMATS)
+
+
 @dataclass
 class RunConfig:
     # Any + MISSING: each option of the group brings its own schema (the plugin's options).
@@ -172,6 +192,7 @@ class RunConfig:
     logger: LoggerSpec = field(default_factory=LoggerSpec)
     quality: QualityConfig = field(default_factory=QualityConfig)
     slo: SLOConfig = field(default_factory=SLOConfig)  # goodput targets (metrics.goodput)
+    records: RecordsSpec = field(default_factory=RecordsSpec)
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     # torch's intra-op threads on CPU (0 = torch's default). 1 by default: on a shared
@@ -206,6 +227,10 @@ class RunConfig:
         if not 0 <= self.repeat < self.repeats:
             raise UserError(f"repeat={self.repeat} is set by kvbench (0 .. repeats-1); "
                             "leave it out and give repeats=N")
+        if not self.records.output_ids and self.executor != "roofline":
+            raise UserError("records.output_ids=false drops the outputs a model made, which "
+                            "its quality and task scores read: it is for executor=roofline "
+                            "runs (synthetic outputs); drop it")
         if self.repeats > 1 and self.executor == "roofline":
             raise UserError(f"repeats={self.repeats} with executor=roofline: a roofline run "
                             "is deterministic (the same configuration gives the same numbers "

@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import io
 import json
 import os
 import secrets
 import socket
 import tempfile
 import time
-from dataclasses import asdict
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from harness.errors import UserError
 
@@ -89,15 +88,6 @@ def atomic_write(path: Path, text: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-
-
-def _csv_text(rows: list[dict[str, Any]]) -> str:
-    buf = io.StringIO()
-    if rows:
-        w = csv.DictWriter(buf, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    return buf.getvalue()
 
 
 # --- ownership ---------------------------------------------------------------------------
@@ -197,8 +187,11 @@ def claim_sweep(folder: Path) -> None:
 # --- writing a run's files -----------------------------------------------------------------
 
 def write_results(out: Path, config_yaml: str, metrics: dict[str, Any],
-                  steps: list[StepRow], requests: list[dict[str, Any]]) -> None:
-    """Write the four result files, metrics.json last.
+                  steps: Sequence[StepRow], requests: list[dict[str, Any]],
+                  fmt: str = "csv") -> None:
+    """Write the four result files, metrics.json last: config.yaml, the step and request
+    records as ``fmt`` (csv: steps.csv, requests.csv; parquet: steps.parquet,
+    requests.parquet), metrics.json. The records are written a chunk at a time.
 
     Raises :class:`FolderTaken` if the folder holds another run, and
     :class:`ResultsWriteError` (carrying ``metrics``) if a file cannot be written.
@@ -206,16 +199,96 @@ def write_results(out: Path, config_yaml: str, metrics: dict[str, Any],
     out.mkdir(parents=True, exist_ok=True)
     check_not_taken(out)
     written: list[str] = []
-    files = [("config.yaml", lambda: config_yaml),
-             ("steps.csv", lambda: _csv_text([asdict(s) for s in steps])),
-             ("requests.csv", lambda: _csv_text(requests)),
-             (METRICS, lambda: json.dumps(metrics, indent=2, sort_keys=True) + "\n")]
-    for name, text in files:
+    ext = RECORD_SUFFIX[fmt]
+    files: list[tuple[str, Callable[[Path], None]]] = [
+        ("config.yaml", lambda p: atomic_write(p, config_yaml)),
+        (f"steps{ext}", lambda p: _write_records(p, step_columns(steps), fmt)),
+        (f"requests{ext}", lambda p: _write_records(p, request_columns(requests), fmt)),
+        (METRICS, lambda p: atomic_write(
+            p, json.dumps(metrics, indent=2, sort_keys=True) + "\n"))]
+    for name, write in files:
         try:
-            atomic_write(out / name, text())
+            write(out / name)
         except OSError as e:
             raise ResultsWriteError(out / name, e, metrics, written) from e
         written.append(name)
+
+
+RECORD_SUFFIX = {"csv": ".csv", "parquet": ".parquet"}
+_CHUNK = 65_536  # rows per write (a Parquet row group)
+
+
+def step_columns(steps: Sequence[StepRow]) -> dict[str, Sequence[Any]]:
+    """The step rows as columns (a StepLog's own, without a copy)."""
+    from harness.metrics.steplog import FIELDS, StepLog
+
+    if isinstance(steps, StepLog):
+        return steps.columns()
+    return {f: [getattr(s, f) for s in steps] for f in FIELDS} if steps else {}
+
+
+def request_columns(rows: list[dict[str, Any]]) -> dict[str, Sequence[Any]]:
+    return {k: [r[k] for r in rows] for k in rows[0]} if rows else {}
+
+
+def _write_records(path: Path, cols: dict[str, Sequence[Any]], fmt: str) -> None:
+    """``cols`` (equal lengths) to ``path`` as CSV (a header, then rows, as csv writes
+    them: the format steps.csv always had) or Parquet, through a temporary file renamed
+    at the end; an empty table is an empty CSV file or a Parquet file with no columns."""
+    n = len(next(iter(cols.values()))) if cols else 0
+
+    def chunks() -> Iterator[tuple[int, int]]:
+        for a in range(0, n, _CHUNK):
+            yield a, min(n, a + _CHUNK)
+
+    if fmt == "parquet":
+        pq, pa = _pyarrow()
+
+        def write(f: IO[Any]) -> None:
+            schema = pa.table({k: list(v[:1]) for k, v in cols.items()}).schema if n else \
+                pa.schema([])
+            with pq.ParquetWriter(f, schema) as w:
+                for a, b in chunks():
+                    w.write_table(pa.table({k: list(v[a:b]) for k, v in cols.items()},
+                                           schema=schema))
+        _atomic_stream(path, write, binary=True)
+        return
+
+    def write_csv(f: IO[Any]) -> None:
+        if not n:
+            return
+        w = csv.writer(f)
+        w.writerow(list(cols))
+        for a, b in chunks():
+            w.writerows(zip(*(v[a:b] for v in cols.values())))
+    _atomic_stream(path, write_csv, binary=False)
+
+
+def _pyarrow() -> tuple[Any, Any]:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError("records.format=parquet needs pyarrow: pip install -e '.[parquet]' "
+                        "(or use records.format=csv)") from None
+    return pq, pa
+
+
+def _atomic_stream(path: Path, write: Callable[[IO[Any]], None], binary: bool) -> None:
+    """:func:`atomic_write` for a writer that streams into the open file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with (os.fdopen(fd, "wb") if binary else
+              os.fdopen(fd, "w", encoding="utf-8", newline="")) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, _MODE)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def write_config(out: Path, config_yaml: str) -> None:

@@ -6,6 +6,7 @@ import datetime as dt
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ class RunResult:
     requests: list[dict[str, Any]]
     out_dir: Path | None
     outputs: dict[int, list[int]]  # request id -> output ids (the best beam for beams)
-    steps: list[StepRow]
+    steps: Sequence[StepRow]
 
 
 def _git_sha() -> str:
@@ -72,6 +73,7 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
         rc.workload.max_model_len = min(rc.scheduler.max_model_len, target.max_position)
     workload = make_workload(rc.workload, target.tokenizer)
     st = target.build(workload)
+    st.collector.keep_outputs = rc.records.output_ids
     progress = _progress(rc.progress)
     t0 = time.perf_counter()
     clock_s = st.engine.run(workload, progress)  # on the executor's clock
@@ -102,7 +104,8 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
     metrics.update(slo_metrics(rows, rc.slo, clock_s))  # after quality: its agreement floor
     out_dir = Path(rc.out_dir) if rc.out_dir else None
     if out_dir is not None:
-        write_results(out_dir, config_yaml, metrics, st.collector.steps, rows)
+        write_results(out_dir, config_yaml, metrics, st.collector.steps, rows,
+                      rc.records.format)
     check_rejections(rows, out_dir)
     return RunResult(metrics, rows, out_dir, outputs, st.collector.steps)
 

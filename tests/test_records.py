@@ -5,6 +5,7 @@ which every percentile equals the one over each request's own token times."""
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -70,3 +71,67 @@ def test_a_finished_request_is_let_go(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(r.outputs) == 40 and all(len(o) == x["output_tokens"] for o, x in
                                         zip((r.outputs[x["request_id"]] for x in r.requests),
                                             r.requests))
+
+
+def test_the_step_log_reads_as_the_rows_it_was_given() -> None:
+    from dataclasses import fields
+
+    from harness.metrics.rows import StepRow
+    from harness.metrics.steplog import StepLog
+
+    def row(i: int) -> StepRow:
+        return StepRow(*(f"{i}|{j}" if f.type == "str" else i + j / 8 if f.type == "float"
+                         else 1000 * i + j for j, f in enumerate(fields(StepRow))))
+
+    rows = [row(i) for i in range(5)]
+    log = StepLog()
+    for r in rows:
+        log.append(r)
+    assert len(log) == 5 and list(log) == rows and log[3] == rows[3] and log[1:4] == rows[1:4]
+    assert log.column("step_ms").tolist() == [r.step_ms for r in rows]
+    assert log.column("reserved_bytes").tolist() == [r.reserved_bytes for r in rows]
+    assert log.column("group_blocks").tolist() == [r.group_blocks for r in rows]
+
+
+def test_records_as_csv_are_the_files_they_always_were_and_parquet_the_same_table(
+        tmp_path: Path) -> None:
+    import csv
+    import io
+    from dataclasses import asdict
+
+    import pandas as pd
+
+    from harness.reporting.runs import _load as load_run
+
+    runs = {}
+    for fmt in ("csv", "parquet"):
+        out = tmp_path / fmt
+        runs[fmt] = run(compose_cfg([*ROOFLINE, f"records.format={fmt}"], out))
+    r = runs["csv"]
+    out = tmp_path / "csv"
+    # steps.csv byte for byte as csv.DictWriter wrote it from every row (the old writer)
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(asdict(r.steps[0])))
+    w.writeheader()
+    w.writerows(asdict(s) for s in r.steps)
+    assert (out / "steps.csv").read_bytes() == buf.getvalue().encode()
+    assert not (out / "steps.parquet").exists()
+    a, b = load_run(out), load_run(tmp_path / "parquet")
+    assert (tmp_path / "parquet" / "steps.parquet").exists()
+    assert not (tmp_path / "parquet" / "steps.csv").exists()
+    for name in ("steps", "requests"):
+        x, y = getattr(a, name)(), getattr(b, name)()
+        assert len(x) > 0
+        # (CSV reads an empty text as NaN, Parquet keeps it "")
+        pd.testing.assert_frame_equal(x.astype(object).fillna(""), y.astype(object).fillna(""),
+                                      check_dtype=False)
+
+
+def test_output_ids_can_be_left_out_of_a_roofline_run_only() -> None:
+    from harness.errors import UserError
+
+    r = run(compose_cfg([*ROOFLINE, "records.output_ids=false"]))
+    assert r.outputs == {} and "output_ids" not in r.requests[0]
+    assert len(r.requests) == 40 and r.requests[0]["output_tokens"] > 0
+    with pytest.raises(UserError, match=r"records\.output_ids=false drops the outputs"):
+        run(compose_cfg(["model=tiny", "records.output_ids=false"]))

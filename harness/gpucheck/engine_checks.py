@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -44,7 +45,7 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def engine_row(metrics: dict[str, Any], steps: list[Any]) -> dict[str, Any]:
+def engine_row(metrics: dict[str, Any], steps: Sequence[Any]) -> dict[str, Any]:
     """The figures of one measured run (``steps``: the run's StepRow list)."""
     decode = [s.step_ms for s in steps if s.prefill_tokens == 0 and s.decode_tokens > 0]
     prefill = [s.step_ms for s in steps if s.prefill_tokens > 0]

@@ -15,46 +15,13 @@ import numpy as np
 
 from harness.backends.costs import StepReads
 from harness.kv.base import KVManager
+from harness.metrics.rows import StepRow
+from harness.metrics.steplog import StepLog
 from harness.sched.scheduler import Scheduler
 from harness.sched.sequence import SequenceGroup
 from harness.sched.step import StepRecord, StepUpdate
 
-
-@dataclass(slots=True)
-class StepRow:
-    step: int
-    time_s: float  # since the run started
-    step_ms: float
-    forward_ms: float
-    overhead_ms: float  # step_ms - forward_ms: scheduling, batching, sampling, bookkeeping
-    batch_tokens: int
-    prefill_tokens: int
-    decode_tokens: int
-    num_seqs: int
-    running: int
-    waiting: int
-    swapped: int
-    reserved_bytes: int  # held while the step's forward ran (after scheduling)
-    used_bytes: int
-    free_blocks: int
-    cached_free_blocks: int
-    shared_blocks: int
-    logical_blocks: int
-    held_blocks: int
-    external_frag_bytes: int
-    preempted: int
-    finished: int
-    # What the step's attention read, as the backend declares it (harness.backends.costs):
-    # the decodes' cached tokens and bytes (K/V, scales, metadata), the prefill pairs.
-    kv_read_tokens: int = 0
-    kv_read_bytes: int = 0
-    prefill_pairs: int = 0
-    # Blocks held in the prefix cache's lower tiers while the step ran (0 without tiers).
-    cpu_tier_blocks: int = 0
-    disk_tier_blocks: int = 0
-    tier_ops: int = 0  # blocks the step moved between tiers (stores, spills, loads)
-    # KV cache groups: blocks each group's tables held, "|"-separated ("" without groups).
-    group_blocks: str = ""
+__all__ = ["MetricsCollector", "RequestTimes", "StepRow", "request_row"]
 
 
 @dataclass(slots=True)
@@ -82,7 +49,7 @@ class MetricsCollector:
         self.scheduler = scheduler
         self.bytes_per_slot = bytes_per_slot
         self.keep_outputs = keep_outputs
-        self.steps: list[StepRow] = []
+        self.steps = StepLog()  # one row per step, as columns
         self.requests: dict[int, RequestTimes] = {}  # running or waiting
         self.groups: dict[int, SequenceGroup] = {}  # running or waiting (or rejected)
         # requests.csv rows in arrival order; None: not finished yet (made at the end)
@@ -97,7 +64,10 @@ class MetricsCollector:
         self.itl_other = array("d")
 
     def outputs(self) -> dict[int, list[int]]:
-        """Request id -> its output ids, for every request that got a sequence."""
+        """Request id -> its output ids, for every request that got a sequence (none
+        without ``keep_outputs``)."""
+        if not self.keep_outputs:
+            return {}
         out = dict(self._outputs)
         out.update({rid: g.output_ids for rid, g in self.groups.items() if g.seqs})
         return out
@@ -134,7 +104,8 @@ class MetricsCollector:
             rid = g.request_id
             t = reqs.pop(rid)
             t.finished = now
-            self.rows[rid] = request_row(rid, g, t, self.kv.block_size, self.bytes_per_slot)
+            self.rows[rid] = request_row(rid, g, t, self.kv.block_size, self.bytes_per_slot,
+                                         self.keep_outputs)
             self.spans.append((t.arrival, now))
             del self.groups[rid]
             if self.keep_outputs and g.seqs:
@@ -144,11 +115,12 @@ class MetricsCollector:
         """Every inter-token latency of the run (ms) as (values, counts): the same
         multiset as each request's consecutive token-time differences, in (b - a) * 1e3,
         without holding one number per token."""
-        t = np.frombuffer(self.token_t, dtype=np.float64)
-        n = np.frombuffer(self.itl_next, dtype=np.int64)
+        # Copies: a view would pin the arrays, which must still grow.
+        t = np.array(self.token_t, dtype=np.float64)
+        n = np.array(self.itl_next, dtype=np.int64)
         k = np.flatnonzero(n[1:]) + 1 if len(n) > 1 else np.zeros(0, dtype=np.int64)
         vals = np.concatenate([(t[k] - t[k - 1]) * 1e3,
-                               np.frombuffer(self.itl_other, dtype=np.float64)])
+                               np.array(self.itl_other, dtype=np.float64)])
         counts = np.concatenate([n[k], np.ones(len(self.itl_other), dtype=np.int64)])
         return vals, counts
 
@@ -184,8 +156,9 @@ class MetricsCollector:
 
 
 def request_row(rid: int, g: SequenceGroup, t: RequestTimes, block_size: int,
-                bytes_per_slot: int) -> dict[str, Any]:
-    """One request's requests.csv row (latencies in ms, relative to arrival)."""
+                bytes_per_slot: int, outputs: bool = True) -> dict[str, Any]:
+    """One request's requests.csv row (latencies in ms, relative to arrival); without
+    ``outputs``, no ``output_ids`` column (records.output_ids=false)."""
     # Beam search: the chosen beam's tokens (forks copy their parent's outputs, so a
     # sum over beams would count shared history again). Samples: every sample's.
     out_tokens = (len(g.best_output) if g.best_output is not None
@@ -195,7 +168,7 @@ def request_row(rid: int, g: SequenceGroup, t: RequestTimes, block_size: int,
     itls = [(b - a) * 1e3 for a, b in itertools.pairwise(tt)]
     e2e = (t.finished - t.arrival) * 1e3 if t.finished is not None else None
     best = g.seqs[0] if g.seqs else None
-    return {
+    row = {
         "request_id": rid,
         "status": ("rejected" if g.rejected_reason else
                    "finished" if t.finished is not None else "unfinished"),
@@ -217,5 +190,7 @@ def request_row(rid: int, g: SequenceGroup, t: RequestTimes, block_size: int,
         "recomputed_tokens": g.num_recomputed_tokens,
         "swapped_out_bytes": g.num_swapped_blocks * block_size * bytes_per_slot,
         "finish_reason": best.finish_reason if best else "",
-        "output_ids": " ".join(map(str, g.output_ids)),
     }
+    if outputs:
+        row["output_ids"] = " ".join(map(str, g.output_ids))
+    return row

@@ -3,6 +3,7 @@ same keys under both executors."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from harness.backends.base import CacheSizing
@@ -12,7 +13,7 @@ from harness.metrics.collector import StepRow
 from harness.metrics.summary import waste_split
 
 
-def group_peaks(steps: list[StepRow]) -> list[int]:
+def group_peaks(steps: Sequence[StepRow]) -> list[int]:
     """Most blocks each KV cache group held at a step (steps.csv's ``group_blocks``)."""
     peaks: list[int] = []
     for s in steps:
@@ -23,7 +24,7 @@ def group_peaks(steps: list[StepRow]) -> list[int]:
     return peaks
 
 
-def group_metrics(kv: KVManager, sizing: CacheSizing, steps: list[StepRow]) -> dict[str, Any]:
+def group_metrics(kv: KVManager, sizing: CacheSizing, steps: Sequence[StepRow]) -> dict[str, Any]:
     """``memory.kv_group_slots`` (the pool's slots: one group's tokens each, a page being
     group_size layers), ``memory.token_capacity`` (tokens every group can hold at once),
     and per group ``memory.kv_group.<i>.peak_held_bytes`` and its waste split. Empty

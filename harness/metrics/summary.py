@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -9,16 +10,25 @@ import numpy as np
 from harness.kv.ledger import LedgerTotals
 from harness.metrics.collector import MetricsCollector, StepRow, request_row
 from harness.metrics.goodput import peak_concurrency
+from harness.metrics.steplog import StepLog
 
 
 def _pct(xs: list[float], q: float) -> float | None:
     return float(np.percentile(xs, q)) if xs else None
 
 
-def kv_read_bytes_per_token(steps: list[StepRow]) -> float | None:
+def column(steps: Sequence[StepRow], name: str) -> list[Any]:
+    """One field over ``steps`` as a list: a StepLog's column without making a row
+    object per step."""
+    if isinstance(steps, StepLog):
+        return steps.column(name).tolist()
+    return [getattr(s, name) for s in steps]
+
+
+def kv_read_bytes_per_token(steps: Sequence[StepRow]) -> float | None:
     """Mean cache bytes a decode query read over ``steps`` (None: no decode ran)."""
-    queries = sum(s.decode_tokens for s in steps)
-    return sum(s.kv_read_bytes for s in steps) / queries if queries else None
+    queries = sum(column(steps, "decode_tokens"))
+    return sum(column(steps, "kv_read_bytes")) / queries if queries else None
 
 
 def waste_split(tot: LedgerTotals) -> dict[str, float]:
@@ -40,7 +50,7 @@ def request_rows(col: MetricsCollector) -> list[dict[str, Any]]:
     made when it finished, the others' (rejected, unfinished) from what they hold now."""
     bs, bps = col.kv.block_size, col.bytes_per_slot
     return [row if row is not None else request_row(rid, col.groups[rid], col.requests[rid],
-                                                    bs, bps)
+                                                    bs, bps, col.keep_outputs)
             for rid, row in col.rows.items()]
 
 
@@ -78,7 +88,10 @@ def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: 
     tot = kv.ledger.totals
     st = kv.stats
     steps = col.steps
-    saved = [s.logical_blocks - s.held_blocks for s in steps]
+    c = {k: column(steps, k) for k in ("logical_blocks", "held_blocks", "reserved_bytes",
+                                        "used_bytes", "running", "prefill_tokens", "step_ms",
+                                        "overhead_ms")}
+    saved = [a - b for a, b in zip(c["logical_blocks"], c["held_blocks"])]
     tpot = [r["tpot_ms"] for r in done if r["tpot_ms"] is not None]
     m: dict[str, Any] = {f"run.{k}": v for k, v in run_info.items()}
     m.update({
@@ -94,11 +107,11 @@ def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: 
         "latency.tpot_ms.p50": _pct(tpot, 50), "latency.tpot_ms.p99": _pct(tpot, 99),
         "memory.kv_budget_bytes": kv_budget_bytes,
         "memory.token_capacity": token_capacity,
-        "memory.peak_reserved_bytes": max((s.reserved_bytes for s in steps), default=0),
-        "memory.peak_used_bytes": max((s.used_bytes for s in steps), default=0),
+        "memory.peak_reserved_bytes": max(c["reserved_bytes"], default=0),
+        "memory.peak_used_bytes": max(c["used_bytes"], default=0),
         # Time-averaged over steps, as the ledger integrates them (harness.kv.ledger).
         **{f"memory.{k}": v for k, v in waste_split(tot).items()},
-        "memory.max_running_seqs": max((s.running for s in steps), default=0),
+        "memory.max_running_seqs": max(c["running"], default=0),
         # The backend's declared reads (harness.backends.costs), the same under both
         # executors: cache bytes one decode query read, K/V with scales and metadata.
         "attention.kv_read_bytes_per_token": kv_read_bytes_per_token(steps),
@@ -107,15 +120,15 @@ def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: 
         # hit (it rises with memory pressure): cache.self_hit_tokens counts those.
         "cache.prefix_hit_rate": (st.prefix_hit_tokens / st.prefix_query_tokens
                                   if st.prefix_query_tokens else 0.0),
-        "cache.prefill_tokens_computed": sum(s.prefill_tokens for s in steps),
+        "cache.prefill_tokens_computed": sum(c["prefill_tokens"]),
         "cache.prefill_tokens_saved": st.prefix_hit_tokens + st.self_hit_tokens,
         "cache.self_hit_tokens": st.self_hit_tokens,
         "cache.cow_copies": st.cow_copies,
         # Blocks the live tables would hold without sharing, minus blocks held.
         "cache.blocks_saved_by_sharing": (float(np.mean(saved)) if saved else 0.0),
         "cache.blocks_saved_by_sharing_peak": max(saved, default=0),
-        "cache.sharing_saved_pct": (100.0 * sum(saved) / sum(s.logical_blocks for s in steps)
-                                    if steps and sum(s.logical_blocks for s in steps) else 0.0),
+        "cache.sharing_saved_pct": (100.0 * sum(saved) / sum(c["logical_blocks"])
+                                    if steps and sum(c["logical_blocks"]) else 0.0),
         "cache.evicted_tokens": st.evicted_tokens,
         "sched.steps": len(steps),
         "sched.preemptions_recompute": sch.preemptions_recompute,
@@ -126,11 +139,10 @@ def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: 
         "requests.rejected": sum(1 for r in reqs if r["status"] == "rejected"),
         # Requests in flight (arrived, not finished: waiting, running or swapped) at once.
         "requests.peak_concurrency": peak_concurrency(col.spans),
-        "engine.step_ms_mean": float(np.mean([s.step_ms for s in steps])) if steps else 0.0,
-        "engine.overhead_ms_mean": (float(np.mean([s.overhead_ms for s in steps]))
-                                    if steps else 0.0),
-        "engine.overhead_pct": (100.0 * sum(s.overhead_ms for s in steps)
-                                / sum(s.step_ms for s in steps)) if steps else 0.0,
+        "engine.step_ms_mean": float(np.mean(c["step_ms"])) if steps else 0.0,
+        "engine.overhead_ms_mean": float(np.mean(c["overhead_ms"])) if steps else 0.0,
+        "engine.overhead_pct": (100.0 * sum(c["overhead_ms"]) / sum(c["step_ms"]))
+        if steps else 0.0,
         "engine.wall_s": wall_s,
     })
     return m

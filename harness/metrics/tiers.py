@@ -10,6 +10,7 @@ from the CPU tier, loaded from the disk tier, or not found (computed). The four 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -35,7 +36,7 @@ def hit_rates(kv: KVManager, tiers: LowerTiers | None) -> dict[str, float]:
     return out
 
 
-def tier_metrics(tiers: LowerTiers, steps: list[StepRow], block_bytes: int,
+def tier_metrics(tiers: LowerTiers, steps: Sequence[StepRow], block_bytes: int,
                  transfer_s: float) -> dict[str, Any]:
     """Capacity, traffic and time of each lower tier (``cache.tier.*``)."""
     s = tiers.stats

@@ -81,15 +81,21 @@ class Run:
         return done[0].path if done else self.path
 
     def steps(self) -> pd.DataFrame:
-        """steps.csv (columns: harness.metrics.collector.StepRow); empty if absent."""
-        return _read_csv(self.files / "steps.csv")
+        """steps.csv or steps.parquet (records.format; columns: harness.metrics.rows
+        .StepRow); empty if absent."""
+        return _read_records(self.files, "steps")
 
     def requests(self) -> pd.DataFrame:
-        """requests.csv (harness.metrics.summary.request_rows); empty if absent."""
-        return _read_csv(self.files / "requests.csv")
+        """requests.csv or requests.parquet (harness.metrics.collector.request_row);
+        empty if absent."""
+        return _read_records(self.files, "requests")
 
 
-def _read_csv(path: Path) -> pd.DataFrame:
+def _read_records(folder: Path, name: str) -> pd.DataFrame:
+    pq = folder / f"{name}.parquet"
+    if pq.is_file():
+        return pd.read_parquet(pq)
+    path = folder / f"{name}.csv"
     if not path.is_file() or path.stat().st_size == 0:
         return pd.DataFrame()
     return pd.read_csv(path)
