@@ -228,7 +228,11 @@ def step_columns(steps: Sequence[StepRow]) -> dict[str, Sequence[Any]]:
 
 
 def request_columns(rows: list[dict[str, Any]]) -> dict[str, Sequence[Any]]:
-    return {k: [r[k] for r in rows] for k in rows[0]} if rows else {}
+    """The request rows as columns: every key any row has, in the order they first
+    appear (a task workload's score columns only on the requests that ran); a row
+    without one holds None there (an empty CSV field, a Parquet null)."""
+    keys = dict.fromkeys(k for r in rows for k in r)
+    return {k: [r.get(k) for r in rows] for k in keys}
 
 
 def _write_records(path: Path, cols: dict[str, Sequence[Any]], fmt: str) -> None:

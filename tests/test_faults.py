@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,23 @@ QUICK = ["model=tiny", "device=cpu", "workload=shared_prefix", "workload.prefix_
 SLOW = ["workload.num_requests=20", "workload.rate=4"]  # arrivals over ~5 s
 
 
-def start(*args: str, **kw: Any) -> subprocess.Popen[str]:
+def _default_sigint() -> None:
+    # A suite started in the background by a shell without job control (nohup ... &)
+    # inherits SIGINT ignored, and so would every run it starts: Ctrl-C's tests then saw
+    # a run finish untouched. A user's kvbench gets SIGINT as the terminal sends it.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def start(*args: str, preexec_fn: Callable[[], None] | None = None,
+          **kw: Any) -> subprocess.Popen[str]:
+    def before() -> None:
+        _default_sigint()
+        if preexec_fn is not None:
+            preexec_fn()
+
     return subprocess.Popen([sys.executable, "-m", "harness", *args], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=before,
+                            **kw)
 
 
 def finish(p: subprocess.Popen[str]) -> tuple[int, str, str]:
