@@ -22,6 +22,7 @@ import secrets
 import socket
 import tempfile
 import time
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -249,8 +250,7 @@ def _write_records(path: Path, cols: dict[str, Sequence[Any]], fmt: str) -> None
         pq, pa = _pyarrow()
 
         def write(f: IO[Any]) -> None:
-            schema = pa.table({k: list(v[:1]) for k, v in cols.items()}).schema if n else \
-                pa.schema([])
+            schema = pa.schema([(k, _arrow_type(pa, v)) for k, v in cols.items()])
             with pq.ParquetWriter(f, schema) as w:
                 for a, b in chunks():
                     w.write_table(pa.table({k: list(v[a:b]) for k, v in cols.items()},
@@ -266,6 +266,24 @@ def _write_records(path: Path, cols: dict[str, Sequence[Any]], fmt: str) -> None
         for a, b in chunks():
             w.writerows(zip(*(v[a:b] for v in cols.values())))
     _atomic_stream(path, write_csv, binary=False)
+
+
+def _arrow_type(pa: Any, col: Sequence[Any]) -> Any:
+    """A column's Parquet type from every value it holds (its first could be None: a
+    rejected request has no TTFT): int where all are ints, float where any is a float,
+    text where any is text, null where all are None."""
+    if isinstance(col, array):
+        return pa.float64() if col.typecode == "d" else pa.int64()
+    kinds = set(map(type, col)) - {type(None)}
+    if not kinds:
+        return pa.null()
+    if kinds <= {bool}:
+        return pa.bool_()
+    if kinds <= {bool, int}:
+        return pa.int64()
+    if kinds <= {bool, int, float}:
+        return pa.float64()
+    return pa.string()
 
 
 def _pyarrow() -> tuple[Any, Any]:

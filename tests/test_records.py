@@ -135,3 +135,24 @@ def test_output_ids_can_be_left_out_of_a_roofline_run_only() -> None:
     assert len(r.requests) == 40 and r.requests[0]["output_tokens"] > 0
     with pytest.raises(UserError, match=r"records\.output_ids=false drops the outputs"):
         run(compose_cfg(["model=tiny", "records.output_ids=false"]))
+
+
+def test_parquet_takes_a_column_whose_first_value_is_none(tmp_path: Path) -> None:
+    import pandas as pd
+
+    from harness.reporting.runs import _load as load_run
+
+    trace = tmp_path / "t.csv"  # the first row is rejected: no TTFT, no finish reason
+    trace.write_text("arrival_s,prompt_tokens,output_tokens\n0,5000,4\n0.1,50,4\n0.2,60,3\n")
+    frames = []
+    for fmt in ("csv", "parquet"):
+        out = tmp_path / fmt
+        run(compose_cfg([*ROOFLINE[:3], "workload=trace", f"workload.path={trace}",
+                         "workload.over_length=reject", "scheduler.max_model_len=1024",
+                         f"records.format={fmt}"], out))
+        frames.append(load_run(out).requests())
+    a, b = frames
+    assert a["status"].tolist() == ["rejected", "finished", "finished"]
+    assert b["ttft_ms"].isna().tolist() == [True, False, False]
+    pd.testing.assert_frame_equal(a.astype(object).fillna(""), b.astype(object).fillna(""),
+                                  check_dtype=False)
