@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
+import numbers
 import os
 import secrets
 import socket
@@ -26,6 +27,8 @@ from array import array
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
+
+import numpy as np
 
 from harness.errors import UserError
 
@@ -253,8 +256,9 @@ def _write_records(path: Path, cols: dict[str, Sequence[Any]], fmt: str) -> None
             schema = pa.schema([(k, _arrow_type(pa, v)) for k, v in cols.items()])
             with pq.ParquetWriter(f, schema) as w:
                 for a, b in chunks():
-                    w.write_table(pa.table({k: list(v[a:b]) for k, v in cols.items()},
-                                           schema=schema))
+                    w.write_table(pa.table(
+                        {k: _arrow_values(pa, v[a:b], schema.field(k).type)
+                         for k, v in cols.items()}, schema=schema))
         _atomic_stream(path, write, binary=True)
         return
 
@@ -270,20 +274,35 @@ def _write_records(path: Path, cols: dict[str, Sequence[Any]], fmt: str) -> None
 
 def _arrow_type(pa: Any, col: Sequence[Any]) -> Any:
     """A column's Parquet type from every value it holds (its first could be None: a
-    rejected request has no TTFT): int where all are ints, float where any is a float,
-    text where any is text, null where all are None."""
+    rejected request has no TTFT): bool where all are bools, int where all are integers,
+    float where all are real numbers (numpy's scalars included), else text; null where
+    all are None. :func:`_arrow_values` makes the values fit it."""
     if isinstance(col, array):
         return pa.float64() if col.typecode == "d" else pa.int64()
     kinds = set(map(type, col)) - {type(None)}
     if not kinds:
         return pa.null()
-    if kinds <= {bool}:
+    if kinds <= {bool, np.bool_}:
         return pa.bool_()
-    if kinds <= {bool, int}:
+    if all(issubclass(k, numbers.Integral) for k in kinds):
         return pa.int64()
-    if kinds <= {bool, int, float}:
+    if all(issubclass(k, numbers.Real) for k in kinds):
         return pa.float64()
     return pa.string()
+
+
+def _arrow_values(pa: Any, col: Sequence[Any], kind: Any) -> Any:
+    """``col`` as values of ``kind`` (a bool in an int column as 0/1, a number in a text
+    column as its text)."""
+    if isinstance(col, array):
+        return col
+    if kind == pa.int64():
+        return [None if v is None else int(v) for v in col]
+    if kind == pa.float64():
+        return [None if v is None else float(v) for v in col]
+    if kind == pa.string():
+        return [None if v is None else str(v) for v in col]
+    return list(col)
 
 
 def _pyarrow() -> tuple[Any, Any]:

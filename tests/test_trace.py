@@ -410,3 +410,22 @@ def test_a_trace_is_scanned_into_columns_and_built_as_reached(tmp_path: Path) ->
         assert len(r.prompt_ids) == min(row.prompt_tokens, wl.cfg.max_model_len or 10**9)
     shapes = list(wl.initial_shapes())
     assert shapes == [(len(r.prompt_ids), r.params.max_tokens, 1) for r in [first, *rest]]
+
+
+def test_a_mooncake_csv_without_hash_ids_replays(tmp_path: Path) -> None:
+    # A CSV with Mooncake's columns has no hash ids to read again (its rows' offsets are
+    # -1): each prompt is its row's own text, as before the columns.
+    p = write(tmp_path, "m.csv", "timestamp,input_length,output_length\n0,40,3\n250,30,2\n")
+    wl = trace(p)
+    assert wl.format == "mooncake" and [len(r.prompt_ids) for r in wl.initial_requests()] \
+        == [40, 30]
+    assert [r.hash_ids for r in read_trace(p)[1]] == [(), ()]
+
+
+def test_a_rejected_rows_prompt_is_not_drawn(tmp_path: Path) -> None:
+    p = write(tmp_path, "t.csv", "arrival_s,prompt_tokens,output_tokens\n0,5000000,3\n1,40,2\n")
+    wl = trace(p, over_length="reject", max_model_len=2048)
+    reqs = wl.initial_requests()
+    assert reqs[0].rejected_reason is not None and len(reqs[0].prompt_ids) == 5_000_000
+    assert len(set(reqs[0].prompt_ids)) == 1  # a placeholder of its length, no text drawn
+    assert reqs[1].rejected_reason is None and len(set(reqs[1].prompt_ids)) > 5

@@ -9,7 +9,7 @@ import torch
 
 from harness.backends.base import KVBackend
 from harness.engine.beam import advance_beams
-from harness.engine.executor import Executor, ModelExecutor
+from harness.engine.executor import Executor, ModelExecutor, WallClock
 from harness.engine.sampler import Sampler
 from harness.metrics.collector import MetricsCollector
 from harness.model.llama import LlamaModel
@@ -53,9 +53,11 @@ class Engine:
         start = clock.now()
         # Requests not yet arrived, by (arrival, request id): follow-ups in a heap, and a
         # streamed workload's initial requests (StreamsRequests) taken from its iterator
-        # one at a time, in the same order, as if they had all been in the heap.
+        # one at a time, in the same order, as if they had all been in the heap. Only on
+        # a modelled clock: on the wall clock, building a request (its prompt's text)
+        # between steps would delay the next step and show in the latencies.
         pending: list[tuple[float, int, Request]] = []
-        arrivals = _Arrivals(pending, workload)
+        arrivals = _Arrivals(pending, workload, stream=not isinstance(clock, WallClock))
         total, done, out_tokens, idle = arrivals.total, 0, 0, 0
         carry_s = 0.0  # bookkeeping after the last row was taken, charged to the next
         while arrivals or sch.has_unfinished:
@@ -67,6 +69,7 @@ class Engine:
                 if not sch.add(g):
                     done += 1
                     total += self._follow_up(workload, g, pending, now, rejected=True)
+                    col.on_rejected(g)
             if not sch.has_unfinished:
                 if arrivals:
                     clock.sleep(arrivals.next_time() - (clock.now() - start))
@@ -79,6 +82,7 @@ class Engine:
                     done += 1
                     total += self._follow_up(workload, stuck, pending,
                                              clock.now() - start, rejected=True)
+                    col.on_rejected(stuck)
                 idle += 1
                 # An invariant, not a user error: something runs yet nothing is schedulable.
                 assert idle < 10_000, f"no progress: running={sch.running} waiting={sch.waiting}"
@@ -175,11 +179,12 @@ class _Arrivals:
     requests come in that same order), so that the engine takes them exactly as it would
     from one heap holding them all, without holding them all."""
 
-    def __init__(self, pending: list[tuple[float, int, Request]], workload: Workload) -> None:
+    def __init__(self, pending: list[tuple[float, int, Request]], workload: Workload,
+                 stream: bool = True) -> None:
         self.pending = pending
         self._stream: Iterator[Request] | None = None
         self._head: Request | None = None
-        if isinstance(workload, StreamsRequests):
+        if stream and isinstance(workload, StreamsRequests):
             self._stream = workload.stream_requests()
             self._head = next(self._stream, None)
             self.total = workload.num_initial

@@ -111,6 +111,17 @@ class MetricsCollector:
             if self.keep_outputs and g.seqs:
                 self._outputs[rid] = g.output_ids
 
+    def on_rejected(self, group: SequenceGroup) -> None:
+        """A request that will never run (rejected on arrival, or stuck): its row now,
+        and it is let go."""
+        rid = group.request_id
+        t = self.requests.pop(rid)
+        self.rows[rid] = request_row(rid, group, t, self.kv.block_size, self.bytes_per_slot,
+                                     self.keep_outputs)
+        del self.groups[rid]
+        if self.keep_outputs and group.seqs:
+            self._outputs[rid] = group.output_ids
+
     def itl_ms(self) -> tuple[np.ndarray, np.ndarray]:
         """Every inter-token latency of the run (ms) as (values, counts): the same
         multiset as each request's consecutive token-time differences, in (b - a) * 1e3,

@@ -17,18 +17,28 @@ def _pct(xs: list[float], q: float) -> float | None:
     return float(np.percentile(xs, q)) if xs else None
 
 
-def column(steps: Sequence[StepRow], name: str) -> list[Any]:
-    """One field over ``steps`` as a list: a StepLog's column without making a row
-    object per step."""
+def column(steps: Sequence[StepRow], name: str) -> np.ndarray:
+    """One field over ``steps`` as an array: a StepLog's column without making a row
+    object per step (8 bytes a step, not a Python number each)."""
     if isinstance(steps, StepLog):
-        return steps.column(name).tolist()
-    return [getattr(s, name) for s in steps]
+        return steps.column(name)
+    return np.array([getattr(s, name) for s in steps])
+
+
+def total(a: np.ndarray) -> Any:
+    """The sum of ``a`` left to right, as Python's sum() of its items adds (a pairwise
+    np.sum rounds differently), as a Python number (0 when empty)."""
+    return np.cumsum(a)[-1].item() if len(a) else 0
+
+
+def peak(a: np.ndarray) -> Any:
+    return a.max().item() if len(a) else 0
 
 
 def kv_read_bytes_per_token(steps: Sequence[StepRow]) -> float | None:
     """Mean cache bytes a decode query read over ``steps`` (None: no decode ran)."""
-    queries = sum(column(steps, "decode_tokens"))
-    return sum(column(steps, "kv_read_bytes")) / queries if queries else None
+    queries = total(column(steps, "decode_tokens"))
+    return total(column(steps, "kv_read_bytes")) / queries if queries else None
 
 
 def waste_split(tot: LedgerTotals) -> dict[str, float]:
@@ -91,7 +101,7 @@ def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: 
     c = {k: column(steps, k) for k in ("logical_blocks", "held_blocks", "reserved_bytes",
                                         "used_bytes", "running", "prefill_tokens", "step_ms",
                                         "overhead_ms")}
-    saved = [a - b for a, b in zip(c["logical_blocks"], c["held_blocks"])]
+    saved = c["logical_blocks"] - c["held_blocks"]
     tpot = [r["tpot_ms"] for r in done if r["tpot_ms"] is not None]
     m: dict[str, Any] = {f"run.{k}": v for k, v in run_info.items()}
     m.update({
@@ -107,11 +117,11 @@ def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: 
         "latency.tpot_ms.p50": _pct(tpot, 50), "latency.tpot_ms.p99": _pct(tpot, 99),
         "memory.kv_budget_bytes": kv_budget_bytes,
         "memory.token_capacity": token_capacity,
-        "memory.peak_reserved_bytes": max(c["reserved_bytes"], default=0),
-        "memory.peak_used_bytes": max(c["used_bytes"], default=0),
+        "memory.peak_reserved_bytes": peak(c["reserved_bytes"]),
+        "memory.peak_used_bytes": peak(c["used_bytes"]),
         # Time-averaged over steps, as the ledger integrates them (harness.kv.ledger).
         **{f"memory.{k}": v for k, v in waste_split(tot).items()},
-        "memory.max_running_seqs": max(c["running"], default=0),
+        "memory.max_running_seqs": peak(c["running"]),
         # The backend's declared reads (harness.backends.costs), the same under both
         # executors: cache bytes one decode query read, K/V with scales and metadata.
         "attention.kv_read_bytes_per_token": kv_read_bytes_per_token(steps),
@@ -120,15 +130,15 @@ def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: 
         # hit (it rises with memory pressure): cache.self_hit_tokens counts those.
         "cache.prefix_hit_rate": (st.prefix_hit_tokens / st.prefix_query_tokens
                                   if st.prefix_query_tokens else 0.0),
-        "cache.prefill_tokens_computed": sum(c["prefill_tokens"]),
+        "cache.prefill_tokens_computed": total(c["prefill_tokens"]),
         "cache.prefill_tokens_saved": st.prefix_hit_tokens + st.self_hit_tokens,
         "cache.self_hit_tokens": st.self_hit_tokens,
         "cache.cow_copies": st.cow_copies,
         # Blocks the live tables would hold without sharing, minus blocks held.
-        "cache.blocks_saved_by_sharing": (float(np.mean(saved)) if saved else 0.0),
-        "cache.blocks_saved_by_sharing_peak": max(saved, default=0),
-        "cache.sharing_saved_pct": (100.0 * sum(saved) / sum(c["logical_blocks"])
-                                    if steps and sum(c["logical_blocks"]) else 0.0),
+        "cache.blocks_saved_by_sharing": float(np.mean(saved)) if len(saved) else 0.0,
+        "cache.blocks_saved_by_sharing_peak": peak(saved),
+        "cache.sharing_saved_pct": (100.0 * total(saved) / total(c["logical_blocks"])
+                                    if total(c["logical_blocks"]) else 0.0),
         "cache.evicted_tokens": st.evicted_tokens,
         "sched.steps": len(steps),
         "sched.preemptions_recompute": sch.preemptions_recompute,
@@ -141,7 +151,7 @@ def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: 
         "requests.peak_concurrency": peak_concurrency(col.spans),
         "engine.step_ms_mean": float(np.mean(c["step_ms"])) if steps else 0.0,
         "engine.overhead_ms_mean": float(np.mean(c["overhead_ms"])) if steps else 0.0,
-        "engine.overhead_pct": (100.0 * sum(c["overhead_ms"]) / sum(c["step_ms"]))
+        "engine.overhead_pct": (100.0 * total(c["overhead_ms"]) / total(c["step_ms"]))
         if steps else 0.0,
         "engine.wall_s": wall_s,
     })

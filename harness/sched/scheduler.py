@@ -108,7 +108,7 @@ class Scheduler:
         self._waiting_keys: list[tuple[int, float, int]] = []
         self.running: list[SequenceGroup] = []  # admission order: LIFO victims at the end
         self.swapped: deque[SequenceGroup] = deque()
-        self.rejected: list[SequenceGroup] = []
+        self.num_rejected = 0  # requests that can never run (their rows say why)
         self._just_finished: list[SequenceGroup] = []
         self._next_seq_id = 0
         self._step = 0
@@ -129,7 +129,7 @@ class Scheduler:
         reason = self._rejection(group)
         if reason is not None:
             group.rejected_reason = reason
-            self.rejected.append(group)
+            self.num_rejected += 1
             return False
         seq = Sequence(self._new_seq_id(), group, list(group.prompt_ids))
         group.seqs.append(seq)
@@ -179,7 +179,7 @@ class Scheduler:
         for s in g.live_seqs:
             s.status = SeqStatus.FINISHED
             s.finish_reason = "rejected"
-        self.rejected.append(g)
+        self.num_rejected += 1
         return g
 
     def _new_seq_id(self) -> int:

@@ -148,9 +148,12 @@ def _log_history(run: Any, result: RunResult) -> None:
         xs=steps, ys=[[r["reserved_bytes"] for r in rows], [r["used_bytes"] for r in rows]],
         keys=["reserved", "used"], title="KV cache bytes: reserved vs used", xname="step")}
     if result.requests:
-        cols: list[str | int] = list(result.requests[0])  # every row has the same keys
+        # Every key any row has (a task workload's scores only on the requests that ran):
+        # a row without one gets None there, in its column.
+        keys = list(dict.fromkeys(k for r in result.requests for k in r))
+        cols: list[str | int] = list(keys)
         extra["requests_table"] = wandb.Table(
-            columns=cols, data=[list(r.values()) for r in result.requests])
+            columns=cols, data=[[r.get(k) for k in keys] for r in result.requests])
     # The table and chart ride on the last step's row: one history row per engine step.
     for i, row in enumerate(rows):
         run.log({**row, **extra} if i == len(rows) - 1 else row)

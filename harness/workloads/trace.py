@@ -103,7 +103,7 @@ def fit(prompt: int, output: int, limit: int) -> tuple[int, int]:
 
 
 # Mooncake blocks kept drawn (an id's tokens are drawn again, the same, when it was
-# dropped): a million-row trace names millions of ids, 4 KB each as lists.
+# dropped): a million-row trace names millions of ids, ~20 KB each as lists of ints.
 BLOCK_CACHE = 4096
 
 
@@ -273,7 +273,14 @@ class TraceWorkload:
         built one at a time in arrival order (ties: request id), as the engine reaches
         them."""
         for k in np.flatnonzero(self.follows < 0).tolist():
-            yield self._request(k, self._fresh_prompt(k))
+            yield self._request(k, self._placeholder(k) if self.rejected_rows[k]
+                                else self._fresh_prompt(k))
+
+    def _placeholder(self, k: int) -> list[int]:
+        """A rejected row's prompt: never run, never re-sent (a later turn starts afresh),
+        only its length counts; no text is drawn for it (it may be millions of tokens)."""
+        bos = self.tok.bos_id if self.tok.bos_id is not None else 0
+        return [bos] * int(self.prompt_len[k])
 
     def initial_shapes(self) -> Iterator[tuple[int, int, int]]:
         """(prompt tokens, max_tokens, n) of every request known at the start, without

@@ -186,12 +186,13 @@ def sniff(path: Path) -> tuple[str, str]:
     return kind, why
 
 
-def _records(path: Path, kind: str, errors: list[str]
+def _records(path: Path, kind: str, errors: _Errors
              ) -> Iterator[tuple[int, dict[str, Any], int]]:
     """(line number, record, byte offset of its line) per data row of a CSV (header
     first) or JSONL file, read as a stream. A JSONL row's offset lets
-    :meth:`TraceIndex.record` read it again; a CSV row's is -1 (its columns are all a
-    replay needs)."""
+    :meth:`TraceIndex.hash_ids` read it again; a CSV row's is -1 (its columns are all a
+    replay needs). JSONL lines end at ``\n`` (or ``\r\n``); a bare ``\r`` does not end
+    one."""
     if kind == "csv":
         yield from _csv_records(path, errors)
         return
@@ -226,7 +227,7 @@ def _records(path: Path, kind: str, errors: list[str]
             yield no, rec, at
 
 
-def _csv_records(path: Path, errors: list[str]) -> Iterator[tuple[int, dict[str, Any], int]]:
+def _csv_records(path: Path, errors: _Errors) -> Iterator[tuple[int, dict[str, Any], int]]:
     try:  # utf-8-sig: a byte-order mark (Excel's CSVs) is not part of the first column
         f = path.open(newline="", encoding="utf-8-sig")
     except OSError as e:
@@ -262,6 +263,20 @@ def detect(rec: dict[str, Any], path: Path, why: str = "") -> str:
                     f"{wanted} (or set workload.format)")
 
 
+class _Errors:
+    """Malformed lines: the first few as messages, the rest counted (a file of the wrong
+    format would otherwise hold a message per line)."""
+
+    def __init__(self) -> None:
+        self.first: list[str] = []
+        self.count = 0
+
+    def append(self, msg: str) -> None:
+        self.count += 1
+        if len(self.first) < _MAX_REPORTED:
+            self.first.append(msg)
+
+
 @dataclass
 class TraceIndex:
     """A trace after one streaming pass over its file: every row validated (what
@@ -293,6 +308,8 @@ class TraceIndex:
         scan: a changed file is an error, not a different replay)."""
         if self.num_hash_ids[i] < 0:
             return None
+        if self.num_hash_ids[i] == 0 or self.offset[i] < 0:  # e.g. a Mooncake CSV: no ids
+            return ()
         if self._file is None:
             self._file = self.path.open("rb")
         self._file.seek(int(self.offset[i]))
@@ -329,7 +346,7 @@ def scan_trace(path: Path, fmt: str = "auto") -> TraceIndex:
         raise UserError(f"unknown workload.format {fmt!r}; known: {', '.join(FORMATS)}")
     if not path.is_file():
         raise UserError(f"workload.path={path} is not a file (example traces: traces/)")
-    errors: list[str] = []
+    errors = _Errors()
     cols = {k: array("q") for k in ("prompt", "output", "line", "offset", "nhash", "prio",
                                      "turn", "conv")}
     arrival = array("d")
@@ -365,10 +382,10 @@ def scan_trace(path: Path, fmt: str = "auto") -> TraceIndex:
         cols["conv"].append(-1 if row.conversation is None
                             else convs.setdefault(row.conversation, len(convs)))
         n += 1
-    if errors:
-        more = len(errors) - _MAX_REPORTED
-        raise UserError(f"{len(errors)} malformed line(s) in the {fmt} trace "
-                        f"{path} ({why}):\n  " + "\n  ".join(errors[:_MAX_REPORTED])
+    if errors.count:
+        more = errors.count - _MAX_REPORTED
+        raise UserError(f"{errors.count} malformed line(s) in the {fmt} trace "
+                        f"{path} ({why}):\n  " + "\n  ".join(errors.first)
                         + (f"\n  ... and {more} more" if more > 0 else ""))
     if not n:
         raise UserError(f"workload.path={path} holds no requests")
