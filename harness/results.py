@@ -80,18 +80,7 @@ class FolderTaken(UserError):
 def atomic_write(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` via a unique temporary file in the same folder, then
     rename. On any failure the temporary file is removed and the error re-raised."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())  # the rename must not publish a file still in the cache
-        os.chmod(tmp, _MODE)
-        os.replace(tmp, path)
-    except BaseException:  # disk full, Ctrl-C mid-write: never leave the temp behind
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    _atomic_stream(path, lambda f: f.write(text))
 
 
 # --- ownership ---------------------------------------------------------------------------
@@ -269,7 +258,7 @@ def _write_records(path: Path, cols: dict[str, Sequence[Any]], fmt: str) -> None
         w.writerow(list(cols))
         for a, b in chunks():
             w.writerows(zip(*(v[a:b] for v in cols.values())))
-    _atomic_stream(path, write_csv, binary=False)
+    _atomic_stream(path, write_csv, newline="")  # csv writes its own line ends
 
 
 def _arrow_type(pa: Any, col: Sequence[Any]) -> Any:
@@ -315,18 +304,20 @@ def _pyarrow() -> tuple[Any, Any]:
     return pq, pa
 
 
-def _atomic_stream(path: Path, write: Callable[[IO[Any]], None], binary: bool) -> None:
-    """:func:`atomic_write` for a writer that streams into the open file."""
+def _atomic_stream(path: Path, write: Callable[[IO[Any]], Any], binary: bool = False,
+                   newline: str | None = None) -> None:
+    """:func:`atomic_write` for a writer that streams into the open file (binary, or
+    UTF-8 text with ``newline`` as open() takes it)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with (os.fdopen(fd, "wb") if binary else
-              os.fdopen(fd, "w", encoding="utf-8", newline="")) as f:
+              os.fdopen(fd, "w", encoding="utf-8", newline=newline)) as f:
             write(f)
             f.flush()
-            os.fsync(f.fileno())
+            os.fsync(f.fileno())  # the rename must not publish a file still in the cache
         os.chmod(tmp, _MODE)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException:  # disk full, Ctrl-C mid-write: never leave the temp behind
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise

@@ -101,26 +101,25 @@ class MetricsCollector:
                     self.itl_other.append((now - self.token_t[t.last_token_step]) * 1e3)
                 t.last_token_step = k
         for g in upd.finished:
-            rid = g.request_id
-            t = reqs.pop(rid)
-            t.finished = now
-            self.rows[rid] = request_row(rid, g, t, self.kv.block_size, self.bytes_per_slot,
-                                         self.keep_outputs)
+            t = self._let_go(g, finished=now)
             self.spans.append((t.arrival, now))
-            del self.groups[rid]
-            if self.keep_outputs and g.seqs:
-                self._outputs[rid] = g.output_ids
 
     def on_rejected(self, group: SequenceGroup) -> None:
         """A request that will never run (rejected on arrival, or stuck): its row now,
         and it is let go."""
-        rid = group.request_id
+        self._let_go(group)
+
+    def _let_go(self, g: SequenceGroup, finished: float | None = None) -> RequestTimes:
+        """Make ``g``'s row (its outputs kept if asked) and drop its group and times."""
+        rid = g.request_id
         t = self.requests.pop(rid)
-        self.rows[rid] = request_row(rid, group, t, self.kv.block_size, self.bytes_per_slot,
+        t.finished = finished
+        self.rows[rid] = request_row(rid, g, t, self.kv.block_size, self.bytes_per_slot,
                                      self.keep_outputs)
         del self.groups[rid]
-        if self.keep_outputs and group.seqs:
-            self._outputs[rid] = group.output_ids
+        if self.keep_outputs and g.seqs:
+            self._outputs[rid] = g.output_ids
+        return t
 
     def itl_ms(self) -> tuple[np.ndarray, np.ndarray]:
         """Every inter-token latency of the run (ms) as (values, counts): the same

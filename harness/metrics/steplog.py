@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterator, Sequence
-from dataclasses import astuple, fields
+from dataclasses import fields
+from operator import attrgetter
 from typing import Any, overload
 
 import numpy as np
@@ -15,6 +16,7 @@ import numpy as np
 from harness.metrics.rows import StepRow
 
 FIELDS = tuple(f.name for f in fields(StepRow))
+_VALUES = attrgetter(*FIELDS)  # a row's values in field order (astuple deep-copies: 48 us)
 _KIND = {f.name: ("d" if f.type in ("float", float) else "q" if f.type in ("int", int)
                   else "s") for f in fields(StepRow)}
 
@@ -26,7 +28,7 @@ class StepLog(Sequence[StepRow]):
         self._cols: list[Any] = [[] if _KIND[n] == "s" else array(_KIND[n]) for n in FIELDS]
 
     def append(self, row: StepRow) -> None:
-        for col, v in zip(self._cols, astuple(row)):
+        for col, v in zip(self._cols, _VALUES(row)):
             col.append(v)
 
     def __len__(self) -> int:

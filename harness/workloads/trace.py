@@ -250,10 +250,15 @@ class TraceWorkload:
                                 add_bos=False)
         return out[:n]
 
+    def _max_tokens(self, output_len: int) -> int:
+        """What a request asks for: its row's length, or workload.max_tokens when set
+        (never less than the row's length)."""
+        c = self.cfg
+        return max(c.max_tokens, output_len) if c.max_tokens else output_len
+
     def _params(self, k: int) -> SamplingParams:
         c, out = self.cfg, int(self.output_len[k])
-        max_tokens = max(c.max_tokens, out) if c.max_tokens else out
-        return SamplingParams(max_tokens=max_tokens, temperature=c.temperature,
+        return SamplingParams(max_tokens=self._max_tokens(out), temperature=c.temperature,
                               ignore_eos=True, seed=c.seed_value,
                               stop_after=out if c.max_tokens else None)
 
@@ -285,10 +290,9 @@ class TraceWorkload:
     def initial_shapes(self) -> Iterator[tuple[int, int, int]]:
         """(prompt tokens, max_tokens, n) of every request known at the start, without
         building them (the stack's budget check)."""
-        c = self.cfg
         first = self.follows < 0
         for p, o in zip(self.prompt_len[first].tolist(), self.output_len[first].tolist()):
-            yield p, max(c.max_tokens, o) if c.max_tokens else o, 1
+            yield p, self._max_tokens(o), 1
 
     def initial_requests(self) -> list[Request]:
         return list(self.stream_requests())
