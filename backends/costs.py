@@ -72,6 +72,12 @@ class KVCosts:
         (what a CPU's gather attention costs; harness.roofline.steptime)."""
         return cdiv(held, self.block_size) * self.block_size
 
+    def summed_decode_read(self, n: int, context_sum: int) -> Read:
+        """:meth:`decode_read` summed over ``n`` decodes that hold their whole contexts,
+        which sum to ``context_sum`` (the roofline's decode lanes, harness.sched.lane;
+        only for the declarations it lists in LANE_COSTS)."""
+        return Read(context_sum, context_sum * self.slot_bytes)
+
 
 def _window_sum(c: int, window: int, sinks: int) -> int:
     """Sum over contexts j = 1..c of the keys a query at position j - 1 sees: its last
@@ -126,6 +132,10 @@ class QuantCosts(KVCosts):
 
     def decode_read(self, context: int, held: int) -> Read:
         return Read(held, held * self.quant_bytes + min(context, self.sinks) * self.full_bytes)
+
+    def summed_decode_read(self, n: int, context_sum: int) -> Read:
+        # Lane members hold at least ``sinks`` tokens (they join only then).
+        return Read(context_sum, context_sum * self.quant_bytes + n * self.sinks * self.full_bytes)
 
 
 class KIVICosts(KVCosts):

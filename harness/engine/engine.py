@@ -48,7 +48,7 @@ class Engine:
         Arrival times are honoured on the wall clock: a request is handed to the scheduler
         only once it has arrived, and an idle engine sleeps until the next arrival.
         """
-        sch, col = self.scheduler, self.metrics
+        sch = self.scheduler
         clock = self.executor.clock  # the wall clock, or the roofline's modelled time
         start = clock.now()
         # Requests not yet arrived, by (arrival, request id): follow-ups in a heap, and a
@@ -58,6 +58,17 @@ class Engine:
         # between steps would delay the next step and show in the latencies.
         pending: list[tuple[float, int, Request]] = []
         arrivals = _Arrivals(pending, workload, stream=not isinstance(clock, WallClock))
+        try:
+            self._loop(workload, arrivals, pending, start, progress)
+        finally:
+            if sch.lane is not None:  # the roofline's decode lane: its members' state now
+                sch.lane.leave_all()
+        return clock.now() - start
+
+    def _loop(self, workload: Workload, arrivals: _Arrivals,
+              pending: list[tuple[float, int, Request]], start: float,
+              progress: ProgressFn | None) -> None:
+        sch, col, clock = self.scheduler, self.metrics, self.executor.clock
         total, done, out_tokens, idle = arrivals.total, 0, 0, 0
         carry_s = 0.0  # bookkeeping after the last row was taken, charged to the next
         while arrivals or sch.has_unfinished:
@@ -96,7 +107,7 @@ class Engine:
             upd = sch.update(rec, outcome)
             t_tok = clock.now()
             col.on_tokens(rec, upd, [s.seq.group for s in out.samplers], t_tok - start)
-            out_tokens += len(out.samplers)
+            out_tokens += len(out.samplers) + rec.lane_n
             for g in upd.finished:
                 done += 1
                 self.sampler.forget(g)
@@ -108,7 +119,6 @@ class Engine:
             carry_s = clock.now() - t_end
             if progress is not None:
                 progress(done, total, out_tokens / max(t_end - start, 1e-9))
-        return clock.now() - start
 
     @staticmethod
     def _follow_up(workload: Workload, group: SequenceGroup,

@@ -67,6 +67,17 @@ class ReservationLedger:
         ep.fill = fill
         ep.last_change = self.now
 
+    def ramp(self, unit: int, k: int) -> None:
+        """``unit``'s fill grew by one at each of the ``k`` clock ticks after its last
+        change (the last of them now or the tick before): one call for what ``fill`` would
+        have recorded tick by tick (the roofline's decode lanes, harness.sched.lane)."""
+        ep = self._open[unit]
+        assert ep.fill + k <= ep.capacity and self.now - 1 <= ep.last_change + k <= self.now, \
+            (unit, ep.fill, k, ep.last_change, self.now)
+        ep.fill_integral += ep.fill * k + k * (k - 1) // 2
+        ep.fill += k
+        ep.last_change += k
+
     def close(self, unit: int) -> int | None:
         """Close ``unit``'s epoch and classify it; returns its tag."""
         ep = self._open.pop(unit)

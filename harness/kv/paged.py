@@ -383,11 +383,17 @@ class PagedKVManager:
             return None
         return self._extend(seq, pos, 1)[0]
 
+    def register_full_blocks(self, seq: Sequence, end: int) -> None:
+        """Name ``seq``'s blocks that ``end`` tokens fill (those not named yet)."""
+        self._register_full_blocks(seq, self._seqs[seq.seq_id], end)
+
     def _register_full_blocks(self, seq: Sequence, st: SeqBlocks, end: int) -> None:
         """Name the blocks that ``end`` tokens fill, so a later prompt (the next turn of a
         conversation re-sending this answer) can hit them."""
         hashes, rid = st.hashes, seq.group.request_id
         first = len(hashes)
+        if first >= end // self.block_size:
+            return
         chain = self._hash_chain(seq, first, hashes[-1] if hashes else _ROOT_HASH)
         for i, h in zip(range(first, end // self.block_size), chain):
             hashes.append(h)

@@ -6,7 +6,6 @@ into DESIGN.md's metrics.json keys at the end.
 
 from __future__ import annotations
 
-import itertools
 from array import array
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +30,9 @@ class RequestTimes:
     token_times: list[float] = field(default_factory=list)
     finished: float | None = None
     last_token_step: int = -1  # index into MetricsCollector.token_t of its last token
+    # A decode-lane member (harness.sched.lane) since this index of token_t: its tokens
+    # come every step from there and are added to token_times when it leaves; -1: not one.
+    lane_from: int = -1
 
 
 class MetricsCollector:
@@ -86,7 +88,8 @@ class MetricsCollector:
                 t.first_scheduled = now
         k = len(self.token_t)
         self.token_t.append(now)
-        self.itl_next.append(0)
+        # Decode-lane members each got a token here and in the step before.
+        self.itl_next.append(rec.lane_n)
         # One token event per group per step: for n > 1 the samples advance together.
         seen: set[int] = set()
         for g in sampled_groups:
@@ -101,8 +104,22 @@ class MetricsCollector:
                     self.itl_other.append((now - self.token_t[t.last_token_step]) * 1e3)
                 t.last_token_step = k
         for g in upd.finished:
+            if reqs[g.request_id].lane_from >= 0:
+                self.lane_leave(g.request_id)
             t = self._let_go(g, finished=now)
             self.spans.append((t.arrival, now))
+        for rid in upd.lane_joined:
+            reqs[rid].lane_from = k + 1
+
+    def lane_leave(self, rid: int) -> None:
+        """Request ``rid`` leaves the decode lane: its token times since it joined (one
+        per step up to the latest) become its own."""
+        t = self.requests[rid]
+        end = len(self.token_t)
+        if end > t.lane_from:
+            t.token_times.extend(self.token_t[t.lane_from:end])
+            t.last_token_step = end - 1
+        t.lane_from = -1
 
     def on_rejected(self, group: SequenceGroup) -> None:
         """A request that will never run (rejected on arrival, or stuck): its row now,
@@ -148,7 +165,7 @@ class MetricsCollector:
             step=rec.step, time_s=t_end - run_start, step_ms=step_ms,
             forward_ms=forward_s * 1e3, overhead_ms=step_ms - forward_s * 1e3,
             batch_tokens=rec.num_tokens, prefill_tokens=rec.num_prefill_tokens,
-            decode_tokens=rec.num_decode_tokens, num_seqs=len(rec.seqs),
+            decode_tokens=rec.num_decode_tokens, num_seqs=rec.num_seqs,
             running=sch.num_running_seqs, waiting=len(sch.waiting), swapped=len(sch.swapped),
             reserved_bytes=u.reserved_slots * bps, used_bytes=u.used_slots * bps,
             free_blocks=u.free_blocks, cached_free_blocks=u.cached_free_blocks,
@@ -175,7 +192,9 @@ def request_row(rid: int, g: SequenceGroup, t: RequestTimes, block_size: int,
                   else sum(s.num_output_tokens for s in g.seqs))
     tt = t.token_times
     ttft = (tt[0] - t.arrival) * 1e3 if tt else None
-    itls = [(b - a) * 1e3 for a, b in itertools.pairwise(tt)]
+    # Each (b - a) * 1e3 as Python computes it (IEEE: the same doubles), the mean by
+    # numpy's pairwise sum as before.
+    itls = np.diff(np.array(tt, dtype=np.float64)) * 1e3 if len(tt) > 1 else None
     e2e = (t.finished - t.arrival) * 1e3 if t.finished is not None else None
     best = g.seqs[0] if g.seqs else None
     row = {
@@ -188,8 +207,8 @@ def request_row(rid: int, g: SequenceGroup, t: RequestTimes, block_size: int,
         "output_tokens": out_tokens,
         "num_seqs": len(g.seqs),
         "ttft_ms": ttft,
-        "tpot_ms": float(np.mean(itls)) if itls else None,
-        "itl_ms_max": max(itls) if itls else None,
+        "tpot_ms": float(itls.mean()) if itls is not None else None,
+        "itl_ms_max": float(itls.max()) if itls is not None else None,
         "e2e_ms": e2e,
         "prefix_hit_tokens": g.prefix_hit_tokens,
         "prefix_source": g.prefix_source,

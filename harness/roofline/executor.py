@@ -52,6 +52,18 @@ def synthetic_token(request_id: int, sample: int, position: int) -> int:
     return TOKEN_BASE + (request_id * 7919 + sample * 104729 + position * 31337) % TOKEN_SPAN
 
 
+def synthetic_tokens(request_id: int, start: int, count: int) -> list[int]:
+    """Sample 0's tokens at positions ``start .. start + count - 1`` (a decode lane's,
+    harness.sched.lane, made when read)."""
+    base = request_id * 7919
+    return [TOKEN_BASE + (base + p * 31337) % TOKEN_SPAN for p in range(start, start + count)]
+
+
+SYNTHETIC_IDS = range(TOKEN_BASE, TOKEN_BASE + TOKEN_SPAN)
+# The ids repeat every TOKEN_SPAN positions (position * 31337 is taken mod TOKEN_SPAN).
+SYNTHETIC_PERIOD = TOKEN_SPAN
+
+
 @dataclass
 class RooflineTotals:
     """Modelled seconds per term, summed over the run (metrics ``roofline.*_s``)."""
@@ -129,6 +141,7 @@ class RooflineExecutor:
         # The fit's record (harness.roofline.validate): per step (forward s, seqs, fresh,
         # the clock at its end), when set to a list.
         self.trace: list[tuple[float, int, bool, float]] | None = None
+        self.fast_path = "off"  # the run's decode lanes: "lanes", or "off: why" (run.py)
 
     def bind(self, kv: KVManager) -> None:
         self.kv = kv
@@ -171,9 +184,10 @@ class RooflineExecutor:
         # then runs unchanged (forks, beams); greedy picks exactly these ids.
         ids = [synthetic_token(g.request_id, g.seqs.index(q) if len(g.seqs) > 1 else 0,
                                q.num_tokens) for q, g in ((s.seq, s.seq.group) for s in samplers)]
-        logits = torch.nn.functional.one_hot(torch.tensor(ids, dtype=torch.int64),
-                                             VOCAB).to(torch.float32)
-        return StepOutput(logits, samplers, float(t.forward), sh.reads)
+        # (Built in numpy: torch's one_hot cost ~40 us a step, a tenth of a lane step.)
+        rows = np.zeros((len(ids), VOCAB), dtype=np.float32)
+        rows[np.arange(len(ids)), ids] = 1.0
+        return StepOutput(torch.from_numpy(rows), samplers, float(t.forward), sh.reads)
 
     def take_scores(self) -> StepScores | None:
         if not self.needs_scores or not self._written:

@@ -19,6 +19,7 @@ import torch
 from harness import layer_types
 from harness.backends.base import KVLayout
 from harness.engine.sampler import Sampler
+from harness.kv.paged import PagedKVManager
 from harness.metrics.groups import group_metrics
 from harness.model import ByteTokenizer, parse_dtype
 from harness.model.tokenizer import Tokenizer
@@ -26,11 +27,18 @@ from harness.roofline.arch import ArchSpec
 from harness.roofline.bands import describe
 from harness.roofline.config import COMPUTE, WEIGHT_BYTES, auto_kv_budget
 from harness.roofline.engines import PROFILES, engine_name, get_engine
-from harness.roofline.executor import RooflineExecutor, TierLinks
+from harness.roofline.executor import (
+    SYNTHETIC_IDS,
+    SYNTHETIC_PERIOD,
+    RooflineExecutor,
+    TierLinks,
+    synthetic_tokens,
+)
 from harness.roofline.hardware import get_hardware
 from harness.roofline.models import get_model_spec
 from harness.roofline.profile import kv_dtype_of
 from harness.roofline.steptime import StepModel
+from harness.sched.lane import DecodeLane, lane_blocker
 from harness.stack import Stack, assemble_stack, kv_plan, kv_plan_label, make_backend
 from harness.target import ExecutorRecord
 from harness.workloads.base import Workload, request_shapes
@@ -71,6 +79,16 @@ def build_roofline(rc: RunConfig, workload: Workload, quiet: bool = False,
                         arch.max_position_embeddings, eos, executor=ex,
                         shapes=request_shapes(workload), quiet=quiet, kv_budget=budget,
                         groups=plan)
+    sch = st.scheduler
+    why = ("roofline.fast_path=false" if not r.fast_path else
+           sch.lane_blocker() or lane_blocker(st.kv, backend.costs()))
+    if why is None:
+        assert isinstance(st.kv, PagedKVManager)
+        sch.lane = DecodeLane(st.kv, backend.costs(), synthetic_tokens, SYNTHETIC_PERIOD,
+                              SYNTHETIC_IDS,
+                              sch.eos_token_ids, sch.cfg.max_model_len)
+        sch.lane.on_leave = st.collector.lane_leave
+    ex.fast_path = "lanes" if why is None else f"off: {why}"
     return st, ex
 
 
@@ -112,7 +130,8 @@ class RooflineTarget:
         eng = engine_name(r.engine, r.hardware)
         prof = PROFILES[eng]
         run.update({"engine": eng, "engine_source": "calibrated" if prof.calibrated
-                    else "prior", "compute_dtype": r.gemm_dtype()})
+                    else "prior", "compute_dtype": r.gemm_dtype(),
+                    "fast_path": ex.fast_path})
         if self.arch.layer_attention:
             run["kv_groups"] = self.kv_label
         text, pct = describe(eng, hw.name, prof.calibrated)

@@ -33,11 +33,12 @@ class StepShape:
     dec_bytes: float | None = None  # bytes the decodes read, declared (fused kernels)
     pre_bytes: float | None = None  # bytes the prefill chunks read, declared
     reads: StepReads = field(default_factory=StepReads)  # the engine's per-step counts
+    lane_rows: int = 0  # decode-lane members (harness.sched.lane): sampled, not listed
 
     @property
     def rows(self) -> int:
         """Rows that get logits (and are sampled)."""
-        return len(self.samplers)
+        return len(self.samplers) + self.lane_rows
 
 
 def step_shape(rec: StepRecord, costs: KVCosts, kv: HeldSource) -> StepShape:
@@ -65,7 +66,14 @@ def step_shape(rec: StepRecord, costs: KVCosts, kv: HeldSource) -> StepShape:
             ctx_pre += s.start + n
             if s.sample:
                 prefills.append(s)
-    return StepShape(rec.num_tokens, len(rec.seqs), float(pairs), float(ctx_pre),
+    if rec.lane_n:  # decode-lane members: their reads as sums (harness.sched.lane)
+        ctx_sum, ctx_max = rec.lane_ctx
+        r = costs.summed_decode_read(rec.lane_n, ctx_sum)
+        dec_tok += r.tokens
+        dec_b += r.bytes
+        widest = max(widest, costs.gathered(ctx_max, ctx_max))
+        nd += rec.lane_n
+    return StepShape(rec.num_tokens, rec.num_seqs, float(pairs), float(ctx_pre),
                      float(dec_tok), nd, decodes + prefills, float(full),
                      float(nd * widest), float(dec_b), float(pre_b),
-                     StepReads(nd, dec_tok, dec_b, pairs))
+                     StepReads(nd, dec_tok, dec_b, pairs), rec.lane_n)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from harness.errors import UserError
 from harness.kv.base import Demand, KVManager, SwapManager
+from harness.sched.lane import DecodeLane
 from harness.sched.sequence import SeqStatus, Sequence, SequenceGroup
 from harness.sched.step import (
     CHECKS,
@@ -122,6 +123,23 @@ class Scheduler:
         self._worst: dict[int, int] = {}
         self._worst_total = 0
         self._capacity = kv.usage().total_slots if cfg.admission == "no_evict" else 0
+        self._run_order = 0  # admissions to ``running`` so far: its order, as a key
+        # The roofline's fast path (harness.sched.lane), set by the stack when the run can
+        # take it; None: every running sequence is stepped one by one.
+        self.lane: DecodeLane | None = None
+
+    def lane_blocker(self) -> str | None:
+        """Why this scheduler's options keep every sequence on the per-step path (None:
+        nothing here does)."""
+        c = self.cfg
+        if c.mixing != "mixed":
+            return f"scheduler.mixing={c.mixing}"
+        if c.num_scheduler_steps != 1:
+            return f"scheduler.num_scheduler_steps={c.num_scheduler_steps}"
+        if c.max_num_seqs > c.max_num_batched_tokens:
+            # Then a decode could be left out of a step for budget, which members never are.
+            return "scheduler.max_num_seqs > scheduler.max_num_batched_tokens"
+        return None
 
     # -- queue management --------------------------------------------------------------
     def add(self, group: SequenceGroup) -> bool:
@@ -213,9 +231,13 @@ class Scheduler:
                 return self._close(rec)
         budget = self.cfg.max_num_batched_tokens
         # Tokens every running decode will need: prefills only get what is left of them.
-        decoding = [self._is_decoding(g) for g in self.running]
+        decoding = [g.lane is not None or self._is_decoding(g) for g in self.running]
         pending_decode = sum(len(g.live_seqs) if len(g.seqs) > 1 else 1
                              for g, d in zip(self.running, decoding) if d)
+
+        lane = self.lane
+        L1 = lane.L + 1 if lane is not None else 0  # the lane step this one is
+        n_lane = n_touched = 0
 
         def preempt(victim: SequenceGroup) -> None:
             # Victims come off the back of ``running``, whose entries keep their indices
@@ -225,11 +247,49 @@ class Scheduler:
             j = len(self.running) - 1
             if victim is not self.running[i] and decoding[j]:
                 pending_decode -= len(victim.live_seqs) if len(victim.seqs) > 1 else 1
+            if victim.lane is not None:
+                assert lane is not None
+                lane.leave(victim.lane)
             self._preempt(victim, rec)
 
+        # Lane members (harness.sched.lane) decode one token each, in place, summed: the
+        # loop visits only the other groups and the members whose step takes or fills a
+        # block, and counts the members in between.
+        visit = [k for k, g in enumerate(self.running)
+                 if g.lane is None or g.lane.touch == L1] if lane is not None else []
+        v = 0
         i = 0
         while i < len(self.running):
+            if lane is not None:
+                while v < len(visit) and visit[v] < i:
+                    v += 1
+                skip = min(visit[v] if v < len(visit) else len(self.running),
+                           len(self.running)) - i
+                if skip:
+                    assert budget >= skip
+                    n_lane += skip
+                    budget -= skip
+                    pending_decode -= skip
+                    i += skip
+                    continue
             g = self.running[i]
+            m = g.lane
+            if m is not None:
+                # A member whose step takes or fills its block: the lane's own path.
+                assert lane is not None and budget > 0 and m.touch == L1
+                while not lane.touch(m, L1):
+                    victim = self.running[-1]
+                    preempt(victim)
+                    if victim is g:
+                        break
+                if g.lane is None:  # preempted itself
+                    break
+                n_touched += 1
+                n_lane += 1
+                budget -= 1
+                pending_decode -= 1
+                i += 1
+                continue
             if decoding[i] and len(g.seqs) == 1:
                 # Fast path (the bulk of every step): one sequence, one token.
                 if budget == 0:
@@ -270,6 +330,11 @@ class Scheduler:
                 pending_decode -= len(live)
             i += 1
 
+        if lane is not None:
+            rec.lane_n = n_lane
+            rec.num_decode_tokens += n_lane
+            if n_lane:
+                rec.lane_ctx = lane.context_sums(L1)
         admits = not continuing and self.cfg.mixing == "mixed"
         if not rec.preempted and admits:
             self._swap_in(rec, budget)
@@ -281,13 +346,15 @@ class Scheduler:
         elif (not continuing and self.cfg.num_scheduler_steps > 1 and rec.seqs
               and rec.num_prefill_tokens == 0):
             self._window_left = self.cfg.num_scheduler_steps - 1
-        return self._close(rec)
+        return self._close(rec, n_touched)
 
-    def _close(self, rec: StepRecord) -> StepRecord:
+    def _close(self, rec: StepRecord, n_touched: int = 0) -> StepRecord:
         """The step's cache operations, usage and stuck-head rejection."""
         ops = self.kv.take_cache_ops()
         rec.copies, rec.invalidated, rec.tier_ops = ops.copies, ops.invalidated, ops.tier_ops
-        if rec.seqs:
+        if self.lane is not None and not rec.is_empty:
+            self.lane.scheduled(rec.lane_n, n_touched)
+        if not rec.is_empty:
             rec.usage = self.kv.usage()  # what the forward holds (steps.csv, the ledger)
         elif not rec.preempted:
             stuck = self._reject_stuck_head()
@@ -412,7 +479,7 @@ class Scheduler:
             if self._capacity:
                 self._worst[id(g)] = self._worst_case(g)
                 self._worst_total += self._worst[id(g)]
-            self.running.append(g)
+            self._append_running(g)
             self.num_running_seqs += len(live)
             n_tokens = self._chunks(live, budget)
             demands = [Demand(s, n) for s, n in zip(live, n_tokens) if n]
@@ -447,9 +514,14 @@ class Scheduler:
             for d in demands:
                 d.seq.status = SeqStatus.RUNNING
             self._commit_all(demands, rec)
-            self.running.append(g)
+            self._append_running(g)
             self.num_running_seqs += len(live)
             budget = left
+
+    def _append_running(self, g: SequenceGroup) -> None:
+        g.run_order = self._run_order
+        self._run_order += 1
+        self.running.append(g)
 
     # -- after the forward (only through update) ------------------------------------------
     def _fork(self, parent: Sequence) -> Sequence:
@@ -511,23 +583,59 @@ class Scheduler:
             g.best_output = max(g.beam_finished, key=lambda f: f[0])[1]
         for seq, reason in outcome.stops:
             self._finish_seq(seq, reason)
-        for seq, t in appends:
-            if t.cum_logprob is not None:
-                seq.cum_logprob = t.cum_logprob
-            self._append_token(seq, t.token)
+        lane = self.lane
+        if lane is not None and rec.lane_n:
+            self._append_with_lane(lane, rec, appends)
+        else:
+            for seq, t in appends:
+                if t.cum_logprob is not None:
+                    seq.cum_logprob = t.cum_logprob
+                self._append_token(seq, t.token)
         done = self._retire_finished()
         kv.observe([s.seq for s in rec.seqs if s.seq.status is SeqStatus.RUNNING],
                    outcome.scores)
-        return StepUpdate(done, kv.record_external(self.next_waiting_need()))
+        upd = StepUpdate(done, kv.record_external(self.next_waiting_need()))
+        if lane is not None:
+            for s in rec.seqs:  # who decodes from now on joins
+                g = s.seq.group
+                if g.lane is None and s.sample and lane.try_join(g):
+                    upd.lane_joined.append(g.request_id)
+        return upd
+
+    def _append_with_lane(self, lane: DecodeLane, rec: StepRecord,
+                          appends: list[tuple[Sequence, NewToken]]) -> None:
+        """The tokens, with the lane members that finish this step finished where
+        stepping one by one would: among the decodes in running order, before the
+        prefills' tokens (their freed blocks enter the pool's queues in that order)."""
+        fin = sorted(lane.finishing(), key=lambda m: m.seq.group.run_order)
+        decodes = {id(s.seq) for s in rec.seqs if s.is_decode} if fin else set()
+        k = 0
+        for seq, t in appends:
+            if k < len(fin):
+                before = (seq.group.run_order if id(t.seq) in decodes and not t.fork
+                          else None)
+                while k < len(fin) and (before is None
+                                        or fin[k].seq.group.run_order < before):
+                    self._finish_seq(fin[k].seq, fin[k].reason)
+                    k += 1
+            if t.cum_logprob is not None:
+                seq.cum_logprob = t.cum_logprob
+            self._append_token(seq, t.token)
+        for m in fin[k:]:
+            self._finish_seq(m.seq, m.reason)
 
     def _retire_finished(self) -> list[SequenceGroup]:
         """Move groups whose last sequence finished out of ``running``; returns them."""
         if not self._just_finished:
             return []
         done_groups = self._just_finished
-        done = {id(g) for g in done_groups}
         for g in done_groups:
             self._release_worst(g)
-        self.running = [g for g in self.running if id(g) not in done]
+        if len(done_groups) <= 4:  # list.remove is a C scan (groups compare by identity)
+            for g in done_groups:
+                self.running.remove(g)
+        else:
+            done = {id(g) for g in done_groups}
+            self.running = [g for g in self.running if id(g) not in done]
         self._just_finished = []
         return done_groups

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from harness.sched.lane import LaneMember
 
 
 class SeqStatus(enum.Enum):
@@ -109,10 +113,17 @@ class SequenceGroup:
     # Beam search: finished hypotheses (score, tokens) and the chosen output.
     beam_finished: list[tuple[float, list[int]]] = field(default_factory=list)
     best_output: list[int] | None = None
+    # The scheduler's: the order it entered ``running`` in, and its decode-lane membership
+    # (harness.sched.lane; None: stepped one by one).
+    run_order: int = 0
+    lane: LaneMember | None = None
 
     @property
     def live_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs if s.status is not SeqStatus.FINISHED]
+        seqs = self.seqs
+        if len(seqs) == 1:  # the common case, read every step by the scheduler
+            return [] if seqs[0].status is SeqStatus.FINISHED else [seqs[0]]
+        return [s for s in seqs if s.status is not SeqStatus.FINISHED]
 
     @property
     def output_ids(self) -> list[int]:

@@ -68,14 +68,24 @@ class StepRecord:
     usage: KVUsage | None = None  # what the KV manager holds for this step's forward
     # Scheduled anew (False: a later step of a multi-step window, num_scheduler_steps).
     fresh: bool = True
+    # Decode-lane members this step also decodes (harness.sched.lane: the roofline's fast
+    # path), one token each, counted in num_decode_tokens but not listed in ``seqs``; and
+    # the (sum, max) of their contexts.
+    lane_n: int = 0
+    lane_ctx: tuple[int, int] = (0, 0)
 
     @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
 
     @property
+    def num_seqs(self) -> int:
+        """Sequences this step runs (lane members included)."""
+        return len(self.seqs) + self.lane_n
+
+    @property
     def is_empty(self) -> bool:
-        return not self.seqs
+        return not self.seqs and not self.lane_n
 
 
 @dataclass(slots=True)
@@ -120,6 +130,7 @@ class StepUpdate:
 
     finished: list[SequenceGroup] = field(default_factory=list)
     external_slots: int = 0
+    lane_joined: list[int] = field(default_factory=list)  # request ids that joined the lane
 
 
 # KVBENCH_CHECK=1 (the test suite sets it): every step asserts its invariants, e.g. that no

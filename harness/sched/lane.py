@@ -1,0 +1,262 @@
+"""Decode lanes: the roofline's fast path (``roofline.fast_path``, issue #24).
+
+Under ``executor=roofline`` a running request that only decodes does the same thing every
+step: one slot written in place into its last block, one synthetic token, one token time.
+A :class:`DecodeLane` holds such requests (its *members*) and advances them all in O(1) a
+step: a member's sequence, its block's fill and its token times are brought up to date
+(:meth:`DecodeLane.sync`) only when something needs them:
+
+- a *touch*: the step whose slot needs a new block, or fills its block (which then gets
+  its prefix-cache name): the scheduler runs its ordinary per-sequence path for it;
+- its finish, known when it joins: synthetic tokens are never EOS, so a request stops at
+  its drawn length (``stop_after``), ``max_tokens`` or ``max_model_len``;
+- a preemption: it is synced, then preempted as any group is;
+- the end of the run (:meth:`DecodeLane.leave_all`).
+
+In between, what a step needs of the members is sums: how many decode, the sum and the
+max of their contexts (the step's shape), the slots they fill in place (the pool's used
+slots) and a count of consecutive tokens (the inter-token latencies). Every number a run
+reports equals stepping one by one (tests/test_lane.py: a hypothesis property test over
+random workloads, preemption by recompute and swap, prefix hits and arrivals).
+
+Lane steps are counted as the scheduler's non-empty steps (``L``): while a request is a
+member every non-empty step schedules it, and the KV manager's clock (the ledger's
+``now``) and the collector's token clock each advance once per non-empty step, so a
+member's state after ``L`` steps is a linear function of ``L``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from harness.backends.costs import KVCosts, QuantCosts
+from harness.kv.paged import PagedKVManager
+from harness.sched.sequence import SeqStatus, Sequence, SequenceGroup
+
+# (request id, first position, count) -> the synthetic token ids at those positions,
+# which repeat with a period (DecodeLane's ``period``) in the position.
+TokenFn = Callable[[int, int, int], list[int]]
+
+# Declarations whose decode read is a fixed function of the context alone (what the
+# member sums cover); any other method steps one by one.
+LANE_COSTS = (KVCosts, QuantCosts)
+
+
+def lane_blocker(kv: object, costs: KVCosts) -> str | None:
+    """Why a run with this KV manager and cost declaration steps every sequence one by
+    one (None: its decodes can take the lane)."""
+    if type(kv) is not PagedKVManager:
+        return f"the KV manager is {type(kv).__name__}, not the plain paged one"
+    if kv.tiers is not None:
+        return "cache.tiers (lower tiers write blocks as they are named)"
+    if type(costs) not in LANE_COSTS:
+        return f"the backend's reads ({type(costs).__name__}) are not summed"
+    return None
+
+
+@dataclass(slots=True, eq=False)
+class LaneMember:
+    """One member: at lane step ``L`` (steps done) its sequence holds
+    ``n0 + (L - j)`` tokens and ``c0 + (L - j)`` computed. ``block``: its last block,
+    whose fill was last brought up to date at lane step ``settled``; ``touch``: the next
+    lane step that needs its per-sequence path; ``finish``: the lane step whose update
+    finishes it, for ``reason``."""
+
+    uid: int
+    seq: Sequence
+    j: int
+    c0: int
+    n0: int
+    block: int
+    settled: int
+    touch: int
+    finish: int
+    reason: str
+    cycle: list[int] | None = None  # its tokens at positions 0 .. 2 period - 1
+
+
+class DecodeLane:
+    """The members of one scheduler's lane and their sums (see the module docstring)."""
+
+    def __init__(self, kv: PagedKVManager, costs: KVCosts, tokens: TokenFn, period: int,
+                 synthetic_ids: range, eos_token_ids: frozenset[int],
+                 max_model_len: int) -> None:
+        """``tokens``: the executor's synthetic ids, which repeat every ``period``
+        positions; ``synthetic_ids``: every id it can return (a request that could stop
+        on one of them at EOS never joins)."""
+        assert type(kv) is PagedKVManager and kv.tiers is None, "lanes: plain paged only"
+        assert type(costs) in LANE_COSTS, f"lanes: {type(costs).__name__} is not summed"
+        self.kv, self.costs, self.tokens, self.period = kv, costs, tokens, period
+        self.bs = kv.block_size
+        self.caching = kv.enable_prefix_caching
+        self.eos_hit = bool(eos_token_ids.intersection(synthetic_ids))
+        self.max_model_len = max_model_len
+        self.sinks = costs.sinks if isinstance(costs, QuantCosts) else 0
+        self.L = 0  # non-empty steps scheduled
+        self.n = 0  # members
+        self.off_sum = 0  # sum of (c0 - j): member contexts at lane step L1 sum to off_sum + n L1
+        self._max: list[tuple[int, int]] = []  # (-(c0 - j), uid), lazily pruned
+        self._live: dict[int, LaneMember] = {}
+        self._finish: dict[int, list[LaneMember]] = {}
+        self._uid = 0
+        # Told the request id of a member that leaves other than by finishing (the
+        # collector brings its token times up to date).
+        self.on_leave: Callable[[int], None] | None = None
+
+    # -- membership -----------------------------------------------------------------------
+    def try_join(self, g: SequenceGroup) -> bool:
+        """After ``g``'s update of lane step ``L``: make it a member if it is one plain
+        decoding sequence whose next steps the lane can sum."""
+        if len(g.seqs) != 1:
+            return False
+        seq, p = g.seqs[0], g.params
+        if (seq.status is not SeqStatus.RUNNING or p.n != 1 or p.use_beam_search
+                or p.temperature > 0 or p.stop_token_ids or (self.eos_hit and not p.ignore_eos)):
+            return False
+        c0, n0 = seq.num_computed, len(seq.token_ids)
+        if n0 - c0 != 1 or c0 < seq.num_prompt_tokens or c0 + 1 < self.sinks:
+            return False
+        bs, pool = self.bs, self.kv.pool
+        table = self.kv.blocks_of(seq).table
+        if c0 % bs:
+            block = table[c0 // bs]
+            if pool.ref[block] != 1:  # a shared last block: its next write copies it
+                return False
+        else:
+            block = table[c0 // bs - 1]
+        n_out = n0 - seq.num_prompt_tokens
+        r_stop = p.stop_after - n_out if p.stop_after is not None else 0
+        r_len = max(1, min(p.max_tokens - n_out, self.max_model_len - n0))
+        if 1 <= r_stop <= r_len:
+            r, reason = r_stop, "stop"
+        else:
+            r, reason = r_len, "length"
+        L = self.L
+        self._uid += 1
+        m = LaneMember(self._uid, seq, L, c0, n0, block, L, self._next_touch(c0, L + 1),
+                       L + r, reason)
+        g.lane = m
+        self._live[m.uid] = m
+        self._finish.setdefault(L + r, []).append(m)
+        self.n += 1
+        self.off_sum += c0 - L
+        heapq.heappush(self._max, (L - c0, m.uid))
+        return True
+
+    def _next_touch(self, pos: int, L1: int) -> int:
+        """The first lane step from ``L1`` (which writes slot ``pos``) that writes a
+        block's first slot or, with prefix caching, its last."""
+        bs = self.bs
+        d = -pos % bs
+        if self.caching:
+            d = min(d, (-pos - 1) % bs)
+        return L1 + d
+
+    def _drop(self, m: LaneMember) -> None:
+        del self._live[m.uid]
+        m.seq.group.lane = None
+        self.n -= 1
+        self.off_sum -= m.c0 - m.j
+
+    def leave(self, m: LaneMember) -> None:
+        """``m`` leaves (a preemption), synced to the steps done."""
+        self.sync(m, self.L)
+        self._drop(m)
+        if self.on_leave is not None:
+            self.on_leave(m.seq.group.request_id)
+
+    def leave_all(self) -> None:
+        """Every member leaves, synced (the run ended or stopped)."""
+        for m in list(self._live.values()):
+            self.leave(m)
+
+    def finishing(self) -> list[LaneMember]:
+        """The members whose update of lane step ``L`` finishes them, synced and gone
+        from the lane (the scheduler finishes their sequences)."""
+        out = [m for m in self._finish.pop(self.L, ()) if m.uid in self._live]
+        for m in out:
+            self.sync(m, self.L)
+            self._drop(m)
+        return out
+
+    # -- the per-sequence path, when needed ---------------------------------------------------
+    def sync(self, m: LaneMember, L: int) -> None:
+        """Bring ``m``'s sequence and its last block's fill to lane step ``L`` (done)."""
+        self._sync_tokens(m, L)
+        m.seq.num_computed = m.c0 + L - m.j
+        self._settle(m, L)
+
+    def _sync_tokens(self, m: LaneMember, L: int) -> None:
+        seq = m.seq
+        toks = seq.token_ids
+        have, want = len(toks), m.n0 + L - m.j
+        if want <= have:
+            return
+        # Slices of one period's ids, held twice so that any run of up to a period is one.
+        P, cyc = self.period, m.cycle
+        if cyc is None:
+            cyc = m.cycle = self.tokens(seq.group.request_id, 0, 2 * P)
+        s, n = have % P, want - have
+        while n > 0:
+            take = min(n, P)
+            toks.extend(cyc[s:s + take])
+            s = (s + take) % P
+            n -= take
+
+    def _settle(self, m: LaneMember, L: int) -> None:
+        """The in-place writes of lane steps ``settled + 1 .. L`` into ``m``'s block, one
+        slot each: the pool's used slots were counted as they happened
+        (:meth:`scheduled`); the block's fill and the ledger's integral now."""
+        k = L - m.settled
+        if k > 0:
+            pool = self.kv.pool
+            pool.fill[m.block] += k
+            assert pool.ledger is not None
+            pool.ledger.ramp(m.block, k)
+            m.settled = L
+
+    def touch(self, m: LaneMember, L1: int) -> bool:
+        """Write ``m``'s slot of lane step ``L1`` as ``PagedKVManager.append_slot``
+        would, for a member: into a new block when the slot is a block's first (False,
+        nothing done: no block is free, the caller preempts), else in place into its own
+        block, which it fills (and names, with prefix caching)."""
+        kv, pool, bs = self.kv, self.kv.pool, self.bs
+        pos = m.c0 + L1 - 1 - m.j
+        if pos % bs == 0:
+            if pool.num_free == 0:
+                return False
+            self._settle(m, L1 - 1)
+            b = pool.allocate()
+            assert b is not None
+            kv.blocks_of(m.seq).table.append(b)
+            kv.logical_blocks += 1
+            pool.set_fill(b, 1)
+            m.block = b
+        else:
+            # The step that fills the block: its writes so far and this one, then its name.
+            self._settle(m, L1)
+            pool.used_slots += 1
+            if kv.enable_prefix_caching and (pos + 1) % bs == 0:
+                self._sync_tokens(m, L1 - 1)
+                seq = m.seq
+                seq.num_computed = pos + 1
+                kv.register_full_blocks(seq, pos + 1)
+        m.settled = L1
+        m.touch = self._next_touch(pos + 1, L1 + 1)
+        return True
+
+    def scheduled(self, n_sched: int, n_touched: int) -> None:
+        """Lane step ``L + 1`` scheduled ``n_sched`` members, ``n_touched`` of them by the
+        per-sequence path: the rest each filled one slot in place."""
+        self.kv.pool.used_slots += n_sched - n_touched
+        self.L += 1
+
+    def context_sums(self, L1: int) -> tuple[int, int]:
+        """(sum, max) of the members' contexts at lane step ``L1`` (the last query's
+        position + 1: what each decode reads)."""
+        h, live = self._max, self._live
+        while h and h[0][1] not in live:
+            heapq.heappop(h)
+        return self.off_sum + self.n * L1, (L1 - h[0][0] if h else 0)
