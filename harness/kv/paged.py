@@ -265,7 +265,8 @@ class PagedKVManager:
     def _hash_chain(self, seq: Sequence, start: int = 0,
                     parent: int = _ROOT_HASH) -> Iterator[int]:
         """The chained hashes of ``seq``'s full blocks from block ``start`` on, lazily
-        (``parent``: block ``start - 1``'s hash): the one place blocks are named."""
+        (``parent``: block ``start - 1``'s hash): the one place blocks are named (but for
+        ``_register_full_blocks``' shortcut for one block, the same link)."""
         bs, toks, key = self.block_size, seq.token_ids, self.key_of(seq)
         h = parent
         for i in range(start, len(toks) // bs):
@@ -391,11 +392,19 @@ class PagedKVManager:
         """Name the blocks that ``end`` tokens fill, so a later prompt (the next turn of a
         conversation re-sending this answer) can hit them."""
         hashes, rid = st.hashes, seq.group.request_id
-        first = len(hashes)
-        if first >= end // self.block_size:
+        first, bs = len(hashes), self.block_size
+        last = end // bs
+        if first >= last:
+            return
+        if last == first + 1 and (self.tiers is None or self.tiers.write != "through"):
+            # One block (a decode filling its block): the chain's next link, directly.
+            h = block_hash(hashes[-1] if hashes else _ROOT_HASH,
+                           seq.token_ids[first * bs:last * bs], self.key_of(seq))
+            hashes.append(h)
+            self.pool.register(st.table[first], h, rid)
             return
         chain = self._hash_chain(seq, first, hashes[-1] if hashes else _ROOT_HASH)
-        for i, h in zip(range(first, end // self.block_size), chain):
+        for i, h in zip(range(first, last), chain):
             hashes.append(h)
             if self.pool.register(st.table[i], h, rid) and self.tiers is not None \
                     and self.tiers.write == "through":

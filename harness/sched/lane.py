@@ -6,8 +6,11 @@ A :class:`DecodeLane` holds such requests (its *members*) and advances them all 
 step: a member's sequence, its block's fill and its token times are brought up to date
 (:meth:`DecodeLane.sync`) only when something needs them:
 
-- a *touch*: the step whose slot needs a new block, or fills its block (which then gets
-  its prefix-cache name): the scheduler runs its ordinary per-sequence path for it;
+- a *touch*: the step whose slot needs a new block (:meth:`DecodeLane.touch`, in the
+  scheduler's loop where the per-sequence path would allocate it);
+- the step that fills its block, with prefix caching: the block is named
+  (:meth:`DecodeLane.name_filled`) where the per-sequence path would name it, among the
+  other groups' prefill chunks in running order, before any admission looks a prompt up;
 - its finish, known when it joins: synthetic tokens are never EOS, so a request stops at
   its drawn length (``stop_after``), ``max_tokens`` or ``max_model_len``;
 - a preemption: it is synced, then preempted as any group is;
@@ -51,6 +54,8 @@ def lane_blocker(kv: object, costs: KVCosts) -> str | None:
         return f"the KV manager is {type(kv).__name__}, not the plain paged one"
     if kv.tiers is not None:
         return "cache.tiers (lower tiers write blocks as they are named)"
+    if kv.block_size < 2:
+        return "backend.block_size=1 (every token takes a block)"
     if type(costs) not in LANE_COSTS:
         return f"the backend's reads ({type(costs).__name__}) are not summed"
     return None
@@ -100,6 +105,8 @@ class DecodeLane:
         self._max: list[tuple[int, int]] = []  # (-(c0 - j), uid), lazily pruned
         self._live: dict[int, LaneMember] = {}
         self._finish: dict[int, list[LaneMember]] = {}
+        # Members whose write of lane step k fills their block (prefix caching names it).
+        self._fills: dict[int, list[LaneMember]] = {}
         self._uid = 0
         # Told the request id of a member that leaves other than by finishing (the
         # collector brings its token times up to date).
@@ -137,6 +144,7 @@ class DecodeLane:
         self._uid += 1
         m = LaneMember(self._uid, seq, L, c0, n0, block, L, self._next_touch(c0, L + 1),
                        L + r, reason)
+        self._track_fill(m)
         g.lane = m
         self._live[m.uid] = m
         self._finish.setdefault(L + r, []).append(m)
@@ -147,12 +155,30 @@ class DecodeLane:
 
     def _next_touch(self, pos: int, L1: int) -> int:
         """The first lane step from ``L1`` (which writes slot ``pos``) that writes a
-        block's first slot or, with prefix caching, its last."""
-        bs = self.bs
-        d = -pos % bs
-        if self.caching:
-            d = min(d, (-pos - 1) % bs)
-        return L1 + d
+        block's first slot."""
+        return L1 + -pos % self.bs
+
+    def _track_fill(self, m: LaneMember) -> None:
+        """With prefix caching: the step before ``m``'s next touch fills its block."""
+        if self.caching and m.touch - 1 > m.j:
+            self._fills.setdefault(m.touch - 1, []).append(m)
+
+    def fills(self, L1: int) -> list[LaneMember]:
+        """The members whose write of lane step ``L1`` fills their block, in running
+        order (prefix caching: :meth:`name_filled` names each)."""
+        out = self._fills.pop(L1, [])
+        if len(out) > 1:
+            out.sort(key=lambda m: m.seq.group.run_order)
+        return out
+
+    def name_filled(self, m: LaneMember, L1: int) -> None:
+        """Name ``m``'s block, which its write of lane step ``L1`` filled (a member
+        preempted before that write is skipped: it never made it)."""
+        if m.uid not in self._live or m.touch != L1 + 1:
+            return
+        self._sync_tokens(m, L1 - 1)  # the last one is the token L1 writes
+        self._settle(m, L1)  # the block's fill, this step's write included
+        self.kv.register_full_blocks(m.seq, m.c0 + L1 - m.j)
 
     def _drop(self, m: LaneMember) -> None:
         del self._live[m.uid]
@@ -218,33 +244,22 @@ class DecodeLane:
             m.settled = L
 
     def touch(self, m: LaneMember, L1: int) -> bool:
-        """Write ``m``'s slot of lane step ``L1`` as ``PagedKVManager.append_slot``
-        would, for a member: into a new block when the slot is a block's first (False,
-        nothing done: no block is free, the caller preempts), else in place into its own
-        block, which it fills (and names, with prefix caching)."""
-        kv, pool, bs = self.kv, self.kv.pool, self.bs
-        pos = m.c0 + L1 - 1 - m.j
-        if pos % bs == 0:
-            if pool.num_free == 0:
-                return False
-            self._settle(m, L1 - 1)
-            b = pool.allocate()
-            assert b is not None
-            kv.blocks_of(m.seq).table.append(b)
-            kv.logical_blocks += 1
-            pool.set_fill(b, 1)
-            m.block = b
-        else:
-            # The step that fills the block: its writes so far and this one, then its name.
-            self._settle(m, L1)
-            pool.used_slots += 1
-            if kv.enable_prefix_caching and (pos + 1) % bs == 0:
-                self._sync_tokens(m, L1 - 1)
-                seq = m.seq
-                seq.num_computed = pos + 1
-                kv.register_full_blocks(seq, pos + 1)
+        """Write ``m``'s slot of lane step ``L1``, a block's first, into a new block as
+        ``PagedKVManager.append_slot`` would (False, nothing done: no block is free, the
+        caller preempts)."""
+        kv, pool = self.kv, self.kv.pool
+        if pool.num_free == 0:
+            return False
+        self._settle(m, L1 - 1)
+        b = pool.allocate()
+        assert b is not None
+        kv.blocks_of(m.seq).table.append(b)
+        kv.logical_blocks += 1
+        pool.set_fill(b, 1)
+        m.block = b
         m.settled = L1
-        m.touch = self._next_touch(pos + 1, L1 + 1)
+        m.touch = L1 + self.bs
+        self._track_fill(m)
         return True
 
     def scheduled(self, n_sched: int, n_touched: int) -> None:
@@ -252,6 +267,7 @@ class DecodeLane:
         per-sequence path: the rest each filled one slot in place."""
         self.kv.pool.used_slots += n_sched - n_touched
         self.L += 1
+        self._fills.pop(self.L, None)  # (a step with no prefix lookups never asked)
 
     def context_sums(self, L1: int) -> tuple[int, int]:
         """(sum, max) of the members' contexts at lane step ``L1`` (the last query's

@@ -230,14 +230,30 @@ class Scheduler:
             if rec.seqs:  # a prompt-only step: the running decodes wait for the next
                 return self._close(rec)
         budget = self.cfg.max_num_batched_tokens
-        # Tokens every running decode will need: prefills only get what is left of them.
-        decoding = [g.lane is not None or self._is_decoding(g) for g in self.running]
-        pending_decode = sum(len(g.live_seqs) if len(g.seqs) > 1 else 1
-                             for g, d in zip(self.running, decoding) if d)
-
         lane = self.lane
         L1 = lane.L + 1 if lane is not None else 0  # the lane step this one is
         n_lane = n_touched = 0
+        running = self.running
+        # Tokens every running decode will need: prefills only get what is left of them.
+        if lane is None:
+            decoding = [self._is_decoding(g) for g in running]
+            pending_decode = sum(len(g.live_seqs) if len(g.seqs) > 1 else 1
+                                 for g, d in zip(running, decoding) if d)
+            visit: list[int] = []
+        else:
+            # Lane members (harness.sched.lane) decode one token each, in place, summed:
+            # the loop visits only the other groups and the members whose step takes or
+            # fills a block, and counts the members in between.
+            visit = [k for k, g in enumerate(running)
+                     if g.lane is None or g.lane.touch == L1]
+            decoding = [True] * len(running)
+            pending_decode = len(running)
+            for k in visit:
+                g = running[k]
+                if g.lane is None:
+                    d = decoding[k] = self._is_decoding(g)
+                    pending_decode += (len(g.live_seqs) if len(g.seqs) > 1 else 1) - 1 \
+                        if d else -1
 
         def preempt(victim: SequenceGroup) -> None:
             # Victims come off the back of ``running``, whose entries keep their indices
@@ -252,12 +268,10 @@ class Scheduler:
                 lane.leave(victim.lane)
             self._preempt(victim, rec)
 
-        # Lane members (harness.sched.lane) decode one token each, in place, summed: the
-        # loop visits only the other groups and the members whose step takes or fills a
-        # block, and counts the members in between.
-        visit = [k for k, g in enumerate(self.running)
-                 if g.lane is None or g.lane.touch == L1] if lane is not None else []
-        v = 0
+        # Members whose write this step fills their block: named where stepping one by
+        # one would, among the other groups (whose prefill chunks name blocks too).
+        fills = lane.fills(L1) if lane is not None and lane.caching else []
+        f = v = 0
         i = 0
         while i < len(self.running):
             if lane is not None:
@@ -274,8 +288,12 @@ class Scheduler:
                     continue
             g = self.running[i]
             m = g.lane
+            while f < len(fills) and fills[f].seq.group.run_order < g.run_order:
+                assert lane is not None
+                lane.name_filled(fills[f], L1)
+                f += 1
             if m is not None:
-                # A member whose step takes or fills its block: the lane's own path.
+                # A member whose step takes a new block: the lane's own path.
                 assert lane is not None and budget > 0 and m.touch == L1
                 while not lane.touch(m, L1):
                     victim = self.running[-1]
@@ -331,6 +349,8 @@ class Scheduler:
             i += 1
 
         if lane is not None:
+            for m in fills[f:]:
+                lane.name_filled(m, L1)
             rec.lane_n = n_lane
             rec.num_decode_tokens += n_lane
             if n_lane:
