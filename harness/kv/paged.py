@@ -384,9 +384,15 @@ class PagedKVManager:
             return None
         return self._extend(seq, pos, 1)[0]
 
-    def register_full_blocks(self, seq: Sequence, end: int) -> None:
-        """Name ``seq``'s blocks that ``end`` tokens fill (those not named yet)."""
-        self._register_full_blocks(seq, self._seqs[seq.seq_id], end)
+    def name_next_block(self, seq: Sequence, tokens: list[int]) -> None:
+        """Name ``seq``'s first block not named yet, full, which holds ``tokens`` (the
+        chain's next link; also for a decode lane, harness.sched.lane, whose sequences'
+        token lists are made only when read). Not with write-through lower tiers."""
+        st = self._seqs[seq.seq_id]
+        hashes = st.hashes
+        h = block_hash(hashes[-1] if hashes else _ROOT_HASH, tokens, self.key_of(seq))
+        self.pool.register(st.table[len(hashes)], h, seq.group.request_id)
+        hashes.append(h)
 
     def _register_full_blocks(self, seq: Sequence, st: SeqBlocks, end: int) -> None:
         """Name the blocks that ``end`` tokens fill, so a later prompt (the next turn of a
@@ -398,10 +404,7 @@ class PagedKVManager:
             return
         if last == first + 1 and (self.tiers is None or self.tiers.write != "through"):
             # One block (a decode filling its block): the chain's next link, directly.
-            h = block_hash(hashes[-1] if hashes else _ROOT_HASH,
-                           seq.token_ids[first * bs:last * bs], self.key_of(seq))
-            hashes.append(h)
-            self.pool.register(st.table[first], h, rid)
+            self.name_next_block(seq, seq.token_ids[first * bs:last * bs])
             return
         chain = self._hash_chain(seq, first, hashes[-1] if hashes else _ROOT_HASH)
         for i, h in zip(range(first, last), chain):

@@ -176,9 +176,18 @@ class DecodeLane:
         preempted before that write is skipped: it never made it)."""
         if m.uid not in self._live or m.touch != L1 + 1:
             return
-        self._sync_tokens(m, L1 - 1)  # the last one is the token L1 writes
         self._settle(m, L1)  # the block's fill, this step's write included
-        self.kv.register_full_blocks(m.seq, m.c0 + L1 - m.j)
+        end = m.c0 + L1 - m.j  # tokens computed after the write
+        start = end - self.bs
+        toks = m.seq.token_ids
+        have = len(toks)
+        if have >= end:
+            block = toks[start:end]
+        elif have <= start:
+            block = self._tokens(m, start, self.bs)
+        else:
+            block = toks[start:] + self._tokens(m, have, end - have)
+        self.kv.name_next_block(m.seq, block)
 
     def _drop(self, m: LaneMember) -> None:
         del self._live[m.uid]
@@ -218,18 +227,25 @@ class DecodeLane:
         seq = m.seq
         toks = seq.token_ids
         have, want = len(toks), m.n0 + L - m.j
-        if want <= have:
-            return
-        # Slices of one period's ids, held twice so that any run of up to a period is one.
+        if want > have:
+            toks += self._tokens(m, have, want - have)
+
+    def _tokens(self, m: LaneMember, start: int, count: int) -> list[int]:
+        """``m``'s synthetic ids at positions ``start .. start + count - 1``: slices of
+        one period's ids, held twice so that any run of up to a period is one slice."""
         P, cyc = self.period, m.cycle
         if cyc is None:
-            cyc = m.cycle = self.tokens(seq.group.request_id, 0, 2 * P)
-        s, n = have % P, want - have
-        while n > 0:
-            take = min(n, P)
-            toks.extend(cyc[s:s + take])
+            cyc = m.cycle = self.tokens(m.seq.group.request_id, 0, 2 * P)
+        s = start % P
+        if count <= P:
+            return cyc[s:s + count]
+        out: list[int] = []
+        while count > 0:
+            take = min(count, P)
+            out += cyc[s:s + take]
             s = (s + take) % P
-            n -= take
+            count -= take
+        return out
 
     def _settle(self, m: LaneMember, L: int) -> None:
         """The in-place writes of lane steps ``settled + 1 .. L`` into ``m``'s block, one
