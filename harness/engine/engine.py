@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 from collections.abc import Callable, Iterator
 
@@ -60,9 +61,16 @@ class Engine:
         arrivals = _Arrivals(pending, workload, stream=not isinstance(clock, WallClock))
         try:
             self._loop(workload, arrivals, pending, start, progress)
-        finally:
-            if sch.lane is not None:  # the roofline's decode lane: its members' state now
-                sch.lane.leave_all()
+        except BaseException:
+            # Stopped (Ctrl-C, a failure): the roofline's decode-lane members' sequences
+            # and token times brought up to date for the partial records, if they can be;
+            # the original error is what is raised.
+            if sch.lane is not None:
+                with contextlib.suppress(Exception):
+                    sch.lane.leave_all()
+            raise
+        if sch.lane is not None:  # (empty when every request finished)
+            sch.lane.leave_all()
         return clock.now() - start
 
     def _loop(self, workload: Workload, arrivals: _Arrivals,

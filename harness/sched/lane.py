@@ -23,7 +23,8 @@ reports equals stepping one by one (tests/test_lane.py: a hypothesis property te
 random workloads, preemption by recompute and swap, prefix hits and arrivals).
 
 Lane steps are counted as the scheduler's non-empty steps (``L``): while a request is a
-member every non-empty step schedules it, and the KV manager's clock (the ledger's
+member every non-empty step schedules it (one the step cannot schedule, out of token
+budget behind n > 1 groups' forks, leaves first), and the KV manager's clock (the ledger's
 ``now``) and the collector's token clock each advance once per non-empty step, so a
 member's state after ``L`` steps is a linear function of ``L``.
 """
@@ -194,6 +195,9 @@ class DecodeLane:
         m.seq.group.lane = None
         self.n -= 1
         self.off_sum -= m.c0 - m.j
+        if len(self._max) > 4 * self.n + 64:  # the heap keeps left members until the top
+            self._max = [(m.j - m.c0, m.uid) for m in self._live.values()]
+            heapq.heapify(self._max)
 
     def leave(self, m: LaneMember) -> None:
         """``m`` leaves (a preemption), synced to the steps done."""

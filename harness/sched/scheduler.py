@@ -280,11 +280,15 @@ class Scheduler:
                 skip = min(visit[v] if v < len(visit) else len(self.running),
                            len(self.running)) - i
                 if skip:
-                    assert budget >= skip
-                    n_lane += skip
-                    budget -= skip
-                    pending_decode -= skip
-                    i += skip
+                    # As one by one: decodes until the budget is spent (n > 1 groups can
+                    # hold more sequences than max_num_seqs counts), then the rest wait.
+                    take = min(skip, budget)
+                    n_lane += take
+                    budget -= take
+                    pending_decode -= take
+                    i += take
+                    if take < skip:
+                        break
                     continue
             g = self.running[i]
             m = g.lane
@@ -294,7 +298,9 @@ class Scheduler:
                 f += 1
             if m is not None:
                 # A member whose step takes a new block: the lane's own path.
-                assert lane is not None and budget > 0 and m.touch == L1
+                assert lane is not None and m.touch == L1
+                if budget == 0:
+                    break
                 while not lane.touch(m, L1):
                     victim = self.running[-1]
                     preempt(victim)
@@ -349,6 +355,11 @@ class Scheduler:
             i += 1
 
         if lane is not None:
+            # Members the loop did not reach (out of token budget) wait for the next step,
+            # which the lane cannot express: they leave it, synced, and go one by one.
+            for g in self.running[i:]:
+                if g.lane is not None:
+                    lane.leave(g.lane)
             for m in fills[f:]:
                 lane.name_filled(m, L1)
             rec.lane_n = n_lane
