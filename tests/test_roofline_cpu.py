@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from harness.backends.costs import KVCosts
+from harness.backends.costs import KVCosts, QuantCosts
 from harness.errors import UserError
 from harness.roofline.calibrate import Measured, bounded_lsq, fit, predict
 from harness.roofline.hardware import (
@@ -27,7 +27,7 @@ from harness.roofline.models import MODEL_SPECS
 from harness.roofline.shape import StepShape, step_shape
 from harness.roofline.steptime import StepModel, profile_tau
 from harness.sched.sequence import SamplingParams, Sequence, SequenceGroup
-from harness.sched.step import ScheduledSeq
+from harness.sched.step import ScheduledSeq, StepRecord
 
 SMOL = MODEL_SPECS["smollm2-135m"]
 FP32_BYTES = 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 KV heads of 64, fp32
@@ -120,24 +120,41 @@ class Held:
 
 
 def test_step_shape_counts_padded_decodes_and_full_prefill_pairs() -> None:
-    rec = SimpleNamespace(num_tokens=1 + 1 + 5, seqs=[sched(1, 40), sched(1, 3),
-                                                      sched(5, 10, prompt=15)])
-    sh = step_shape(rec, KVCosts(FP32_BYTES, 16), Held())  # type: ignore[arg-type]
+    rec = StepRecord(0, [sched(1, 40), sched(1, 3), sched(5, 10, prompt=15)],
+                     num_prefill_tokens=5, num_decode_tokens=2)
+    sh = step_shape(rec, KVCosts(FP32_BYTES, 16), Held())
     # Decodes at 41 and 4 keys: both gathered to the widest table, 3 blocks of 16.
     assert sh.ctx_decode == 45 and sh.gather_decode == 2 * 48
     assert sh.pairs_full == 5 * 15 and sh.pairs == 5 * (10 + 3) and sh.ctx_prefill == 15
     assert sh.dec_bytes == 45 * FP32_BYTES and sh.pre_bytes == 15 * FP32_BYTES
     contiguous = KVCosts(FP32_BYTES)  # no block granule: a range gathers its context
-    assert step_shape(rec, contiguous, Held()).gather_decode == 2 * 41  # type: ignore[arg-type]
+    assert step_shape(rec, contiguous, Held()).gather_decode == 2 * 41
     assert StepShape(1, 1, 0, 0, 1, 1, [sched(1, 0)]).rows == 1
 
 
 def test_a_prompts_last_token_alone_is_prefill_in_the_step_shape() -> None:
     # A 1-token chunk at the prompt's last position (prompt 41): prefill, not a decode.
-    rec = SimpleNamespace(num_tokens=1, seqs=[sched(1, 40, prompt=41)])
-    sh = step_shape(rec, KVCosts(FP32_BYTES, 16), Held())  # type: ignore[arg-type]
+    rec = StepRecord(0, [sched(1, 40, prompt=41)], num_prefill_tokens=1)
+    sh = step_shape(rec, KVCosts(FP32_BYTES, 16), Held())
     assert sh.num_decode == 0 and sh.ctx_decode == 0 and sh.pairs == 41
     assert sh.reads.decode_queries == 0 and sh.reads.prefill_pairs == 41
+
+
+@pytest.mark.parametrize("costs", [KVCosts(FP32_BYTES, 16), KVCosts(FP32_BYTES),
+                                   QuantCosts(130, 512, 16, 4)], ids=["paged", "range", "fp8"])
+def test_decode_lane_sums_shape_a_step_as_its_listed_decodes(costs: KVCosts) -> None:
+    """Decode-lane members (harness.sched.lane) reach the step shape as a count and
+    their contexts' sum and max: the same shape as those decodes listed one by one."""
+    prefill = sched(5, 10, prompt=15)
+    ctxs = [41, 4, 17, 16]
+    listed = StepRecord(0, [*(sched(1, c - 1) for c in ctxs), prefill],
+                        num_prefill_tokens=5, num_decode_tokens=len(ctxs))
+    summed = StepRecord(0, [prefill], num_prefill_tokens=5, num_decode_tokens=len(ctxs),
+                        lane_n=len(ctxs), lane_ctx=(sum(ctxs), max(ctxs)))
+    a, b = step_shape(listed, costs, Held()), step_shape(summed, costs, Held())
+    for k in ("tokens", "seqs", "pairs", "ctx_prefill", "ctx_decode", "num_decode", "rows",
+              "pairs_full", "gather_decode", "dec_bytes", "pre_bytes", "reads"):
+        assert getattr(a, k) == getattr(b, k), k
 
 
 def test_bounded_lsq_recovers_coefficients_and_respects_bounds() -> None:
