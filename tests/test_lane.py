@@ -4,8 +4,8 @@ A hypothesis property test over random workloads: arrivals during the run, preem
 recompute and by swap (small KV budgets), prefix hits (shared prompts, conversations that
 re-send their answers: hits on blocks that lane members named), identical prompts (two
 requests naming the same content), length limits, block sizes, prefix caching on and off,
-and the backends that take the lane (paged, fp8, int8) and one that does not (a sliding
-window: stepped one by one either way). Each example runs twice, ``roofline.fast_path``
+and the backends that take the lane (paged, fp8, int8, contiguous) and one that does not
+(a sliding window: stepped one by one either way). Each example runs twice, ``roofline.fast_path``
 on and off, and compares every request's token times (so its TTFT, every ITL and its
 finish), every requests.csv row, every steps.csv column, the output ids and every metric.
 """
@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from harness.backends.costs import KVCosts, QuantCosts
+from harness.kv.contiguous import ContiguousKVManager
 from harness.kv.paged import PagedKVManager
 from harness.metrics import collector
 from harness.roofline.executor import (
@@ -76,7 +77,7 @@ def options() -> st.SearchStrategy[list[str]]:
             f"cache.enable_prefix_caching={caching}", f"scheduler.max_num_seqs={seqs}",
             f"scheduler.max_num_batched_tokens={tokens}", f"scheduler.max_model_len={mml}",
             *(["scheduler.preemption_mode=swap", "cache.swap_space=256MiB"] if swap else [])],
-        st.sampled_from(["paged", "paged", "fp8", "int8", "sliding_window"]),
+        st.sampled_from(["paged", "paged", "fp8", "int8", "contiguous", "sliding_window"]),
         st.sampled_from([4, 8, 16]), st.sampled_from(["48MiB", "128MiB", "512MiB"]),
         st.booleans(), st.booleans(), st.sampled_from([4, 16, 64]),
         st.sampled_from([64, 256]), st.sampled_from([256, 2048]))
@@ -145,14 +146,27 @@ def test_the_lane_equals_stepping_one_by_one(workload: list[str], opts: list[str
 
 # -- the scheduler, KV manager and collector alone: many small cases a second -----------------
 
+def _pool_state(kv: PagedKVManager | ContiguousKVManager) -> tuple[Any, ...]:
+    if isinstance(kv, ContiguousKVManager):
+        return (kv.arena.holes(), kv.usage())
+    return (kv.pool.free_order(), kv.pool.lru_order(),
+            [(h, list(d)) for h, d in kv.pool.hash_to_blocks.items()])
+
+
 def _drive(case: dict[str, Any], lane_on: bool) -> tuple[Any, ...]:
     """One case driven as the engine drives a roofline run (samples forked as its sampler
     does, a follow-up re-sending a finished answer), logging after every step what the
     step ran, its shape, the pool's free and LRU orders and its named blocks."""
     r = random.Random(case["seed"])
     bs = case["bs"]
-    kv = PagedKVManager(case["blocks"], bs, num_cpu_blocks=case["cpu"],
-                        enable_prefix_caching=case["caching"])
+    kv: PagedKVManager | ContiguousKVManager
+    if case.get("contiguous"):  # a range per sequence (``reserve``: exact, pow2 or max)
+        kv = ContiguousKVManager(case["blocks"] * bs, policy=case["contiguous"],
+                                 max_model_len=case["mml"], granule=bs)
+        case = {**case, "cpu": 0, "caching": False}
+    else:
+        kv = PagedKVManager(case["blocks"], bs, num_cpu_blocks=case["cpu"],
+                            enable_prefix_caching=case["caching"])
     cfg = SchedulerConfig(max_num_seqs=case["seqs"], max_num_batched_tokens=case["tokens"],
                           max_model_len=case["mml"], chunked_prefill=case["chunked"],
                           preemption_mode="swap" if case["cpu"] else "recompute",
@@ -227,8 +241,7 @@ def _drive(case: dict[str, Any], lane_on: bool) -> tuple[Any, ...]:
                     [g.request_id for g in rec.preempted], [g.request_id for g in upd.finished],
                     list(rec.swap_out), list(rec.swap_in), list(rec.copies),
                     sh.tokens, sh.ctx_decode, sh.gather_decode, sh.dec_bytes, sh.num_decode,
-                    sh.rows, kv.pool.free_order(), kv.pool.lru_order(),
-                    [(h, list(d)) for h, d in kv.pool.hash_to_blocks.items()]))
+                    sh.rows, *_pool_state(kv)))
     if sch.lane is not None:
         sch.lane.leave_all()
     vals, counts = col.itl_ms()
@@ -243,7 +256,8 @@ def _drive(case: dict[str, Any], lane_on: bool) -> tuple[Any, ...]:
        tokens=st.sampled_from([3, 16, 64]), mml=st.sampled_from([12, 24, 256]),
        chunked=st.booleans(), policy=st.sampled_from(["fcfs", "priority"]),
        adm=st.sampled_from(["watermark", "watermark", "no_evict"]), n=st.integers(3, 30),
-       sinks=st.sampled_from([-1, 0, 2, 5]), forks=st.booleans())
+       sinks=st.sampled_from([-1, 0, 2, 5]), forks=st.booleans(),
+       contiguous=st.sampled_from([None, None, "exact", "pow2", "max"]))
 def test_the_lane_equals_one_by_one_step_for_step(**case: Any) -> None:
     """Every step's record, shape, free and LRU orders and named blocks, the ledger, the
     rows, the ITLs, the KV stats and the outputs, with and without the lane (n > 1

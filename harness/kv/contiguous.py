@@ -220,6 +220,17 @@ class ContiguousKVManager:
     def max_chunk(self, seq: Sequence) -> int | None:
         return None
 
+    # -- the roofline's decode lane (harness.sched.lane): in-place writes in bulk --------
+    def ramp_fill(self, start: int, k: int) -> None:
+        """The range at ``start`` took one more token at each of the last ``k`` steps
+        (its used slots were counted as they happened: :meth:`add_used`)."""
+        self._fills[start] += k
+        self.ledger.ramp(start, k)
+
+    def add_used(self, n: int) -> None:
+        """``n`` in-place writes this step, their ranges' fills settled later."""
+        self._used += n
+
     def slot(self, seq: Sequence, pos: int) -> int:
         """Physical slot of token ``pos`` of ``seq`` (tests and debugging)."""
         return self._range[seq.seq_id][0] + pos

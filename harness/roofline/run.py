@@ -19,6 +19,7 @@ import torch
 from harness import layer_types
 from harness.backends.base import KVLayout
 from harness.engine.sampler import Sampler
+from harness.kv.contiguous import ContiguousKVManager
 from harness.kv.paged import PagedKVManager
 from harness.metrics.groups import group_metrics
 from harness.model import ByteTokenizer, parse_dtype
@@ -83,7 +84,7 @@ def build_roofline(rc: RunConfig, workload: Workload, quiet: bool = False,
     why = ("roofline.fast_path=false" if not r.fast_path else
            sch.lane_blocker() or lane_blocker(st.kv, backend.costs()))
     if why is None:
-        assert isinstance(st.kv, PagedKVManager)
+        assert isinstance(st.kv, PagedKVManager | ContiguousKVManager)
         sch.lane = DecodeLane(st.kv, backend.costs(), synthetic_tokens, SYNTHETIC_PERIOD,
                               SYNTHETIC_IDS,
                               sch.eos_token_ids, sch.cfg.max_model_len)

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from harness.backends.costs import KVCosts, QuantCosts
+from harness.kv.contiguous import ContiguousKVManager
 from harness.kv.paged import PagedKVManager
 from harness.sched.sequence import SeqStatus, Sequence, SequenceGroup
 
@@ -51,8 +52,11 @@ LANE_COSTS = (KVCosts, QuantCosts)
 def lane_blocker(kv: object, costs: KVCosts) -> str | None:
     """Why a run with this KV manager and cost declaration steps every sequence one by
     one (None: its decodes can take the lane)."""
+    if type(kv) is ContiguousKVManager:
+        return None if type(costs) in LANE_COSTS else \
+            f"the backend's reads ({type(costs).__name__}) are not summed"
     if type(kv) is not PagedKVManager:
-        return f"the KV manager is {type(kv).__name__}, not the plain paged one"
+        return f"the KV manager is {type(kv).__name__}, not the plain paged or contiguous one"
     if kv.tiers is not None:
         return "cache.tiers (lower tiers write blocks as they are named)"
     if kv.block_size < 2:
@@ -86,17 +90,22 @@ class LaneMember:
 class DecodeLane:
     """The members of one scheduler's lane and their sums (see the module docstring)."""
 
-    def __init__(self, kv: PagedKVManager, costs: KVCosts, tokens: TokenFn, period: int,
+    def __init__(self, kv: PagedKVManager | ContiguousKVManager, costs: KVCosts,
+                 tokens: TokenFn, period: int,
                  synthetic_ids: range, eos_token_ids: frozenset[int],
                  max_model_len: int) -> None:
         """``tokens``: the executor's synthetic ids, which repeat every ``period``
         positions; ``synthetic_ids``: every id it can return (a request that could stop
         on one of them at EOS never joins)."""
-        assert type(kv) is PagedKVManager and kv.tiers is None, "lanes: plain paged only"
-        assert type(costs) in LANE_COSTS, f"lanes: {type(costs).__name__} is not summed"
+        assert lane_blocker(kv, costs) is None, lane_blocker(kv, costs)
         self.kv, self.costs, self.tokens, self.period = kv, costs, tokens, period
         self.bs = kv.block_size
-        self.caching = kv.enable_prefix_caching
+        # A contiguous range is one unit (its start) that a member fills until its end,
+        # where its next write fails as append_slot's would (no blocks, no names).
+        self.paged: PagedKVManager | None = kv if isinstance(kv, PagedKVManager) else None
+        self.ranges: ContiguousKVManager | None = \
+            kv if isinstance(kv, ContiguousKVManager) else None
+        self.caching = self.paged is not None and self.paged.enable_prefix_caching
         self.eos_hit = bool(eos_token_ids.intersection(synthetic_ids))
         self.max_model_len = max_model_len
         self.sinks = costs.sinks if isinstance(costs, QuantCosts) else 0
@@ -126,14 +135,21 @@ class DecodeLane:
         c0, n0 = seq.num_computed, len(seq.token_ids)
         if n0 - c0 != 1 or c0 < seq.num_prompt_tokens or c0 + 1 < self.sinks:
             return False
-        bs, pool = self.bs, self.kv.pool
-        table = self.kv.blocks_of(seq).table
-        if c0 % bs:
-            block = table[c0 // bs]
-            if pool.ref[block] != 1:  # a shared last block: its next write copies it
-                return False
+        L = self.L
+        if self.ranges is not None:
+            block, cap = self.ranges.range_of(seq)
+            touch = L + 1 + max(0, cap - c0)  # the step whose write finds the range full
         else:
-            block = table[c0 // bs - 1]
+            assert self.paged is not None
+            bs, pool = self.bs, self.paged.pool
+            table = self.paged.blocks_of(seq).table
+            if c0 % bs:
+                block = table[c0 // bs]
+                if pool.ref[block] != 1:  # a shared last block: its next write copies it
+                    return False
+            else:
+                block = table[c0 // bs - 1]
+            touch = self._next_touch(c0, L + 1)
         n_out = n0 - seq.num_prompt_tokens
         r_stop = p.stop_after - n_out if p.stop_after is not None else 0
         r_len = max(1, min(p.max_tokens - n_out, self.max_model_len - n0))
@@ -141,10 +157,8 @@ class DecodeLane:
             r, reason = r_stop, "stop"
         else:
             r, reason = r_len, "length"
-        L = self.L
         self._uid += 1
-        m = LaneMember(self._uid, seq, L, c0, n0, block, L, self._next_touch(c0, L + 1),
-                       L + r, reason)
+        m = LaneMember(self._uid, seq, L, c0, n0, block, L, touch, L + r, reason)
         self._track_fill(m)
         g.lane = m
         self._live[m.uid] = m
@@ -188,7 +202,8 @@ class DecodeLane:
             block = self._tokens(m, start, self.bs)
         else:
             block = toks[start:] + self._tokens(m, have, end - have)
-        self.kv.name_next_block(m.seq, block)
+        assert self.paged is not None
+        self.paged.name_next_block(m.seq, block)
 
     def _drop(self, m: LaneMember) -> None:
         del self._live[m.uid]
@@ -257,17 +272,24 @@ class DecodeLane:
         (:meth:`scheduled`); the block's fill and the ledger's integral now."""
         k = L - m.settled
         if k > 0:
-            pool = self.kv.pool
-            pool.fill[m.block] += k
-            assert pool.ledger is not None
-            pool.ledger.ramp(m.block, k)
+            if self.ranges is not None:
+                self.ranges.ramp_fill(m.block, k)
+            else:
+                assert self.paged is not None
+                pool = self.paged.pool
+                pool.fill[m.block] += k
+                assert pool.ledger is not None
+                pool.ledger.ramp(m.block, k)
             m.settled = L
 
     def touch(self, m: LaneMember, L1: int) -> bool:
         """Write ``m``'s slot of lane step ``L1``, a block's first, into a new block as
         ``PagedKVManager.append_slot`` would (False, nothing done: no block is free, the
-        caller preempts)."""
-        kv, pool = self.kv, self.kv.pool
+        caller preempts; for a contiguous range, always: it is full)."""
+        kv = self.paged
+        if kv is None:
+            return False
+        pool = kv.pool
         if pool.num_free == 0:
             return False
         self._settle(m, L1 - 1)
@@ -285,7 +307,11 @@ class DecodeLane:
     def scheduled(self, n_sched: int, n_touched: int) -> None:
         """Lane step ``L + 1`` scheduled ``n_sched`` members, ``n_touched`` of them by the
         per-sequence path: the rest each filled one slot in place."""
-        self.kv.pool.used_slots += n_sched - n_touched
+        if self.ranges is not None:
+            self.ranges.add_used(n_sched - n_touched)
+        else:
+            assert self.paged is not None
+            self.paged.pool.used_slots += n_sched - n_touched
         self.L += 1
         self._fills.pop(self.L, None)  # (a step with no prefix lookups never asked)
 
