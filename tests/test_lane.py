@@ -123,7 +123,7 @@ def assert_same_run(one: RunResult, lane: RunResult) -> None:
         assert np.array_equal(cols_a[k], cols_b[k]), k
 
 
-@settings(max_examples=24, deadline=None, derandomize=True,
+@settings(max_examples=16, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(workload=workloads(), opts=options())
 def test_the_lane_equals_stepping_one_by_one(workload: list[str], opts: list[str],
@@ -249,7 +249,7 @@ def _drive(case: dict[str, Any], lane_on: bool) -> tuple[Any, ...]:
             col.outputs())
 
 
-@settings(max_examples=300, deadline=None, derandomize=True)
+@settings(max_examples=200, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**31), bs=st.sampled_from([2, 3, 4, 8]),
        blocks=st.sampled_from([5, 7, 9, 12, 40]), cpu=st.sampled_from([0, 0, 64]),
        caching=st.booleans(), seqs=st.sampled_from([3, 4, 8, 16]),
