@@ -384,6 +384,17 @@ class PagedKVManager:
             return None
         return self._extend(seq, pos, 1)[0]
 
+    # -- the roofline's decode lane (harness.sched.lane): in-place writes in bulk --------
+    def ramp_fill(self, block: int, k: int) -> None:
+        """Block ``block`` took one more token at each of the last ``k`` steps (its
+        used slots were counted as they happened: :meth:`add_used`)."""
+        self.pool.fill[block] += k
+        self.ledger.ramp(block, k)
+
+    def add_used(self, n: int) -> None:
+        """``n`` in-place writes this step, their blocks' fills settled later."""
+        self.pool.used_slots += n
+
     def name_next_block(self, seq: Sequence, tokens: list[int]) -> None:
         """Name ``seq``'s first block not named yet, full, which holds ``tokens`` (the
         chain's next link; also for a decode lane, harness.sched.lane, whose sequences'

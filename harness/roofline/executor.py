@@ -55,8 +55,7 @@ def synthetic_token(request_id: int, sample: int, position: int) -> int:
 def synthetic_tokens(request_id: int, start: int, count: int) -> list[int]:
     """Sample 0's tokens at positions ``start .. start + count - 1`` (a decode lane's,
     harness.sched.lane, made when read)."""
-    base = request_id * 7919
-    return [TOKEN_BASE + (base + p * 31337) % TOKEN_SPAN for p in range(start, start + count)]
+    return [synthetic_token(request_id, 0, p) for p in range(start, start + count)]
 
 
 SYNTHETIC_IDS = range(TOKEN_BASE, TOKEN_BASE + TOKEN_SPAN)

@@ -71,8 +71,8 @@ class LaneMember:
     """One member: at lane step ``L`` (steps done) its sequence holds
     ``n0 + (L - j)`` tokens and ``c0 + (L - j)`` computed. ``block``: its last block,
     whose fill was last brought up to date at lane step ``settled``; ``touch``: the next
-    lane step that needs its per-sequence path; ``finish``: the lane step whose update
-    finishes it, for ``reason``."""
+    lane step that needs its per-sequence path; ``reason``: why it finishes (the lane
+    files it under the step whose update finishes it)."""
 
     uid: int
     seq: Sequence
@@ -82,7 +82,6 @@ class LaneMember:
     block: int
     settled: int
     touch: int
-    finish: int
     reason: str
     cycle: list[int] | None = None  # its tokens at positions 0 .. 2 period - 1
 
@@ -98,7 +97,7 @@ class DecodeLane:
         positions; ``synthetic_ids``: every id it can return (a request that could stop
         on one of them at EOS never joins)."""
         assert lane_blocker(kv, costs) is None, lane_blocker(kv, costs)
-        self.kv, self.costs, self.tokens, self.period = kv, costs, tokens, period
+        self.kv, self.tokens, self.period = kv, tokens, period
         self.bs = kv.block_size
         # A contiguous range is one unit (its start) that a member fills until its end,
         # where its next write fails as append_slot's would (no blocks, no names).
@@ -158,7 +157,7 @@ class DecodeLane:
         else:
             r, reason = r_len, "length"
         self._uid += 1
-        m = LaneMember(self._uid, seq, L, c0, n0, block, L, touch, L + r, reason)
+        m = LaneMember(self._uid, seq, L, c0, n0, block, L, touch, reason)
         self._track_fill(m)
         g.lane = m
         self._live[m.uid] = m
@@ -272,14 +271,7 @@ class DecodeLane:
         (:meth:`scheduled`); the block's fill and the ledger's integral now."""
         k = L - m.settled
         if k > 0:
-            if self.ranges is not None:
-                self.ranges.ramp_fill(m.block, k)
-            else:
-                assert self.paged is not None
-                pool = self.paged.pool
-                pool.fill[m.block] += k
-                assert pool.ledger is not None
-                pool.ledger.ramp(m.block, k)
+            self.kv.ramp_fill(m.block, k)
             m.settled = L
 
     def touch(self, m: LaneMember, L1: int) -> bool:
@@ -307,13 +299,8 @@ class DecodeLane:
     def scheduled(self, n_sched: int, n_touched: int) -> None:
         """Lane step ``L + 1`` scheduled ``n_sched`` members, ``n_touched`` of them by the
         per-sequence path: the rest each filled one slot in place."""
-        if self.ranges is not None:
-            self.ranges.add_used(n_sched - n_touched)
-        else:
-            assert self.paged is not None
-            self.paged.pool.used_slots += n_sched - n_touched
+        self.kv.add_used(n_sched - n_touched)
         self.L += 1
-        self._fills.pop(self.L, None)  # (a step with no prefix lookups never asked)
 
     def context_sums(self, L1: int) -> tuple[int, int]:
         """(sum, max) of the members' contexts at lane step ``L1`` (the last query's

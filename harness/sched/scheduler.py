@@ -237,7 +237,7 @@ class Scheduler:
         # Tokens every running decode will need: prefills only get what is left of them.
         if lane is None:
             decoding = [self._is_decoding(g) for g in running]
-            pending_decode = sum(len(g.live_seqs) if len(g.seqs) > 1 else 1
+            pending_decode = sum(self._decode_tokens(g)
                                  for g, d in zip(running, decoding) if d)
             visit: list[int] = []
         else:
@@ -252,8 +252,7 @@ class Scheduler:
                 g = running[k]
                 if g.lane is None:
                     d = decoding[k] = self._is_decoding(g)
-                    pending_decode += (len(g.live_seqs) if len(g.seqs) > 1 else 1) - 1 \
-                        if d else -1
+                    pending_decode += self._decode_tokens(g) - 1 if d else -1
 
         def preempt(victim: SequenceGroup) -> None:
             # Victims come off the back of ``running``, whose entries keep their indices
@@ -262,7 +261,7 @@ class Scheduler:
             nonlocal pending_decode
             j = len(self.running) - 1
             if victim is not self.running[i] and decoding[j]:
-                pending_decode -= len(victim.live_seqs) if len(victim.seqs) > 1 else 1
+                pending_decode -= self._decode_tokens(victim)
             if victim.lane is not None:
                 assert lane is not None
                 lane.leave(victim.lane)
@@ -270,7 +269,7 @@ class Scheduler:
 
         # Members whose write this step fills their block: named where stepping one by
         # one would, among the other groups (whose prefill chunks name blocks too).
-        fills = lane.fills(L1) if lane is not None and lane.caching else []
+        fills = lane.fills(L1) if lane is not None else []
         f = v = 0
         i = 0
         while i < len(self.running):
@@ -394,6 +393,11 @@ class Scheduler:
         if CHECKS:
             check_distinct_slots(rec)
         return rec
+
+    @staticmethod
+    def _decode_tokens(g: SequenceGroup) -> int:
+        """Tokens ``g`` decodes in a step: one per live sequence."""
+        return len(g.live_seqs) if len(g.seqs) > 1 else 1
 
     @staticmethod
     def _is_decoding(g: SequenceGroup) -> bool:
@@ -615,30 +619,11 @@ class Scheduler:
         for seq, reason in outcome.stops:
             self._finish_seq(seq, reason)
         lane = self.lane
-        if lane is not None and rec.lane_n:
-            self._append_with_lane(lane, rec, appends)
-        else:
-            for seq, t in appends:
-                if t.cum_logprob is not None:
-                    seq.cum_logprob = t.cum_logprob
-                self._append_token(seq, t.token)
-        done = self._retire_finished()
-        kv.observe([s.seq for s in rec.seqs if s.seq.status is SeqStatus.RUNNING],
-                   outcome.scores)
-        upd = StepUpdate(done, kv.record_external(self.next_waiting_need()))
-        if lane is not None:
-            for s in rec.seqs:  # who decodes from now on joins
-                g = s.seq.group
-                if g.lane is None and s.sample and lane.try_join(g):
-                    upd.lane_joined.append(g.request_id)
-        return upd
-
-    def _append_with_lane(self, lane: DecodeLane, rec: StepRecord,
-                          appends: list[tuple[Sequence, NewToken]]) -> None:
-        """The tokens, with the lane members that finish this step finished where
-        stepping one by one would: among the decodes in running order, before the
-        prefills' tokens (their freed blocks enter the pool's queues in that order)."""
-        fin = sorted(lane.finishing(), key=lambda m: m.seq.group.run_order)
+        # Decode-lane members finishing this step are finished where stepping one by one
+        # would: among the decodes in running order, before the prefills' tokens (their
+        # freed blocks enter the pool's queues in that order).
+        fin = sorted(lane.finishing(), key=lambda m: m.seq.group.run_order) \
+            if lane is not None and rec.lane_n else []
         decodes = {id(s.seq) for s in rec.seqs if s.is_decode} if fin else set()
         k = 0
         for seq, t in appends:
@@ -654,6 +639,16 @@ class Scheduler:
             self._append_token(seq, t.token)
         for m in fin[k:]:
             self._finish_seq(m.seq, m.reason)
+        done = self._retire_finished()
+        kv.observe([s.seq for s in rec.seqs if s.seq.status is SeqStatus.RUNNING],
+                   outcome.scores)
+        upd = StepUpdate(done, kv.record_external(self.next_waiting_need()))
+        if lane is not None:
+            for s in rec.seqs:  # who decodes from now on joins
+                g = s.seq.group
+                if g.lane is None and s.sample and lane.try_join(g):
+                    upd.lane_joined.append(g.request_id)
+        return upd
 
     def _retire_finished(self) -> list[SequenceGroup]:
         """Move groups whose last sequence finished out of ``running``; returns them."""
