@@ -10,6 +10,7 @@ from harness.config import RunConfig
 from harness.engine.sampler import Sampler
 from harness.errors import UserError
 from harness.metrics.groups import group_metrics
+from harness.metrics.requestlog import RequestLog
 from harness.metrics.tasks import add_task_scores
 from harness.model import load_model
 from harness.model.tokenizer import Tokenizer
@@ -76,7 +77,7 @@ class ModelTarget:
         return ExecutorRecord(run, group_metrics(st.kv, st.sizing, st.collector.steps))
 
     def score(self, st: Stack, workload: Workload, outputs: dict[int, list[int]],
-              metrics: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+              metrics: dict[str, Any], rows: RequestLog) -> None:
         rc = self.rc
         add_task_scores(workload, self.loaded.tokenizer, outputs, metrics, rows, rc.seed)
         if not rc.quality.enabled:
@@ -84,5 +85,5 @@ class ModelTarget:
         q = measure(self.loaded, self.device, rc, self.texts, outputs, st.sizing.num_slots)
         metrics.update(q.metrics)
         if rc.quality.generation_agreement:
-            for r in rows:
-                r["agree_tokens"] = q.agree_tokens.get(r["request_id"])
+            rows.add_column("agree_tokens", [q.agree_tokens.get(rid)
+                                             for rid in rows.column("request_id")])

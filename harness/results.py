@@ -180,7 +180,7 @@ def claim_sweep(folder: Path) -> None:
 # --- writing a run's files -----------------------------------------------------------------
 
 def write_results(out: Path, config_yaml: str, metrics: dict[str, Any],
-                  steps: Sequence[StepRow], requests: list[dict[str, Any]],
+                  steps: Sequence[StepRow], requests: Sequence[dict[str, Any]],
                   fmt: str = "csv") -> None:
     """Write the four result files, metrics.json last: config.yaml, the step and request
     records as ``fmt`` (csv: steps.csv, requests.csv; parquet: steps.parquet,
@@ -220,10 +220,15 @@ def step_columns(steps: Sequence[StepRow]) -> dict[str, Sequence[Any]]:
     return {f: [getattr(s, f) for s in steps] for f in FIELDS} if steps else {}
 
 
-def request_columns(rows: list[dict[str, Any]]) -> dict[str, Sequence[Any]]:
-    """The request rows as columns: every key any row has, in the order they first
-    appear (a task workload's score columns only on the requests that ran); a row
-    without one holds None there (an empty CSV field, a Parquet null)."""
+def request_columns(rows: Sequence[dict[str, Any]]) -> dict[str, Sequence[Any]]:
+    """The request rows as columns (a RequestLog's own, without a copy): every key any
+    row has, in the order they first appear (a task workload's score columns only on the
+    requests that ran); a row without one holds None there (an empty CSV field, a
+    Parquet null)."""
+    from harness.metrics.requestlog import RequestLog
+
+    if isinstance(rows, RequestLog):
+        return rows.columns()
     keys = dict.fromkeys(k for r in rows for k in r)
     return {k: [r.get(k) for r in rows] for k in keys}
 
@@ -266,8 +271,9 @@ def _arrow_type(pa: Any, col: Sequence[Any]) -> Any:
     rejected request has no TTFT): bool where all are bools, int where all are integers,
     float where all are real numbers (numpy's scalars included), else text; null where
     all are None. :func:`_arrow_values` makes the values fit it."""
-    if isinstance(col, array):
-        return pa.float64() if col.typecode == "d" else pa.int64()
+    code = getattr(col, "typecode", None)  # an array, or a column that says its type
+    if code is not None:
+        return pa.float64() if code == "d" else pa.int64()
     kinds = set(map(type, col)) - {type(None)}
     if not kinds:
         return pa.null()

@@ -18,6 +18,7 @@ from harness.config import RunConfig, run_config
 from harness.errors import UserError
 from harness.metrics.collector import StepRow
 from harness.metrics.goodput import slo_metrics
+from harness.metrics.requestlog import RequestLog
 from harness.metrics.summary import request_rows, summarize
 from harness.metrics.tiers import hit_rates, tier_metrics, ttft_by_source
 from harness.model_target import ModelTarget
@@ -34,7 +35,7 @@ from harness.workloads.trace import TraceConfig
 @dataclass
 class RunResult:
     metrics: dict[str, Any]
-    requests: list[dict[str, Any]]
+    requests: RequestLog  # reads as a list of row dicts
     out_dir: Path | None
     outputs: dict[int, list[int]]  # request id -> output ids (the best beam for beams)
     steps: Sequence[StepRow]
@@ -122,15 +123,17 @@ def tiers_label(rc: RunConfig, st: Stack) -> str:
     return ",".join(parts)
 
 
-def check_rejections(rows: list[dict[str, Any]], out_dir: Path | None) -> None:
+def check_rejections(rows: RequestLog, out_dir: Path | None) -> None:
     """A run where nothing finished is a failed run, not a result (UserError, after the
     results are written); one that rejected a sizeable share says so on the terminal."""
-    rejected = [r for r in rows if r["status"] == "rejected"]
+    status = rows.column("status")
+    rejected = [i for i, s in enumerate(status) if s == "rejected"]
     if not rejected:
         return
-    why = f"e.g. request {rejected[0]['request_id']}: {rejected[0]['rejected_reason']}"
+    first = rows[rejected[0]]
+    why = f"e.g. request {first['request_id']}: {first['rejected_reason']}"
     where = f" (results in {out_dir})" if out_dir is not None else ""
-    if not any(r["status"] == "finished" for r in rows):
+    if "finished" not in status:
         raise UserError(f"no request finished: all {len(rejected)} were rejected{where}: "
                         f"{why}")
     if len(rejected) >= 0.1 * len(rows):

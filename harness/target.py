@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from harness.metrics.requestlog import RequestLog
     from harness.model.tokenizer import Tokenizer
     from harness.stack import Stack
     from harness.workloads.base import Workload
@@ -48,7 +49,7 @@ class RunTarget(Protocol):
         ...
 
     def score(self, st: Stack, workload: Workload, outputs: dict[int, list[int]],
-              metrics: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+              metrics: dict[str, Any], rows: RequestLog) -> None:
         """Quality: task scores and ``quality.*`` into ``metrics`` (and columns into
         ``rows``) where the outputs are a model's; nothing where they are synthetic."""
         ...

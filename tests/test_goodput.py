@@ -6,6 +6,7 @@ import csv
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from harness.config import run_config
@@ -64,9 +65,17 @@ def test_the_quality_floor_counts_agreeing_requests_only() -> None:
 def test_peak_concurrency_counts_overlaps_not_touching_ends() -> None:
     # [0, 2] and [1, 3] overlap; [3, 4] starts as [1, 3] ends; [0.5, 1.5] overlaps both
     # of the first two: three at once around t = 1.2.
-    assert peak_concurrency([(0, 2), (1, 3), (3, 4), (0.5, 1.5)]) == 3
-    assert peak_concurrency([(0, 1), (1, 2), (2, 3)]) == 1
-    assert peak_concurrency([]) == 0
+    assert peak_concurrency([0, 1, 3, 0.5], [2, 3, 4, 1.5]) == 3
+    assert peak_concurrency([0, 1, 2], [1, 2, 3]) == 1
+    assert peak_concurrency([], []) == 0
+    # Against counting every instant by brute force on random spans (ties included).
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        a = rng.integers(0, 20, size=rng.integers(1, 12)).astype(float)
+        f = a + rng.integers(1, 6, size=len(a))
+        # In flight at t: arrived at or before t, finishing after it.
+        want = max(int(((a <= t) & (f > t)).sum()) for t in np.concatenate([a, f]))
+        assert peak_concurrency(a, f) == want
 
 
 def test_slo_config_errors_say_what_to_change() -> None:

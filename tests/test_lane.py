@@ -245,7 +245,7 @@ def _drive(case: dict[str, Any], lane_on: bool) -> tuple[Any, ...]:
     if sch.lane is not None:
         sch.lane.leave_all()
     vals, counts = col.itl_ms()
-    return (log, kv.ledger.finish(), col.rows, vals.tolist(), counts.tolist(), kv.stats,
+    return (log, kv.ledger.finish(), list(col.rows), vals.tolist(), counts.tolist(), kv.stats,
             col.outputs())
 
 

@@ -99,7 +99,7 @@ def test_the_step_log_reads_as_the_rows_it_was_given() -> None:
 
 
 def test_records_as_csv_are_the_files_they_always_were_and_parquet_the_same_table(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import csv
     import io
     from dataclasses import asdict
@@ -130,6 +130,19 @@ def test_records_as_csv_are_the_files_they_always_were_and_parquet_the_same_tabl
         # (CSV reads an empty text as NaN, Parquet keeps it "")
         pd.testing.assert_frame_equal(x.astype(object).fillna(""), y.astype(object).fillna(""),
                                       check_dtype=False)
+    # Steps spilled to disk every 7 steps: the same files, the same metrics.
+    import json
+
+    import harness.metrics.steplog as steplog
+
+    monkeypatch.setattr(steplog, "SPILL_ROWS", 7)
+    spilled = run(compose_cfg([*ROOFLINE], tmp_path / "spilled"))
+    assert spilled.steps._on_disk > len(spilled.steps) - 7 > 0  # type: ignore[attr-defined]
+    for f in ("steps.csv", "requests.csv"):
+        assert (tmp_path / "spilled" / f).read_bytes() == (out / f).read_bytes()
+    m, want = (json.loads((d / "metrics.json").read_text()) for d in (tmp_path / "spilled", out))
+    assert {k: v for k, v in m.items() if "wall" not in k and k != "run.started_at"} == \
+        {k: v for k, v in want.items() if "wall" not in k and k != "run.started_at"}
 
 
 def test_output_ids_can_be_left_out_of_a_roofline_run_only() -> None:
@@ -161,3 +174,99 @@ def test_parquet_takes_a_column_whose_first_value_is_none(tmp_path: Path) -> Non
     assert b["ttft_ms"].isna().tolist() == [True, False, False]
     pd.testing.assert_frame_equal(a.astype(object).fillna(""), b.astype(object).fillna(""),
                                   check_dtype=False)
+
+
+def _random_steps(rng: np.random.Generator, n: int) -> list[Any]:
+    from dataclasses import fields
+
+    from harness.metrics.rows import StepRow
+
+    def value(kind: str) -> Any:
+        if kind == "str":
+            return "|".join(map(str, rng.integers(0, 9, rng.integers(0, 3))))
+        if kind == "float":
+            return float(rng.normal() * 10.0 ** rng.integers(-3, 6))
+        return int(rng.integers(-(2**40), 2**40))
+    return [StepRow(*(value(f.type) for f in fields(StepRow))) for _ in range(n)]
+
+
+@pytest.mark.parametrize("spill", [1, 3, 7, 64])
+def test_a_spilled_step_log_reads_and_writes_as_one_held_in_memory(
+        spill: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past ``spill_rows`` the numbers go to files: every read (items, negative items,
+    slices, iteration, columns) and both written formats equal those of a log that held
+    everything; its folder is removed when it is let go."""
+    import gc
+
+    import pandas as pd
+
+    import harness.results as results
+    from harness.metrics.steplog import FIELDS, StepLog
+
+    rows = _random_steps(np.random.default_rng(spill), 23)
+    held, spilled = StepLog(), StepLog(spill_rows=spill)
+    for r in rows:
+        held.append(r)
+        spilled.append(r)
+    assert (spilled._dir is None) == (spill > 23)
+    assert len(spilled) == 23 and list(spilled) == rows
+    assert [spilled[i] for i in range(-23, 23)] == [rows[i] for i in range(-23, 23)]
+    assert spilled[2:17] == rows[2:17] and spilled[5:5] == []
+    with pytest.raises(IndexError):
+        spilled[23]
+    for f in FIELDS:
+        assert spilled.column(f).tolist() == held.column(f).tolist()
+    monkeypatch.setattr(results, "_CHUNK", 5)  # chunks that cross the spill boundaries
+    for fmt in ("csv", "parquet"):
+        for name, log in (("a", held), ("b", spilled)):
+            results._write_records(tmp_path / f"{name}.{fmt}", results.step_columns(log), fmt)
+    assert (tmp_path / "a.csv").read_bytes() == (tmp_path / "b.csv").read_bytes()
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "a.parquet"),
+                                  pd.read_parquet(tmp_path / "b.parquet"))
+    folder = spilled._dir
+    if spill < 23:
+        assert folder.is_dir()
+        del spilled, log
+        gc.collect()
+        assert not folder.exists()
+
+
+def test_the_request_log_writes_as_its_rows_would(tmp_path: Path) -> None:
+    """Rows as columns (None in the nullable reals, columns added afterwards on some rows
+    only) read back and write as the row dicts themselves."""
+    import harness.results as results
+    from harness.metrics.requestlog import FIXED, RequestLog
+
+    rng = np.random.default_rng(3)
+    rows: list[dict[str, Any]] = []
+    for _ in range(30):
+        r: dict[str, Any] = {}
+        for k, kind in FIXED.items():
+            if kind == "s":
+                r[k] = str(rng.choice(["finished", "", "a, b \"quoted\""]))
+            elif kind == "q":
+                r[k] = int(rng.integers(-5, 2**40))
+            elif kind == "n" and rng.random() < 0.3:
+                r[k] = None
+            else:
+                r[k] = float(rng.normal() * 1e3)
+        r["output_ids"] = " ".join(map(str, rng.integers(0, 50, 3)))
+        rows.append(r)
+    log = RequestLog()
+    slots = [log.reserve() for _ in rows]
+    for i in rng.permutation(len(rows)):  # rows are filled as requests finish
+        log.fill(slots[i], rows[i])
+    scored = {i: float(rng.random()) for i in range(0, 30, 4)}
+    log.add_column("score", [scored.get(i) for i in range(30)])
+    log.add_column("meets_slo", [bool(rng.random() < 0.5) for _ in range(30)])
+    for i, r in enumerate(rows):
+        if i in scored:
+            r["score"] = scored[i]
+        r["meets_slo"] = log.column("meets_slo")[i]
+    assert list(log) == rows and log[-1] == rows[-1] and log[3:9] == rows[3:9]
+    with pytest.raises(ValueError, match="2 values for 30 rows"):
+        log.add_column("x", [1, 2])
+    for name, table in (("a", log), ("b", rows)):
+        results._write_records(tmp_path / f"{name}.csv", results.request_columns(table), "csv")
+    text = (tmp_path / "a.csv").read_text()
+    assert text == (tmp_path / "b.csv").read_text() and text.count("\n") == 31

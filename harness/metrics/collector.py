@@ -14,6 +14,7 @@ import numpy as np
 
 from harness.backends.costs import StepReads
 from harness.kv.base import KVManager
+from harness.metrics.requestlog import RequestLog
 from harness.metrics.rows import StepRow
 from harness.metrics.steplog import StepLog
 from harness.sched.scheduler import Scheduler
@@ -35,6 +36,7 @@ class RequestTimes:
     # A decode-lane member (harness.sched.lane) since this index of token_t: its tokens
     # come every step from there and are added to token_times when it leaves; -1: not one.
     lane_from: int = -1
+    row: int = -1  # its place in MetricsCollector.rows (reserved on arrival)
 
 
 class MetricsCollector:
@@ -52,20 +54,33 @@ class MetricsCollector:
         self.kv = kv
         self.scheduler = scheduler
         self.bytes_per_slot = bytes_per_slot
-        self.keep_outputs = keep_outputs
+        self._keep_outputs = keep_outputs
         self.steps = StepLog()  # one row per step, as columns
         self.requests: dict[int, RequestTimes] = {}  # running or waiting
         self.groups: dict[int, SequenceGroup] = {}  # running or waiting (or rejected)
-        # requests.csv rows in arrival order; None: not finished yet (made at the end)
-        self.rows: dict[int, dict[str, Any] | None] = {}
+        # requests.csv rows in arrival order, as columns; a request's is filled when it
+        # finishes or is rejected, the others' at the end (harness.metrics.summary).
+        self.rows = RequestLog(outputs=keep_outputs)
         self._outputs: dict[int, list[int]] = {}
-        self.spans: list[tuple[float, float]] = []  # (arrival, finish) of each finished
+        # Arrival and finish times of each finished request (peak concurrency).
+        self.span_start, self.span_end = array("d"), array("d")
         # The clock of each step that made tokens; ITLs as the number of requests whose
         # consecutive tokens came in steps k-1 and k (``itl_next[k]``), and the rest
         # (tokens further apart: a preemption, a prompt-only step in between) as values.
         self.token_t = array("d")
         self.itl_next = array("q")
         self.itl_other = array("d")
+
+    @property
+    def keep_outputs(self) -> bool:
+        return self._keep_outputs
+
+    @keep_outputs.setter
+    def keep_outputs(self, keep: bool) -> None:
+        # Set before the run (RunConfig.records.output_ids): whether rows have output_ids.
+        assert not self.rows, "keep_outputs is set before the first request arrives"
+        self._keep_outputs = keep
+        self.rows = RequestLog(outputs=keep)
 
     def outputs(self) -> dict[int, list[int]]:
         """Request id -> its output ids, for every request that got a sequence (none
@@ -77,9 +92,8 @@ class MetricsCollector:
         return out
 
     def on_arrival(self, group: SequenceGroup, now: float) -> None:
-        self.requests[group.request_id] = RequestTimes(arrival=now)
+        self.requests[group.request_id] = RequestTimes(arrival=now, row=self.rows.reserve())
         self.groups[group.request_id] = group
-        self.rows[group.request_id] = None
 
     def on_tokens(self, rec: StepRecord, upd: StepUpdate, sampled_groups: list[SequenceGroup],
                   now: float) -> None:
@@ -109,7 +123,8 @@ class MetricsCollector:
             if reqs[g.request_id].lane_from >= 0:
                 self.lane_leave(g.request_id)
             t = self._let_go(g, finished=now)
-            self.spans.append((t.arrival, now))
+            self.span_start.append(t.arrival)
+            self.span_end.append(now)
         for rid in upd.lane_joined:
             reqs[rid].lane_from = k + 1
 
@@ -133,8 +148,8 @@ class MetricsCollector:
         rid = g.request_id
         t = self.requests.pop(rid)
         t.finished = finished
-        self.rows[rid] = request_row(rid, g, t, self.kv.block_size, self.bytes_per_slot,
-                                     self.keep_outputs)
+        self.rows.fill(t.row, request_row(rid, g, t, self.kv.block_size,
+                                          self.bytes_per_slot, self.keep_outputs))
         del self.groups[rid]
         if self.keep_outputs and g.seqs:
             self._outputs[rid] = g.output_ids

@@ -18,10 +18,14 @@ no gap between tokens: it meets any TPOT target.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from harness.errors import UserError
+from harness.metrics.requestlog import RequestLog
 
 
 @dataclass
@@ -71,15 +75,20 @@ def meets(row: dict[str, Any], slo: SLOConfig) -> bool:
     return True
 
 
-def slo_metrics(rows: list[dict[str, Any]], slo: SLOConfig, wall_s: float) -> dict[str, Any]:
+def slo_metrics(rows: RequestLog | list[dict[str, Any]], slo: SLOConfig,
+                wall_s: float) -> dict[str, Any]:
     """The goodput keys for ``rows`` (requests.csv rows, with ``agree_tokens`` when the
-    quality floor is set); marks each row's ``meets_slo``. Empty when no target is set."""
+    quality floor is set); marks each row's ``meets_slo`` (a run's RequestLog gets the
+    column). Empty when no target is set."""
     if not slo.any:
         return {}
-    met = 0
-    for r in rows:
-        r["meets_slo"] = meets(r, slo)
-        met += r["meets_slo"]
+    ok = [meets(r, slo) for r in rows]
+    if isinstance(rows, RequestLog):
+        rows.add_column("meets_slo", ok)
+    else:
+        for r, v in zip(rows, ok, strict=True):
+            r["meets_slo"] = v
+    met = sum(ok)
     return {
         "latency.goodput_rps": met / wall_s if wall_s > 0 else 0.0,
         "latency.slo_attainment": met / len(rows) if rows else 0.0,
@@ -95,12 +104,12 @@ def check_slo(slo: SLOConfig, quality_enabled: bool, generation_agreement: bool)
                         "the reference); set them, or drop slo.min_agreement")
 
 
-def peak_concurrency(spans: list[tuple[float, float]]) -> int:
-    """Most requests in flight at once, given each one's (arrival, finish) times. A
+def peak_concurrency(arrivals: Sequence[float], finishes: Sequence[float]) -> int:
+    """Most requests in flight at once, given each one's arrival and finish time. A
     request that finishes at the instant another arrives is not counted with it."""
-    events = sorted([(t0, 1) for t0, _ in spans] + [(t1, -1) for _, t1 in spans])
-    now = peak = 0
-    for _, d in events:  # at equal times -1 sorts before +1: finishes first
-        now += d
-        peak = max(peak, now)
-    return peak
+    t = np.concatenate([np.asarray(arrivals, dtype=np.float64),
+                        np.asarray(finishes, dtype=np.float64)])
+    d = np.concatenate([np.ones(len(arrivals), dtype=np.int64),
+                        -np.ones(len(finishes), dtype=np.int64)])
+    order = np.lexsort((d, t))  # by time; at equal times -1 before +1: finishes first
+    return max(0, int(np.cumsum(d[order]).max())) if len(t) else 0

@@ -10,11 +10,12 @@ import numpy as np
 from harness.kv.ledger import LedgerTotals
 from harness.metrics.collector import MetricsCollector, StepRow, request_row
 from harness.metrics.goodput import peak_concurrency
+from harness.metrics.requestlog import RequestLog
 from harness.metrics.steplog import StepLog
 
 
-def _pct(xs: list[float], q: float) -> float | None:
-    return float(np.percentile(xs, q)) if xs else None
+def _pct(xs: np.ndarray, q: float) -> float | None:
+    return float(np.percentile(xs, q)) if len(xs) else None
 
 
 def column(steps: Sequence[StepRow], name: str) -> np.ndarray:
@@ -55,13 +56,20 @@ def waste_split(tot: LedgerTotals) -> dict[str, float]:
             "external_frag_pct": 100.0 * tot.external / denom}
 
 
-def request_rows(col: MetricsCollector) -> list[dict[str, Any]]:
-    """One row per request for requests.csv, in arrival order: a finished request's as
-    made when it finished, the others' (rejected, unfinished) from what they hold now."""
+def request_rows(col: MetricsCollector) -> RequestLog:
+    """The rows of requests.csv, in arrival order: a finished or rejected request's as
+    made then, the others' (still running or waiting) filled in from what they hold now
+    (again on each call: the same values while nothing runs)."""
     bs, bps = col.kv.block_size, col.bytes_per_slot
-    return [row if row is not None else request_row(rid, col.groups[rid], col.requests[rid],
-                                                    bs, bps, col.keep_outputs)
-            for rid, row in col.rows.items()]
+    for rid, t in col.requests.items():
+        col.rows.fill(t.row, request_row(rid, col.groups[rid], t, bs, bps, col.keep_outputs))
+    return col.rows
+
+
+def _finished(rows: RequestLog, name: str, done: np.ndarray) -> np.ndarray:
+    """A real column over the finished rows, without the ones that have none."""
+    v = rows.values(name)[done]
+    return v[~np.isnan(v)]
 
 
 def weighted_percentile(values: np.ndarray, counts: np.ndarray, q: float) -> float | None:
@@ -89,25 +97,28 @@ def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: 
     """The flat, dotted summary (metrics.json). Call after the ledger is finished."""
     kv, sch = col.kv, col.scheduler
     reqs = request_rows(col)
-    done = [r for r in reqs if r["status"] == "finished"]
-    out_tokens = sum(r["output_tokens"] for r in done)
-    prompt_tokens = sum(r["prompt_tokens"] for r in done)
-    ttft = [r["ttft_ms"] for r in done if r["ttft_ms"] is not None]
-    e2e = [r["e2e_ms"] for r in done if r["e2e_ms"] is not None]
+    status = np.array(reqs.column("status"), dtype=object)
+    done = status == "finished"
+    n_done = int(done.sum())
+    out_tokens = int(reqs.values("output_tokens")[done].sum())
+    prompt_tokens = int(reqs.values("prompt_tokens")[done].sum())
+    ttft, e2e, tpot = (_finished(reqs, k, done) for k in ("ttft_ms", "e2e_ms", "tpot_ms"))
     itl_v, itl_n = col.itl_ms()
     tot = kv.ledger.totals
     st = kv.stats
     steps = col.steps
-    c = {k: column(steps, k) for k in ("logical_blocks", "held_blocks", "reserved_bytes",
-                                        "used_bytes", "running", "prefill_tokens", "step_ms",
-                                        "overhead_ms")}
-    saved = c["logical_blocks"] - c["held_blocks"]
-    tpot = [r["tpot_ms"] for r in done if r["tpot_ms"] is not None]
+    # One column at a time (a million-request run has millions of steps, maybe spilled
+    # to disk: harness.metrics.steplog), each let go once its figures are taken.
+    logical = column(steps, "logical_blocks")
+    saved = logical - column(steps, "held_blocks")
+    logical_total = total(logical)
+    del logical
+    step_total, overhead = total(column(steps, "step_ms")), column(steps, "overhead_ms")
     m: dict[str, Any] = {f"run.{k}": v for k, v in run_info.items()}
     m.update({
         "throughput.output_tokens_per_s": out_tokens / wall_s if wall_s else 0.0,
         "throughput.total_tokens_per_s": (out_tokens + prompt_tokens) / wall_s if wall_s else 0.0,
-        "throughput.requests_per_s": len(done) / wall_s if wall_s else 0.0,
+        "throughput.requests_per_s": n_done / wall_s if wall_s else 0.0,
         "latency.ttft_ms.p50": _pct(ttft, 50), "latency.ttft_ms.p90": _pct(ttft, 90),
         "latency.ttft_ms.p99": _pct(ttft, 99),
         "latency.itl_ms.p50": weighted_percentile(itl_v, itl_n, 50),
@@ -117,11 +128,11 @@ def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: 
         "latency.tpot_ms.p50": _pct(tpot, 50), "latency.tpot_ms.p99": _pct(tpot, 99),
         "memory.kv_budget_bytes": kv_budget_bytes,
         "memory.token_capacity": token_capacity,
-        "memory.peak_reserved_bytes": peak(c["reserved_bytes"]),
-        "memory.peak_used_bytes": peak(c["used_bytes"]),
+        "memory.peak_reserved_bytes": peak(column(steps, "reserved_bytes")),
+        "memory.peak_used_bytes": peak(column(steps, "used_bytes")),
         # Time-averaged over steps, as the ledger integrates them (harness.kv.ledger).
         **{f"memory.{k}": v for k, v in waste_split(tot).items()},
-        "memory.max_running_seqs": peak(c["running"]),
+        "memory.max_running_seqs": peak(column(steps, "running")),
         # The backend's declared reads (harness.backends.costs), the same under both
         # executors: cache bytes one decode query read, K/V with scales and metadata.
         "attention.kv_read_bytes_per_token": kv_read_bytes_per_token(steps),
@@ -130,28 +141,28 @@ def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: 
         # hit (it rises with memory pressure): cache.self_hit_tokens counts those.
         "cache.prefix_hit_rate": (st.prefix_hit_tokens / st.prefix_query_tokens
                                   if st.prefix_query_tokens else 0.0),
-        "cache.prefill_tokens_computed": total(c["prefill_tokens"]),
+        "cache.prefill_tokens_computed": total(column(steps, "prefill_tokens")),
         "cache.prefill_tokens_saved": st.prefix_hit_tokens + st.self_hit_tokens,
         "cache.self_hit_tokens": st.self_hit_tokens,
         "cache.cow_copies": st.cow_copies,
         # Blocks the live tables would hold without sharing, minus blocks held.
         "cache.blocks_saved_by_sharing": float(np.mean(saved)) if len(saved) else 0.0,
         "cache.blocks_saved_by_sharing_peak": peak(saved),
-        "cache.sharing_saved_pct": (100.0 * total(saved) / total(c["logical_blocks"])
-                                    if total(c["logical_blocks"]) else 0.0),
+        "cache.sharing_saved_pct": (100.0 * total(saved) / logical_total
+                                    if logical_total else 0.0),
         "cache.evicted_tokens": st.evicted_tokens,
         "sched.steps": len(steps),
         "sched.preemptions_recompute": sch.preemptions_recompute,
         "sched.preemptions_swap": sch.preemptions_swap,
         "sched.recomputed_tokens": sch.recomputed_tokens,
         "sched.swapped_bytes": st.swapped_out_blocks * kv.block_size * col.bytes_per_slot,
-        "requests.finished": len(done),
-        "requests.rejected": sum(1 for r in reqs if r["status"] == "rejected"),
+        "requests.finished": n_done,
+        "requests.rejected": int((status == "rejected").sum()),
         # Requests in flight (arrived, not finished: waiting, running or swapped) at once.
-        "requests.peak_concurrency": peak_concurrency(col.spans),
-        "engine.step_ms_mean": float(np.mean(c["step_ms"])) if steps else 0.0,
-        "engine.overhead_ms_mean": float(np.mean(c["overhead_ms"])) if steps else 0.0,
-        "engine.overhead_pct": (100.0 * total(c["overhead_ms"]) / total(c["step_ms"]))
+        "requests.peak_concurrency": peak_concurrency(col.span_start, col.span_end),
+        "engine.step_ms_mean": float(np.mean(column(steps, "step_ms"))) if steps else 0.0,
+        "engine.overhead_ms_mean": float(np.mean(overhead)) if steps else 0.0,
+        "engine.overhead_pct": (100.0 * total(overhead) / step_total)
         if steps else 0.0,
         "engine.wall_s": wall_s,
     })

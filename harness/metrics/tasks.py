@@ -26,6 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from harness.metrics.bootstrap import ci_keys
+from harness.metrics.requestlog import RequestLog
 from harness.model.tokenizer import Tokenizer
 from harness.workloads.base import Request
 
@@ -102,21 +103,24 @@ def task_metrics(scored: dict[int, Scored], seed: int = 0,
     return m
 
 
-def task_columns(rows: list[dict[str, Any]], scored: dict[int, Scored]) -> None:
-    """Add task, length, depth and score to each request's row of requests.csv."""
-    for r in rows:
-        s = scored.get(r["request_id"])
-        if s is not None:
-            r.update(task=s.task, length=s.length, depth=s.depth, score=s.score)
+def task_columns(rows: RequestLog, scored: dict[int, Scored]) -> None:
+    """Add task, length, depth and score to requests.csv (None on a row not scored)."""
+    if not scored:
+        return
+    got = [scored.get(rid) for rid in rows.column("request_id")]
+    for k in ("task", "length", "depth", "score"):
+        rows.add_column(k, [None if s is None else getattr(s, k) for s in got])
 
 
 def add_task_scores(workload: object, tok: Tokenizer, outputs: dict[int, list[int]],
-                    metrics: dict[str, Any], rows: list[dict[str, Any]], seed: int) -> None:
+                    metrics: dict[str, Any], rows: RequestLog, seed: int) -> None:
     """The runner's one call: for a workload with right answers, its quality.task_* keys
     into ``metrics`` and its task columns into ``rows``; nothing for any other workload."""
     if not isinstance(workload, ScoresTasks):
         return
-    not_run = frozenset(r["request_id"] for r in rows if r["status"] == "rejected")
+    not_run = frozenset(rid for rid, status in zip(rows.column("request_id"),
+                                                   rows.column("status"), strict=True)
+                        if status == "rejected")
     scored = score_requests(workload, outputs, tok, not_run)
     metrics.update(task_metrics(scored, seed, len(not_run)))
     task_columns(rows, scored)

@@ -18,6 +18,7 @@ import numpy as np
 from harness.kv.base import KVManager
 from harness.kv.tiers import LowerTiers
 from harness.metrics.collector import StepRow
+from harness.metrics.requestlog import RequestLog
 
 SOURCES = ("none", "gpu", "cpu", "disk")
 
@@ -59,15 +60,17 @@ def tier_metrics(tiers: LowerTiers, steps: Sequence[StepRow], block_bytes: int,
     return m
 
 
-def ttft_by_source(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def ttft_by_source(rows: RequestLog) -> dict[str, Any]:
     """TTFT percentiles of finished requests, split by where their prefix came from
     (requests.csv's ``prefix_source``), and how many requests each holds."""
     m: dict[str, Any] = {}
+    done = np.array(rows.column("status"), dtype=object) == "finished"
+    source = np.array(rows.column("prefix_source"), dtype=object)
+    ttft = rows.values("ttft_ms")
     for src in SOURCES:
-        xs = [r["ttft_ms"] for r in rows if r["status"] == "finished"
-              and r["prefix_source"] == src and r["ttft_ms"] is not None]
+        xs = ttft[done & (source == src) & ~np.isnan(ttft)]
         m[f"requests.by_source.{src}"] = len(xs)
-        if xs:
+        if len(xs):
             m[f"latency.ttft_ms.by_source.{src}.p50"] = float(np.percentile(xs, 50))
             m[f"latency.ttft_ms.by_source.{src}.p99"] = float(np.percentile(xs, 99))
     return m

@@ -22,6 +22,7 @@ from harness.engine.sampler import Sampler
 from harness.kv.contiguous import ContiguousKVManager
 from harness.kv.paged import PagedKVManager
 from harness.metrics.groups import group_metrics
+from harness.metrics.requestlog import RequestLog
 from harness.model import ByteTokenizer, parse_dtype
 from harness.model.tokenizer import Tokenizer
 from harness.roofline.arch import ArchSpec
@@ -146,5 +147,5 @@ class RooflineTarget:
         return ExecutorRecord(run, metrics)
 
     def score(self, st: Stack, workload: Workload, outputs: dict[int, list[int]],
-              metrics: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+              metrics: dict[str, Any], rows: RequestLog) -> None:
         """Nothing: the outputs are synthetic ids (``run.quality`` says so)."""
