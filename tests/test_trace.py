@@ -412,6 +412,26 @@ def test_a_trace_is_scanned_into_columns_and_built_as_reached(tmp_path: Path) ->
     assert shapes == [(len(r.prompt_ids), r.params.max_tokens, 1) for r in [first, *rest]]
 
 
+def test_the_synthetic_traces_lengths_and_blocks_follow_their_options(tmp_path: Path) -> None:
+    import json
+    import statistics
+
+    from harness.workloads.trace_synth import main
+
+    p = tmp_path / "s.jsonl"
+    main([str(p), "--rows", "4000", "--rate", "20", "--input-median", "250",
+          "--output-median", "150", "--block", "64"])
+    rows = [json.loads(line) for line in p.read_text().splitlines()]
+    assert len(rows) == 4000
+    # Lognormal medians within 10% on 4,000 draws (sigma 1.0 and 0.9: ~2% standard error).
+    assert abs(statistics.median(r["input_length"] for r in rows) / 250 - 1) < 0.1
+    assert abs(statistics.median(r["output_length"] for r in rows) / 150 - 1) < 0.1
+    assert all(len(r["hash_ids"]) == -(-r["input_length"] // 64) for r in rows)
+    assert abs(rows[-1]["timestamp"] / 1e3 / 4000 - 1 / 20) < 0.005  # 20 per second
+    with pytest.raises(SystemExit):
+        main([str(p), "--block", "0"])
+
+
 def test_a_mooncake_csv_without_hash_ids_replays(tmp_path: Path) -> None:
     # A CSV with Mooncake's columns has no hash ids to read again (its rows' offsets are
     # -1): each prompt is its row's own text, as before the columns.

@@ -2,13 +2,17 @@
 published trace): for testing replay at scale, e.g. a million rows.
 
     python -m harness.workloads.trace_synth OUT.jsonl --rows 1000000 [--rate 300] [--seed 0]
+        [--input-median 6000] [--output-median 250] [--block 512]
 
 Shaped like the Mooncake conversation trace's published summary (FAST'25: mean input
 ~12k tokens, mean output ~340, 512-token hash blocks, prompts that share leading blocks):
 input lengths lognormal (median 6,000, capped at 64k), outputs lognormal (median 250,
 capped at 2,048), Poisson arrivals at ``rate`` per second; each prompt starts with one
 of ``docs`` shared documents (Zipf-popular, 1-16 blocks) and ends with blocks of its own.
-Written as a stream: memory does not grow with ``rows``.
+Written as a stream: memory does not grow with ``rows``. Smaller medians and blocks
+(replayed with ``workload.hash_block_tokens`` equal to ``--block``) give a trace one
+deployment can keep up with at a high rate (e.g. the million-row replay in
+docs/whatif_scale.md).
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ BLOCK = 512
 
 
 def write_mooncake_like(path: Path, rows: int, rate: float = 300.0, seed: int = 0,
-                        docs: int = 10_000) -> None:
+                        docs: int = 10_000, input_median: float = 6000,
+                        output_median: float = 250, block: int = BLOCK) -> None:
     """Write ``rows`` Mooncake-format lines (timestamp ms, input_length, output_length,
-    hash_ids) to ``path``."""
+    hash_ids: one per ``block`` prompt tokens) to ``path``."""
     rng = random.Random(seed)
     doc_blocks = [1 + min(15, int(rng.expovariate(1 / 3))) for _ in range(docs)]
     doc_first = [0] * docs
@@ -43,10 +48,10 @@ def write_mooncake_like(path: Path, rows: int, rate: float = 300.0, seed: int = 
     with path.open("w") as f:
         for _ in range(rows):
             t_ms += rng.expovariate(rate / 1e3)
-            n_in = min(65_536, max(16, int(rng.lognormvariate(math.log(6000), 1.0))))
-            n_out = min(2048, max(1, int(rng.lognormvariate(math.log(250), 0.9))))
+            n_in = min(65_536, max(16, int(rng.lognormvariate(math.log(input_median), 1.0))))
+            n_out = min(2048, max(1, int(rng.lognormvariate(math.log(output_median), 0.9))))
             d = _bisect(cum, rng.random() * acc)
-            n_blocks = -(-n_in // BLOCK)
+            n_blocks = -(-n_in // block)
             shared = min(doc_blocks[d], n_blocks)
             ids = list(range(doc_first[d], doc_first[d] + shared))
             own = n_blocks - shared
@@ -73,8 +78,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--rate", type=float, default=300.0, help="requests per second")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--input-median", type=float, default=6000.0, help="prompt tokens")
+    ap.add_argument("--output-median", type=float, default=250.0, help="output tokens")
+    ap.add_argument("--block", type=int, default=BLOCK, help="prompt tokens per hash id")
     a = ap.parse_args(argv)
-    write_mooncake_like(a.out, a.rows, a.rate, a.seed)
+    if a.rows < 0 or not a.rate > 0 or a.block < 1 or not a.input_median >= 1 \
+            or not a.output_median >= 1:
+        ap.error("--rows >= 0, --rate > 0, --block >= 1 and medians >= 1, please")
+    write_mooncake_like(a.out, a.rows, a.rate, a.seed, input_median=a.input_median,
+                        output_median=a.output_median, block=a.block)
 
 
 if __name__ == "__main__":
