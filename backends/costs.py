@@ -72,10 +72,11 @@ class KVCosts:
         (what a CPU's gather attention costs; harness.roofline.steptime)."""
         return cdiv(held, self.block_size) * self.block_size
 
-    def summed_decode_read(self, n: int, context_sum: int) -> Read:
+    def summed_decode_read(self, n: int, context_sum: int, mod_sum: int) -> Read:
         """:meth:`decode_read` summed over ``n`` decodes that hold their whole contexts,
-        which sum to ``context_sum`` (the roofline's decode lanes, harness.sched.lane;
-        only for the declarations it lists in LANE_COSTS)."""
+        which sum to ``context_sum``, and their remainders modulo ``block_size`` to
+        ``mod_sum`` (the roofline's decode lanes, harness.sched.lane; only for the
+        declarations it lists in LANE_COSTS)."""
         return Read(context_sum, context_sum * self.slot_bytes)
 
 
@@ -133,7 +134,7 @@ class QuantCosts(KVCosts):
     def decode_read(self, context: int, held: int) -> Read:
         return Read(held, held * self.quant_bytes + min(context, self.sinks) * self.full_bytes)
 
-    def summed_decode_read(self, n: int, context_sum: int) -> Read:
+    def summed_decode_read(self, n: int, context_sum: int, mod_sum: int) -> Read:
         # Lane members hold at least ``sinks`` tokens (they join only then).
         return Read(context_sum, context_sum * self.quant_bytes + n * self.sinks * self.full_bytes)
 
@@ -151,6 +152,11 @@ class KIVICosts(KVCosts):
     def decode_read(self, context: int, held: int) -> Read:
         bs = self.block_size
         return Read(context, context // bs * self.block_bytes + context % bs * self.full_bytes)
+
+    def summed_decode_read(self, n: int, context_sum: int, mod_sum: int) -> Read:
+        # The full blocks of all n: (sum - remainders) / block_size; the residuals: mod_sum.
+        full = (context_sum - mod_sum) // self.block_size
+        return Read(context_sum, full * self.block_bytes + mod_sum * self.full_bytes)
 
 
 class QuestCosts(KVCosts):

@@ -20,9 +20,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness.backends.costs import KVCosts, QuantCosts
+from harness.backends.costs import KIVICosts, KVCosts, QuantCosts
 from harness.kv.contiguous import ContiguousKVManager
 from harness.kv.paged import PagedKVManager
+from harness.kv.residual import ResidualKVManager
 from harness.metrics import collector
 from harness.roofline.executor import (
     SYNTHETIC_IDS,
@@ -77,7 +78,8 @@ def options() -> st.SearchStrategy[list[str]]:
             f"cache.enable_prefix_caching={caching}", f"scheduler.max_num_seqs={seqs}",
             f"scheduler.max_num_batched_tokens={tokens}", f"scheduler.max_model_len={mml}",
             *(["scheduler.preemption_mode=swap", "cache.swap_space=256MiB"] if swap else [])],
-        st.sampled_from(["paged", "paged", "fp8", "int8", "contiguous", "sliding_window"]),
+        st.sampled_from(["paged", "paged", "fp8", "int8", "kivi", "contiguous",
+                         "sliding_window"]),
         st.sampled_from([4, 8, 16]), st.sampled_from(["48MiB", "128MiB", "512MiB"]),
         st.booleans(), st.booleans(), st.sampled_from([4, 16, 64]),
         st.sampled_from([64, 256]), st.sampled_from([256, 2048]))
@@ -163,16 +165,17 @@ def _drive(case: dict[str, Any], lane_on: bool) -> tuple[Any, ...]:
     if case.get("contiguous"):  # a range per sequence (``reserve``: exact, pow2 or max)
         kv = ContiguousKVManager(case["blocks"] * bs, policy=case["contiguous"],
                                  max_model_len=case["mml"], granule=bs)
-        case = {**case, "cpu": 0, "caching": False}
-    else:
-        kv = PagedKVManager(case["blocks"], bs, num_cpu_blocks=case["cpu"],
-                            enable_prefix_caching=case["caching"])
+        case = {**case, "cpu": 0, "caching": False, "sinks": max(case["sinks"], -1)}
+    else:  # kivi's manager: paged, and it lists the partly filled blocks it frees
+        kv = (ResidualKVManager if case["sinks"] == -2 else PagedKVManager)(
+            case["blocks"], bs, num_cpu_blocks=case["cpu"], enable_prefix_caching=case["caching"])
     cfg = SchedulerConfig(max_num_seqs=case["seqs"], max_num_batched_tokens=case["tokens"],
                           max_model_len=case["mml"], chunked_prefill=case["chunked"],
                           preemption_mode="swap" if case["cpu"] else "recompute",
                           policy=case["policy"], admission=case["adm"])
     sch = Scheduler(cfg, kv, swap=kv if case["cpu"] else None)
-    costs = KVCosts(3, bs) if case["sinks"] < 0 else QuantCosts(1, 4, bs, case["sinks"])
+    costs = (KVCosts(3, bs) if case["sinks"] == -1 else KIVICosts(7, 5, bs, 0)
+             if case["sinks"] == -2 else QuantCosts(1, 4, bs, case["sinks"]))
     col = collector.MetricsCollector(kv, sch, 1)
     if lane_on:
         sch.lane = DecodeLane(kv, costs, synthetic_tokens, SYNTHETIC_PERIOD, SYNTHETIC_IDS,
@@ -240,6 +243,7 @@ def _drive(case: dict[str, Any], lane_on: bool) -> tuple[Any, ...]:
         log.append((rec.step, rec.num_tokens, rec.num_decode_tokens, rec.num_seqs, rec.usage,
                     [g.request_id for g in rec.preempted], [g.request_id for g in upd.finished],
                     list(rec.swap_out), list(rec.swap_in), list(rec.copies),
+                    list(rec.invalidated),
                     sh.tokens, sh.ctx_decode, sh.gather_decode, sh.dec_bytes, sh.num_decode,
                     sh.rows, *_pool_state(kv)))
     if sch.lane is not None:
@@ -256,7 +260,7 @@ def _drive(case: dict[str, Any], lane_on: bool) -> tuple[Any, ...]:
        tokens=st.sampled_from([3, 16, 64]), mml=st.sampled_from([12, 24, 256]),
        chunked=st.booleans(), policy=st.sampled_from(["fcfs", "priority"]),
        adm=st.sampled_from(["watermark", "watermark", "no_evict"]), n=st.integers(3, 30),
-       sinks=st.sampled_from([-1, 0, 2, 5]), forks=st.booleans(),
+       sinks=st.sampled_from([-1, -2, 0, 2, 5]), forks=st.booleans(),
        contiguous=st.sampled_from([None, None, "exact", "pow2", "max"]))
 def test_the_lane_equals_one_by_one_step_for_step(**case: Any) -> None:
     """Every step's record, shape, free and LRU orders and named blocks, the ledger, the

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from harness.backends.costs import KVCosts, QuantCosts
+from harness.backends.costs import KIVICosts, KVCosts, QuantCosts
 from harness.errors import UserError
 from harness.roofline.calibrate import Measured, bounded_lsq, fit, predict
 from harness.roofline.hardware import (
@@ -141,16 +141,20 @@ def test_a_prompts_last_token_alone_is_prefill_in_the_step_shape() -> None:
 
 
 @pytest.mark.parametrize("costs", [KVCosts(FP32_BYTES, 16), KVCosts(FP32_BYTES),
-                                   QuantCosts(130, 512, 16, 4)], ids=["paged", "range", "fp8"])
-def test_decode_lane_sums_shape_a_step_as_its_listed_decodes(costs: KVCosts) -> None:
+                                   QuantCosts(130, 512, 16, 4), KIVICosts(900, 512, 16, 4096)],
+                         ids=["paged", "range", "fp8", "kivi"])
+@pytest.mark.parametrize("ctxs", [[41, 4, 17, 16], [16, 32, 4], [15, 31, 47, 5, 33]])
+def test_decode_lane_sums_shape_a_step_as_its_listed_decodes(
+        costs: KVCosts, ctxs: list[int]) -> None:
     """Decode-lane members (harness.sched.lane) reach the step shape as a count and
-    their contexts' sum and max: the same shape as those decodes listed one by one."""
+    their contexts' sum, max and remainders: the same shape as those decodes listed one
+    by one."""
     prefill = sched(5, 10, prompt=15)
-    ctxs = [41, 4, 17, 16]
     listed = StepRecord(0, [*(sched(1, c - 1) for c in ctxs), prefill],
                         num_prefill_tokens=5, num_decode_tokens=len(ctxs))
     summed = StepRecord(0, [prefill], num_prefill_tokens=5, num_decode_tokens=len(ctxs),
-                        lane_n=len(ctxs), lane_ctx=(sum(ctxs), max(ctxs)))
+                        lane_n=len(ctxs),
+                        lane_ctx=(sum(ctxs), max(ctxs), sum(c % 16 for c in ctxs)))
     a, b = step_shape(listed, costs, Held()), step_shape(summed, costs, Held())
     for k in ("tokens", "seqs", "pairs", "ctx_prefill", "ctx_decode", "num_decode", "rows",
               "pairs_full", "gather_decode", "dec_bytes", "pre_bytes", "reads"):

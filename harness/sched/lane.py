@@ -35,9 +35,10 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from harness.backends.costs import KVCosts, QuantCosts
+from harness.backends.costs import KIVICosts, KVCosts, QuantCosts
 from harness.kv.contiguous import ContiguousKVManager
 from harness.kv.paged import PagedKVManager
+from harness.kv.residual import ResidualKVManager
 from harness.sched.sequence import SeqStatus, Sequence, SequenceGroup
 
 # (request id, first position, count) -> the synthetic token ids at those positions,
@@ -46,17 +47,24 @@ TokenFn = Callable[[int, int, int], list[int]]
 
 # Declarations whose decode read is a fixed function of the context alone (what the
 # member sums cover); any other method steps one by one.
-LANE_COSTS = (KVCosts, QuantCosts)
+LANE_COSTS = (KVCosts, QuantCosts, KIVICosts)
+# Managers the lane drives: the plain paged one, and kivi's, which differs only in what it
+# reports when a partly filled block is freed (the lane settles fills before any free).
+LANE_PAGED = (PagedKVManager, ResidualKVManager)
 
 
 def lane_blocker(kv: object, costs: KVCosts) -> str | None:
     """Why a run with this KV manager and cost declaration steps every sequence one by
     one (None: its decodes can take the lane)."""
+    if type(costs) is KIVICosts and costs.block_size != getattr(kv, "block_size", None):
+        # its reads split at block boundaries: the lane sums remainders per KV block
+        return f"kivi's blocks ({costs.block_size} tokens) are not the KV manager's"
     if type(kv) is ContiguousKVManager:
         return None if type(costs) in LANE_COSTS else \
             f"the backend's reads ({type(costs).__name__}) are not summed"
-    if type(kv) is not PagedKVManager:
+    if type(kv) not in LANE_PAGED:
         return f"the KV manager is {type(kv).__name__}, not the plain paged or contiguous one"
+    assert isinstance(kv, PagedKVManager)
     if kv.tiers is not None:
         return "cache.tiers (lower tiers write blocks as they are named)"
     if kv.block_size < 2:
@@ -112,6 +120,8 @@ class DecodeLane:
         self.n = 0  # members
         self.off_sum = 0  # sum of (c0 - j): member contexts at lane step L1 sum to off_sum + n L1
         self._max: list[tuple[int, int]] = []  # (-(c0 - j), uid), lazily pruned
+        # Members by (c0 - j) mod block size: their contexts' remainders at any step.
+        self._res = [0] * self.bs
         self._live: dict[int, LaneMember] = {}
         self._finish: dict[int, list[LaneMember]] = {}
         # Members whose write of lane step k fills their block (prefix caching names it).
@@ -164,6 +174,7 @@ class DecodeLane:
         self._finish.setdefault(L + r, []).append(m)
         self.n += 1
         self.off_sum += c0 - L
+        self._res[(c0 - L) % self.bs] += 1
         heapq.heappush(self._max, (L - c0, m.uid))
         return True
 
@@ -209,6 +220,7 @@ class DecodeLane:
         m.seq.group.lane = None
         self.n -= 1
         self.off_sum -= m.c0 - m.j
+        self._res[(m.c0 - m.j) % self.bs] -= 1
         if len(self._max) > 4 * self.n + 64:  # the heap keeps left members until the top
             self._max = [(m.j - m.c0, m.uid) for m in self._live.values()]
             heapq.heapify(self._max)
@@ -302,10 +314,12 @@ class DecodeLane:
         self.kv.add_used(n_sched - n_touched)
         self.L += 1
 
-    def context_sums(self, L1: int) -> tuple[int, int]:
-        """(sum, max) of the members' contexts at lane step ``L1`` (the last query's
-        position + 1: what each decode reads)."""
+    def context_sums(self, L1: int) -> tuple[int, int, int]:
+        """(sum, max, sum of remainders modulo the block size) of the members' contexts
+        at lane step ``L1`` (the last query's position + 1: what each decode reads)."""
         h, live = self._max, self._live
         while h and h[0][1] not in live:
             heapq.heappop(h)
-        return self.off_sum + self.n * L1, (L1 - h[0][0] if h else 0)
+        bs = self.bs
+        mod_sum = sum(c * ((r + L1) % bs) for r, c in enumerate(self._res) if c)
+        return self.off_sum + self.n * L1, (L1 - h[0][0] if h else 0), mod_sum

@@ -72,7 +72,7 @@ class StepRecord:
     # path), one token each, counted in num_decode_tokens but not listed in ``seqs``; and
     # the (sum, max) of their contexts.
     lane_n: int = 0
-    lane_ctx: tuple[int, int] = (0, 0)
+    lane_ctx: tuple[int, int, int] = (0, 0, 0)  # their contexts' sum, max, sum mod block
 
     @property
     def num_tokens(self) -> int:
