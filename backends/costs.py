@@ -35,6 +35,23 @@ def cdiv(a: int, b: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class LaneSums:
+    """The decode-lane members of one step (harness.sched.lane: the roofline's fast path),
+    as sums over their contexts instead of each: ``n`` members, their contexts' sum and
+    max, ``by_mod[r]`` members whose context is r modulo the KV block size; and of those
+    whose context exceeds the declaration's :meth:`KVCosts.lane_split` (if it has one),
+    the count, the contexts' sum and the same histogram."""
+
+    n: int
+    ctx_sum: int
+    ctx_max: int
+    by_mod: tuple[int, ...] = ()
+    over_n: int = 0
+    over_sum: int = 0
+    over_by_mod: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Read:
     """``tokens`` cached tokens read (each for every layer and KV head) and the ``bytes``
     that costs in memory traffic: their K/V and whatever the method reads with them."""
@@ -72,12 +89,16 @@ class KVCosts:
         (what a CPU's gather attention costs; harness.roofline.steptime)."""
         return cdiv(held, self.block_size) * self.block_size
 
-    def summed_decode_read(self, n: int, context_sum: int, mod_sum: int) -> Read:
-        """:meth:`decode_read` summed over ``n`` decodes that hold their whole contexts,
-        which sum to ``context_sum``, and their remainders modulo ``block_size`` to
-        ``mod_sum`` (the roofline's decode lanes, harness.sched.lane; only for the
+    def summed_decode_read(self, s: LaneSums) -> Read:
+        """:meth:`decode_read` summed over decodes that hold their whole contexts, given
+        as sums (the roofline's decode lanes, harness.sched.lane; only for the
         declarations it lists in LANE_COSTS)."""
-        return Read(context_sum, context_sum * self.slot_bytes)
+        return Read(s.ctx_sum, s.ctx_sum * self.slot_bytes)
+
+    def lane_split(self) -> int | None:
+        """A context past which :meth:`decode_read` takes another form (the lane then
+        sums those contexts apart: :class:`LaneSums`); None: one form throughout."""
+        return None
 
 
 def _window_sum(c: int, window: int, sinks: int) -> int:
@@ -134,9 +155,9 @@ class QuantCosts(KVCosts):
     def decode_read(self, context: int, held: int) -> Read:
         return Read(held, held * self.quant_bytes + min(context, self.sinks) * self.full_bytes)
 
-    def summed_decode_read(self, n: int, context_sum: int, mod_sum: int) -> Read:
+    def summed_decode_read(self, s: LaneSums) -> Read:
         # Lane members hold at least ``sinks`` tokens (they join only then).
-        return Read(context_sum, context_sum * self.quant_bytes + n * self.sinks * self.full_bytes)
+        return Read(s.ctx_sum, s.ctx_sum * self.quant_bytes + s.n * self.sinks * self.full_bytes)
 
 
 class KIVICosts(KVCosts):
@@ -153,10 +174,11 @@ class KIVICosts(KVCosts):
         bs = self.block_size
         return Read(context, context // bs * self.block_bytes + context % bs * self.full_bytes)
 
-    def summed_decode_read(self, n: int, context_sum: int, mod_sum: int) -> Read:
-        # The full blocks of all n: (sum - remainders) / block_size; the residuals: mod_sum.
-        full = (context_sum - mod_sum) // self.block_size
-        return Read(context_sum, full * self.block_bytes + mod_sum * self.full_bytes)
+    def summed_decode_read(self, s: LaneSums) -> Read:
+        # Residual tokens: the remainders; full blocks: (sum - remainders) / block_size.
+        rest = sum(r * c for r, c in enumerate(s.by_mod))
+        full = (s.ctx_sum - rest) // self.block_size
+        return Read(s.ctx_sum, full * self.block_bytes + rest * self.full_bytes)
 
 
 class QuestCosts(KVCosts):
@@ -181,6 +203,18 @@ class QuestCosts(KVCosts):
     def decode_read(self, context: int, held: int) -> Read:
         t = self.chosen_tokens(context)
         return Read(t, t * self.kv_bytes + cdiv(context, self.block_size) * self.meta_bytes)
+
+    def lane_split(self) -> int | None:
+        return self.top_blocks * self.block_size  # past it: k - 1 full blocks + the last
+
+    def summed_decode_read(self, s: LaneSums) -> Read:
+        bs, k = self.block_size, self.top_blocks
+        # Contexts up to k blocks read whole; past them k - 1 blocks + the last one's
+        # ((context - 1) mod bs) + 1 tokens. Every context's bounds: cdiv(context, bs).
+        chosen = (s.ctx_sum - s.over_sum + s.over_n * ((k - 1) * bs + 1)
+                  + sum(c * ((r - 1) % bs) for r, c in enumerate(s.over_by_mod)))
+        blocks = (s.ctx_sum + sum(c * (-r % bs) for r, c in enumerate(s.by_mod))) // bs
+        return Read(chosen, chosen * self.kv_bytes + blocks * self.meta_bytes)
 
     def prefill_read(self, start: int, n: int, held: int) -> Read:
         return Read(held, held * self.kv_bytes)

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness.backends.costs import KIVICosts, KVCosts, QuantCosts
+from harness.backends.costs import KIVICosts, KVCosts, QuantCosts, QuestCosts
 from harness.kv.contiguous import ContiguousKVManager
 from harness.kv.paged import PagedKVManager
 from harness.kv.residual import ResidualKVManager
@@ -78,7 +78,7 @@ def options() -> st.SearchStrategy[list[str]]:
             f"cache.enable_prefix_caching={caching}", f"scheduler.max_num_seqs={seqs}",
             f"scheduler.max_num_batched_tokens={tokens}", f"scheduler.max_model_len={mml}",
             *(["scheduler.preemption_mode=swap", "cache.swap_space=256MiB"] if swap else [])],
-        st.sampled_from(["paged", "paged", "fp8", "int8", "kivi", "contiguous",
+        st.sampled_from(["paged", "paged", "fp8", "int8", "kivi", "quest", "contiguous",
                          "sliding_window"]),
         st.sampled_from([4, 8, 16]), st.sampled_from(["48MiB", "128MiB", "512MiB"]),
         st.booleans(), st.booleans(), st.sampled_from([4, 16, 64]),
@@ -175,7 +175,8 @@ def _drive(case: dict[str, Any], lane_on: bool) -> tuple[Any, ...]:
                           policy=case["policy"], admission=case["adm"])
     sch = Scheduler(cfg, kv, swap=kv if case["cpu"] else None)
     costs = (KVCosts(3, bs) if case["sinks"] == -1 else KIVICosts(7, 5, bs, 0)
-             if case["sinks"] == -2 else QuantCosts(1, 4, bs, case["sinks"]))
+             if case["sinks"] == -2 else QuestCosts(5, 3, bs, 2 * bs)
+             if case["sinks"] == -3 else QuantCosts(1, 4, bs, case["sinks"]))
     col = collector.MetricsCollector(kv, sch, 1)
     if lane_on:
         sch.lane = DecodeLane(kv, costs, synthetic_tokens, SYNTHETIC_PERIOD, SYNTHETIC_IDS,
@@ -260,7 +261,7 @@ def _drive(case: dict[str, Any], lane_on: bool) -> tuple[Any, ...]:
        tokens=st.sampled_from([3, 16, 64]), mml=st.sampled_from([12, 24, 256]),
        chunked=st.booleans(), policy=st.sampled_from(["fcfs", "priority"]),
        adm=st.sampled_from(["watermark", "watermark", "no_evict"]), n=st.integers(3, 30),
-       sinks=st.sampled_from([-1, -2, 0, 2, 5]), forks=st.booleans(),
+       sinks=st.sampled_from([-1, -2, -3, 0, 2, 5]), forks=st.booleans(),
        contiguous=st.sampled_from([None, None, "exact", "pow2", "max"]))
 def test_the_lane_equals_one_by_one_step_for_step(**case: Any) -> None:
     """Every step's record, shape, free and LRU orders and named blocks, the ledger, the

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from harness.backends.costs import KIVICosts, KVCosts, QuantCosts
+from harness.backends.costs import KIVICosts, KVCosts, LaneSums, QuantCosts, QuestCosts
 from harness.errors import UserError
 from harness.roofline.calibrate import Measured, bounded_lsq, fit, predict
 from harness.roofline.hardware import (
@@ -140,10 +140,20 @@ def test_a_prompts_last_token_alone_is_prefill_in_the_step_shape() -> None:
     assert sh.reads.decode_queries == 0 and sh.reads.prefill_pairs == 41
 
 
+def lane_sums(ctxs: list[int], split: int | None, bs: int = 16) -> LaneSums:
+    over = [c for c in ctxs if split is not None and c > split]
+    return LaneSums(len(ctxs), sum(ctxs), max(ctxs),
+                    tuple(sum(c % bs == r for c in ctxs) for r in range(bs)),
+                    len(over), sum(over), tuple(sum(c % bs == r for c in over)
+                                                for r in range(bs)))
+
+
 @pytest.mark.parametrize("costs", [KVCosts(FP32_BYTES, 16), KVCosts(FP32_BYTES),
-                                   QuantCosts(130, 512, 16, 4), KIVICosts(900, 512, 16, 4096)],
-                         ids=["paged", "range", "fp8", "kivi"])
-@pytest.mark.parametrize("ctxs", [[41, 4, 17, 16], [16, 32, 4], [15, 31, 47, 5, 33]])
+                                   QuantCosts(130, 512, 16, 4), KIVICosts(900, 512, 16, 4096),
+                                   QuestCosts(700, 96, 16, 32)],
+                         ids=["paged", "range", "fp8", "kivi", "quest"])
+@pytest.mark.parametrize("ctxs", [[41, 4, 17, 16], [16, 32, 4], [15, 31, 47, 5, 33, 49, 64],
+                                  [32, 33, 48, 80, 81, 96, 97]])
 def test_decode_lane_sums_shape_a_step_as_its_listed_decodes(
         costs: KVCosts, ctxs: list[int]) -> None:
     """Decode-lane members (harness.sched.lane) reach the step shape as a count and
@@ -153,8 +163,7 @@ def test_decode_lane_sums_shape_a_step_as_its_listed_decodes(
     listed = StepRecord(0, [*(sched(1, c - 1) for c in ctxs), prefill],
                         num_prefill_tokens=5, num_decode_tokens=len(ctxs))
     summed = StepRecord(0, [prefill], num_prefill_tokens=5, num_decode_tokens=len(ctxs),
-                        lane_n=len(ctxs),
-                        lane_ctx=(sum(ctxs), max(ctxs), sum(c % 16 for c in ctxs)))
+                        lane_n=len(ctxs), lane_sums=lane_sums(ctxs, costs.lane_split()))
     a, b = step_shape(listed, costs, Held()), step_shape(summed, costs, Held())
     for k in ("tokens", "seqs", "pairs", "ctx_prefill", "ctx_decode", "num_decode", "rows",
               "pairs_full", "gather_decode", "dec_bytes", "pre_bytes", "reads"):

@@ -67,8 +67,9 @@ def step_shape(rec: StepRecord, costs: KVCosts, kv: HeldSource) -> StepShape:
             if s.sample:
                 prefills.append(s)
     if rec.lane_n:  # decode-lane members: their reads as sums (harness.sched.lane)
-        ctx_sum, ctx_max, mod_sum = rec.lane_ctx
-        r = costs.summed_decode_read(rec.lane_n, ctx_sum, mod_sum)
+        assert rec.lane_sums is not None
+        ctx_max = rec.lane_sums.ctx_max
+        r = costs.summed_decode_read(rec.lane_sums)
         dec_tok += r.tokens
         dec_b += r.bytes
         widest = max(widest, costs.gathered(ctx_max, ctx_max))

@@ -35,7 +35,7 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from harness.backends.costs import KIVICosts, KVCosts, QuantCosts
+from harness.backends.costs import KIVICosts, KVCosts, LaneSums, QuantCosts, QuestCosts
 from harness.kv.contiguous import ContiguousKVManager
 from harness.kv.paged import PagedKVManager
 from harness.kv.residual import ResidualKVManager
@@ -47,7 +47,7 @@ TokenFn = Callable[[int, int, int], list[int]]
 
 # Declarations whose decode read is a fixed function of the context alone (what the
 # member sums cover); any other method steps one by one.
-LANE_COSTS = (KVCosts, QuantCosts, KIVICosts)
+LANE_COSTS = (KVCosts, QuantCosts, KIVICosts, QuestCosts)
 # Managers the lane drives: the plain paged one, and kivi's, which differs only in what it
 # reports when a partly filled block is freed (the lane settles fills before any free).
 LANE_PAGED = (PagedKVManager, ResidualKVManager)
@@ -56,9 +56,10 @@ LANE_PAGED = (PagedKVManager, ResidualKVManager)
 def lane_blocker(kv: object, costs: KVCosts) -> str | None:
     """Why a run with this KV manager and cost declaration steps every sequence one by
     one (None: its decodes can take the lane)."""
-    if type(costs) is KIVICosts and costs.block_size != getattr(kv, "block_size", None):
-        # its reads split at block boundaries: the lane sums remainders per KV block
-        return f"kivi's blocks ({costs.block_size} tokens) are not the KV manager's"
+    if type(costs) in (KIVICosts, QuestCosts) and \
+            costs.block_size != getattr(kv, "block_size", None):
+        # their reads split at block boundaries: the lane sums remainders per KV block
+        return f"the backend's blocks ({costs.block_size} tokens) are not the KV manager's"
     if type(kv) is ContiguousKVManager:
         return None if type(costs) in LANE_COSTS else \
             f"the backend's reads ({type(costs).__name__}) are not summed"
@@ -92,6 +93,7 @@ class LaneMember:
     touch: int
     reason: str
     cycle: list[int] | None = None  # its tokens at positions 0 .. 2 period - 1
+    over: bool = False  # its context is past the declaration's lane_split()
 
 
 class DecodeLane:
@@ -122,6 +124,13 @@ class DecodeLane:
         self._max: list[tuple[int, int]] = []  # (-(c0 - j), uid), lazily pruned
         # Members by (c0 - j) mod block size: their contexts' remainders at any step.
         self._res = [0] * self.bs
+        # With a split (quest: past its top blocks a read changes form), the members past
+        # it apart: as the res/off_sum above; the others in a heap by (c0 - j), each moved
+        # over when its context passes the split (contexts only grow).
+        self.split = costs.lane_split()
+        self._under: list[tuple[int, int]] = []  # (-(c0 - j), uid), lazily pruned
+        self.over_n = self.over_off = 0
+        self._over_res = [0] * self.bs
         self._live: dict[int, LaneMember] = {}
         self._finish: dict[int, list[LaneMember]] = {}
         # Members whose write of lane step k fills their block (prefix caching names it).
@@ -176,6 +185,8 @@ class DecodeLane:
         self.off_sum += c0 - L
         self._res[(c0 - L) % self.bs] += 1
         heapq.heappush(self._max, (L - c0, m.uid))
+        if self.split is not None:
+            heapq.heappush(self._under, (L - c0, m.uid))
         return True
 
     def _next_touch(self, pos: int, L1: int) -> int:
@@ -221,9 +232,17 @@ class DecodeLane:
         self.n -= 1
         self.off_sum -= m.c0 - m.j
         self._res[(m.c0 - m.j) % self.bs] -= 1
-        if len(self._max) > 4 * self.n + 64:  # the heap keeps left members until the top
+        if m.over:
+            self.over_n -= 1
+            self.over_off -= m.c0 - m.j
+            self._over_res[(m.c0 - m.j) % self.bs] -= 1
+        if len(self._max) > 4 * self.n + 64:  # the heaps keep left members until the top
             self._max = [(m.j - m.c0, m.uid) for m in self._live.values()]
             heapq.heapify(self._max)
+            if self.split is not None:
+                self._under = [(m.j - m.c0, m.uid) for m in self._live.values()
+                               if not m.over]
+                heapq.heapify(self._under)
 
     def leave(self, m: LaneMember) -> None:
         """``m`` leaves (a preemption), synced to the steps done."""
@@ -314,12 +333,30 @@ class DecodeLane:
         self.kv.add_used(n_sched - n_touched)
         self.L += 1
 
-    def context_sums(self, L1: int) -> tuple[int, int, int]:
-        """(sum, max, sum of remainders modulo the block size) of the members' contexts
-        at lane step ``L1`` (the last query's position + 1: what each decode reads)."""
+    def context_sums(self, L1: int) -> LaneSums:
+        """The members' contexts at lane step ``L1`` (the last query's position + 1: what
+        each decode reads) as sums: O(block size + members passing the split)."""
         h, live = self._max, self._live
         while h and h[0][1] not in live:
             heapq.heappop(h)
         bs = self.bs
-        mod_sum = sum(c * ((r + L1) % bs) for r, c in enumerate(self._res) if c)
-        return self.off_sum + self.n * L1, (L1 - h[0][0] if h else 0), mod_sum
+        by_mod = [0] * bs
+        for r, c in enumerate(self._res):
+            by_mod[(r + L1) % bs] += c
+        if self.split is None:
+            return LaneSums(self.n, self.off_sum + self.n * L1, L1 - h[0][0] if h else 0,
+                            tuple(by_mod))
+        u = self._under
+        while u and -u[0][0] + L1 > self.split:  # past the split from this step on
+            m = live.get(heapq.heappop(u)[1])
+            if m is not None:
+                m.over = True
+                self.over_n += 1
+                self.over_off += m.c0 - m.j
+                self._over_res[(m.c0 - m.j) % bs] += 1
+        over = [0] * bs
+        for r, c in enumerate(self._over_res):
+            over[(r + L1) % bs] += c
+        return LaneSums(self.n, self.off_sum + self.n * L1, L1 - h[0][0] if h else 0,
+                        tuple(by_mod), self.over_n, self.over_off + self.over_n * L1,
+                        tuple(over))

@@ -364,7 +364,7 @@ class Scheduler:
             rec.lane_n = n_lane
             rec.num_decode_tokens += n_lane
             if n_lane:
-                rec.lane_ctx = lane.context_sums(L1)
+                rec.lane_sums = lane.context_sums(L1)
         admits = not continuing and self.cfg.mixing == "mixed"
         if not rec.preempted and admits:
             self._swap_in(rec, budget)

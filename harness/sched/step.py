@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from harness.backends.costs import LaneSums
 from harness.kv.base import CopyOp, KVUsage, StepScores
 from harness.kv.tiers import TierOp
 from harness.sched.sequence import Sequence, SequenceGroup
@@ -70,9 +71,9 @@ class StepRecord:
     fresh: bool = True
     # Decode-lane members this step also decodes (harness.sched.lane: the roofline's fast
     # path), one token each, counted in num_decode_tokens but not listed in ``seqs``; and
-    # the (sum, max) of their contexts.
+    # their contexts as sums (what the step shape needs of them).
     lane_n: int = 0
-    lane_ctx: tuple[int, int, int] = (0, 0, 0)  # their contexts' sum, max, sum mod block
+    lane_sums: LaneSums | None = None
 
     @property
     def num_tokens(self) -> int:
