@@ -68,6 +68,7 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
                                     else OmegaConf.structured(rc), resolve=True)
     torch.manual_seed(rc.seed)
     started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    sha = _git_sha()  # at the start: the code this run imported, not a later commit's
     target: RunTarget = RooflineTarget(rc) if rc.executor == "roofline" else ModelTarget(rc)
     if isinstance(rc.workload, TraceConfig) and rc.workload.max_model_len is None:
         # A trace truncates or rejects its rows against the length the engine enforces.
@@ -85,7 +86,7 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
     own = target.record(st, sim_s)
     run_info = {
         "backend": rc.backend.name, "workload": rc.workload.name, "seed": rc.seed,
-        "git_sha": _git_sha(), "started_at": started, "block_size": st.sizing.block_size,
+        "git_sha": sha, "started_at": started, "block_size": st.sizing.block_size,
         "prefix_caching": st.prefix_caching, "tiers": tiers_label(rc, st), **own.run,
         **({"prefill": st.backend.trigger} if st.backend.trigger else {}),
     }
