@@ -273,6 +273,8 @@ def _arrow_type(pa: Any, col: Sequence[Any]) -> Any:
     all are None. :func:`_arrow_values` makes the values fit it."""
     code = getattr(col, "typecode", None)  # an array, or a column that says its type
     if code is not None:
+        if getattr(col, "all_none", False):  # NullableDoubles: None throughout
+            return pa.null()
         return pa.float64() if code == "d" else pa.int64()
     kinds = set(map(type, col)) - {type(None)}
     if not kinds:

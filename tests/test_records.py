@@ -231,23 +231,29 @@ def test_a_spilled_step_log_reads_and_writes_as_one_held_in_memory(
         assert not folder.exists()
 
 
-def test_the_request_log_writes_as_its_rows_would(tmp_path: Path) -> None:
-    """Rows as columns (None in the nullable reals, columns added afterwards on some rows
-    only) read back and write as the row dicts themselves."""
+@pytest.mark.parametrize("first_scored", [True, False])
+def test_the_request_log_writes_as_its_rows_would(first_scored: bool, tmp_path: Path) -> None:
+    """Rows as columns read back and write (CSV bytes, Parquet table and types) as the row
+    dicts themselves did: None in the nullable reals and in a text, a nullable real that
+    is None throughout (a null Parquet column), columns added afterwards on some rows only
+    (their place in the file from the first row that has them) or on every row with None
+    values; no rows, no columns."""
+    import pyarrow.parquet as pq
+
     import harness.results as results
     from harness.metrics.requestlog import FIXED, RequestLog
 
-    rng = np.random.default_rng(3)
+    rng = np.random.default_rng(3 + first_scored)
     rows: list[dict[str, Any]] = []
     for _ in range(30):
         r: dict[str, Any] = {}
         for k, kind in FIXED.items():
             if kind == "s":
-                r[k] = str(rng.choice(["finished", "", "a, b \"quoted\""]))
+                r[k] = ["finished", "", "a, b \"quoted\"", None][int(rng.integers(0, 4))]
             elif kind == "q":
                 r[k] = int(rng.integers(-5, 2**40))
-            elif kind == "n" and rng.random() < 0.3:
-                r[k] = None
+            elif (kind == "n" and rng.random() < 0.3) or k == "itl_ms_max":
+                r[k] = None  # itl_ms_max: None throughout
             else:
                 r[k] = float(rng.normal() * 1e3)
         r["output_ids"] = " ".join(map(str, rng.integers(0, 50, 3)))
@@ -256,17 +262,33 @@ def test_the_request_log_writes_as_its_rows_would(tmp_path: Path) -> None:
     slots = [log.reserve() for _ in rows]
     for i in rng.permutation(len(rows)):  # rows are filled as requests finish
         log.fill(slots[i], rows[i])
-    scored = {i: float(rng.random()) for i in range(0, 30, 4)}
-    log.add_column("score", [scored.get(i) for i in range(30)])
+    with pytest.raises(KeyError, match="not the RequestLog's columns"):
+        log.fill(0, {**rows[0], "new": 1})
+    # As the runner adds them: task scores on the requests that ran, the agreement on
+    # every row (None where never compared), meets_slo on every row.
+    scored = {i: float(rng.random()) for i in range(0 if first_scored else 1, 30, 4)}
+    log.add_column("score", [scored.get(i) for i in range(30)], every_row=False)
+    log.add_column("task", [None] * 30, every_row=False)  # on no row: no column
+    agree = [None if rng.random() < 0.3 else int(rng.integers(0, 9)) for _ in range(30)]
+    log.add_column("agree_tokens", agree)
     log.add_column("meets_slo", [bool(rng.random() < 0.5) for _ in range(30)])
     for i, r in enumerate(rows):
         if i in scored:
             r["score"] = scored[i]
+        r["agree_tokens"] = agree[i]
         r["meets_slo"] = log.column("meets_slo")[i]
     assert list(log) == rows and log[-1] == rows[-1] and log[3:9] == rows[3:9]
     with pytest.raises(ValueError, match="2 values for 30 rows"):
         log.add_column("x", [1, 2])
     for name, table in (("a", log), ("b", rows)):
-        results._write_records(tmp_path / f"{name}.csv", results.request_columns(table), "csv")
+        for fmt in ("csv", "parquet"):
+            results._write_records(tmp_path / f"{name}.{fmt}", results.request_columns(table),
+                                   fmt)
     text = (tmp_path / "a.csv").read_text()
     assert text == (tmp_path / "b.csv").read_text() and text.count("\n") == 31
+    assert text.index("score") > text.index("meets_slo") if not first_scored else \
+        text.index("score") < text.index("agree_tokens")
+    a, b = pq.read_table(tmp_path / "a.parquet"), pq.read_table(tmp_path / "b.parquet")
+    assert a.schema == b.schema and a.equals(b) and str(a.schema.field("itl_ms_max").type) \
+        == "null"
+    assert results.request_columns(RequestLog()) == results.request_columns([]) == {}

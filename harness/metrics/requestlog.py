@@ -41,6 +41,11 @@ class NullableDoubles(Sequence[float | None]):
     def __init__(self, values: array[float]) -> None:
         self.values = values
 
+    @property
+    def all_none(self) -> bool:
+        """Every value is None (the writers type such a column null, as for a list)."""
+        return bool(np.isnan(np.frombuffer(self.values, dtype=np.float64)).all())
+
     def __len__(self) -> int:
         return len(self.values)
 
@@ -65,8 +70,11 @@ class RequestLog(Sequence[dict[str, Any]]):
         self._cols: dict[str, Any] = {
             k: [] if kind == "s" else array("d" if kind in "dn" else kind)
             for k, kind in self.kinds.items()}
-        # Columns added after the run (add_column): any values, None where a row has none.
+        # Columns added after the run (add_column): any values, None where a row has none;
+        # the names of those every row has (its value may be None) as opposed to those
+        # only the rows with a value have (a task's scores: not on a request never run).
         self._extra: dict[str, list[Any]] = {}
+        self._every: set[str] = set()
 
     def reserve(self) -> int:
         """A place for the next arriving request's row (filled by :meth:`fill`)."""
@@ -78,18 +86,32 @@ class RequestLog(Sequence[dict[str, Any]]):
         return len(self) - 1
 
     def fill(self, i: int, row: dict[str, Any]) -> None:
-        """Row ``i``'s values (a dict with every fixed column; None for a missing real)."""
+        """Row ``i``'s values: a dict with exactly the fixed columns (None for a missing
+        real or text)."""
+        if row.keys() != self._cols.keys():  # a new field must be given a column here
+            raise KeyError(f"a request row's keys {sorted(row.keys() ^ self._cols.keys())} "
+                           "are not the RequestLog's columns")
         for k, col in self._cols.items():
             v = row[k]
-            col[i] = math.nan if v is None else v
+            col[i] = math.nan if v is None and self.kinds[k] in "dn" else v
 
-    def add_column(self, name: str, values: Sequence[Any]) -> None:
-        """Add (or replace) a column: one value per row, in row order."""
+    def add_column(self, name: str, values: Sequence[Any], every_row: bool = True) -> None:
+        """Add (or replace) a column: one value per row, in row order. ``every_row``:
+        every row has the key, None or not; else only the rows whose value is not None
+        (which decides where the column comes in the file, as it did for row dicts)."""
         if len(values) != len(self):
             raise ValueError(f"column {name}: {len(values)} values for {len(self)} rows")
         if name in self._cols:
             raise ValueError(f"column {name} is one of the fixed columns")
+        self._extra.pop(name, None)
         self._extra[name] = list(values)
+        if every_row:
+            self._every.add(name)
+        else:
+            self._every.discard(name)
+
+    def _has(self, name: str, i: int) -> bool:
+        return name in self._every or self._extra[name][i] is not None
 
     def __len__(self) -> int:
         return len(self._cols["request_id"])
@@ -99,10 +121,10 @@ class RequestLog(Sequence[dict[str, Any]]):
         return None if self.kinds[k] == "n" and math.isnan(v) else v
 
     def row(self, i: int) -> dict[str, Any]:
-        """Row ``i`` as a dict (a copy), keys in column order; an added column's key only
-        where the row has a value (as each row's own dict would have it)."""
+        """Row ``i`` as a dict (a copy), keys in column order; an added column's key on
+        the rows that have it (every row, or those with a value: ``add_column``)."""
         r = {k: self._value(k, i) for k in self._cols}
-        r.update({k: v[i] for k, v in self._extra.items() if v[i] is not None})
+        r.update({k: v[i] for k, v in self._extra.items() if self._has(k, i)})
         return r
 
     @overload
@@ -142,9 +164,20 @@ class RequestLog(Sequence[dict[str, Any]]):
         return np.array(self._cols[name], dtype=np.int64 if kind == "q" else np.float64)
 
     def columns(self) -> dict[str, Sequence[Any]]:
-        """Every column for the writers (without a copy): the nullable reals read None
-        for NaN; an added column holds None where a row has no value."""
+        """Every column for the writers (without a copy), in the order the keys first
+        appear over the rows (as for a list of row dicts: harness.results.request_columns):
+        the fixed ones, then each added column from the first row that has it, a column
+        no row has left out. The nullable reals read None for NaN; an added column holds
+        None where a row has no value. No rows: no columns."""
+        if not len(self):
+            return {}
         out: dict[str, Sequence[Any]] = {
             k: NullableDoubles(c) if self.kinds[k] == "n" else c for k, c in self._cols.items()}
-        out.update(self._extra)
+        first = {}
+        for pos, (k, v) in enumerate(self._extra.items()):
+            at = 0 if k in self._every else next(
+                (i for i, x in enumerate(v) if x is not None), None)
+            if at is not None:
+                first[k] = (at, pos)
+        out.update((k, self._extra[k]) for k in sorted(first, key=first.__getitem__))
         return out

@@ -10,6 +10,7 @@ only the latest steps stay in memory: a run's memory does not grow with its step
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import weakref
@@ -97,8 +98,9 @@ class StepLog(Sequence[StepRow]):
             self._dir = Path(tempfile.mkdtemp(prefix="kvbench-steps-"))
             self._files = [None if _KIND[n] == "s" else open(self._dir / n, "wb")  # noqa: SIM115
                            for n in FIELDS]
-            # Closed and removed when the log is let go, or at exit.
-            weakref.finalize(self, _remove, self._files, self._dir)
+            # Closed and removed when the log is let go, or at exit (by this process only:
+            # a forked child inherits the finalizer, not the folder).
+            weakref.finalize(self, _remove, self._files, self._dir, os.getpid())
         n = len(self._cols[0])
         for col, f in zip(self._cols, self._files):
             if f is not None:
@@ -153,8 +155,9 @@ class StepLog(Sequence[StepRow]):
         return {n: self._column(k) for k, n in enumerate(FIELDS)}
 
 
-def _remove(files: list[IO[bytes] | None], folder: Path) -> None:
+def _remove(files: list[IO[bytes] | None], folder: Path, owner: int) -> None:
     for f in files:
         if f is not None:
             f.close()
-    shutil.rmtree(folder, ignore_errors=True)
+    if os.getpid() == owner:
+        shutil.rmtree(folder, ignore_errors=True)

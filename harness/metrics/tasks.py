@@ -109,7 +109,8 @@ def task_columns(rows: RequestLog, scored: dict[int, Scored]) -> None:
         return
     got = [scored.get(rid) for rid in rows.column("request_id")]
     for k in ("task", "length", "depth", "score"):
-        rows.add_column(k, [None if s is None else getattr(s, k) for s in got])
+        rows.add_column(k, [None if s is None else getattr(s, k) for s in got],
+                        every_row=False)  # only on the requests that ran
 
 
 def add_task_scores(workload: object, tok: Tokenizer, outputs: dict[int, list[int]],

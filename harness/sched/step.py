@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from harness.backends.costs import LaneSums
 from harness.kv.base import CopyOp, KVUsage, StepScores
 from harness.kv.tiers import TierOp
 from harness.sched.sequence import Sequence, SequenceGroup
+
+if TYPE_CHECKING:  # harness.backends imports this module
+    from harness.backends.costs import LaneSums
 
 
 @dataclass(slots=True)
