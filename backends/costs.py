@@ -128,6 +128,13 @@ class WindowCosts(KVCosts):
         t = self.seen(context)
         return Read(t, t * self.slot_bytes)
 
+    def lane_split(self) -> int | None:
+        return self.window + self.sinks  # seen(c) = min(c, window + sinks)
+
+    def summed_decode_read(self, s: LaneSums) -> Read:
+        t = s.ctx_sum - s.over_sum + s.over_n * (self.window + self.sinks)
+        return Read(t, t * self.slot_bytes)
+
     def prefill_pairs(self, start: int, n: int, held: int) -> int:
         w, s = self.window, self.sinks
         return _window_sum(start + n, w, s) - _window_sum(start, w, s)

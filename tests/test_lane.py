@@ -20,9 +20,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness.backends.costs import KIVICosts, KVCosts, QuantCosts, QuestCosts
+from harness.backends.costs import KIVICosts, KVCosts, QuantCosts, QuestCosts, WindowCosts
 from harness.kv.contiguous import ContiguousKVManager
+from harness.kv.evicting import WindowKVManager
 from harness.kv.paged import PagedKVManager
+from harness.kv.policies.window import WindowPolicy
 from harness.kv.residual import ResidualKVManager
 from harness.metrics import collector
 from harness.roofline.executor import (
@@ -141,7 +143,7 @@ def test_the_lane_equals_stepping_one_by_one(workload: list[str], opts: list[str
     assert t_one == t_lane  # every request's TTFT, ITLs and finish, exactly
     assert_same_run(one, lane)
     on = lane.metrics["run.fast_path"] == "lanes"
-    assert on == ("sliding_window" not in " ".join(opts)), lane.metrics["run.fast_path"]
+    assert on, lane.metrics["run.fast_path"]
     if on and one.metrics["requests.finished"]:
         assert joins > 0  # the lane ran, not only the per-sequence path
 
@@ -166,6 +168,9 @@ def _drive(case: dict[str, Any], lane_on: bool) -> tuple[Any, ...]:
         kv = ContiguousKVManager(case["blocks"] * bs, policy=case["contiguous"],
                                  max_model_len=case["mml"], granule=bs)
         case = {**case, "cpu": 0, "caching": False, "sinks": max(case["sinks"], -1)}
+    elif case["sinks"] == -4:  # a sliding window: blocks given back as it moves on
+        kv = WindowKVManager(case["blocks"], bs, WindowPolicy(case["window"], case["wsinks"]),
+                             num_cpu_blocks=case["cpu"], enable_prefix_caching=case["caching"])
     else:  # kivi's manager: paged, and it lists the partly filled blocks it frees
         kv = (ResidualKVManager if case["sinks"] == -2 else PagedKVManager)(
             case["blocks"], bs, num_cpu_blocks=case["cpu"], enable_prefix_caching=case["caching"])
@@ -176,7 +181,8 @@ def _drive(case: dict[str, Any], lane_on: bool) -> tuple[Any, ...]:
     sch = Scheduler(cfg, kv, swap=kv if case["cpu"] else None)
     costs = (KVCosts(3, bs) if case["sinks"] == -1 else KIVICosts(7, 5, bs, 0)
              if case["sinks"] == -2 else QuestCosts(5, 3, bs, 2 * bs)
-             if case["sinks"] == -3 else QuantCosts(1, 4, bs, case["sinks"]))
+             if case["sinks"] == -3 else WindowCosts(3, bs, case["window"], case["wsinks"])
+             if case["sinks"] == -4 else QuantCosts(1, 4, bs, case["sinks"]))
     col = collector.MetricsCollector(kv, sch, 1)
     if lane_on:
         sch.lane = DecodeLane(kv, costs, synthetic_tokens, SYNTHETIC_PERIOD, SYNTHETIC_IDS,
@@ -261,7 +267,8 @@ def _drive(case: dict[str, Any], lane_on: bool) -> tuple[Any, ...]:
        tokens=st.sampled_from([3, 16, 64]), mml=st.sampled_from([12, 24, 256]),
        chunked=st.booleans(), policy=st.sampled_from(["fcfs", "priority"]),
        adm=st.sampled_from(["watermark", "watermark", "no_evict"]), n=st.integers(3, 30),
-       sinks=st.sampled_from([-1, -2, -3, 0, 2, 5]), forks=st.booleans(),
+       sinks=st.sampled_from([-1, -2, -3, -4, -4, 0, 2, 5]), forks=st.booleans(),
+       window=st.sampled_from([1, 3, 8, 17]), wsinks=st.sampled_from([0, 1, 4]),
        contiguous=st.sampled_from([None, None, "exact", "pow2", "max"]))
 def test_the_lane_equals_one_by_one_step_for_step(**case: Any) -> None:
     """Every step's record, shape, free and LRU orders and named blocks, the ledger, the

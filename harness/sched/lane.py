@@ -35,9 +35,18 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from harness.backends.costs import KIVICosts, KVCosts, LaneSums, QuantCosts, QuestCosts
+from harness.backends.costs import (
+    KIVICosts,
+    KVCosts,
+    LaneSums,
+    QuantCosts,
+    QuestCosts,
+    WindowCosts,
+)
 from harness.kv.contiguous import ContiguousKVManager
+from harness.kv.evicting import WindowKVManager
 from harness.kv.paged import PagedKVManager
+from harness.kv.policies.window import WindowPolicy
 from harness.kv.residual import ResidualKVManager
 from harness.sched.sequence import SeqStatus, Sequence, SequenceGroup
 
@@ -47,15 +56,19 @@ TokenFn = Callable[[int, int, int], list[int]]
 
 # Declarations whose decode read is a fixed function of the context alone (what the
 # member sums cover); any other method steps one by one.
-LANE_COSTS = (KVCosts, QuantCosts, KIVICosts, QuestCosts)
-# Managers the lane drives: the plain paged one, and kivi's, which differs only in what it
-# reports when a partly filled block is freed (the lane settles fills before any free).
-LANE_PAGED = (PagedKVManager, ResidualKVManager)
+LANE_COSTS = (KVCosts, QuantCosts, KIVICosts, QuestCosts, WindowCosts)
+# Managers the lane drives: the plain paged one; kivi's, which differs only in what it
+# reports when a partly filled block is freed (the lane settles fills before any free);
+# a window's, which gives back the blocks a member's window left, at steps the lane
+# knows in advance (the member is then synced and observed in running order).
+LANE_PAGED = (PagedKVManager, ResidualKVManager, WindowKVManager)
 
 
 def lane_blocker(kv: object, costs: KVCosts) -> str | None:
     """Why a run with this KV manager and cost declaration steps every sequence one by
     one (None: its decodes can take the lane)."""
+    if isinstance(kv, WindowKVManager) and not isinstance(kv.policy, WindowPolicy):
+        return f"the window manager's policy ({kv.policy.name}) is not a sliding window"
     if type(costs) in (KIVICosts, QuestCosts) and \
             costs.block_size != getattr(kv, "block_size", None):
         # their reads split at block boundaries: the lane sums remainders per KV block
@@ -94,6 +107,7 @@ class LaneMember:
     reason: str
     cycle: list[int] | None = None  # its tokens at positions 0 .. 2 period - 1
     over: bool = False  # its context is past the declaration's lane_split()
+    drop: int = -1  # a window's: the lane step whose update gives back its next block
 
 
 class DecodeLane:
@@ -131,6 +145,12 @@ class DecodeLane:
         self._under: list[tuple[int, int]] = []  # (-(c0 - j), uid), lazily pruned
         self.over_n = self.over_off = 0
         self._over_res = [0] * self.bs
+        # A window's manager: members by the lane step whose update's observe gives back
+        # a block their window left (harness.kv.policies.window).
+        self.window: WindowPolicy | None = (
+            kv.policy if isinstance(kv, WindowKVManager) and isinstance(kv.policy, WindowPolicy)
+            else None)
+        self._drops: dict[int, list[LaneMember]] = {}
         self._live: dict[int, LaneMember] = {}
         self._finish: dict[int, list[LaneMember]] = {}
         # Members whose write of lane step k fills their block (prefix caching names it).
@@ -180,6 +200,7 @@ class DecodeLane:
         self._track_fill(m)
         g.lane = m
         self._live[m.uid] = m
+        self._track_drop(m, L + 1)
         self._finish.setdefault(L + r, []).append(m)
         self.n += 1
         self.off_sum += c0 - L
@@ -198,6 +219,40 @@ class DecodeLane:
         """With prefix caching: the step before ``m``'s next touch fills its block."""
         if self.caching and m.touch - 1 > m.j:
             self._fills.setdefault(m.touch - 1, []).append(m)
+
+    def _track_drop(self, m: LaneMember, earliest: int) -> None:
+        """A window's: file ``m`` under the first lane step from ``earliest`` whose update
+        gives back a block (WindowPolicy.select: blocks wholly before the next query's
+        window, past the sinks' blocks and the cursor). After the update of lane step
+        L1 the sequence has computed ``c0 + L1 - j`` tokens."""
+        w = self.window
+        if w is None:
+            return
+        assert self.paged is not None
+        bs = self.bs
+        first = max(-(-w.sinks // bs), self.paged.blocks_of(m.seq).cursor)
+        # upto = (computed + 1 - window) // bs must pass first: computed + 1 - window >=
+        # (first + 1) * bs.
+        m.drop = max(earliest, (first + 1) * bs + w.window - 1 - (m.c0 - m.j))
+        self._drops.setdefault(m.drop, []).append(m)
+
+    def drops_due(self) -> list[LaneMember]:
+        """A window's: the members whose update of lane step ``L`` gives back a block,
+        synced to it and in running order (the scheduler has the manager observe them
+        among the step's other sequences, then calls :meth:`redrop`)."""
+        out = [m for m in self._drops.pop(self.L, ())
+               if m.uid in self._live and m.drop == self.L]
+        if len(out) > 1:
+            out.sort(key=lambda m: m.seq.group.run_order)
+        for m in out:
+            self.sync(m, self.L)
+        return out
+
+    def redrop(self, done: list[LaneMember]) -> None:
+        """After the manager observed ``done`` (their cursors moved): their next drops."""
+        for m in done:
+            if m.uid in self._live:
+                self._track_drop(m, self.L + 1)
 
     def fills(self, L1: int) -> list[LaneMember]:
         """The members whose write of lane step ``L1`` fills their block, in running

@@ -640,8 +640,25 @@ class Scheduler:
         for m in fin[k:]:
             self._finish_seq(m.seq, m.reason)
         done = self._retire_finished()
-        kv.observe([s.seq for s in rec.seqs if s.seq.status is SeqStatus.RUNNING],
-                   outcome.scores)
+        observed = [s.seq for s in rec.seqs if s.seq.status is SeqStatus.RUNNING]
+        # A window's lane members whose window leaves a block this step: observed where
+        # stepping one by one would (every decode is observed each step; the others' give
+        # nothing back), in running order among the step's sequences.
+        due = lane.drops_due() if lane is not None and lane.window is not None else []
+        if due:
+            merged: list[Sequence] = []
+            k = 0
+            for seq in observed:
+                while k < len(due) and due[k].seq.group.run_order < seq.group.run_order:
+                    merged.append(due[k].seq)
+                    k += 1
+                merged.append(seq)
+            merged += [m.seq for m in due[k:]]
+            observed = merged
+        kv.observe(observed, outcome.scores)
+        if due:
+            assert lane is not None
+            lane.redrop(due)
         upd = StepUpdate(done, kv.record_external(self.next_waiting_need()))
         if lane is not None:
             for s in rec.seqs:  # who decodes from now on joins
