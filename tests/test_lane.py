@@ -4,8 +4,8 @@ A hypothesis property test over random workloads: arrivals during the run, preem
 recompute and by swap (small KV budgets), prefix hits (shared prompts, conversations that
 re-send their answers: hits on blocks that lane members named), identical prompts (two
 requests naming the same content), length limits, block sizes, prefix caching on and off,
-and the backends that take the lane (paged, fp8, int8, contiguous) and one that does not
-(a sliding window: stepped one by one either way). Each example runs twice, ``roofline.fast_path``
+and the backends that take the lane (paged, fp8, int8, kivi, quest, a sliding window,
+contiguous). Each example runs twice, ``roofline.fast_path``
 on and off, and compares every request's token times (so its TTFT, every ITL and its
 finish), every requests.csv row, every steps.csv column, the output ids and every metric.
 """
