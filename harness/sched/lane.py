@@ -67,7 +67,7 @@ LANE_PAGED = (PagedKVManager, ResidualKVManager, WindowKVManager)
 def lane_blocker(kv: object, costs: KVCosts) -> str | None:
     """Why a run with this KV manager and cost declaration steps every sequence one by
     one (None: its decodes can take the lane)."""
-    if isinstance(kv, WindowKVManager) and not isinstance(kv.policy, WindowPolicy):
+    if isinstance(kv, WindowKVManager) and type(kv.policy) is not WindowPolicy:
         return f"the window manager's policy ({kv.policy.name}) is not a sliding window"
     if type(costs) in (KIVICosts, QuestCosts) and \
             costs.block_size != getattr(kv, "block_size", None):
@@ -107,6 +107,7 @@ class LaneMember:
     reason: str
     cycle: list[int] | None = None  # its tokens at positions 0 .. 2 period - 1
     over: bool = False  # its context is past the declaration's lane_split()
+    end: int = 0  # the lane step whose update finishes it
     drop: int = -1  # a window's: the lane step whose update gives back its next block
 
 
@@ -148,7 +149,7 @@ class DecodeLane:
         # A window's manager: members by the lane step whose update's observe gives back
         # a block their window left (harness.kv.policies.window).
         self.window: WindowPolicy | None = (
-            kv.policy if isinstance(kv, WindowKVManager) and isinstance(kv.policy, WindowPolicy)
+            kv.policy if isinstance(kv, WindowKVManager) and type(kv.policy) is WindowPolicy
             else None)
         self._drops: dict[int, list[LaneMember]] = {}
         self._live: dict[int, LaneMember] = {}
@@ -200,6 +201,7 @@ class DecodeLane:
         self._track_fill(m)
         g.lane = m
         self._live[m.uid] = m
+        m.end = L + r
         self._track_drop(m, L + 1)
         self._finish.setdefault(L + r, []).append(m)
         self.n += 1
@@ -222,19 +224,17 @@ class DecodeLane:
 
     def _track_drop(self, m: LaneMember, earliest: int) -> None:
         """A window's: file ``m`` under the first lane step from ``earliest`` whose update
-        gives back a block (WindowPolicy.select: blocks wholly before the next query's
-        window, past the sinks' blocks and the cursor). After the update of lane step
-        L1 the sequence has computed ``c0 + L1 - j`` tokens."""
+        gives back a block (WindowPolicy.gives_back_at; after the update of lane step L1
+        the sequence has computed ``c0 + L1 - j`` tokens); none at or after its finish
+        (it leaves before that update observes anyone)."""
         w = self.window
         if w is None:
             return
         assert self.paged is not None
-        bs = self.bs
-        first = max(-(-w.sinks // bs), self.paged.blocks_of(m.seq).cursor)
-        # upto = (computed + 1 - window) // bs must pass first: computed + 1 - window >=
-        # (first + 1) * bs.
-        m.drop = max(earliest, (first + 1) * bs + w.window - 1 - (m.c0 - m.j))
-        self._drops.setdefault(m.drop, []).append(m)
+        at = w.gives_back_at(self.paged.blocks_of(m.seq).cursor, self.bs)
+        m.drop = max(earliest, at - (m.c0 - m.j))
+        if m.drop < m.end:
+            self._drops.setdefault(m.drop, []).append(m)
 
     def drops_due(self) -> list[LaneMember]:
         """A window's: the members whose update of lane step ``L`` gives back a block,
