@@ -12,14 +12,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from harness.backends.costs import (
-    KIVICosts,
-    KVCosts,
-    LaneSums,
-    QuantCosts,
-    QuestCosts,
-    WindowCosts,
-)
+from harness.backends import costs
+from harness.backends.costs import KVCosts, LaneSums, QuantCosts
 from harness.errors import UserError
 from harness.roofline.calibrate import Measured, bounded_lsq, fit, predict
 from harness.roofline.hardware import (
@@ -156,8 +150,9 @@ def lane_sums(ctxs: list[int], split: int | None, bs: int = 16) -> LaneSums:
 
 
 @pytest.mark.parametrize("costs", [KVCosts(FP32_BYTES, 16), KVCosts(FP32_BYTES),
-                                   QuantCosts(130, 512, 16, 4), KIVICosts(900, 512, 16, 4096),
-                                   QuestCosts(700, 96, 16, 32), WindowCosts(FP32_BYTES, 16, 30, 4)],
+                                   QuantCosts(130, 512, 16, 4), costs.KIVICosts(900, 512, 16, 4096),
+                                   costs.QuestCosts(700, 96, 16, 32),
+                                   costs.WindowCosts(FP32_BYTES, 16, 30, 4)],
                          ids=["paged", "range", "fp8", "kivi", "quest", "window"])
 @pytest.mark.parametrize("ctxs", [[41, 4, 17, 16], [16, 32, 4], [15, 31, 47, 5, 33, 49, 64],
                                   [32, 33, 48, 80, 81, 96, 97]])
