@@ -13,12 +13,17 @@ step: a member's sequence, its block's fill and its token times are brought up t
   other groups' prefill chunks in running order, before any admission looks a prompt up;
 - its finish, known when it joins: synthetic tokens are never EOS, so a request stops at
   its drawn length (``stop_after``), ``max_tokens`` or ``max_model_len``;
+- with a sliding window, the update whose ``observe`` gives back a block its window left
+  (:meth:`DecodeLane.drops_due`): it is observed there, in running order among the step's
+  sequences, as every decode is one by one;
 - a preemption: it is synced, then preempted as any group is;
 - the end of the run (:meth:`DecodeLane.leave_all`).
 
-In between, what a step needs of the members is sums: how many decode, the sum and the
-max of their contexts (the step's shape), the slots they fill in place (the pool's used
-slots) and a count of consecutive tokens (the inter-token latencies). Every number a run
+In between, what a step needs of the members is sums: how many decode, the sum, the max
+and the remainders modulo the block of their contexts, and the same apart past the
+declaration's ``lane_split()`` (the step's shape: :class:`LaneSums`), the slots they
+fill in place (the pool's used slots) and a count of consecutive tokens (the inter-token
+latencies). Every number a run
 reports equals stepping one by one (tests/test_lane.py: a hypothesis property test over
 random workloads, preemption by recompute and swap, prefix hits and arrivals).
 
@@ -395,9 +400,8 @@ class DecodeLane:
         while h and h[0][1] not in live:
             heapq.heappop(h)
         bs = self.bs
-        by_mod = [0] * bs
-        for r, c in enumerate(self._res):
-            by_mod[(r + L1) % bs] += c
+        k = bs - L1 % bs  # offset r is context (r + L1) mod bs: the counts rotated
+        by_mod = self._res[k:] + self._res[:k]
         if self.split is None:
             return LaneSums(self.n, self.off_sum + self.n * L1, L1 - h[0][0] if h else 0,
                             tuple(by_mod))
@@ -409,9 +413,7 @@ class DecodeLane:
                 self.over_n += 1
                 self.over_off += m.c0 - m.j
                 self._over_res[(m.c0 - m.j) % bs] += 1
-        over = [0] * bs
-        for r, c in enumerate(self._over_res):
-            over[(r + L1) % bs] += c
+        over = self._over_res[k:] + self._over_res[:k]
         return LaneSums(self.n, self.off_sum + self.n * L1, L1 - h[0][0] if h else 0,
                         tuple(by_mod), self.over_n, self.over_off + self.over_n * L1,
                         tuple(over))
