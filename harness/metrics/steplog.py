@@ -105,11 +105,9 @@ class StepLog(Sequence[StepRow]):
         for col, f in zip(self._cols, self._files):
             if f is not None:
                 col.tofile(f)
+                f.flush()  # readers open the file by name
                 del col[:]  # frees the array's buffer
         self._on_disk += n
-        for f in self._files:
-            if f is not None:
-                f.flush()  # readers open the file by name
 
     def _column(self, k: int) -> Any:
         """Column ``k`` as a sequence over every step (without a copy where in memory)."""

@@ -28,6 +28,7 @@ anew, which is what the roofline's engine profile charges scheduling time to).
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -645,16 +646,9 @@ class Scheduler:
         # stepping one by one would (every decode is observed each step; the others' give
         # nothing back), in running order among the step's sequences.
         due = lane.drops_due() if lane is not None and lane.window is not None else []
-        if due:
-            merged: list[Sequence] = []
-            k = 0
-            for seq in observed:
-                while k < len(due) and due[k].seq.group.run_order < seq.group.run_order:
-                    merged.append(due[k].seq)
-                    k += 1
-                merged.append(seq)
-            merged += [m.seq for m in due[k:]]
-            observed = merged
+        if due:  # both in running order; members and the step's groups are distinct
+            observed = list(heapq.merge(observed, [m.seq for m in due],
+                                        key=lambda s: s.group.run_order))
         kv.observe(observed, outcome.scores)
         if due:
             assert lane is not None
