@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -127,14 +128,13 @@ def tiers_label(rc: RunConfig, st: Stack) -> str:
 def check_rejections(rows: RequestLog, out_dir: Path | None) -> None:
     """A run where nothing finished is a failed run, not a result (UserError, after the
     results are written); one that rejected a sizeable share says so on the terminal."""
-    status = rows.column("status")
-    rejected = [i for i, s in enumerate(status) if s == "rejected"]
-    if not rejected:
+    rejected = np.flatnonzero(rows.matches("status", "rejected"))
+    if not len(rejected):
         return
-    first = rows[rejected[0]]
+    first = rows[int(rejected[0])]
     why = f"e.g. request {first['request_id']}: {first['rejected_reason']}"
     where = f" (results in {out_dir})" if out_dir is not None else ""
-    if "finished" not in status:
+    if not rows.matches("status", "finished").any():
         raise UserError(f"no request finished: all {len(rejected)} were rejected{where}: "
                         f"{why}")
     if len(rejected) >= 0.1 * len(rows):

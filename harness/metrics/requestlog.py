@@ -158,6 +158,10 @@ class RequestLog(Sequence[dict[str, Any]]):
         a list of texts or of an added column's values."""
         return self._cols[name] if name in self._cols else self._extra[name]
 
+    def matches(self, name: str, value: Any) -> np.ndarray:
+        """bool (rows,): which rows hold ``value`` in column ``name`` (e.g. a status)."""
+        return np.array(self.column(name), dtype=object) == value
+
     def values(self, name: str) -> np.ndarray:
         """A copy of a numeric fixed column as a numpy array (float64 or int64)."""
         kind = self.kinds[name]

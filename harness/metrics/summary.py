@@ -97,8 +97,7 @@ def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: 
     """The flat, dotted summary (metrics.json). Call after the ledger is finished."""
     kv, sch = col.kv, col.scheduler
     reqs = request_rows(col)
-    status = np.array(reqs.column("status"), dtype=object)
-    done = status == "finished"
+    done = reqs.matches("status", "finished")
     n_done = int(done.sum())
     out_tokens = int(reqs.values("output_tokens")[done].sum())
     prompt_tokens = int(reqs.values("prompt_tokens")[done].sum())
@@ -157,7 +156,7 @@ def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: 
         "sched.recomputed_tokens": sch.recomputed_tokens,
         "sched.swapped_bytes": st.swapped_out_blocks * kv.block_size * col.bytes_per_slot,
         "requests.finished": n_done,
-        "requests.rejected": int((status == "rejected").sum()),
+        "requests.rejected": int(reqs.matches("status", "rejected").sum()),
         # Requests in flight (arrived, not finished: waiting, running or swapped) at once.
         "requests.peak_concurrency": peak_concurrency(col.span_start, col.span_end),
         "engine.step_ms_mean": float(np.mean(column(steps, "step_ms"))) if steps else 0.0,

@@ -119,9 +119,7 @@ def add_task_scores(workload: object, tok: Tokenizer, outputs: dict[int, list[in
     into ``metrics`` and its task columns into ``rows``; nothing for any other workload."""
     if not isinstance(workload, ScoresTasks):
         return
-    not_run = frozenset(rid for rid, status in zip(rows.column("request_id"),
-                                                   rows.column("status"), strict=True)
-                        if status == "rejected")
+    not_run = frozenset(rows.values("request_id")[rows.matches("status", "rejected")].tolist())
     scored = score_requests(workload, outputs, tok, not_run)
     metrics.update(task_metrics(scored, seed, len(not_run)))
     task_columns(rows, scored)

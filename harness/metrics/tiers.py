@@ -64,11 +64,10 @@ def ttft_by_source(rows: RequestLog) -> dict[str, Any]:
     """TTFT percentiles of finished requests, split by where their prefix came from
     (requests.csv's ``prefix_source``), and how many requests each holds."""
     m: dict[str, Any] = {}
-    done = np.array(rows.column("status"), dtype=object) == "finished"
-    source = np.array(rows.column("prefix_source"), dtype=object)
+    done = rows.matches("status", "finished")
     ttft = rows.values("ttft_ms")
     for src in SOURCES:
-        xs = ttft[done & (source == src) & ~np.isnan(ttft)]
+        xs = ttft[done & rows.matches("prefix_source", src) & ~np.isnan(ttft)]
         m[f"requests.by_source.{src}"] = len(xs)
         if len(xs):
             m[f"latency.ttft_ms.by_source.{src}.p50"] = float(np.percentile(xs, 50))
