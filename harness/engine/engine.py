@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -42,6 +43,7 @@ class Engine:
             executor = ModelExecutor(model, backend, device)
         executor.bind(scheduler.kv)
         self.executor = executor
+        self._carry_s = 0.0  # bookkeeping after the last row was taken, charged to the next
 
     def run(self, workload: Workload, progress: ProgressFn | None = None) -> float:
         """Serve every request of ``workload``; returns the wall time in seconds.
@@ -58,7 +60,7 @@ class Engine:
         # a modelled clock: on the wall clock, building a request (its prompt's text)
         # between steps would delay the next step and show in the latencies.
         pending: list[tuple[float, int, Request]] = []
-        arrivals = _Arrivals(pending, workload, stream=not isinstance(clock, WallClock))
+        arrivals = Arrivals(pending, workload, stream=not isinstance(clock, WallClock))
         try:
             self._loop(workload, arrivals, pending, start, progress)
         except BaseException:
@@ -73,65 +75,86 @@ class Engine:
             sch.lane.leave_all()
         return clock.now() - start
 
-    def _loop(self, workload: Workload, arrivals: _Arrivals,
+    def _loop(self, workload: Workload, arrivals: Arrivals,
               pending: list[tuple[float, int, Request]], start: float,
               progress: ProgressFn | None) -> None:
-        sch, col, clock = self.scheduler, self.metrics, self.executor.clock
-        total, done, out_tokens, idle = arrivals.total, 0, 0, 0
-        carry_s = 0.0  # bookkeeping after the last row was taken, charged to the next
+        sch, clock = self.scheduler, self.executor.clock
+        counts = Counts(arrivals.total)
+        idle = 0
+
+        def finished(g: SequenceGroup, now: float) -> None:
+            counts.done += 1
+            counts.total += self._follow_up(workload, g, pending, now)
+
         while arrivals or sch.has_unfinished:
             now = clock.now() - start
             while (req := arrivals.pop_until(now)) is not None:
-                arrival = req[0]
-                g = req[1].to_group(arrival)
-                col.on_arrival(g, arrival)
-                if not sch.add(g):
-                    done += 1
-                    total += self._follow_up(workload, g, pending, now, rejected=True)
-                    col.on_rejected(g)
+                self.receive(req[1], req[0], now, workload, pending, counts)
             if not sch.has_unfinished:
                 if arrivals:
                     clock.sleep(arrivals.next_time() - (clock.now() - start))
                 continue
-            t0 = clock.now()
-            rec = sch.schedule()
-            self.executor.apply_cache_ops(rec)
-            if rec.is_empty:
-                for stuck in rec.rejected:  # can never be admitted: the run goes on
-                    done += 1
-                    total += self._follow_up(workload, stuck, pending,
-                                             clock.now() - start, rejected=True)
-                    col.on_rejected(stuck)
-                idle += 1
-                # An invariant, not a user error: something runs yet nothing is schedulable.
-                assert idle < 10_000, f"no progress: running={sch.running} waiting={sch.waiting}"
-                continue
-            idle = 0
-            out = self.executor.forward(rec)
-            forward_s = out.forward_s
-            sch.end_forward()
-            outcome = self._sample(out.logits, [s.seq for s in out.samplers])
-            outcome.scores = self.executor.take_scores()
-            upd = sch.update(rec, outcome)
-            t_tok = clock.now()
-            col.on_tokens(rec, upd, [s.seq.group for s in out.samplers], t_tok - start)
-            out_tokens += len(out.samplers) + rec.lane_n
-            for g in upd.finished:
-                done += 1
-                self.sampler.forget(g)
-                total += self._follow_up(workload, g, pending, t_tok - start)
-            # The row's own bookkeeping is charged to the next step: no step's overhead
-            # leaves out the collector (it once hid 2.7 ms per step at 4096 sequences).
-            t_end = clock.now()
-            col.on_step(rec, upd, t0 - carry_s, t_end, forward_s, start, out.reads)
-            for g in upd.finished:
-                # Its row, outputs and follow-ups are made: drop its sequences, which
-                # point back at it (a cycle only a full collection would free, rare in a
-                # long run: the decode lane's peak RSS was 34% higher for want of it).
-                g.seqs.clear()
-            carry_s = clock.now() - t_end
-            if progress is not None:
-                progress(done, total, out_tokens / max(t_end - start, 1e-9))
+            ran = self.step(start, workload, pending, counts, finished)
+            idle = 0 if ran else idle + 1
+            # An invariant, not a user error: something runs yet nothing is schedulable.
+            assert idle < 10_000, f"no progress: running={sch.running} waiting={sch.waiting}"
+            if ran and progress is not None:
+                progress(counts.done, counts.total,
+                         counts.out_tokens / max(clock.now() - start, 1e-9))
+
+    def receive(self, req: Request, arrival: float, now: float, workload: Workload,
+                pending: list[tuple[float, int, Request]], counts: Counts) -> SequenceGroup:
+        """Request ``req``, arrived at ``arrival`` and taken at ``now`` (seconds from the
+        run's start), handed to the scheduler; one it can never run is rejected here (its
+        follow-ups queued from ``now``)."""
+        g = req.to_group(arrival)
+        self.metrics.on_arrival(g, arrival)
+        if not self.scheduler.add(g):
+            counts.done += 1
+            counts.total += self._follow_up(workload, g, pending, now, rejected=True)
+            self.metrics.on_rejected(g)
+        return g
+
+    def step(self, start: float, workload: Workload, pending: list[tuple[float, int, Request]],
+             counts: Counts, finished: Callable[[SequenceGroup, float], None]) -> bool:
+        """One step of the engine: schedule -> cache ops -> forward -> sample -> update ->
+        metrics. ``finished(group, now)`` is called for each request that finished (its
+        follow-ups), before the step's row is taken. False: nothing was schedulable (a
+        request that can never be admitted is rejected then)."""
+        sch, col, clock = self.scheduler, self.metrics, self.executor.clock
+        t0 = clock.now()
+        rec = sch.schedule()
+        self.executor.apply_cache_ops(rec)
+        if rec.is_empty:
+            for stuck in rec.rejected:  # can never be admitted: the run goes on
+                counts.done += 1
+                counts.total += self._follow_up(workload, stuck, pending,
+                                                clock.now() - start, rejected=True)
+                col.on_rejected(stuck)
+            return False
+        out = self.executor.forward(rec)
+        forward_s = out.forward_s
+        sch.end_forward()
+        outcome = self._sample(out.logits, [s.seq for s in out.samplers])
+        outcome.scores = self.executor.take_scores()
+        upd = sch.update(rec, outcome)
+        t_tok = clock.now()
+        col.on_tokens(rec, upd, [s.seq.group for s in out.samplers], t_tok - start)
+        counts.out_tokens += len(out.samplers) + rec.lane_n
+        for g in upd.finished:
+            self.sampler.forget(g)
+            finished(g, t_tok - start)
+        # The row's own bookkeeping is charged to the next step: no step's overhead
+        # leaves out the collector (it once hid 2.7 ms per step at 4096 sequences).
+        t_end = clock.now()
+        col.on_step(rec, upd, t0 - self._carry_s, t_end, forward_s, start, out.reads)
+        for g in upd.finished:
+            # Its row, outputs and follow-ups are made: drop its sequences, which
+            # point back at it (a cycle only a full collection would free, rare in a
+            # long run: the decode lane's peak RSS was 34% higher for want of it).
+            g.seqs.clear()
+        self._carry_s = clock.now() - t_end
+        return True
 
     @staticmethod
     def _follow_up(workload: Workload, group: SequenceGroup,
@@ -196,7 +219,16 @@ class Engine:
         return out
 
 
-class _Arrivals:
+@dataclass
+class Counts:
+    """Requests known and done, and tokens made, for the progress line."""
+
+    total: int
+    done: int = 0
+    out_tokens: int = 0
+
+
+class Arrivals:
     """The requests yet to arrive: the ``pending`` heap of (arrival, request id, request)
     that follow-ups are pushed to, merged with a streamed workload's iterator (whose
     requests come in that same order), so that the engine takes them exactly as it would
