@@ -26,6 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from harness.backends import BACKENDS
 from harness.backends.base import BackendOptions
+from harness.cluster.config import ClusterConfig
 from harness.errors import UserError
 from harness.metrics.goodput import SLOConfig, check_slo
 from harness.quality_config import QualityConfig
@@ -207,6 +208,8 @@ class RunConfig:
     # modelled from roofline.model on roofline.hardware, on a virtual clock.
     executor: str = "model"
     roofline: RooflineConfig = field(default_factory=RooflineConfig)
+    # Replicas behind a router (harness.cluster): 1 is a plain run.
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     # The same configuration ``repeats`` times, for speed figures with intervals
     # (harness/repeats.py): a run folder then holds repeat-0/ .. repeat-<N-1>/ and their
     # summary; a sweep interleaves the repeats across its configurations. ``repeat`` (which

@@ -58,12 +58,13 @@ class ModelTarget:
     def max_position(self) -> int:
         return self.loaded.config.max_position_embeddings
 
-    def build(self, workload: Workload) -> Stack:
+    def build(self, workload: Workload, quiet: bool = False) -> Stack:
         rc = self.rc
         # The texts before the stack: a bad quality.text_file fails before the run.
-        self.texts = load_texts(rc.quality, self.loaded) if rc.quality.enabled else None
+        if self.texts is None and rc.quality.enabled:
+            self.texts = load_texts(rc.quality, self.loaded)
         return build_stack(self.loaded, self.device, rc.backend, rc.cache, rc.scheduler,
-                           Sampler(rc.seed), request_shapes(workload))
+                           Sampler(rc.seed), request_shapes(workload), quiet=quiet)
 
     def record(self, st: Stack, sim_wall_s: float) -> ExecutorRecord:
         run = {

@@ -181,10 +181,12 @@ def claim_sweep(folder: Path) -> None:
 
 def write_results(out: Path, config_yaml: str, metrics: dict[str, Any],
                   steps: Sequence[StepRow], requests: Sequence[dict[str, Any]],
-                  fmt: str = "csv") -> None:
+                  fmt: str = "csv", step_extra: dict[str, Sequence[Any]] | None = None
+                  ) -> None:
     """Write the four result files, metrics.json last: config.yaml, the step and request
     records as ``fmt`` (csv: steps.csv, requests.csv; parquet: steps.parquet,
     requests.parquet), metrics.json. The records are written a chunk at a time.
+    ``step_extra``: more step columns, after the rows' own (a cluster's ``replica``).
 
     Raises :class:`FolderTaken` if the folder holds another run, and
     :class:`ResultsWriteError` (carrying ``metrics``) if a file cannot be written.
@@ -195,7 +197,8 @@ def write_results(out: Path, config_yaml: str, metrics: dict[str, Any],
     ext = RECORD_SUFFIX[fmt]
     files: list[tuple[str, Callable[[Path], None]]] = [
         ("config.yaml", lambda p: atomic_write(p, config_yaml)),
-        (f"steps{ext}", lambda p: _write_records(p, step_columns(steps), fmt)),
+        (f"steps{ext}", lambda p: _write_records(
+            p, step_columns(steps) | (step_extra or {}) if len(steps) else {}, fmt)),
         (f"requests{ext}", lambda p: _write_records(p, request_columns(requests), fmt)),
         (METRICS, lambda p: atomic_write(
             p, json.dumps(metrics, indent=2, sort_keys=True) + "\n"))]

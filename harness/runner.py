@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from harness.cluster.records import replica_goodput, summarize_cluster
+from harness.cluster.run import cluster_record, make_cluster
 from harness.config import RunConfig, run_config
 from harness.errors import UserError
 from harness.metrics.collector import StepRow
@@ -75,42 +77,63 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
         # A trace truncates or rejects its rows against the length the engine enforces.
         rc.workload.max_model_len = min(rc.scheduler.max_model_len, target.max_position)
     workload = make_workload(rc.workload, target.tokenizer)
-    st = target.build(workload)
-    st.collector.keep_outputs = rc.records.output_ids
+    n = rc.cluster.replicas
+    stacks = [target.build(workload, quiet=i > 0) for i in range(n)]
+    st = stacks[0]
+    for s in stacks:
+        s.collector.keep_outputs = rc.records.output_ids
+    cluster = make_cluster(rc.cluster, stacks, rc.seed) if n > 1 else None
     progress = _progress(rc.progress)
     t0 = time.perf_counter()
-    clock_s = st.engine.run(workload, progress)  # on the executor's clock
+    # On the executor's clock (a cluster's: its latest replica's).
+    clock_s = st.engine.run(workload, progress) if cluster is None else \
+        cluster.run(workload, progress)
     sim_s = time.perf_counter() - t0
     progress.close()
-    st.kv.ledger.finish()
+    for s in stacks:
+        s.kv.ledger.finish()
 
-    own = target.record(st, sim_s)
+    own = target.record(st, sim_s) if cluster is None else \
+        cluster_record(target, stacks, sim_s)
     run_info = {
         "backend": rc.backend.name, "workload": rc.workload.name, "seed": rc.seed,
         "git_sha": sha, "started_at": started, "block_size": st.sizing.block_size,
         "prefix_caching": st.prefix_caching, "tiers": tiers_label(rc, st), **own.run,
         **({"prefill": st.backend.trigger} if st.backend.trigger else {}),
+        **({"replicas": n, "router": rc.cluster.router} if cluster is not None else {}),
     }
-    metrics = summarize(st.collector, run_info, st.sizing.kv_budget_bytes,
-                        st.sizing.num_slots, clock_s)
+    step_extra: dict[str, Sequence[Any]] | None = None
+    if cluster is None:
+        metrics = summarize(st.collector, run_info, st.sizing.kv_budget_bytes,
+                            st.sizing.num_slots, clock_s)
+        rows = request_rows(st.collector)
+        metrics.update(hit_rates(st.kv, st.tiers))
+        steps: Sequence[StepRow] = st.collector.steps
+        outputs = st.collector.outputs()
+    else:
+        metrics, rows, steps, which = summarize_cluster(
+            cluster, run_info, st.sizing.kv_budget_bytes, st.sizing.num_slots, clock_s,
+            rc.records.output_ids)
+        step_extra = {"replica": which}
+        outputs = {k: v for s in stacks for k, v in s.collector.outputs().items()}
     metrics.update(own.metrics)
     if isinstance(workload, ReportsMetrics):
         metrics.update(workload.workload_metrics())
-    rows = request_rows(st.collector)
-    metrics.update(hit_rates(st.kv, st.tiers))
     if st.tiers is not None:
-        metrics.update(tier_metrics(st.tiers, st.collector.steps, st.sizing.block_bytes,
-                                    st.engine.executor.transfer_s))
+        if cluster is None:  # a cluster's tiers: their hit rates only (cache.hit_rate.*)
+            metrics.update(tier_metrics(st.tiers, steps, st.sizing.block_bytes,
+                                        st.engine.executor.transfer_s))
         metrics.update(ttft_by_source(rows))
-    outputs = st.collector.outputs()
     target.score(st, workload, outputs, metrics, rows)
     metrics.update(slo_metrics(rows, rc.slo, clock_s))  # after quality: its agreement floor
+    if cluster is not None:
+        metrics.update(replica_goodput(rows, n, clock_s))
     out_dir = Path(rc.out_dir) if rc.out_dir else None
     if out_dir is not None:
-        write_results(out_dir, config_yaml, metrics, st.collector.steps, rows,
-                      rc.records.format)
+        write_results(out_dir, config_yaml, metrics, steps, rows, rc.records.format,
+                      step_extra)
     check_rejections(rows, out_dir)
-    return RunResult(metrics, rows, out_dir, outputs, st.collector.steps)
+    return RunResult(metrics, rows, out_dir, outputs, steps)
 
 
 def tiers_label(rc: RunConfig, st: Stack) -> str:

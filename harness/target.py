@@ -39,8 +39,9 @@ class RunTarget(Protocol):
         """The longest sequence the model takes (``max_position_embeddings``)."""
         ...
 
-    def build(self, workload: Workload) -> Stack:
-        """The serving stack for ``workload`` (fails early on a budget nothing fits)."""
+    def build(self, workload: Workload, quiet: bool = False) -> Stack:
+        """The serving stack for ``workload`` (fails early on a budget nothing fits);
+        ``quiet``: no warnings (a cluster's second and later replicas: the same stack)."""
         ...
 
     def record(self, st: Stack, sim_wall_s: float) -> ExecutorRecord:

@@ -84,12 +84,12 @@ class Engine:
 
         def finished(g: SequenceGroup, now: float) -> None:
             counts.done += 1
-            counts.total += self._follow_up(workload, g, pending, now)
+            counts.total += self.follow_up(workload, g, pending, now)
 
         while arrivals or sch.has_unfinished:
             now = clock.now() - start
             while (req := arrivals.pop_until(now)) is not None:
-                self.receive(req[1], req[0], now, workload, pending, counts)
+                self.receive(req[1].to_group(req[0]), now, workload, pending, counts)
             if not sch.has_unfinished:
                 if arrivals:
                     clock.sleep(arrivals.next_time() - (clock.now() - start))
@@ -102,18 +102,16 @@ class Engine:
                 progress(counts.done, counts.total,
                          counts.out_tokens / max(clock.now() - start, 1e-9))
 
-    def receive(self, req: Request, arrival: float, now: float, workload: Workload,
-                pending: list[tuple[float, int, Request]], counts: Counts) -> SequenceGroup:
-        """Request ``req``, arrived at ``arrival`` and taken at ``now`` (seconds from the
-        run's start), handed to the scheduler; one it can never run is rejected here (its
-        follow-ups queued from ``now``)."""
-        g = req.to_group(arrival)
-        self.metrics.on_arrival(g, arrival)
+    def receive(self, g: SequenceGroup, now: float, workload: Workload,
+                pending: list[tuple[float, int, Request]], counts: Counts) -> None:
+        """Request ``g`` (its ``arrival_time`` and ``now``: seconds from the run's start),
+        handed to the scheduler; one it can never run is rejected here (its follow-ups
+        queued from ``now``)."""
+        self.metrics.on_arrival(g, g.arrival_time)
         if not self.scheduler.add(g):
             counts.done += 1
-            counts.total += self._follow_up(workload, g, pending, now, rejected=True)
+            counts.total += self.follow_up(workload, g, pending, now, rejected=True)
             self.metrics.on_rejected(g)
-        return g
 
     def step(self, start: float, workload: Workload, pending: list[tuple[float, int, Request]],
              counts: Counts, finished: Callable[[SequenceGroup, float], None]) -> bool:
@@ -128,7 +126,7 @@ class Engine:
         if rec.is_empty:
             for stuck in rec.rejected:  # can never be admitted: the run goes on
                 counts.done += 1
-                counts.total += self._follow_up(workload, stuck, pending,
+                counts.total += self.follow_up(workload, stuck, pending,
                                                 clock.now() - start, rejected=True)
                 col.on_rejected(stuck)
             return False
@@ -157,7 +155,7 @@ class Engine:
         return True
 
     @staticmethod
-    def _follow_up(workload: Workload, group: SequenceGroup,
+    def follow_up(workload: Workload, group: SequenceGroup,
                    pending: list[tuple[float, int, Request]], now: float,
                    rejected: bool = False) -> int:
         """Queue what the workload sends after ``group`` finished (or was rejected, for a

@@ -104,7 +104,8 @@ def check_slo(slo: SLOConfig, quality_enabled: bool, generation_agreement: bool)
                         "the reference); set them, or drop slo.min_agreement")
 
 
-def peak_concurrency(arrivals: Sequence[float], finishes: Sequence[float]) -> int:
+def peak_concurrency(arrivals: Sequence[float] | np.ndarray,
+                     finishes: Sequence[float] | np.ndarray) -> int:
     """Most requests in flight at once, given each one's arrival and finish time. A
     request that finishes at the instant another arrives is not counted with it."""
     t = np.concatenate([np.asarray(arrivals, dtype=np.float64),

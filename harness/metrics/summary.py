@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from harness.kv.base import KVStats
 from harness.kv.ledger import LedgerTotals
 from harness.metrics.collector import MetricsCollector, StepRow, request_row
 from harness.metrics.goodput import peak_concurrency
@@ -92,20 +94,48 @@ def weighted_percentile(values: np.ndarray, counts: np.ndarray, q: float) -> flo
     return float(b - diff * (1 - gamma) if gamma >= 0.5 else a + diff * gamma)
 
 
-def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: int,
+@dataclass
+class Records:
+    """What the summary reads of a run: one engine's (:func:`records_of`), or a
+    cluster's replicas' together (harness.cluster.records)."""
+
+    rows: RequestLog
+    steps: Sequence[StepRow]
+    itl: tuple[np.ndarray, np.ndarray]  # every inter-token latency (ms) as (values, counts)
+    ledger: LedgerTotals
+    stats: KVStats
+    preemptions_recompute: int
+    preemptions_swap: int
+    recomputed_tokens: int
+    span_start: Sequence[float] | np.ndarray  # finished requests' arrivals and finishes (s)
+    span_end: Sequence[float] | np.ndarray
+    block_size: int
+    bytes_per_slot: int
+
+
+def records_of(col: MetricsCollector) -> Records:
+    """One engine's records (its unfinished requests' rows filled in from what they hold)."""
+    sch = col.scheduler
+    return Records(request_rows(col), col.steps, col.itl_ms(), col.kv.ledger.totals,
+                   col.kv.stats, sch.preemptions_recompute, sch.preemptions_swap,
+                   sch.recomputed_tokens, col.span_start, col.span_end, col.kv.block_size,
+                   col.bytes_per_slot)
+
+
+def summarize(col: MetricsCollector | Records, run_info: dict[str, Any], kv_budget_bytes: int,
               token_capacity: int, wall_s: float) -> dict[str, Any]:
     """The flat, dotted summary (metrics.json). Call after the ledger is finished."""
-    kv, sch = col.kv, col.scheduler
-    reqs = request_rows(col)
+    r = col if isinstance(col, Records) else records_of(col)
+    reqs = r.rows
     done = reqs.matches("status", "finished")
     n_done = int(done.sum())
     out_tokens = int(reqs.values("output_tokens")[done].sum())
     prompt_tokens = int(reqs.values("prompt_tokens")[done].sum())
     ttft, e2e, tpot = (_finished(reqs, k, done) for k in ("ttft_ms", "e2e_ms", "tpot_ms"))
-    itl_v, itl_n = col.itl_ms()
-    tot = kv.ledger.totals
-    st = kv.stats
-    steps = col.steps
+    itl_v, itl_n = r.itl
+    tot = r.ledger
+    st = r.stats
+    steps = r.steps
     # One column at a time (a million-request run has millions of steps, maybe spilled
     # to disk: harness.metrics.steplog), each let go once its figures are taken.
     logical = column(steps, "logical_blocks")
@@ -151,14 +181,14 @@ def summarize(col: MetricsCollector, run_info: dict[str, Any], kv_budget_bytes: 
                                     if logical_total else 0.0),
         "cache.evicted_tokens": st.evicted_tokens,
         "sched.steps": len(steps),
-        "sched.preemptions_recompute": sch.preemptions_recompute,
-        "sched.preemptions_swap": sch.preemptions_swap,
-        "sched.recomputed_tokens": sch.recomputed_tokens,
-        "sched.swapped_bytes": st.swapped_out_blocks * kv.block_size * col.bytes_per_slot,
+        "sched.preemptions_recompute": r.preemptions_recompute,
+        "sched.preemptions_swap": r.preemptions_swap,
+        "sched.recomputed_tokens": r.recomputed_tokens,
+        "sched.swapped_bytes": st.swapped_out_blocks * r.block_size * r.bytes_per_slot,
         "requests.finished": n_done,
         "requests.rejected": int(reqs.matches("status", "rejected").sum()),
         # Requests in flight (arrived, not finished: waiting, running or swapped) at once.
-        "requests.peak_concurrency": peak_concurrency(col.span_start, col.span_end),
+        "requests.peak_concurrency": peak_concurrency(r.span_start, r.span_end),
         "engine.step_ms_mean": float(np.mean(column(steps, "step_ms"))) if steps else 0.0,
         "engine.overhead_ms_mean": float(np.mean(overhead)) if steps else 0.0,
         "engine.overhead_pct": (100.0 * total(overhead) / step_total)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.kv.base import KVManager
+from harness.kv.base import KVManager, KVStats
 from harness.kv.tiers import LowerTiers
 from harness.metrics.collector import StepRow
 from harness.metrics.requestlog import RequestLog
@@ -25,11 +25,15 @@ SOURCES = ("none", "gpu", "cpu", "disk")
 
 def hit_rates(kv: KVManager, tiers: LowerTiers | None) -> dict[str, float]:
     """``cache.hit_rate.*`` (empty when nothing was looked up: prefix caching off)."""
-    st = kv.stats
+    return hit_rates_of(kv.stats, tiers.stats.hit_tokens if tiers is not None else [0, 0])
+
+
+def hit_rates_of(st: KVStats, below: Sequence[int]) -> dict[str, float]:
+    """``cache.hit_rate.*`` from the manager's counters and the prompt tokens found in
+    each lower tier (cpu, disk): one stack's, or a cluster's summed."""
     q = st.prefix_query_tokens
     if not q:
         return {}
-    below = tiers.stats.hit_tokens if tiers is not None else [0, 0]
     found = st.prefix_hit_tokens + st.self_hit_tokens
     out = {"cache.hit_rate.gpu": (found - sum(below)) / q,
            "cache.hit_rate.cpu": below[0] / q, "cache.hit_rate.disk": below[1] / q}

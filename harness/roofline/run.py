@@ -115,15 +115,15 @@ class RooflineTarget:
     def max_position(self) -> int:
         return self.arch.max_position_embeddings
 
-    def build(self, workload: Workload) -> Stack:
-        st, self.executor = build_roofline(self.rc, workload, arch=self.arch)
+    def build(self, workload: Workload, quiet: bool = False) -> Stack:
+        st, self.executor = build_roofline(self.rc, workload, quiet=quiet, arch=self.arch)
         if self.arch.layer_attention:
             self.kv_label = kv_plan_label(self.arch.layer_attention, st.kv)
         return st
 
     def record(self, st: Stack, sim_wall_s: float) -> ExecutorRecord:
-        ex, r = self.executor, self.rc.roofline
-        assert ex is not None, "build() first"
+        ex, r = st.engine.executor, self.rc.roofline
+        assert isinstance(ex, RooflineExecutor), "a stack build() made"
         hw = ex.model.hw
         run = {"executor": "roofline", "model": self.arch.name, "kernel": "roofline",
                "device": f"{r.tp}x {hw.name}", "dtype": r.dtype, "hardware": hw.name,

@@ -184,8 +184,8 @@ def _run_point(point: dict[str, Any], source: dict[str, Any], trace: bool) -> di
     if trace:  # record the steps: RooflineTarget.build hands the executor over
         orig = RooflineTarget.build
 
-        def build(self: RooflineTarget, workload: Any) -> Any:
-            st = orig(self, workload)
+        def build(self: RooflineTarget, workload: Any, quiet: bool = False) -> Any:
+            st = orig(self, workload, quiet)
             assert self.executor is not None
             self.executor.trace = traced
             m = self.executor.model

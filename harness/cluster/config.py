@@ -1,0 +1,52 @@
+"""The ``cluster`` config section: how many replicas serve the workload, and how a request
+is routed to one of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harness.errors import UserError
+
+ROUTERS = ("round_robin", "random", "least_loaded", "prefix_aware")
+PREFIX_SCORERS = ("dynamo", "llm_d")
+
+
+@dataclass
+class ClusterConfig:
+    """``cluster.*``. One replica (the default) is a plain run: no router, no ``replica``
+    columns. Each replica is the run's whole stack (``roofline.tp`` devices under
+    executor=roofline) with its own ``cache.kv_budget``, scheduler and clock."""
+
+    replicas: int = 1
+    # round_robin: in turn (data parallelism); random: uniformly, seeded; least_loaded:
+    # fewest requests in flight (running, waiting or swapped: Vidur's least outstanding
+    # requests); prefix_aware: cached prompt blocks balanced against load, scored as
+    # ``prefix_scorer`` says (harness.cluster.router).
+    router: str = "round_robin"
+    # dynamo: the lowest cost overlap_weight * prompt blocks to compute + blocks the
+    # replica's requests hold or wait for (NVIDIA Dynamo's KV router); llm_d: the highest
+    # weighted sum of llm-d's normalised scorers (prefix, KV cache use, queue).
+    prefix_scorer: str = "dynamo"
+    overlap_weight: float = 1.0  # Dynamo's --router-kv-overlap-score-weight default
+    # llm_d's weights, llm-d's precise-prefix-cache example's (prefix 2, KV cache
+    # utilisation 1, queue 1; llm-d-inference-scheduler deploy/config/
+    # epp-precise-prefix-cache-config.yaml).
+    prefix_weight: float = 2.0
+    kv_weight: float = 1.0
+    queue_weight: float = 1.0
+    seed: int | None = None  # random's draws (None: the run's seed)
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise UserError(f"cluster.replicas={self.replicas} must be >= 1 (1: one engine, "
+                            "no router)")
+        if self.router not in ROUTERS:
+            raise UserError(f"cluster.router={self.router!r} is not a router: use one of "
+                            f"{', '.join(ROUTERS)}")
+        if self.prefix_scorer not in PREFIX_SCORERS:
+            raise UserError(f"cluster.prefix_scorer={self.prefix_scorer!r}: use one of "
+                            f"{', '.join(PREFIX_SCORERS)}")
+        for key in ("overlap_weight", "prefix_weight", "kv_weight", "queue_weight"):
+            v = getattr(self, key)
+            if not (v >= 0 and v < float("inf")):
+                raise UserError(f"cluster.{key}={v} must be a finite weight >= 0")

@@ -1,0 +1,162 @@
+"""The cluster's event loop: N replicas (each a whole stack: scheduler, KV manager,
+executor, collector, clock) behind one router, under one arrival stream.
+
+Each replica keeps its own clock: the roofline's modelled time, or under executor=model a
+:class:`~harness.cluster.clock.ReplicaClock` that runs only while the replica steps, so
+replicas stepped in turn in this one process do not add up their times. The loop takes the
+earliest event: the next arrival, routed when it is due no later than every busy
+replica's next step (an idle replica's clock first moves up to it), or else one step of
+the busy replica whose clock is earliest (ties: the lower index). A request arriving while
+a replica's step runs is seen by it, as by one engine, when that step ends. A finished
+request's follow-ups (a conversation's next turn) arrive on the shared stream from the
+finishing replica's time, and are routed again: where prefix-aware routing pays.
+
+One replica under ``round_robin`` steps exactly as :meth:`Engine.run` does (tested: the
+same records).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+from harness.cluster.clock import ReplicaClock
+from harness.cluster.router import Router, cached_prefix_tokens
+from harness.engine.engine import Arrivals, Counts, Engine, ProgressFn
+from harness.sched.sequence import SequenceGroup
+from harness.stack import Stack
+from harness.workloads.base import Request, Workload
+
+
+class Replica:
+    """One replica: its stack, its clock's start, and what was routed to it."""
+
+    def __init__(self, index: int, stack: Stack) -> None:
+        self._index = index
+        self.stack = stack
+        self.engine = stack.engine
+        self.clock = stack.engine.executor.clock
+        self.start = self.clock.now()
+        self.routed = 0  # requests routed here
+        self.idle = 0  # steps in a row with nothing schedulable
+
+    @property
+    def index(self) -> int:
+        return self._index
+
+    def now(self) -> float:
+        """Seconds since the run's start on this replica's clock."""
+        return self.clock.now() - self.start
+
+    def in_flight(self) -> int:
+        sch = self.stack.scheduler
+        return len(sch.running) + len(sch.waiting) + len(sch.swapped)
+
+    def queued(self) -> int:
+        sch = self.stack.scheduler
+        return len(sch.waiting) + len(sch.swapped)
+
+    def kv_utilization(self) -> float:
+        u = self.stack.kv.usage()
+        return u.reserved_slots / u.total_slots if u.total_slots else 0.0
+
+    def load_blocks(self) -> int:
+        sch, kv = self.stack.scheduler, self.stack.kv
+        bs = kv.block_size
+        held = kv.usage().reserved_slots // bs
+        # A waiting request preempted by recompute has its outputs to compute again too.
+        queued = sum(-(-(len(g.seqs[0].token_ids) if g.seqs else len(g.prompt_ids)) // bs)
+                     for q in (sch.waiting, sch.swapped) for g in q)
+        return held + queued
+
+    @property
+    def block_size(self) -> int:
+        return self.stack.kv.block_size
+
+    def cached_prefix_tokens(self, group: SequenceGroup) -> int:
+        return cached_prefix_tokens(self.stack.kv, group)
+
+    @contextlib.contextmanager
+    def working(self) -> Iterator[None]:
+        """The replica's own work: its measured clock (executor=model) runs meanwhile."""
+        clock = self.clock
+        if not isinstance(clock, ReplicaClock):
+            yield
+            return
+        clock.resume()
+        try:
+            yield
+        finally:
+            clock.pause()
+
+
+class Cluster:
+    """Replicas behind a router; :meth:`run` serves a workload over all of them."""
+
+    def __init__(self, stacks: list[Stack], router: Router) -> None:
+        self.replicas = [Replica(i, st) for i, st in enumerate(stacks)]
+        self.router = router
+        # (replica, row in its request log) per request, in the order they arrived: the
+        # cluster's requests.csv order (harness.cluster.records).
+        self.routes: list[tuple[int, int]] = []
+
+    def run(self, workload: Workload, progress: ProgressFn | None = None) -> float:
+        """Serve every request of ``workload``; returns the seconds until the last
+        replica finished (the latest replica clock)."""
+        pending: list[tuple[float, int, Request]] = []
+        arrivals = Arrivals(pending, workload)  # built as reached: no clock runs between
+        try:
+            self._loop(workload, arrivals, pending, progress)
+        except BaseException:
+            for r in self.replicas:  # the lanes' members synced for partial records
+                lane = r.stack.scheduler.lane
+                if lane is not None:
+                    with contextlib.suppress(Exception):
+                        lane.leave_all()
+            raise
+        for r in self.replicas:
+            lane = r.stack.scheduler.lane
+            if lane is not None:
+                lane.leave_all()
+        return max(r.now() for r in self.replicas)
+
+    def _loop(self, workload: Workload, arrivals: Arrivals,
+              pending: list[tuple[float, int, Request]], progress: ProgressFn | None) -> None:
+        counts = Counts(arrivals.total)
+        reps = self.replicas
+
+        def finished(g: SequenceGroup, now: float) -> None:
+            counts.done += 1
+            counts.total += Engine.follow_up(workload, g, pending, now)
+
+        while True:
+            t_step, nxt = math.inf, None
+            for r in reps:
+                if r.stack.scheduler.has_unfinished:
+                    t = r.now()
+                    if t < t_step:
+                        t_step, nxt = t, r
+            if arrivals and arrivals.next_time() <= t_step:
+                t = arrivals.next_time()
+                req = arrivals.pop_until(t)
+                assert req is not None
+                g = req[1].to_group(req[0])
+                r = reps[self.router.route(g, reps)]
+                while r.now() < t:  # an idle replica waits for the arrival (as one engine)
+                    r.clock.sleep(t - r.now())
+                with r.working():
+                    r.engine.receive(g, r.now(), workload, pending, counts)
+                r.routed += 1
+                self.routes.append((r.index, len(r.stack.collector.rows) - 1))
+                continue
+            if nxt is None:
+                return  # nothing to arrive, nothing unfinished
+            with nxt.working():
+                ran = nxt.engine.step(nxt.start, workload, pending, counts, finished)
+            nxt.idle = 0 if ran else nxt.idle + 1
+            # An invariant, not a user error: something runs yet nothing is schedulable.
+            assert nxt.idle < 10_000, f"replica {nxt.index}: no progress"
+            if ran and progress is not None:
+                progress(counts.done, counts.total,
+                         counts.out_tokens / max(max(x.now() for x in reps), 1e-9))
