@@ -101,6 +101,8 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
         "prefix_caching": st.prefix_caching, "tiers": tiers_label(rc, st), **own.run,
         **({"prefill": st.backend.trigger} if st.backend.trigger else {}),
         **({"replicas": n, "router": rc.cluster.router} if cluster is not None else {}),
+        **({"prefix_scorer": rc.cluster.prefix_scorer}
+           if cluster is not None and rc.cluster.router == "prefix_aware" else {}),
     }
     step_extra: dict[str, Sequence[Any]] | None = None
     if cluster is None:
@@ -197,6 +199,10 @@ def print_summary(m: dict[str, Any], out_dir: Path | None) -> None:
         ("engine overhead % of step", f("engine.overhead_pct")),
         ("wall time (s)", f("engine.wall_s")),
     ]
+    if "run.replicas" in m:
+        lines.insert(1, ("replicas / router (load imbalance)",
+                         f"{m['run.replicas']} / {m['run.router']} "
+                         f"({f('cluster.load_imbalance', '{:.2f}')})"))
     if m.get("run.executor") == "roofline":  # modelled times: with their validated error
         lines.insert(1, ("what-if (modelled) error band", str(m.get("run.expected_error"))))
     if "quality.ppl" in m:

@@ -1,11 +1,12 @@
 """The cluster_routing experiment's table and plot, from its sweep folder:
 
-    .venv/bin/python scripts/cluster_table.py results/sweeps/cluster_routing-... \
+    .venv/bin/python scripts/cluster_table.py results/sweeps/cluster_routing-... [more] \
         [--plot docs/img/cluster_routing/routers.png]
 
 Prints one markdown row per run (backend, router: prefix hit rate, TTFT p50 / p90 / p99, TPOT
 p50, output tokens/s, goodput and SLO attainment, load imbalance, recompute preemptions);
-with --plot, hit rate and TTFT p99 per router, one bar per backend.
+with --plot, hit rate and TTFT p99 per router, one bar per backend (prefix_aware: its
+default scorer, dynamo).
 """
 
 from __future__ import annotations
@@ -15,17 +16,24 @@ import json
 from pathlib import Path
 
 ROUTERS = ("round_robin", "random", "least_loaded", "prefix_aware")
+BACKENDS = ("paged", "fp8", "int8", "kivi")  # the table's and the plot's order
+
+
+def _backend_key(name: object) -> tuple[int, str]:
+    return (BACKENDS.index(str(name)) if name in BACKENDS else len(BACKENDS), str(name))
 COLS = ("backend | router | prefix hit rate | TTFT p50 / p90 / p99 (s) | TPOT p50 (ms) | "
         "output tok/s | goodput (req/s) | SLO met | load imbalance | preemptions")
 
 
-def runs(sweep: Path) -> list[dict[str, object]]:
+def runs(sweeps: list[Path]) -> list[dict[str, object]]:
     out = []
-    for d in sorted(p for p in sweep.iterdir() if (p / "metrics.json").exists()):
-        out.append(json.loads((d / "metrics.json").read_text()))
+    for sweep in sweeps:
+        for d in sorted(p for p in sweep.iterdir() if (p / "metrics.json").exists()):
+            out.append(json.loads((d / "metrics.json").read_text()))
     order = {r: i for i, r in enumerate(ROUTERS)}
-    return sorted(out, key=lambda m: (str(m["run.backend"]),
-                                      order.get(str(m.get("run.router")), 9)))
+    return sorted(out, key=lambda m: (_backend_key(m["run.backend"]),
+                                      order.get(str(m.get("run.router")), 9),
+                                      str(m.get("run.prefix_scorer", ""))))
 
 
 def fmt(m: dict[str, object]) -> str:
@@ -33,7 +41,10 @@ def fmt(m: dict[str, object]) -> str:
         v = m.get(key)
         return spec.format(float(v) * scale) if isinstance(v, int | float) else "-"
 
-    return (f"| {m['run.backend']} | {m.get('run.router', '-')} | "
+    router = str(m.get("run.router", "-"))
+    if "run.prefix_scorer" in m:
+        router += f" ({m['run.prefix_scorer']})"
+    return (f"| {m['run.backend']} | {router} | "
             f"{f('cache.prefix_hit_rate')} | {f('latency.ttft_ms.p50', '{:.2f}', 1e-3)} / "
             f"{f('latency.ttft_ms.p90', '{:.2f}', 1e-3)} / "
             f"{f('latency.ttft_ms.p99', '{:.2f}', 1e-3)} | {f('latency.tpot_ms.p50', '{:.1f}')} | "
@@ -48,11 +59,12 @@ def plot(ms: list[dict[str, object]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    backends = sorted({str(m["run.backend"]) for m in ms})
+    backends = sorted({str(m["run.backend"]) for m in ms}, key=_backend_key)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / max(1, len(backends))
     for k, b in enumerate(backends):
-        by = {str(m.get("run.router")): m for m in ms if m["run.backend"] == b}
+        by = {str(m.get("run.router")): m for m in ms if m["run.backend"] == b
+              and m.get("run.prefix_scorer", "dynamo") == "dynamo"}
         xs = [i + k * width for i in range(len(ROUTERS))]
         for ax, key, scale in ((axes[0], "cache.prefix_hit_rate", 1.0),
                                (axes[1], "latency.ttft_ms.p99", 1e-3)):
@@ -71,10 +83,10 @@ def plot(ms: list[dict[str, object]], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("sweep", type=Path)
+    ap.add_argument("sweeps", type=Path, nargs="+")
     ap.add_argument("--plot", type=Path, default=None)
     a = ap.parse_args()
-    ms = runs(a.sweep)
+    ms = runs(a.sweeps)
     print(f"| {COLS} |")
     print("|" + "---|" * (COLS.count("|") + 1))
     for m in ms:

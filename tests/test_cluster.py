@@ -6,6 +6,7 @@ up; under executor=model each replica's clock counts only its own steps."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import random
@@ -24,6 +25,7 @@ from harness.cluster.router import (
     PrefixAware,
     RandomRouter,
     RoundRobin,
+    cached_prefix_tokens,
     min_max,
 )
 from harness.cluster.run import make_cluster
@@ -320,3 +322,41 @@ def test_replica_clock() -> None:
     c.sleep(-1.0)  # a wait into the past waits nothing
     assert c.now() == frozen
     assert math.isfinite(frozen)
+
+
+def test_cached_prefix_tokens_counts_the_lower_tiers_and_changes_nothing() -> None:
+    """A prompt whose first block is on the device and whose second went down to the CPU
+    tier: the router counts both, as the scheduler's lookup would, and the probe leaves
+    the pool's LRU, the tier's LRU and the manager's counters as they were."""
+    from harness.kv.tiers import CPU
+    from tests.helpers import make_seq
+    from tests.test_tiers import BS, admit, lru, mgr
+
+    m = mgr()
+    a = make_seq(list(range(9)))
+    admit(m, a)
+    m.free(a)
+    b = make_seq(list(range(100, 109)))
+    admit(m, b)  # evicts A's second block to the CPU tier
+    before = (m.pool.lru_order(), m.pool.free_order(), lru(m, CPU), dataclasses.asdict(m.stats))
+    again = SequenceGroup(7, [*range(9), 50, 51], SamplingParams(max_tokens=4))
+    assert cached_prefix_tokens(m, again) == 2 * BS
+    other = SequenceGroup(8, list(range(300, 311)), SamplingParams(max_tokens=4))
+    assert cached_prefix_tokens(m, other) == 0
+    assert before == (m.pool.lru_order(), m.pool.free_order(), lru(m, CPU),
+                      dataclasses.asdict(m.stats))
+
+
+def test_cluster_with_lower_tiers(tmp_path: Path) -> None:
+    """Two replicas with a CPU tier each: the cluster's hit rates by tier sum to one and
+    the CPU tier served some of the histories."""
+    m = run(compose_cfg([*ROOF, "workload=multiturn", "workload.conversations=24",
+                         "workload.turns=3", "workload.think_time_s=20", "workload.rate=2",
+                         "workload.system_words=60", "workload.user_words=20",
+                         "workload.answer_tokens=48", "cache.kv_budget=256MiB",
+                         "cache.tiers.cpu=8GiB", "cluster.replicas=2",
+                         "cluster.router=prefix_aware"])).metrics
+    shares = [m[f"cache.hit_rate.{k}"] for k in ("gpu", "cpu", "disk", "miss")]
+    assert sum(shares) == pytest.approx(1.0)
+    assert m["cache.hit_rate.cpu"] > 0.05
+    assert m["run.tiers"].startswith("cpu=8GiB")
