@@ -198,7 +198,7 @@ def write_results(out: Path, config_yaml: str, metrics: dict[str, Any],
     files: list[tuple[str, Callable[[Path], None]]] = [
         ("config.yaml", lambda p: atomic_write(p, config_yaml)),
         (f"steps{ext}", lambda p: _write_records(
-            p, step_columns(steps) | (step_extra or {}) if len(steps) else {}, fmt)),
+            p, step_columns(steps) | (step_extra or {}), fmt)),
         (f"requests{ext}", lambda p: _write_records(p, request_columns(requests), fmt)),
         (METRICS, lambda p: atomic_write(
             p, json.dumps(metrics, indent=2, sort_keys=True) + "\n"))]

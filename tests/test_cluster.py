@@ -360,3 +360,25 @@ def test_cluster_with_lower_tiers(tmp_path: Path) -> None:
     assert sum(shares) == pytest.approx(1.0)
     assert m["cache.hit_rate.cpu"] > 0.05
     assert m["run.tiers"].startswith("cpu=8GiB")
+
+
+def test_the_probe_on_kv_cache_groups_keeps_nothing() -> None:
+    """A grouped cache keeps a lookup's plan and hash chains by sequence id: the router's
+    probes (one id) must not read each other's (two 13-token prompts, either order)."""
+    from harness.kv.base import Demand
+    from harness.kv.groups import GroupedKVManager, KVGroup
+    from harness.layer_types import FULL
+    from tests.helpers import make_seq
+
+    same = SequenceGroup(7, list(range(13)), SamplingParams(max_tokens=4))
+    other = SequenceGroup(8, list(range(100, 113)), SamplingParams(max_tokens=4))
+    for order in ((other, same), (same, other)):
+        m = GroupedKVManager(40, 4, [KVGroup(FULL, 2)], watermark=0.0, max_chunk_tokens=16)
+        a = make_seq(list(range(13)))
+        hit = m.lookup_prefix(a)
+        m.allocate_group([Demand.after(a, a.num_tokens, hit)])
+        a.num_computed = a.num_tokens
+        m.end_forward()
+        m.observe([a], None)
+        got = {g.request_id: cached_prefix_tokens(m, g) for g in order}
+        assert got == {7: 12, 8: 0}, order

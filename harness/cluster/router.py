@@ -31,6 +31,7 @@ from typing import Protocol
 
 from harness.cluster.config import ClusterConfig
 from harness.kv.base import KVManager
+from harness.kv.groups import GroupedKVManager
 from harness.sched.sequence import Sequence, SequenceGroup
 
 
@@ -80,7 +81,10 @@ def cached_prefix_tokens(kv: KVManager, group: SequenceGroup) -> int:
     if not group.prompt_ids:
         return 0
     probe = Sequence(-1, group, group.prompt_ids)
-    return kv.lookup_prefix(probe).num_blocks * kv.block_size
+    hit = kv.lookup_prefix(probe)
+    if isinstance(kv, GroupedKVManager):  # it keeps a lookup's plan and hashes by seq id
+        kv.forget_lookup(probe)
+    return hit.num_blocks * kv.block_size
 
 
 def _least(replicas: Seq[ReplicaView], among: Seq[int]) -> int:

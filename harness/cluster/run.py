@@ -24,13 +24,25 @@ def make_cluster(cfg: ClusterConfig, stacks: list[Stack], run_seed: int) -> Clus
     return Cluster(stacks, make_router(cfg, run_seed))
 
 
+# An executor's keys that a cluster sums over its replicas: the roofline's modelled seconds
+# per term (device-seconds of the whole cluster) and a grouped cache's capacities.
+SUMMED = ("memory.token_capacity", "memory.kv_group_slots")
+
+
 def cluster_record(target: RunTarget, stacks: list[Stack], sim_wall_s: float) -> ExecutorRecord:
-    """The executor's keys for a cluster: replica 0's run keys and metrics, but the
-    roofline's modelled seconds per term (``roofline.*_s``), summed over the replicas
-    (device-seconds of the whole cluster)."""
+    """The executor's keys for a cluster: replica 0's run keys and its keys that every
+    replica shares; ``roofline.*_s`` and the capacities (:data:`SUMMED`) summed over the
+    replicas; a KV cache group's own figures (``memory.kv_group.<g>.*``: one pool's peak
+    and waste) per replica, as ``replica.<i>.memory.kv_group.<g>.*``."""
     recs = [target.record(st, sim_wall_s) for st in stacks]
-    metrics: dict[str, Any] = dict(recs[0].metrics)
-    for k, v in metrics.items():
-        if k.startswith("roofline.") and k.endswith("_s") and isinstance(v, float):
+    metrics: dict[str, Any] = {}
+    for k, v in recs[0].metrics.items():
+        if k.startswith("memory.kv_group."):
+            for i, r in enumerate(recs):
+                metrics[f"replica.{i}.{k}"] = r.metrics[k]
+        elif k in SUMMED or (k.startswith("roofline.") and k.endswith("_s")
+                             and isinstance(v, float)):
             metrics[k] = sum(r.metrics[k] for r in recs)
+        else:
+            metrics[k] = v
     return ExecutorRecord(recs[0].run, metrics)

@@ -263,6 +263,12 @@ class GroupedKVManager:
         self._plans[seq.seq_id] = plans
         return PrefixHit(list(plans[0].blocks), list(plans[0].loads))
 
+    def forget_lookup(self, seq: Sequence) -> None:
+        """Drop what :meth:`lookup_prefix` kept for ``seq`` (its plan and hash chains): a
+        lookup that no allocation follows (a router's probe, harness.cluster.router)."""
+        self._plans.pop(seq.seq_id, None)
+        self._chain_cache.pop(seq.seq_id, None)
+
     def _chains(self, seq: Sequence, n: int) -> list[list[int]]:
         """Each group's chained hashes of ``seq``'s first ``n`` blocks, kept while its
         tokens stay the same (a waiting request is looked up again every step)."""

@@ -44,7 +44,9 @@ def write_conversations(path: Path, conversations: int, rate: float = 4.0, seed:
     for c in range(conversations):
         t += rng.expovariate(rate)
         due = t
-        prompt = max(16, int(rng.lognormvariate(math.log(first_median), 0.8)))
+        # (capped so that every conversation has its first turn)
+        prompt = min(MAX_PROMPT - 1024,
+                     max(16, int(rng.lognormvariate(math.log(first_median), 0.8))))
         for turn in range(MAX_TURNS):
             out = min(1024, max(1, int(rng.lognormvariate(math.log(output_median), 0.7))))
             if prompt + out > MAX_PROMPT:
