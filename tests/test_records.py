@@ -292,3 +292,14 @@ def test_the_request_log_writes_as_its_rows_would(first_scored: bool, tmp_path: 
     assert a.schema == b.schema and a.equals(b) and str(a.schema.field("itl_ms_max").type) \
         == "null"
     assert results.request_columns(RequestLog()) == results.request_columns([]) == {}
+
+
+def test_ids_text_is_joined_str() -> None:
+    """requests.csv's output_ids: the table lookup gives str's text, also past the table,
+    for negative ids and for none."""
+    rng = np.random.default_rng(0)
+    cases = [[], [0], [65_535], [65_536], [-1, 5], [2**40]]
+    cases += [rng.integers(0, 70_000, size=int(rng.integers(1, 50))).tolist()
+              for _ in range(300)]
+    for ids in cases:
+        assert collector.ids_text(ids) == " ".join(map(str, ids)), ids
