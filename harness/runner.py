@@ -78,7 +78,7 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
         rc.workload.max_model_len = min(rc.scheduler.max_model_len, target.max_position)
     workload = make_workload(rc.workload, target.tokenizer)
     n = rc.cluster.replicas
-    stacks = [target.build(workload, quiet=i > 0) for i in range(n)]
+    stacks = build_replicas(target, workload, n)
     st = stacks[0]
     for s in stacks:
         s.collector.keep_outputs = rc.records.output_ids
@@ -136,6 +136,22 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
                       step_extra)
     check_rejections(rows, out_dir)
     return RunResult(metrics, rows, out_dir, outputs, steps)
+
+
+def build_replicas(target: RunTarget, workload: Any, n: int) -> list[Stack]:
+    """The run's stack, or a cluster's ``n`` (each its own cache.kv_budget): a replica
+    that cannot be built says which one and what to lower."""
+    stacks = []
+    for i in range(n):
+        try:
+            stacks.append(target.build(workload, quiet=i > 0))
+        except UserError as e:
+            if i == 0:
+                raise
+            raise UserError(f"replica {i} of cluster.replicas={n}: {e} (each replica holds "
+                            "its own cache.kv_budget: lower cluster.replicas or "
+                            "cache.kv_budget)") from None
+    return stacks
 
 
 def tiers_label(rc: RunConfig, st: Stack) -> str:

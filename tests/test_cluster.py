@@ -382,3 +382,21 @@ def test_the_probe_on_kv_cache_groups_keeps_nothing() -> None:
         m.observe([a], None)
         got = {g.request_id: cached_prefix_tokens(m, g) for g in order}
         assert got == {7: 12, 8: 0}, order
+
+
+def test_a_replica_that_does_not_fit_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each replica holds its own cache: when the second no longer fits, the error names
+    it and what to lower (the machine's free memory faked: first plenty, then none)."""
+    import harness.stack
+
+    free = iter([1 << 30] + [100 << 10] * 10)
+    monkeypatch.setattr(harness.stack, "available_memory", lambda device: next(free))
+    with pytest.raises(UserError, match=r"replica 1 of cluster\.replicas=2: .*lower "
+                                        r"cluster\.replicas or cache\.kv_budget"):
+        run(tiny("cluster.replicas=2", "logger=none"))
+
+
+def test_prefix_aware_without_prefix_caching_warns(capsys: pytest.CaptureFixture[str]) -> None:
+    run(compose_cfg([*ROOF, *MULTITURN, "cluster.replicas=2", "cluster.router=prefix_aware",
+                     "cache.enable_prefix_caching=false"]))
+    assert "routes on load alone" in capsys.readouterr().err

@@ -3,6 +3,7 @@ router, and the executor's record keys over all of them."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from harness.cluster.clock import ReplicaClock
@@ -21,6 +22,10 @@ def make_cluster(cfg: ClusterConfig, stacks: list[Stack], run_seed: int) -> Clus
         ex = st.engine.executor
         if isinstance(ex, ModelExecutor):
             ex.clock = ReplicaClock()
+    if cfg.router == "prefix_aware" and not stacks[0].prefix_caching:
+        print("kvbench: warning: cluster.router=prefix_aware with prefix caching off (run."
+              "prefix_caching=false): no replica caches a prefix, so it routes on load alone",
+              file=sys.stderr)
     return Cluster(stacks, make_router(cfg, run_seed))
 
 
