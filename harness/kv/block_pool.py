@@ -139,11 +139,12 @@ class BlockPool:
 
     def release(self, b: int) -> None:
         """Drop one reference; at zero the block becomes cached-free or plain free."""
-        assert self.ref[b] > 0, f"release of free block {b}"
-        self.ref[b] -= 1
-        if self.ref[b] == 1:
+        r = self.ref[b] - 1  # (read once: this runs for every block of every request)
+        assert r >= 0, f"release of free block {b}"
+        self.ref[b] = r
+        if r == 1:
             self.num_shared -= 1
-        elif self.ref[b] == 0:
+        elif r == 0:
             self.num_used -= 1
             self.used_slots -= self.fill[b]
             if self.ledger is not None:

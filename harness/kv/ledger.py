@@ -81,16 +81,17 @@ class ReservationLedger:
     def close(self, unit: int) -> int | None:
         """Close ``unit``'s epoch and classify it; returns its tag."""
         ep = self._open.pop(unit)
-        duration = self.now - ep.opened
-        used = ep.fill_integral + ep.fill * (self.now - ep.last_change)
-        sums = [self.totals]
+        now, cap, fill = self.now, ep.capacity, ep.fill
+        duration = now - ep.opened
+        used = ep.fill_integral + fill * (now - ep.last_change)
+        t = self.totals  # (inline: every block of every request closes here)
+        t.reserved += cap * duration
+        t.used += used
+        t.reservation += fill * duration - used
+        t.internal += (cap - fill) * duration
         if ep.tag is not None:
-            sums.append(self.by_tag.setdefault(ep.tag, LedgerTotals()))
-        for t in sums:
-            t.reserved += ep.capacity * duration
-            t.used += used
-            t.reservation += ep.fill * duration - used
-            t.internal += (ep.capacity - ep.fill) * duration
+            _add(self.by_tag.setdefault(ep.tag, LedgerTotals()), cap * duration, used,
+                 fill * duration - used, (cap - fill) * duration)
         return ep.tag
 
     def add_external(self, slots: int) -> None:
@@ -102,3 +103,10 @@ class ReservationLedger:
         for unit in list(self._open):
             self.close(unit)
         return self.totals
+
+
+def _add(t: LedgerTotals, reserved: int, used: int, reservation: int, internal: int) -> None:
+    t.reserved += reserved
+    t.used += used
+    t.reservation += reservation
+    t.internal += internal
