@@ -22,7 +22,7 @@ from harness.errors import UserError
 from harness.metrics.collector import StepRow
 from harness.metrics.goodput import slo_metrics
 from harness.metrics.requestlog import RequestLog
-from harness.metrics.summary import request_rows, summarize
+from harness.metrics.summary import records_of, summarize
 from harness.metrics.tiers import hit_rates, tier_metrics, ttft_by_source
 from harness.model_target import ModelTarget
 from harness.progress import Progress, make_progress
@@ -106,9 +106,10 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
     }
     step_extra: dict[str, Sequence[Any]] | None = None
     if cluster is None:
-        metrics = summarize(st.collector, run_info, st.sizing.kv_budget_bytes,
+        records = records_of(st.collector)
+        metrics = summarize(records, run_info, st.sizing.kv_budget_bytes,
                             st.sizing.num_slots, clock_s)
-        rows = request_rows(st.collector)
+        rows = records.rows
         metrics.update(hit_rates(st.kv, st.tiers))
         steps: Sequence[StepRow] = st.collector.steps
         outputs = st.collector.outputs()

@@ -12,8 +12,9 @@ default scorer, dynamo).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
+
+from harness.reporting.runs import find_runs
 
 ROUTERS = ("round_robin", "random", "least_loaded", "prefix_aware")
 BACKENDS = ("paged", "fp8", "int8", "kivi")  # the table's and the plot's order
@@ -26,10 +27,9 @@ COLS = ("backend | router | prefix hit rate | TTFT p50 / p90 / p99 (s) | TPOT p5
 
 
 def runs(sweeps: list[Path]) -> list[dict[str, object]]:
-    out = []
-    for sweep in sweeps:
-        for d in sorted(p for p in sweep.iterdir() if (p / "metrics.json").exists()):
-            out.append(json.loads((d / "metrics.json").read_text()))
+    """The finished runs' metrics at or below ``sweeps`` (as the report finds them)."""
+    out: list[dict[str, object]] = [r.metrics for r in find_runs(sweeps)
+                                    if r.metrics is not None]
     order = {r: i for i, r in enumerate(ROUTERS)}
     return sorted(out, key=lambda m: (_backend_key(m["run.backend"]),
                                       order.get(str(m.get("run.router")), 9),

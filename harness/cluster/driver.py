@@ -109,27 +109,18 @@ class Cluster:
         try:
             self._loop(workload, arrivals, pending, progress)
         except BaseException:
-            for r in self.replicas:  # the lanes' members synced for partial records
-                lane = r.stack.scheduler.lane
-                if lane is not None:
-                    with contextlib.suppress(Exception):
-                        lane.leave_all()
+            for r in self.replicas:
+                r.engine.leave_lane(stopped=True)
             raise
         for r in self.replicas:
-            lane = r.stack.scheduler.lane
-            if lane is not None:
-                lane.leave_all()
+            r.engine.leave_lane()
         return max(r.now() for r in self.replicas)
 
     def _loop(self, workload: Workload, arrivals: Arrivals,
               pending: list[tuple[float, int, Request]], progress: ProgressFn | None) -> None:
         counts = Counts(arrivals.total)
+        finished = Engine.finisher(workload, pending, counts)
         reps = self.replicas
-
-        def finished(g: SequenceGroup, now: float) -> None:
-            counts.done += 1
-            counts.total += Engine.follow_up(workload, g, pending, now)
-
         while True:
             t_step, nxt = math.inf, None
             for r in reps:

@@ -51,7 +51,6 @@ class Engine:
         Arrival times are honoured on the wall clock: a request is handed to the scheduler
         only once it has arrived, and an idle engine sleeps until the next arrival.
         """
-        sch = self.scheduler
         clock = self.executor.clock  # the wall clock, or the roofline's modelled time
         start = clock.now()
         # Requests not yet arrived, by (arrival, request id): follow-ups in a heap, and a
@@ -64,28 +63,42 @@ class Engine:
         try:
             self._loop(workload, arrivals, pending, start, progress)
         except BaseException:
-            # Stopped (Ctrl-C, a failure): the roofline's decode-lane members' sequences
-            # and token times brought up to date for the partial records, if they can be;
-            # the original error is what is raised.
-            if sch.lane is not None:
-                with contextlib.suppress(Exception):
-                    sch.lane.leave_all()
+            self.leave_lane(stopped=True)
             raise
-        if sch.lane is not None:  # (empty when every request finished)
-            sch.lane.leave_all()
+        self.leave_lane()
         return clock.now() - start
+
+    def leave_lane(self, stopped: bool = False) -> None:
+        """At the end of a run: the roofline's decode-lane members' sequences and token
+        times brought up to date (the lane is empty when every request finished).
+        ``stopped`` (Ctrl-C, a failure): for the partial records, if they can be; the
+        original error is what is raised, not one from here."""
+        lane = self.scheduler.lane
+        if lane is None:
+            return
+        if stopped:
+            with contextlib.suppress(Exception):
+                lane.leave_all()
+        else:
+            lane.leave_all()
+
+    @classmethod
+    def finisher(cls, workload: Workload, pending: list[tuple[float, int, Request]],
+                 counts: Counts) -> Callable[[SequenceGroup, float], None]:
+        """What :meth:`step` calls for each request that finished: it is counted done,
+        and what the workload sends after it (a conversation's next turn) is queued."""
+        def finished(g: SequenceGroup, now: float) -> None:
+            counts.done += 1
+            counts.total += cls.follow_up(workload, g, pending, now)
+        return finished
 
     def _loop(self, workload: Workload, arrivals: Arrivals,
               pending: list[tuple[float, int, Request]], start: float,
               progress: ProgressFn | None) -> None:
         sch, clock = self.scheduler, self.executor.clock
         counts = Counts(arrivals.total)
+        finished = self.finisher(workload, pending, counts)
         idle = 0
-
-        def finished(g: SequenceGroup, now: float) -> None:
-            counts.done += 1
-            counts.total += self.follow_up(workload, g, pending, now)
-
         while arrivals or sch.has_unfinished:
             now = clock.now() - start
             while (req := arrivals.pop_until(now)) is not None:

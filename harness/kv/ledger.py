@@ -84,14 +84,10 @@ class ReservationLedger:
         now, cap, fill = self.now, ep.capacity, ep.fill
         duration = now - ep.opened
         used = ep.fill_integral + fill * (now - ep.last_change)
-        t = self.totals  # (inline: every block of every request closes here)
-        t.reserved += cap * duration
-        t.used += used
-        t.reservation += fill * duration - used
-        t.internal += (cap - fill) * duration
+        sums = (cap * duration, used, fill * duration - used, (cap - fill) * duration)
+        _add(self.totals, *sums)
         if ep.tag is not None:
-            _add(self.by_tag.setdefault(ep.tag, LedgerTotals()), cap * duration, used,
-                 fill * duration - used, (cap - fill) * duration)
+            _add(self.by_tag.setdefault(ep.tag, LedgerTotals()), *sums)
         return ep.tag
 
     def add_external(self, slots: int) -> None:

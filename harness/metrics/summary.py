@@ -122,10 +122,10 @@ def records_of(col: MetricsCollector) -> Records:
                    col.bytes_per_slot)
 
 
-def summarize(col: MetricsCollector | Records, run_info: dict[str, Any], kv_budget_bytes: int,
+def summarize(r: Records, run_info: dict[str, Any], kv_budget_bytes: int,
               token_capacity: int, wall_s: float) -> dict[str, Any]:
-    """The flat, dotted summary (metrics.json). Call after the ledger is finished."""
-    r = col if isinstance(col, Records) else records_of(col)
+    """The flat, dotted summary (metrics.json) of ``r`` (:func:`records_of`, after the
+    ledger is finished)."""
     reqs = r.rows
     done = reqs.matches("status", "finished")
     n_done = int(done.sum())
