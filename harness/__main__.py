@@ -29,6 +29,10 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from harness.checkout_path import unshadow
+
+unshadow()  # before anything imports transformers (harness/checkout_path.py)
+
 try:  # Ctrl-C while the imports run (seconds: Hydra, torch): one line, exit 130
     import hydra
     from hydra.core.hydra_config import HydraConfig

@@ -14,16 +14,23 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("KVBENCH_CHECK", "1")
 
 
-import pytest
-import torch
+from harness.checkout_path import unshadow
+
+# `python -m pytest` from the checkout puts it first on sys.path, where our kernels/ would
+# shadow Hugging Face's `kernels`, which transformers imports: move it last
+# (harness/checkout_path.py).
+unshadow()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Workers run side by side, one per core (scripts/test.sh: -n logical): one thread each,
     # or in-process model tests oversubscribe the cores and all of them slow down.
     torch.set_num_threads(1)
 
-import harness.model as hm
-from harness.model import load_model
+import harness.model as hm  # noqa: E402
+from harness.model import load_model  # noqa: E402
 
 # The default model is loaded once per session: our loader (~5 s) and transformers' (~10 s).
 
