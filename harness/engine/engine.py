@@ -11,7 +11,7 @@ import torch
 
 from harness.backends.base import KVBackend
 from harness.engine.beam import advance_beams
-from harness.engine.executor import Executor, ModelExecutor, WallClock
+from harness.engine.executor import Executor, ModelExecutor, StepOutput, WallClock
 from harness.engine.sampler import Sampler
 from harness.metrics.collector import MetricsCollector
 from harness.model.llama import LlamaModel
@@ -146,7 +146,7 @@ class Engine:
         out = self.executor.forward(rec)
         forward_s = out.forward_s
         sch.end_forward()
-        outcome = self._sample(out.logits, [s.seq for s in out.samplers])
+        outcome = self._sample(out, [s.seq for s in out.samplers])
         outcome.scores = self.executor.take_scores()
         upd = sch.update(rec, outcome)
         t_tok = clock.now()
@@ -185,7 +185,7 @@ class Engine:
             heapq.heappush(pending, (arrival, r.request_id, r))
         return len(reqs)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> StepOutcome:
+    def _sample(self, step: StepOutput, seqs: list[Sequence]) -> StepOutcome:
         """The step's outcome from its logits: the next token per sampling sequence. A
         request with n > 1 forks its samples right after its prompt (each fork shares the
         prompt's blocks and draws its own token); a beam search request advances all its
@@ -211,8 +211,12 @@ class Engine:
                     rows.append(i)
                     owners.append(seq)
                     samples.append(k)
+        ids = step.one_hot
         if owners:
-            toks = self.sampler.sample(logits[rows], owners, samples)
+            if ids is not None and all(q.group.params.temperature <= 0 for q in owners):
+                toks = [ids[r] for r in rows]  # a one-hot row's argmax is its id
+            else:
+                toks = self.sampler.sample(step.dense_logits()[rows], owners, samples)
             out.tokens += [NewToken(s, t, fork=k is not None)
                            for s, t, k in zip(owners, toks, samples)]
         for g, brows, bseqs in beams.values():
@@ -220,7 +224,7 @@ class Engine:
             # prefills may end in different steps: keep each row until the last arrives.
             pending = self._beam_rows.setdefault(g.request_id, {})
             for r, seq in zip(brows, bseqs):
-                pending[seq.seq_id] = logits[r]
+                pending[seq.seq_id] = step.dense_logits()[r]
             live = g.live_seqs
             if all(q.seq_id in pending for q in live):
                 beam_logits = torch.stack([pending[q.seq_id] for q in live])

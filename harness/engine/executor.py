@@ -46,12 +46,28 @@ class StepOutput:
     """``logits``: float32 (S, vocab), one row per entry of ``samplers`` (decodes first,
     then prefill chunks, as batch.build_inputs orders them); ``forward_s``: the forward's
     seconds on the executor's clock; ``reads``: the backend's declared reads of the step
-    (harness.backends.costs), the same count under both executors."""
+    (harness.backends.costs), the same count under both executors.
 
-    logits: torch.Tensor
+    ``one_hot``: instead of ``logits`` (None), the rows' ids when every row is one-hot
+    (the roofline's synthetic tokens): greedy sampling reads them as they are, and
+    :meth:`dense_logits` makes the tensor only for what needs it (temperature, beams)."""
+
+    logits: torch.Tensor | None
     samplers: list[ScheduledSeq]
     forward_s: float
     reads: StepReads  # what the step's attention read, as the backend declares it
+    one_hot: list[int] | None = None
+    vocab: int = 0  # the one-hot rows' width
+
+    def dense_logits(self) -> torch.Tensor:
+        """``logits``, made from ``one_hot`` the first time they are asked for."""
+        if self.logits is None:
+            ids = self.one_hot
+            assert ids is not None, "a step output has logits or one-hot ids"
+            t = torch.zeros((len(ids), self.vocab), dtype=torch.float32)
+            t[torch.arange(len(ids)), torch.tensor(ids, dtype=torch.long)] = 1.0
+            self.logits = t
+        return self.logits
 
 
 class Executor(Protocol):
