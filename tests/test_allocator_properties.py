@@ -322,9 +322,9 @@ class PagedMachine(RuleBasedStateMachine):
             assert not pool.hash_to_blocks
 
         # The ledger has exactly the held blocks open, each at its current fill.
-        opened = m.ledger._open
+        opened = m.ledger.open_units()
         assert set(opened) == used
-        assert all(opened[b].fill == pool.fill[b] for b in used)
+        assert all(opened[b] == pool.fill[b] for b in used)
 
     @invariant()
     def every_sequence_reads_its_own_prefix(self) -> None:
@@ -595,7 +595,7 @@ class ContiguousMachine(RuleBasedStateMachine):
         u = m.usage()
         assert u.reserved_slots == sum(size for _, size in ranges)
         assert u.used_slots == used
-        opened = m.ledger._open
+        opened = m.ledger.open_units()
         assert set(opened) == {start for start, _ in ranges}
 
     def teardown(self) -> None:

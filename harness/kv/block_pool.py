@@ -102,8 +102,9 @@ class BlockPool:
         return next(iter(copies))
 
     # -- state changes ---------------------------------------------------------------
-    def allocate(self) -> int | None:
-        """Take a fresh block (ref 1, empty), evicting the LRU cached block if needed."""
+    def allocate(self, fill: int = 0) -> int | None:
+        """Take a fresh block (ref 1, ``fill`` slots written now: what ``set_fill`` right
+        after would record), evicting the LRU cached block if needed."""
         if self._free:
             b = self._free.popleft()
         elif self._cached:
@@ -117,10 +118,11 @@ class BlockPool:
         else:
             return None
         self.ref[b] = 1
-        self.fill[b] = 0
+        self.fill[b] = fill
+        self.used_slots += fill
         self.num_used += 1
         if self.ledger is not None:
-            self.ledger.open(b, self.block_size)
+            self.ledger.open(b, self.block_size, fill)
         return b
 
     def touch(self, b: int) -> None:

@@ -353,16 +353,22 @@ class PagedKVManager:
                 pool.release(last)
                 table[i] = new
                 self.stats.cow_copies += 1
-        for _ in range(cdiv(end, bs) - len(table)):
-            fresh = pool.allocate()
+        first, held, stop = start // bs, len(table), cdiv(end, bs)
+        for i in range(first, min(held, stop)):
+            pool.set_fill(table[i], min(bs, end - i * bs))
+        for i in range(held, stop):  # new blocks, taken at their fill
+            fresh = pool.allocate(min(bs, end - i * bs))
             assert fresh is not None, "can_allocate must be called first"
             table.append(fresh)
-            self.logical_blocks += 1
-        for i in range(start // bs, cdiv(end, bs)):
-            pool.set_fill(table[i], min(bs, end - i * bs))
+        if stop > held:
+            self.logical_blocks += stop - held
         if self.enable_prefix_caching:
             self._register_full_blocks(seq, st, end)
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+        slots: list[int] = []  # block by block: a prompt's thousands of slots are ranges
+        for i in range(first, stop):
+            base = table[i] * bs - i * bs  # slot of token p in block i: base + p
+            slots += range(base + max(start, i * bs), base + min(end, (i + 1) * bs))
+        return slots
 
     def append_slot(self, seq: Sequence) -> int | None:
         """Fast path of ``allocate(Demand(seq, 1))`` for a decode: the slot of token

@@ -210,8 +210,15 @@ def request_row(rid: int, g: SequenceGroup, t: RequestTimes, block_size: int,
     tt = t.token_times
     ttft = (tt[0] - t.arrival) * 1e3 if tt else None
     # Each (b - a) * 1e3 as Python computes it (IEEE: the same doubles), the mean by
-    # numpy's pairwise sum as before.
-    itls = np.diff(np.array(tt, dtype=np.float64)) * 1e3 if len(tt) > 1 else None
+    # numpy's pairwise sum as before: np.diff and ndarray.mean / max are these ufuncs
+    # behind Python wrappers that cost more than the sums (once per request).
+    tpot = itl_max = None
+    if len(tt) > 1:
+        a = np.array(tt, dtype=np.float64)
+        itls = a[1:] - a[:-1]
+        itls *= 1e3
+        tpot = float(np.add.reduce(itls)) / len(itls)
+        itl_max = float(np.maximum.reduce(itls))
     e2e = (t.finished - t.arrival) * 1e3 if t.finished is not None else None
     best = g.seqs[0] if g.seqs else None
     row = {
@@ -224,8 +231,8 @@ def request_row(rid: int, g: SequenceGroup, t: RequestTimes, block_size: int,
         "output_tokens": out_tokens,
         "num_seqs": len(g.seqs),
         "ttft_ms": ttft,
-        "tpot_ms": float(itls.mean()) if itls is not None else None,
-        "itl_ms_max": float(itls.max()) if itls is not None else None,
+        "tpot_ms": tpot,
+        "itl_ms_max": itl_max,
         "e2e_ms": e2e,
         "prefix_hit_tokens": g.prefix_hit_tokens,
         "prefix_source": g.prefix_source,

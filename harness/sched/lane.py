@@ -376,11 +376,10 @@ class DecodeLane:
         if pool.num_free == 0:
             return False
         self._settle(m, L1 - 1)
-        b = pool.allocate()
+        b = pool.allocate(1)  # with this step's write
         assert b is not None
         kv.blocks_of(m.seq).table.append(b)
         kv.logical_blocks += 1
-        pool.set_fill(b, 1)
         m.block = b
         m.settled = L1
         m.touch = L1 + self.bs
