@@ -141,20 +141,29 @@ class BlockPool:
 
     def release(self, b: int) -> None:
         """Drop one reference; at zero the block becomes cached-free or plain free."""
-        r = self.ref[b] - 1  # (read once: this runs for every block of every request)
-        assert r >= 0, f"release of free block {b}"
-        self.ref[b] = r
-        if r == 1:
-            self.num_shared -= 1
-        elif r == 0:
-            self.num_used -= 1
-            self.used_slots -= self.fill[b]
-            if self.ledger is not None:
-                self.ledger.close(b)
-            if self.block_hash[b] is not None:
-                self._cached[b] = None  # most recently freed: evicted last
-            else:
-                self._free.append(b)
+        self.release_all([b])
+
+    def release_all(self, blocks: list[int]) -> None:
+        """:meth:`release` of each of ``blocks`` in turn (a sequence's table as it is freed:
+        every block of every request passes here, in one call)."""
+        ref, fill, names, led = self.ref, self.fill, self.block_hash, self.ledger
+        closed: list[int] = []
+        for b in blocks:
+            r = ref[b] - 1
+            assert r >= 0, f"release of free block {b}"
+            ref[b] = r
+            if r == 1:
+                self.num_shared -= 1
+            elif r == 0:
+                self.num_used -= 1
+                self.used_slots -= fill[b]
+                closed.append(b)
+                if names[b] is not None:
+                    self._cached[b] = None  # most recently freed: evicted last
+                else:
+                    self._free.append(b)
+        if led is not None and closed:
+            led.close_all(closed)
 
     def set_fill(self, b: int, fill: int) -> None:
         assert self.ref[b] > 0 and self.fill[b] <= fill <= self.block_size

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 # An epoch is a list, [capacity, fill, opened, last_change, fill_integral, tag], not an
 # object: every block of every request opens and closes one, and a list is made and read
 # in half the time of a slots dataclass (the roofline's decode lanes, issue #24).
@@ -78,15 +77,27 @@ class ReservationLedger:
 
     def close(self, unit: int) -> int | None:
         """Close ``unit``'s epoch and classify it; returns its tag."""
-        cap, fill, opened, last, integral, tag = self._open.pop(unit)
-        now = self.now
-        duration = now - opened
-        used = integral + fill * (now - last)
-        sums = (cap * duration, used, fill * duration - used, (cap - fill) * duration)
-        _add(self.totals, *sums)
-        if tag is not None:
-            _add(self.by_tag.setdefault(tag, LedgerTotals()), *sums)
+        tag: int | None = self._open[unit][_TAG]
+        self.close_all([unit])
         return tag
+
+    def close_all(self, units: list[int]) -> None:
+        """Close each of ``units``' epochs and classify it (the per-unit sums are added
+        up here, then once to the totals: every block of every request closes one)."""
+        now, epochs = self.now, self._open
+        reserved = used = reservation = internal = 0
+        for unit in units:
+            cap, fill, opened, last, integral, tag = epochs.pop(unit)
+            duration = now - opened
+            u = integral + fill * (now - last)
+            if tag is not None:
+                _add(self.by_tag.setdefault(tag, LedgerTotals()), cap * duration, u,
+                     fill * duration - u, (cap - fill) * duration)
+            reserved += cap * duration
+            used += u
+            reservation += fill * duration - u
+            internal += (cap - fill) * duration
+        _add(self.totals, reserved, used, reservation, internal)
 
     def open_units(self) -> dict[int, int]:
         """Every open unit and its fill (tests: the ledger tracks what the pool holds)."""
@@ -98,8 +109,7 @@ class ReservationLedger:
 
     def finish(self) -> LedgerTotals:
         """Close every open epoch at ``now`` and return the totals (call once, at the end)."""
-        for unit in list(self._open):
-            self.close(unit)
+        self.close_all(list(self._open))
         return self.totals
 
 

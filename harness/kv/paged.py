@@ -458,9 +458,7 @@ class PagedKVManager:
             return
         # Reverse order: the tail (least likely to be shared) enters the LRU first and is
         # evicted first, keeping the common prefix cached longest.
-        for b in reversed(st.table):
-            if b >= 0:
-                self.pool.release(b)
+        self.pool.release_all([b for b in reversed(st.table) if b >= 0])
         self.logical_blocks -= st.num_held
 
     def take_cache_ops(self) -> CacheOps:
