@@ -104,26 +104,37 @@ class BlockPool:
     # -- state changes ---------------------------------------------------------------
     def allocate(self, fill: int = 0) -> int | None:
         """Take a fresh block (ref 1, ``fill`` slots written now: what ``set_fill`` right
-        after would record), evicting the LRU cached block if needed."""
-        if self._free:
-            b = self._free.popleft()
-        elif self._cached:
-            b, _ = self._cached.popitem(last=False)
-            if self.on_evict is not None:
-                h = self.block_hash[b]
-                assert h is not None
-                self.on_evict(b, h, self.owner[b])
-            self._unname(b)
-            self.num_evictions += 1
-        else:
+        after would record), evicting the LRU cached block if needed (None: none is
+        free)."""
+        if not self._free and not self._cached:
             return None
-        self.ref[b] = 1
-        self.fill[b] = fill
-        self.used_slots += fill
-        self.num_used += 1
-        if self.ledger is not None:
-            self.ledger.open(b, self.block_size, fill)
-        return b
+        return self.allocate_all(1, fill)[0]
+
+    def allocate_all(self, n: int, fill: int = 0) -> list[int]:
+        """:meth:`allocate` ``n`` times (the caller checked ``num_free >= n``): the same
+        blocks in the same order, evictions included, in one call."""
+        assert self.num_free >= n, (self.num_free, n)
+        free, ref, fills, led, bs = self._free, self.ref, self.fill, self.ledger, self.block_size
+        out: list[int] = []
+        for _ in range(n):
+            if free:
+                b = free.popleft()
+            else:
+                b, _ = self._cached.popitem(last=False)
+                if self.on_evict is not None:
+                    h = self.block_hash[b]
+                    assert h is not None
+                    self.on_evict(b, h, self.owner[b])
+                self._unname(b)
+                self.num_evictions += 1
+            ref[b] = 1
+            fills[b] = fill
+            out.append(b)
+            if led is not None:
+                led.open(b, bs, fill)
+        self.used_slots += fill * n
+        self.num_used += n
+        return out
 
     def touch(self, b: int) -> None:
         """Take one more reference to block ``b`` (a prefix hit, or a fork)."""

@@ -356,11 +356,10 @@ class PagedKVManager:
         first, held, stop = start // bs, len(table), cdiv(end, bs)
         for i in range(first, min(held, stop)):
             pool.set_fill(table[i], min(bs, end - i * bs))
-        for i in range(held, stop):  # new blocks, taken at their fill
-            fresh = pool.allocate(min(bs, end - i * bs))
-            assert fresh is not None, "can_allocate must be called first"
-            table.append(fresh)
-        if stop > held:
+        if stop > held:  # new blocks, taken at their fill: full but for the last
+            assert pool.num_free >= stop - held, "can_allocate must be called first"
+            table += pool.allocate_all(stop - held - 1, bs)
+            table += pool.allocate_all(1, end - (stop - 1) * bs)
             self.logical_blocks += stop - held
         if self.enable_prefix_caching:
             self._register_full_blocks(seq, st, end)

@@ -161,6 +161,9 @@ class DecodeLane:
         self._finish: dict[int, list[LaneMember]] = {}
         # Members whose write of lane step k fills their block (prefix caching names it).
         self._fills: dict[int, list[LaneMember]] = {}
+        # Members whose write of lane step k takes a new block (their touch): the scheduler
+        # visits them without a pass over every running group.
+        self._touches: dict[int, list[LaneMember]] = {}
         self._uid = 0
         # Told the request id of a member that leaves other than by finishing (the
         # collector brings its token times up to date).
@@ -203,6 +206,7 @@ class DecodeLane:
             r, reason = r_len, "length"
         self._uid += 1
         m = LaneMember(self._uid, seq, L, c0, n0, block, L, touch, reason)
+        self._touches.setdefault(touch, []).append(m)
         self._track_fill(m)
         g.lane = m
         self._live[m.uid] = m
@@ -258,6 +262,15 @@ class DecodeLane:
         for m in done:
             if m.uid in self._live:
                 self._track_drop(m, self.L + 1)
+
+    def touching(self, L1: int) -> list[LaneMember]:
+        """The members whose write of lane step ``L1`` takes a new block (or, in a
+        contiguous range, finds it full), in running order."""
+        live = self._live
+        out = [m for m in self._touches.pop(L1, ()) if m.touch == L1 and m.uid in live]
+        if len(out) > 1:
+            out.sort(key=lambda m: m.seq.group.run_order)
+        return out
 
     def fills(self, L1: int) -> list[LaneMember]:
         """The members whose write of lane step ``L1`` fills their block, in running
@@ -383,8 +396,30 @@ class DecodeLane:
         m.block = b
         m.settled = L1
         m.touch = L1 + self.bs
+        self._touches.setdefault(m.touch, []).append(m)
         self._track_fill(m)
         return True
+
+    def touch_all(self, members: list[LaneMember], L1: int) -> None:
+        """:meth:`touch` of each of ``members`` (in running order), when the pool has a
+        free block for each: the same blocks in the same order, in one pass (every
+        member takes a block every ``block size`` steps)."""
+        kv = self.paged
+        assert kv is not None and kv.pool.num_free >= len(members)
+        bs, touches, fills, caching = self.bs, self._touches, self._fills, self.caching
+        blocks = kv.pool.allocate_all(len(members), 1)  # with this step's write
+        for m, b in zip(members, blocks):
+            k = L1 - 1 - m.settled
+            if k > 0:
+                kv.ramp_fill(m.block, k)
+            kv.blocks_of(m.seq).table.append(b)
+            m.block = b
+            m.settled = L1
+            m.touch = t = L1 + bs
+            touches.setdefault(t, []).append(m)
+            if caching and t - 1 > m.j:
+                fills.setdefault(t - 1, []).append(m)
+        kv.logical_blocks += len(members)
 
     def scheduled(self, n_sched: int, n_touched: int) -> None:
         """Lane step ``L + 1`` scheduled ``n_sched`` members, ``n_touched`` of them by the

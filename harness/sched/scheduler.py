@@ -245,6 +245,21 @@ class Scheduler:
             # Lane members (harness.sched.lane) decode one token each, in place, summed:
             # the loop visits only the other groups and the members whose step takes or
             # fills a block, and counts the members in between.
+            touching = lane.touching(L1)
+            if (len(running) == lane.n and len(running) <= budget and lane.paged is not None
+                    and lane.paged.pool.num_free >= len(touching)):
+                # Every running group is a member, and the step has a token for each and
+                # a free block for each that needs one: what the loop below would do, the
+                # blocks named and taken in running order (naming a held block and taking
+                # a free one commute), in two passes.
+                for filled in lane.fills(L1):
+                    lane.name_filled(filled, L1)
+                lane.touch_all(touching, L1)
+                rec.lane_n = len(running)
+                rec.num_decode_tokens += len(running)
+                rec.lane_sums = lane.context_sums(L1)
+                return self._after_running(rec, budget - len(running), continuing,
+                                           len(touching))
             visit = [k for k, g in enumerate(running)
                      if g.lane is None or g.lane.touch == L1]
             decoding = [True] * len(running)
@@ -366,6 +381,12 @@ class Scheduler:
             rec.num_decode_tokens += n_lane
             if n_lane:
                 rec.lane_sums = lane.context_sums(L1)
+        return self._after_running(rec, budget, continuing, n_touched)
+
+    def _after_running(self, rec: StepRecord, budget: int, continuing: bool,
+                       n_touched: int) -> StepRecord:
+        """The step after its running groups: swap-ins, admissions, the multi-step window,
+        then :meth:`_close`."""
         admits = not continuing and self.cfg.mixing == "mixed"
         if not rec.preempted and admits:
             self._swap_in(rec, budget)
