@@ -404,11 +404,17 @@ class PagedKVManager:
         """Name ``seq``'s first block not named yet, full, which holds ``tokens`` (the
         chain's next link; also for a decode lane, harness.sched.lane, whose sequences'
         token lists are made only when read). Not with write-through lower tiers."""
-        st = self._seqs[seq.seq_id]
-        hashes = st.hashes
-        h = block_hash(hashes[-1] if hashes else _ROOT_HASH, tokens, self.key_of(seq))
-        self.pool.register(st.table[len(hashes)], h, seq.group.request_id)
-        hashes.append(h)
+        self.name_next_blocks([seq], [tokens])
+
+    def name_next_blocks(self, seqs: list[Sequence], blocks: list[list[int]]) -> None:
+        """:meth:`name_next_block` of each sequence in turn (with its block's tokens)."""
+        tables, key_of, register = self._seqs, self.key_of, self.pool.register
+        for seq, tokens in zip(seqs, blocks):
+            st = tables[seq.seq_id]
+            hashes = st.hashes
+            h = block_hash(hashes[-1] if hashes else _ROOT_HASH, tokens, key_of(seq))
+            register(st.table[len(hashes)], h, seq.group.request_id)
+            hashes.append(h)
 
     def _register_full_blocks(self, seq: Sequence, st: SeqBlocks, end: int) -> None:
         """Name the blocks that ``end`` tokens fill, so a later prompt (the next turn of a

@@ -39,6 +39,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 
 from harness.backends.costs import (
     KIVICosts,
@@ -58,6 +59,9 @@ from harness.sched.sequence import SeqStatus, Sequence, SequenceGroup
 # (request id, first position, count) -> the synthetic token ids at those positions,
 # which repeat with a period (DecodeLane's ``period``) in the position.
 TokenFn = Callable[[int, int, int], list[int]]
+
+# A member's place in the scheduler's running list (the order of every per-member event).
+RUN_ORDER = attrgetter("seq.group.run_order")
 
 # Declarations whose decode read is a fixed function of the context alone (what the
 # member sums cover); any other method steps one by one.
@@ -252,7 +256,7 @@ class DecodeLane:
         out = [m for m in self._drops.pop(self.L, ())
                if m.uid in self._live and m.drop == self.L]
         if len(out) > 1:
-            out.sort(key=lambda m: m.seq.group.run_order)
+            out.sort(key=RUN_ORDER)
         for m in out:
             self.sync(m, self.L)
         return out
@@ -269,7 +273,7 @@ class DecodeLane:
         live = self._live
         out = [m for m in self._touches.pop(L1, ()) if m.touch == L1 and m.uid in live]
         if len(out) > 1:
-            out.sort(key=lambda m: m.seq.group.run_order)
+            out.sort(key=RUN_ORDER)
         return out
 
     def fills(self, L1: int) -> list[LaneMember]:
@@ -277,27 +281,43 @@ class DecodeLane:
         order (prefix caching: :meth:`name_filled` names each)."""
         out = self._fills.pop(L1, [])
         if len(out) > 1:
-            out.sort(key=lambda m: m.seq.group.run_order)
+            out.sort(key=RUN_ORDER)
         return out
 
     def name_filled(self, m: LaneMember, L1: int) -> None:
         """Name ``m``'s block, which its write of lane step ``L1`` filled (a member
         preempted before that write is skipped: it never made it)."""
-        if m.uid not in self._live or m.touch != L1 + 1:
-            return
-        self._settle(m, L1)  # the block's fill, this step's write included
-        end = m.c0 + L1 - m.j  # tokens computed after the write
-        start = end - self.bs
-        toks = m.seq.token_ids
-        have = len(toks)
-        if have >= end:
-            block = toks[start:end]
-        elif have <= start:
-            block = self._tokens(m, start, self.bs)
-        else:
-            block = toks[start:] + self._tokens(m, have, end - have)
-        assert self.paged is not None
-        self.paged.name_next_block(m.seq, block)
+        self.name_filled_all([m], L1)
+
+    def name_filled_all(self, members: list[LaneMember], L1: int) -> None:
+        """:meth:`name_filled` of each of ``members`` (in running order), in one pass:
+        their fills settled, then their blocks named in that order (settling a block
+        and naming another commute)."""
+        kv = self.paged
+        assert kv is not None
+        live, bs = self._live, self.bs
+        seqs: list[Sequence] = []
+        blocks: list[list[int]] = []
+        for m in members:
+            if m.uid not in live or m.touch != L1 + 1:
+                continue
+            k = L1 - m.settled  # the block's fill, this step's write included
+            if k > 0:
+                kv.ramp_fill(m.block, k)
+                m.settled = L1
+            end = m.c0 + L1 - m.j  # tokens computed after the write
+            toks = m.seq.token_ids
+            have = len(toks)
+            if have >= end:
+                block = toks[end - bs:end]
+            elif have <= end - bs:
+                block = self._tokens(m, end - bs, bs)
+            else:
+                block = toks[end - bs:] + self._tokens(m, have, end - have)
+            seqs.append(m.seq)
+            blocks.append(block)
+        if seqs:
+            kv.name_next_blocks(seqs, blocks)
 
     def _drop(self, m: LaneMember) -> None:
         del self._live[m.uid]

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from harness.errors import UserError
 from harness.kv.base import Demand, KVManager, SwapManager
-from harness.sched.lane import DecodeLane
+from harness.sched.lane import RUN_ORDER, DecodeLane
 from harness.sched.sequence import SeqStatus, Sequence, SequenceGroup
 from harness.sched.step import (
     CHECKS,
@@ -252,8 +252,7 @@ class Scheduler:
                 # a free block for each that needs one: what the loop below would do, the
                 # blocks named and taken in running order (naming a held block and taking
                 # a free one commute), in two passes.
-                for filled in lane.fills(L1):
-                    lane.name_filled(filled, L1)
+                lane.name_filled_all(lane.fills(L1), L1)
                 lane.touch_all(touching, L1)
                 rec.lane_n = len(running)
                 rec.num_decode_tokens += len(running)
@@ -644,7 +643,7 @@ class Scheduler:
         # Decode-lane members finishing this step are finished where stepping one by one
         # would: among the decodes in running order, before the prefills' tokens (their
         # freed blocks enter the pool's queues in that order).
-        fin = sorted(lane.finishing(), key=lambda m: m.seq.group.run_order) \
+        fin = sorted(lane.finishing(), key=RUN_ORDER) \
             if lane is not None and rec.lane_n else []
         decodes = {id(s.seq) for s in rec.seqs if s.is_decode} if fin else set()
         k = 0
