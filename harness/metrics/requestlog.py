@@ -75,12 +75,16 @@ class RequestLog(Sequence[dict[str, Any]]):
         # only the rows with a value have (a task's scores: not on a request never run).
         self._extra: dict[str, list[Any]] = {}
         self._every: set[str] = set()
+        # Per column, in order: (name, column, its empty value, whether None is NaN), read
+        # once per request as it arrives and as it finishes.
+        self._slots = [(k, col, "" if self.kinds[k] == "s" else
+                        math.nan if self.kinds[k] in "dn" else 0, self.kinds[k] in "dn")
+                       for k, col in self._cols.items()]
 
     def reserve(self) -> int:
         """A place for the next arriving request's row (filled by :meth:`fill`)."""
-        for k, col in self._cols.items():
-            col.append("" if self.kinds[k] == "s" else math.nan if self.kinds[k] in "dn"
-                       else 0)
+        for _, col, empty, _ in self._slots:
+            col.append(empty)
         for extra in self._extra.values():
             extra.append(None)
         return len(self) - 1
@@ -91,9 +95,9 @@ class RequestLog(Sequence[dict[str, Any]]):
         if row.keys() != self._cols.keys():  # a new field must be given a column here
             raise KeyError(f"a request row's keys {sorted(row.keys() ^ self._cols.keys())} "
                            "are not the RequestLog's columns")
-        for k, col in self._cols.items():
+        for k, col, _, nan in self._slots:
             v = row[k]
-            col[i] = math.nan if v is None and self.kinds[k] in "dn" else v
+            col[i] = math.nan if v is None and nan else v
 
     def add_column(self, name: str, values: Sequence[Any], every_row: bool = True) -> None:
         """Add (or replace) a column: one value per row, in row order. ``every_row``:
