@@ -66,7 +66,7 @@ class ModelTarget:
         return build_stack(self.loaded, self.device, rc.backend, rc.cache, rc.scheduler,
                            Sampler(rc.seed), request_shapes(workload), quiet=quiet)
 
-    def record(self, st: Stack, sim_wall_s: float) -> ExecutorRecord:
+    def record(self, st: Stack, sim_wall_s: float, sim_cpu_s: float) -> ExecutorRecord:
         run = {
             "executor": "model", "model": self.loaded.description, "kernel": st.backend.kernel,
             "device": str(self.device),

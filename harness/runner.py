@@ -84,17 +84,17 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
         s.collector.keep_outputs = rc.records.output_ids
     cluster = make_cluster(rc.cluster, stacks, rc.seed) if n > 1 else None
     progress = _progress(rc.progress)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     # On the executor's clock (a cluster's: its latest replica's).
     clock_s = st.engine.run(workload, progress) if cluster is None else \
         cluster.run(workload, progress)
-    sim_s = time.perf_counter() - t0
+    sim_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     progress.close()
     for s in stacks:
         s.kv.ledger.finish()
 
-    own = target.record(st, sim_s) if cluster is None else \
-        cluster_record(target, stacks, sim_s)
+    own = target.record(st, sim_s, cpu_s) if cluster is None else \
+        cluster_record(target, stacks, sim_s, cpu_s)
     run_info = {
         "backend": rc.backend.name, "workload": rc.workload.name, "seed": rc.seed,
         "git_sha": sha, "started_at": started, "block_size": st.sizing.block_size,

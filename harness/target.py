@@ -44,9 +44,11 @@ class RunTarget(Protocol):
         ``quiet``: no warnings (a cluster's second and later replicas: the same stack)."""
         ...
 
-    def record(self, st: Stack, sim_wall_s: float) -> ExecutorRecord:
+    def record(self, st: Stack, sim_wall_s: float, sim_cpu_s: float) -> ExecutorRecord:
         """After the run: the executor's keys. ``sim_wall_s``: this machine's seconds in
-        the engine loop (the wall clock whatever clock the engine ran on)."""
+        the engine loop (the wall clock whatever clock the engine ran on); ``sim_cpu_s``:
+        the process's CPU seconds there (on a shared machine, what the loop itself cost:
+        time spent waiting for a core is not in it)."""
         ...
 
     def score(self, st: Stack, workload: Workload, outputs: dict[int, list[int]],

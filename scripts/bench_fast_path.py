@@ -1,7 +1,10 @@
 """The roofline's fast path (decode lanes) against stepping one by one, in one benchmark
 run: each round runs every variant once, in turn, as its own ``python -m harness``
 process, and reads its simulation seconds (metrics.json ``engine.sim_wall_s``: the
-engine loop, this CPU's time) and its peak RSS; the medians and their ratio are printed.
+engine loop, this CPU's time; ``engine.sim_cpu_s``: the CPU seconds the process ran in
+it) and its peak RSS; the medians and their ratios are printed, by wall and by CPU time.
+On a shared machine the wall ratio moves with the load (a variant that waits for a core
+is charged for it); the CPU ratio is what each path cost.
 The lane run's steps.csv, requests.csv and metrics are checked equal to the one-by-one
 run's (but for this CPU's time and the name of the path).
 
@@ -26,12 +29,14 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-NOT_COMPARED = {"engine.sim_wall_s", "run.fast_path", "run.started_at", "run.git_sha",
-                "engine.peak_rss_bytes"}
+NOT_COMPARED = {"engine.sim_wall_s", "engine.sim_cpu_s", "run.fast_path", "run.started_at",
+                "run.git_sha", "engine.peak_rss_bytes"}
 
 
-def run_once(tree: Path, overrides: list[str], out: Path) -> tuple[float, int, Path]:
-    """(simulation seconds, peak RSS bytes, run folder) of one ``python -m harness``."""
+def run_once(tree: Path, overrides: list[str],
+             out: Path) -> tuple[float, float | None, int, Path]:
+    """(simulation seconds, their CPU seconds (None: a snapshot from before they were
+    recorded), peak RSS bytes, run folder) of one ``python -m harness``."""
     env = dict(os.environ, PYTHONPATH=str(tree))
     cmd = [sys.executable, "-m", "harness", *overrides, "logger=none", f"results_dir={out}"]
     p = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL,
@@ -42,7 +47,9 @@ def run_once(tree: Path, overrides: list[str], out: Path) -> tuple[float, int, P
         raise SystemExit(f"bench_fast_path: {' '.join(cmd)} failed:\n{err[-2000:]}")
     (folder,) = [d for d in out.iterdir() if d.is_dir()]
     metrics = json.loads((folder / "metrics.json").read_text())
-    return float(metrics["engine.sim_wall_s"]), usage.ru_maxrss * 1024, folder
+    cpu = metrics.get("engine.sim_cpu_s")
+    return (float(metrics["engine.sim_wall_s"]), None if cpu is None else float(cpu),
+            usage.ru_maxrss * 1024, folder)
 
 
 def same_run(a: Path, b: Path) -> list[str]:
@@ -78,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         rev = (a.baseline / "SNAPSHOT_REV").read_text().strip()[:7]
         variants[f"one by one @ {rev}"] = (a.baseline, base)
     times: dict[str, list[float]] = {k: [] for k in variants}
+    cpus: dict[str, list[float]] = {k: [] for k in variants}
     rss: dict[str, list[int]] = {k: [] for k in variants}
     diffs: list[str] = []
     with tempfile.TemporaryDirectory(prefix="bench-fast-path-") as tmp:
@@ -86,19 +94,28 @@ def main(argv: list[str] | None = None) -> int:
             for name, (tree, ov) in variants.items():
                 out = Path(tmp) / f"{r}-{name.replace(' ', '_').replace('@', '')}"
                 out.mkdir()
-                s, m, folders[name] = run_once(tree, ov, out)
+                s, c, m, folders[name] = run_once(tree, ov, out)
                 times[name].append(s)
+                if c is not None:
+                    cpus[name].append(c)
                 rss[name].append(m)
-                print(f"round {r + 1}: {name}: {s:.2f} s, {m / 2**20:.0f} MiB", flush=True)
+                cpu = f" ({c:.2f} s CPU)" if c is not None else ""
+                print(f"round {r + 1}: {name}: {s:.2f} s{cpu}, {m / 2**20:.0f} MiB",
+                      flush=True)
             diffs += same_run(folders["one by one"], folders["lanes"])
     med = {k: statistics.median(v) for k, v in times.items()}
+    cmed = {k: statistics.median(v) for k, v in cpus.items() if v}
     result = {"requests": a.requests, "rate": a.rate, "experiment": a.experiment,
               "overrides": a.overrides, "rounds": a.rounds, "sim_wall_s": times,
-              "peak_rss_bytes": rss, "median_s": med,
+              "sim_cpu_s": cpus, "peak_rss_bytes": rss, "median_s": med,
+              "median_cpu_s": cmed,
               "speedup": {k: med[k] / med["lanes"] for k in med if k != "lanes"},
+              "speedup_cpu": {k: cmed[k] / cmed["lanes"] for k in cmed if k != "lanes"},
               "lanes_equal_one_by_one": not diffs, "differs": sorted(set(diffs))}
     for k, v in result["speedup"].items():
-        print(f"lanes vs {k}: {v:.2f}x ({med[k]:.1f} s -> {med['lanes']:.1f} s)")
+        print(f"lanes vs {k}: {v:.2f}x wall ({med[k]:.1f} s -> {med['lanes']:.1f} s)")
+    for k, v in result["speedup_cpu"].items():
+        print(f"lanes vs {k}: {v:.2f}x CPU ({cmed[k]:.1f} s -> {cmed['lanes']:.1f} s)")
     print("lanes equal one by one:", "yes" if not diffs else f"NO: {sorted(set(diffs))}")
     if a.out is not None:
         a.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -42,7 +42,7 @@ from harness.sched.step import NewToken, StepOutcome
 from tests.compose import compose_cfg
 
 # Keys a run reports that are this CPU's time or say which path ran, not the run's numbers.
-NOT_COMPARED = ("engine.sim_wall_s", "run.fast_path", "run.started_at")
+NOT_COMPARED = ("engine.sim_wall_s", "engine.sim_cpu_s", "run.fast_path", "run.started_at")
 
 BASE = ["executor=roofline", "roofline.model=Llama-3.1-8B", "roofline.hardware=a100-80gb",
         "logger=none"]

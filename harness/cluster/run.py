@@ -34,12 +34,13 @@ def make_cluster(cfg: ClusterConfig, stacks: list[Stack], run_seed: int) -> Clus
 SUMMED = ("memory.token_capacity", "memory.kv_group_slots")
 
 
-def cluster_record(target: RunTarget, stacks: list[Stack], sim_wall_s: float) -> ExecutorRecord:
+def cluster_record(target: RunTarget, stacks: list[Stack], sim_wall_s: float,
+                   sim_cpu_s: float) -> ExecutorRecord:
     """The executor's keys for a cluster: replica 0's run keys and its keys that every
     replica shares; ``roofline.*_s`` and the capacities (:data:`SUMMED`) summed over the
     replicas; a KV cache group's own figures (``memory.kv_group.<g>.*``: one pool's peak
     and waste) per replica, as ``replica.<i>.memory.kv_group.<g>.*``."""
-    recs = [target.record(st, sim_wall_s) for st in stacks]
+    recs = [target.record(st, sim_wall_s, sim_cpu_s) for st in stacks]
     metrics: dict[str, Any] = {}
     for k, v in recs[0].metrics.items():
         if k.startswith("memory.kv_group."):

@@ -121,7 +121,7 @@ class RooflineTarget:
             self.kv_label = kv_plan_label(self.arch.layer_attention, st.kv)
         return st
 
-    def record(self, st: Stack, sim_wall_s: float) -> ExecutorRecord:
+    def record(self, st: Stack, sim_wall_s: float, sim_cpu_s: float) -> ExecutorRecord:
         ex, r = st.engine.executor, self.rc.roofline
         assert isinstance(ex, RooflineExecutor), "a stack build() made"
         hw = ex.model.hw
@@ -144,6 +144,7 @@ class RooflineTarget:
         metrics["roofline.kv_bytes_per_token"] = st.sizing.bytes_per_slot
         metrics.update(group_metrics(st.kv, st.sizing, st.collector.steps))
         metrics["engine.sim_wall_s"] = sim_wall_s  # this CPU's seconds to simulate the run
+        metrics["engine.sim_cpu_s"] = sim_cpu_s  # ... of which the process ran
         return ExecutorRecord(run, metrics)
 
     def score(self, st: Stack, workload: Workload, outputs: dict[int, list[int]],
