@@ -60,8 +60,9 @@ from harness.sched.sequence import SeqStatus, Sequence, SequenceGroup
 # which repeat with a period (DecodeLane's ``period``) in the position.
 TokenFn = Callable[[int, int, int], list[int]]
 
-# A member's place in the scheduler's running list (the order of every per-member event).
-RUN_ORDER = attrgetter("seq.group.run_order")
+# A member's place in the scheduler's running list (the order of every per-member event):
+# its group's run_order, held on the member (it does not change while the group runs).
+RUN_ORDER = attrgetter("ro")
 
 # Declarations whose decode read is a fixed function of the context alone (what the
 # member sums cover); any other method steps one by one.
@@ -114,6 +115,7 @@ class LaneMember:
     settled: int
     touch: int
     reason: str
+    ro: int = 0  # its group's run_order
     cycle: list[int] | None = None  # its tokens at positions 0 .. 2 period - 1
     over: bool = False  # its context is past the declaration's lane_split()
     end: int = 0  # the lane step whose update finishes it
@@ -209,7 +211,7 @@ class DecodeLane:
         else:
             r, reason = r_len, "length"
         self._uid += 1
-        m = LaneMember(self._uid, seq, L, c0, n0, block, L, touch, reason)
+        m = LaneMember(self._uid, seq, L, c0, n0, block, L, touch, reason, g.run_order)
         self._touches.setdefault(touch, []).append(m)
         self._track_fill(m)
         g.lane = m
@@ -311,7 +313,12 @@ class DecodeLane:
             if have >= end:
                 block = toks[end - bs:end]
             elif have <= end - bs:
-                block = self._tokens(m, end - bs, bs)
+                cyc, P = m.cycle, self.period
+                if cyc is not None and bs <= P:  # _tokens' one slice, inline
+                    s = (end - bs) % P
+                    block = cyc[s:s + bs]
+                else:
+                    block = self._tokens(m, end - bs, bs)
             else:
                 block = toks[end - bs:] + self._tokens(m, have, end - have)
             seqs.append(m.seq)

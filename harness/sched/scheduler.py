@@ -306,7 +306,7 @@ class Scheduler:
                     continue
             g = self.running[i]
             m = g.lane
-            while f < len(fills) and fills[f].seq.group.run_order < g.run_order:
+            while f < len(fills) and fills[f].ro < g.run_order:
                 assert lane is not None
                 lane.name_filled(fills[f], L1)
                 f += 1
@@ -652,7 +652,7 @@ class Scheduler:
                 before = (seq.group.run_order if id(t.seq) in decodes and not t.fork
                           else None)
                 while k < len(fin) and (before is None
-                                        or fin[k].seq.group.run_order < before):
+                                        or fin[k].ro < before):
                     self._finish_seq(fin[k].seq, fin[k].reason)
                     k += 1
             if t.cum_logprob is not None:
