@@ -245,3 +245,22 @@ def test_long_prompts_quest_reads_less_than_paged_and_snapkv_what_it_holds() -> 
     assert quest[key] < 0.4 * paged[key]  # 256 tokens of 1000+ and every block's bounds
     keep = SnapKVPolicy(SnapKVOptions()).keep(p)  # what it holds after the prompt
     assert snap[key] == pytest.approx(bps * (keep + out / 2))
+
+
+def test_one_hot_ids_stand_for_their_rows() -> None:
+    """The roofline hands greedy sampling its one-hot rows as ids; what they stand for is
+    the tensor temperature sampling and beams read: a 1 at each id, 0 elsewhere, whose
+    argmax gives the ids back."""
+    import torch
+
+    from harness.backends.costs import StepReads
+    from harness.engine.executor import StepOutput
+    from harness.roofline.executor import VOCAB
+
+    ids = [97, 0, VOCAB - 1, 97, 122]
+    out = StepOutput(None, [], 0.0, StepReads(), one_hot=ids, vocab=VOCAB)
+    dense = out.dense_logits()
+    assert dense.dtype == torch.float32 and dense.shape == (len(ids), VOCAB)
+    assert torch.equal(dense, torch.eye(VOCAB)[ids])
+    assert dense.argmax(dim=-1).tolist() == ids
+    assert out.dense_logits() is dense  # made once
