@@ -191,6 +191,7 @@ def test_reader_follows_records_across_blocks(tmp_path: Path) -> None:
         for i in range(600):
             r.log({"i": i, "sq": i * i})
         run_dir = Path(r.settings.sync_dir)
+    wait_until_complete(run_dir)  # (read at once under load: 548 of the 600 rows)
     (f,) = run_dir.glob("run-*.wandb")
     assert f.stat().st_size > 3 * 32 * 1024
     rec = read_run(run_dir)
