@@ -106,7 +106,7 @@ class BlockPool:
         """Take a fresh block (ref 1, ``fill`` slots written now: what ``set_fill`` right
         after would record), evicting the LRU cached block if needed (None: none is
         free)."""
-        if not self._free and not self._cached:
+        if self.num_free == 0:
             return None
         return self.allocate_all(1, fill)[0]
 

@@ -212,8 +212,7 @@ class DecodeLane:
             r, reason = r_len, "length"
         self._uid += 1
         m = LaneMember(self._uid, seq, L, c0, n0, block, L, touch, reason, g.run_order)
-        self._touches.setdefault(touch, []).append(m)
-        self._track_fill(m)
+        self._track_touch(m)
         g.lane = m
         self._live[m.uid] = m
         m.end = L + r
@@ -232,8 +231,10 @@ class DecodeLane:
         block's first slot."""
         return L1 + -pos % self.bs
 
-    def _track_fill(self, m: LaneMember) -> None:
-        """With prefix caching: the step before ``m``'s next touch fills its block."""
+    def _track_touch(self, m: LaneMember) -> None:
+        """File ``m`` under its next touch and, with prefix caching, under the step before
+        it, which fills its block."""
+        self._touches.setdefault(m.touch, []).append(m)
         if self.caching and m.touch - 1 > m.j:
             self._fills.setdefault(m.touch - 1, []).append(m)
 
@@ -303,22 +304,14 @@ class DecodeLane:
         for m in members:
             if m.uid not in live or m.touch != L1 + 1:
                 continue
-            k = L1 - m.settled  # the block's fill, this step's write included
-            if k > 0:
-                kv.ramp_fill(m.block, k)
-                m.settled = L1
+            self._settle(m, L1)  # the block's fill, this step's write included
             end = m.c0 + L1 - m.j  # tokens computed after the write
             toks = m.seq.token_ids
             have = len(toks)
             if have >= end:
                 block = toks[end - bs:end]
             elif have <= end - bs:
-                cyc, P = m.cycle, self.period
-                if cyc is not None and bs <= P:  # _tokens' one slice, inline
-                    s = (end - bs) % P
-                    block = cyc[s:s + bs]
-                else:
-                    block = self._tokens(m, end - bs, bs)
+                block = self._tokens(m, end - bs, bs)
             else:
                 block = toks[end - bs:] + self._tokens(m, have, end - have)
             seqs.append(m.seq)
@@ -410,21 +403,9 @@ class DecodeLane:
         ``PagedKVManager.append_slot`` would (False, nothing done: no block is free, the
         caller preempts; for a contiguous range, always: it is full)."""
         kv = self.paged
-        if kv is None:
+        if kv is None or kv.pool.num_free == 0:
             return False
-        pool = kv.pool
-        if pool.num_free == 0:
-            return False
-        self._settle(m, L1 - 1)
-        b = pool.allocate(1)  # with this step's write
-        assert b is not None
-        kv.blocks_of(m.seq).table.append(b)
-        kv.logical_blocks += 1
-        m.block = b
-        m.settled = L1
-        m.touch = L1 + self.bs
-        self._touches.setdefault(m.touch, []).append(m)
-        self._track_fill(m)
+        self.touch_all([m], L1)
         return True
 
     def touch_all(self, members: list[LaneMember], L1: int) -> None:
@@ -433,19 +414,14 @@ class DecodeLane:
         member takes a block every ``block size`` steps)."""
         kv = self.paged
         assert kv is not None and kv.pool.num_free >= len(members)
-        bs, touches, fills, caching = self.bs, self._touches, self._fills, self.caching
         blocks = kv.pool.allocate_all(len(members), 1)  # with this step's write
         for m, b in zip(members, blocks):
-            k = L1 - 1 - m.settled
-            if k > 0:
-                kv.ramp_fill(m.block, k)
+            self._settle(m, L1 - 1)
             kv.blocks_of(m.seq).table.append(b)
             m.block = b
             m.settled = L1
-            m.touch = t = L1 + bs
-            touches.setdefault(t, []).append(m)
-            if caching and t - 1 > m.j:
-                fills.setdefault(t - 1, []).append(m)
+            m.touch = L1 + self.bs
+            self._track_touch(m)
         kv.logical_blocks += len(members)
 
     def scheduled(self, n_sched: int, n_touched: int) -> None:
