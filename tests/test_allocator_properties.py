@@ -310,16 +310,18 @@ class PagedMachine(RuleBasedStateMachine):
 
         # Hash index: both directions agree; only full blocks are named; a plain free block
         # has no name and an LRU block always has one.
-        for h, copies in pool.hash_to_blocks.items():
+        index = pool.hash_index()
+        for h, copies in index.items():
             assert copies and all(pool.block_hash[b] == h for b in copies)
+            assert len(set(copies)) == len(copies)
         for b in range(NUM_BLOCKS):
             name = pool.block_hash[b]
             if name is not None:
-                assert b in pool.hash_to_blocks[name] and pool.fill[b] == BS
+                assert b in index[name] and pool.fill[b] == BS
         assert all(pool.block_hash[b] is None for b in free)
         assert all(pool.block_hash[b] is not None for b in lru)
         if not self.CACHING:
-            assert not pool.hash_to_blocks
+            assert not index
 
         # The ledger has exactly the held blocks open, each at its current fill.
         opened = m.ledger.open_units()

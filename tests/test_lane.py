@@ -154,7 +154,7 @@ def _pool_state(kv: PagedKVManager | ContiguousKVManager) -> tuple[Any, ...]:
     if isinstance(kv, ContiguousKVManager):
         return (kv.arena.holes(), kv.usage())
     return (kv.pool.free_order(), kv.pool.lru_order(),
-            [(h, list(d)) for h, d in kv.pool.hash_to_blocks.items()])
+            list(kv.pool.hash_index().items()))
 
 
 def _drive(case: dict[str, Any], lane_on: bool) -> tuple[Any, ...]:

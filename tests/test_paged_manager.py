@@ -7,6 +7,7 @@ and queue orders after each step, saying why that order is the right one.
 from __future__ import annotations
 
 from harness.kv.base import CopyOp, Demand
+from harness.kv.block_pool import BlockPool
 from harness.kv.evicting import WindowKVManager
 from harness.kv.paged import PagedKVManager
 from harness.kv.policies.window import WindowPolicy
@@ -216,6 +217,27 @@ def test_duplicate_content_stays_findable_after_one_copy_is_evicted() -> None:
     # The held copy (block 2) still answers the hash: a later prompt hits it.
     later = make_seq([*range(5), 7])
     assert m.lookup_prefix(later).blocks == [2]
+
+
+def test_a_name_keeps_its_copies_in_order_as_they_come_and_go() -> None:
+    """The pool's index of names: one copy, then three, then one again (held as an int
+    for one copy, as a dict for more), the oldest copy served first throughout."""
+    pool = BlockPool(6, BS)
+    for b in range(5):
+        assert pool.allocate(BS) == b
+    assert pool.register(3, 77) and pool.copies(77) == [3] and pool.lookup(77) == 3
+    assert pool.register(1, 77) and pool.register(4, 77) and not pool.register(4, 77)
+    assert pool.copies(77) == [3, 1, 4] and pool.hash_index() == {77: [3, 1, 4]}
+    pool.release(3)  # cached-free now: a held copy answers first
+    assert pool.lookup(77) == 1
+    pool.release_all([1, 4])
+    assert pool.lookup(77) == 3  # none held: the oldest
+    pool.release_all([0, 2])  # unnamed: plain free, behind block 5 (never taken)
+    # Allocations take the plain free blocks (5, 0, 2), then evict the LRU: 3, then 1.
+    assert pool.allocate_all(5, BS) == [5, 0, 2, 3, 1]
+    assert pool.copies(77) == [4] and pool.hash_index() == {77: [4]}
+    assert pool.lookup(77) == 4 and pool.allocate(BS) == 4 and pool.copies(77) == []
+    assert pool.lookup(77) is None and pool.hash_index() == {}
 
 
 def test_a_recomputed_request_hitting_its_own_blocks_is_not_a_prefix_hit() -> None:

@@ -239,7 +239,6 @@ def _running(s: Scheduler, rid: int, prompt: int, computed: int, sampled: bool) 
     seq.num_computed = computed
     seq.status = SeqStatus.RUNNING
     s.waiting.remove(g)
-    s._waiting_keys.pop()
     s.running.append(g)
     s.num_running_seqs += 1
     return g

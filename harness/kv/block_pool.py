@@ -44,8 +44,11 @@ class BlockPool:
         self.fill = [0] * num_blocks  # slots of the block holding a token's K/V
         self.block_hash: list[int | None] = [None] * num_blocks
         self.owner: list[int] = [-1] * num_blocks  # request that computed a named block
-        # hash -> every block carrying it (insertion order: the oldest copy is served first)
-        self.hash_to_blocks: dict[int, dict[int, None]] = {}
+        # hash -> the block carrying it, or (two or more copies) every block carrying it in
+        # insertion order, the oldest copy served first. Nearly every hash names one block:
+        # held as an int, it costs no dict per named block to make and free (each block of
+        # every request is named once and unnamed once: the roofline's decode lanes).
+        self._by_hash: dict[int, int | dict[int, None]] = {}
         self._free: deque[int] = deque(range(num_blocks))
         self._cached: OrderedDict[int, None] = OrderedDict()
         self.num_used = 0  # blocks with ref > 0
@@ -93,13 +96,22 @@ class BlockPool:
     def lookup(self, block_hash: int) -> int | None:
         """A block holding this content: a held copy if any (taking it shares memory), else
         the oldest cached one."""
-        copies = self.hash_to_blocks.get(block_hash)
-        if not copies:
-            return None
+        copies = self._by_hash.get(block_hash)
+        if copies is None or isinstance(copies, int):
+            return copies
         for b in copies:
             if self.ref[b] > 0:
                 return b
         return next(iter(copies))
+
+    def copies(self, block_hash: int) -> list[int]:
+        """Every block named ``block_hash``, oldest first (tests and debugging)."""
+        c = self._by_hash.get(block_hash)
+        return [] if c is None else [c] if isinstance(c, int) else list(c)
+
+    def hash_index(self) -> dict[int, list[int]]:
+        """Every name and its blocks, oldest first (tests and debugging)."""
+        return {h: self.copies(h) for h in self._by_hash}
 
     # -- state changes ---------------------------------------------------------------
     def allocate(self, fill: int = 0) -> int | None:
@@ -204,7 +216,13 @@ class BlockPool:
         assert self.fill[b] == self.block_size, "only full blocks are cacheable"
         if self.block_hash[b] is not None:
             return False
-        self.hash_to_blocks.setdefault(block_hash, {})[b] = None
+        by_hash = self._by_hash
+        c = by_hash.setdefault(block_hash, b)
+        if c is not b:  # (setdefault returns ``b`` itself when it inserted it) a new copy
+            if isinstance(c, int):
+                by_hash[block_hash] = {c: None, b: None}
+            else:
+                c[b] = None
         self.block_hash[b] = block_hash
         self.owner[b] = owner
         return True
@@ -212,9 +230,13 @@ class BlockPool:
     def _unname(self, b: int) -> None:
         h = self.block_hash[b]
         assert h is not None
-        copies = self.hash_to_blocks[h]
-        del copies[b]
-        if not copies:
-            del self.hash_to_blocks[h]
+        by_hash = self._by_hash
+        c = by_hash[h]
+        if isinstance(c, int):
+            del by_hash[h]
+        else:
+            del c[b]
+            if len(c) == 1:  # one copy left: back to an int
+                by_hash[h] = next(iter(c))
         self.block_hash[b] = None
         self.owner[b] = -1

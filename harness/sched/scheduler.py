@@ -27,7 +27,6 @@ anew, which is what the roofline's engine profile charges scheduling time to).
 
 from __future__ import annotations
 
-import bisect
 import heapq
 from collections import deque
 from collections.abc import Callable
@@ -46,6 +45,7 @@ from harness.sched.step import (
     StepUpdate,
     check_distinct_slots,
 )
+from harness.sched.waiting import WaitingQueue
 from harness.validate import at_least, one_of
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -106,8 +106,7 @@ class Scheduler:
         self.swap = swap
         self.eos_token_ids = frozenset(eos_token_ids)
         self._by_priority = cfg.policy == "priority"
-        self.waiting: list[SequenceGroup] = []  # sorted by sort_key
-        self._waiting_keys: list[tuple[int, float, int]] = []
+        self.waiting = WaitingQueue()  # sorted by sort_key
         self.running: list[SequenceGroup] = []  # admission order: LIFO victims at the end
         self.swapped: deque[SequenceGroup] = deque()
         self.num_rejected = 0  # requests that can never run (their rows say why)
@@ -173,10 +172,7 @@ class Scheduler:
         return self.kv.admission_error(n_prompt, max_tokens, p.n)
 
     def _enqueue(self, group: SequenceGroup) -> None:
-        key = group.sort_key(self._by_priority)
-        i = bisect.bisect_right(self._waiting_keys, key)
-        self._waiting_keys.insert(i, key)
-        self.waiting.insert(i, group)
+        self.waiting.push(group.sort_key(self._by_priority), group)
         for s in group.live_seqs:
             s.status = SeqStatus.WAITING
 
@@ -188,8 +184,7 @@ class Scheduler:
         they shared, need more than the pool. The run goes on without it."""
         if self.running or self.swapped or not self.waiting:
             return None
-        g = self.waiting.pop(0)
-        del self._waiting_keys[0]
+        g = self.waiting.pop_head()
         need = sum(s.num_tokens for s in g.live_seqs)
         g.rejected_reason = (
             f"cannot be readmitted: its {len(g.live_seqs)} sequences hold {need} tokens "
@@ -213,7 +208,7 @@ class Scheduler:
         """Slots the head of the waiting queue would reserve (for external fragmentation)."""
         if not self.waiting:
             return None
-        g = self.waiting[0]
+        g = self.waiting.head()
         return self.kv.reservation_size(len(g.prompt_ids), g.params.max_tokens)
 
     # -- the step -----------------------------------------------------------------------
@@ -546,7 +541,7 @@ class Scheduler:
     def _admit(self, rec: StepRecord, budget: int) -> None:
         kv = self.kv
         while self.waiting and budget > 0:
-            g = self.waiting[0]
+            g = self.waiting.head()
             live = g.live_seqs
             if self.num_running_seqs + len(live) > self.cfg.max_num_seqs:
                 return
@@ -566,7 +561,7 @@ class Scheduler:
                     return
                 self._worst[id(g)] = worst
                 self._worst_total += worst
-            del self.waiting[0], self._waiting_keys[0]
+            self.waiting.pop_head()
             for d in demands:
                 d.seq.status = SeqStatus.RUNNING
             self._commit_all(demands, rec)

@@ -90,7 +90,7 @@ class Sequence:
                 f"computed={self.num_computed}, status={self.status.value})")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class SequenceGroup:
     """The sequences of one request: admitted, preempted and finished together."""
 
