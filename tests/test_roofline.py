@@ -264,3 +264,19 @@ def test_one_hot_ids_stand_for_their_rows() -> None:
     assert torch.equal(dense, torch.eye(VOCAB)[ids])
     assert dense.argmax(dim=-1).tolist() == ids
     assert out.dense_logits() is dense  # made once
+
+
+def test_synthetic_tokens_are_each_positions_token() -> None:
+    """A run of synthetic ids (a decode lane's, read from one table per residue of the
+    request id) against the per-position formula, for random requests, starts and
+    lengths shorter and longer than a period."""
+    import random
+
+    from harness.roofline.executor import SYNTHETIC_PERIOD, synthetic_token, synthetic_tokens
+
+    rng = random.Random(5)
+    for _ in range(3000):
+        rid, start = rng.randrange(10**7), rng.randrange(10**5)
+        count = rng.randrange(4 * SYNTHETIC_PERIOD)
+        assert synthetic_tokens(rid, start, count) == \
+            [synthetic_token(rid, 0, p) for p in range(start, start + count)]

@@ -127,23 +127,35 @@ class BlockPool:
         blocks in the same order, evictions included, in one call."""
         assert self.num_free >= n, (self.num_free, n)
         free, ref, fills, led, bs = self._free, self.ref, self.fill, self.ledger, self.block_size
-        out: list[int] = []
-        for _ in range(n):
-            if free:
-                b = free.popleft()
-            else:
-                b, _ = self._cached.popitem(last=False)
-                if self.on_evict is not None:
-                    h = self.block_hash[b]
-                    assert h is not None
-                    self.on_evict(b, h, self.owner[b])
-                self._unname(b)
-                self.num_evictions += 1
+        # Plain free blocks first, then the LRU's oldest (each evicted: its name dropped).
+        k = min(n, len(free))
+        out = [free.popleft() for _ in range(k)]
+        if k < n:
+            cached, on_evict, names, owner = self._cached, self.on_evict, self.block_hash, self.owner
+            by_hash = self._by_hash
+            for _ in range(n - k):
+                b = cached.popitem(last=False)[0]
+                h = names[b]
+                assert h is not None, f"cached block {b} has no name"
+                if on_evict is not None:
+                    on_evict(b, h, owner[b])
+                # Its name goes (another copy keeps it: back to an int when one is left).
+                c = by_hash[h]
+                if isinstance(c, int):
+                    del by_hash[h]
+                else:
+                    del c[b]
+                    if len(c) == 1:
+                        by_hash[h] = next(iter(c))
+                names[b] = None
+                owner[b] = -1
+                out.append(b)
+            self.num_evictions += n - k
+        for b in out:
             ref[b] = 1
             fills[b] = fill
-            out.append(b)
-            if led is not None:
-                led.open(b, bs, fill)
+        if led is not None:
+            led.open_all(out, bs, fill)
         self.used_slots += fill * n
         self.num_used += n
         return out
@@ -170,21 +182,25 @@ class BlockPool:
         """:meth:`release` of each of ``blocks`` in turn (a sequence's table as it is freed:
         every block of every request passes here, in one call)."""
         ref, fill, names, led = self.ref, self.fill, self.block_hash, self.ledger
+        cached, free = self._cached, self._free
         closed: list[int] = []
+        unshared = slots = 0
         for b in blocks:
             r = ref[b] - 1
             assert r >= 0, f"release of free block {b}"
             ref[b] = r
             if r == 1:
-                self.num_shared -= 1
+                unshared += 1
             elif r == 0:
-                self.num_used -= 1
-                self.used_slots -= fill[b]
+                slots += fill[b]
                 closed.append(b)
                 if names[b] is not None:
-                    self._cached[b] = None  # most recently freed: evicted last
+                    cached[b] = None  # most recently freed: evicted last
                 else:
-                    self._free.append(b)
+                    free.append(b)
+        self.num_shared -= unshared
+        self.num_used -= len(closed)
+        self.used_slots -= slots
         if led is not None and closed:
             led.close_all(closed)
 
@@ -226,17 +242,3 @@ class BlockPool:
         self.block_hash[b] = block_hash
         self.owner[b] = owner
         return True
-
-    def _unname(self, b: int) -> None:
-        h = self.block_hash[b]
-        assert h is not None
-        by_hash = self._by_hash
-        c = by_hash[h]
-        if isinstance(c, int):
-            del by_hash[h]
-        else:
-            del c[b]
-            if len(c) == 1:  # one copy left: back to an int
-                by_hash[h] = next(iter(c))
-        self.block_hash[b] = None
-        self.owner[b] = -1

@@ -55,6 +55,15 @@ class ReservationLedger:
         now = self.now
         self._open[unit] = [capacity, fill, now, now, 0, self.tag if tag is None else tag]
 
+    def open_all(self, units: list[int], capacity: int, fill: int = 0) -> None:
+        """:meth:`open` of each of ``units`` (not open) at the same capacity and fill, with
+        the ledger's ``tag`` (a block pool's allocations: every block of every request)."""
+        now, tag, epochs = self.now, self.tag, self._open
+        before = len(epochs)
+        for unit in units:
+            epochs[unit] = [capacity, fill, now, now, 0, tag]
+        assert len(epochs) == before + len(units), f"a unit of {units} opened twice"
+
     def fill(self, unit: int, fill: int) -> None:
         ep = self._open[unit]
         assert ep[_FILL] <= fill <= ep[_CAP], (unit, ep[_FILL], fill, ep[_CAP])

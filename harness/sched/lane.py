@@ -273,8 +273,7 @@ class DecodeLane:
     def touching(self, L1: int) -> list[LaneMember]:
         """The members whose write of lane step ``L1`` takes a new block (or, in a
         contiguous range, finds it full), in running order."""
-        live = self._live
-        out = [m for m in self._touches.pop(L1, ()) if m.touch == L1 and m.uid in live]
+        out = [m for m in self._touches.pop(L1, ()) if m.touch == L1]
         if len(out) > 1:
             out.sort(key=RUN_ORDER)
         return out
@@ -298,11 +297,11 @@ class DecodeLane:
         and naming another commute)."""
         kv = self.paged
         assert kv is not None
-        live, bs = self._live, self.bs
+        bs = self.bs
         seqs: list[Sequence] = []
         blocks: list[list[int]] = []
         for m in members:
-            if m.uid not in live or m.touch != L1 + 1:
+            if m.touch != L1 + 1:  # it left (-1), or its block changed since
                 continue
             self._settle(m, L1)  # the block's fill, this step's write included
             end = m.c0 + L1 - m.j  # tokens computed after the write
@@ -321,6 +320,7 @@ class DecodeLane:
 
     def _drop(self, m: LaneMember) -> None:
         del self._live[m.uid]
+        m.touch = -1  # its entries under later touches and fills are void
         m.seq.group.lane = None
         self.n -= 1
         self.off_sum -= m.c0 - m.j
@@ -381,13 +381,7 @@ class DecodeLane:
         s = start % P
         if count <= P:
             return cyc[s:s + count]
-        out: list[int] = []
-        while count > 0:
-            take = min(count, P)
-            out += cyc[s:s + take]
-            s = (s + take) % P
-            count -= take
-        return out
+        return (cyc[s:s + P] * (count // P + 1))[:count]  # one period from s, repeated
 
     def _settle(self, m: LaneMember, L: int) -> None:
         """The in-place writes of lane steps ``settled + 1 .. L`` into ``m``'s block, one
