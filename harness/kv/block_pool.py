@@ -131,8 +131,8 @@ class BlockPool:
         k = min(n, len(free))
         out = [free.popleft() for _ in range(k)]
         if k < n:
-            cached, on_evict, names, owner = self._cached, self.on_evict, self.block_hash, self.owner
-            by_hash = self._by_hash
+            cached, on_evict, by_hash = self._cached, self.on_evict, self._by_hash
+            names, owner = self.block_hash, self.owner
             for _ in range(n - k):
                 b = cached.popitem(last=False)[0]
                 h = names[b]

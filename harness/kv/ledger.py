@@ -94,7 +94,9 @@ class ReservationLedger:
         """Close each of ``units``' epochs and classify it (the per-unit sums are added
         up here, then once to the totals: every block of every request closes one)."""
         now, epochs = self.now, self._open
-        reserved = used = reservation = internal = 0
+        # Three sums per unit: reserved (cap x duration), used, and final fill x duration,
+        # of which reservation = final - used and internal = reserved - final.
+        reserved = used = final = 0
         for unit in units:
             cap, fill, opened, last, integral, tag = epochs.pop(unit)
             duration = now - opened
@@ -104,9 +106,8 @@ class ReservationLedger:
                      fill * duration - u, (cap - fill) * duration)
             reserved += cap * duration
             used += u
-            reservation += fill * duration - u
-            internal += (cap - fill) * duration
-        _add(self.totals, reserved, used, reservation, internal)
+            final += fill * duration
+        _add(self.totals, reserved, used, final - used, reserved - final)
 
     def open_units(self) -> dict[int, int]:
         """Every open unit and its fill (tests: the ledger tracks what the pool holds)."""

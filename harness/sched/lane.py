@@ -297,13 +297,16 @@ class DecodeLane:
         and naming another commute)."""
         kv = self.paged
         assert kv is not None
-        bs = self.bs
+        bs, ramp = self.bs, kv.ramp_fill
         seqs: list[Sequence] = []
         blocks: list[list[int]] = []
         for m in members:
             if m.touch != L1 + 1:  # it left (-1), or its block changed since
                 continue
-            self._settle(m, L1)  # the block's fill, this step's write included
+            k = L1 - m.settled  # _settle, inline: the block's fill, this write included
+            if k > 0:
+                ramp(m.block, k)
+                m.settled = L1
             end = m.c0 + L1 - m.j  # tokens computed after the write
             toks = m.seq.token_ids
             have = len(toks)
@@ -409,12 +412,15 @@ class DecodeLane:
         kv = self.paged
         assert kv is not None and kv.pool.num_free >= len(members)
         blocks = kv.pool.allocate_all(len(members), 1)  # with this step's write
+        ramp, blocks_of, nxt = kv.ramp_fill, kv.blocks_of, L1 + self.bs
         for m, b in zip(members, blocks):
-            self._settle(m, L1 - 1)
-            kv.blocks_of(m.seq).table.append(b)
+            k = L1 - 1 - m.settled  # _settle to L1 - 1, inline: the old block's last writes
+            if k > 0:
+                ramp(m.block, k)
+            blocks_of(m.seq).table.append(b)
             m.block = b
             m.settled = L1
-            m.touch = L1 + self.bs
+            m.touch = nxt
             self._track_touch(m)
         kv.logical_blocks += len(members)
 
