@@ -29,7 +29,6 @@ from harness.kv.residual import ResidualKVManager
 from harness.metrics import collector
 from harness.roofline.executor import (
     SYNTHETIC_IDS,
-    SYNTHETIC_PERIOD,
     synthetic_token,
     synthetic_tokens,
 )
@@ -185,7 +184,7 @@ def _drive(case: dict[str, Any], lane_on: bool) -> tuple[Any, ...]:
              if case["sinks"] == -4 else QuantCosts(1, 4, bs, case["sinks"]))
     col = collector.MetricsCollector(kv, sch, 1)
     if lane_on:
-        sch.lane = DecodeLane(kv, costs, synthetic_tokens, SYNTHETIC_PERIOD, SYNTHETIC_IDS,
+        sch.lane = DecodeLane(kv, costs, synthetic_tokens, SYNTHETIC_IDS,
                               frozenset(), cfg.max_model_len)
         sch.lane.on_leave = col.lane_leave
     prompts = [[r.randrange(97, 123) for _ in range(r.randrange(1, 3 * bs + 2))]

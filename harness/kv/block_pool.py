@@ -126,6 +126,8 @@ class BlockPool:
         """:meth:`allocate` ``n`` times (the caller checked ``num_free >= n``): the same
         blocks in the same order, evictions included, in one call."""
         assert self.num_free >= n, (self.num_free, n)
+        if n == 0:  # (a decode opening a block asks for no full ones first)
+            return []
         free, ref, fills, led, bs = self._free, self.ref, self.fill, self.ledger, self.block_size
         # Plain free blocks first, then the LRU's oldest (each evicted: its name dropped).
         k = min(n, len(free))

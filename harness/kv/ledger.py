@@ -51,14 +51,14 @@ class ReservationLedger:
 
     def open(self, unit: int, capacity: int, fill: int = 0, tag: int | None = None) -> None:
         """Open ``unit``'s epoch (``tag``: whose it is; default the ledger's ``tag``)."""
-        assert unit not in self._open, f"unit {unit} opened twice"
-        now = self.now
-        self._open[unit] = [capacity, fill, now, now, 0, self.tag if tag is None else tag]
+        self.open_all([unit], capacity, fill, tag)
 
-    def open_all(self, units: list[int], capacity: int, fill: int = 0) -> None:
-        """:meth:`open` of each of ``units`` (not open) at the same capacity and fill, with
-        the ledger's ``tag`` (a block pool's allocations: every block of every request)."""
-        now, tag, epochs = self.now, self.tag, self._open
+    def open_all(self, units: list[int], capacity: int, fill: int = 0,
+                 tag: int | None = None) -> None:
+        """:meth:`open` of each of ``units`` (not open) at the same capacity, fill and tag
+        (a block pool's allocations: every block of every request)."""
+        now, epochs = self.now, self._open
+        tag = self.tag if tag is None else tag
         before = len(epochs)
         for unit in units:
             epochs[unit] = [capacity, fill, now, now, 0, tag]

@@ -358,8 +358,7 @@ class PagedKVManager:
             pool.set_fill(table[i], min(bs, end - i * bs))
         if stop > held:  # new blocks, taken at their fill: full but for the last
             assert pool.num_free >= stop - held, "can_allocate must be called first"
-            if stop - held > 1:
-                table += pool.allocate_all(stop - held - 1, bs)
+            table += pool.allocate_all(stop - held - 1, bs)
             table += pool.allocate_all(1, end - (stop - 1) * bs)
             self.logical_blocks += stop - held
         if self.enable_prefix_caching:

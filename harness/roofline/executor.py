@@ -56,10 +56,12 @@ SYNTHETIC_IDS = range(TOKEN_BASE, TOKEN_BASE + TOKEN_SPAN)
 SYNTHETIC_PERIOD = TOKEN_SPAN
 # Sample 0's ids depend on the request only through (request_id * 7919) % TOKEN_SPAN: per
 # residue, its ids at positions 0 .. 2 TOKEN_SPAN - 1, so that any run of up to a period
-# is one slice (a decode lane asks for each member's, harness.sched.lane: 5 million calls
-# of synthetic_token at 100,000 requests).
-_CYCLES = [[synthetic_token(r, 0, p) for p in range(2 * TOKEN_SPAN)]
-           for r in ((k * pow(7919, -1, TOKEN_SPAN)) % TOKEN_SPAN for k in range(TOKEN_SPAN))]
+# is one slice (a decode lane reads its members' ids here, harness.sched.lane: 5 million
+# calls of synthetic_token at 100,000 requests). Request ids 0 .. TOKEN_SPAN - 1 give
+# every residue once (7919 is prime to TOKEN_SPAN).
+_CYCLES = {r * 7919 % TOKEN_SPAN: [synthetic_token(r, 0, p) for p in range(2 * TOKEN_SPAN)]
+           for r in range(TOKEN_SPAN)}
+assert len(_CYCLES) == TOKEN_SPAN
 
 
 def synthetic_tokens(request_id: int, start: int, count: int) -> list[int]:

@@ -31,7 +31,6 @@ from harness.roofline.config import COMPUTE, WEIGHT_BYTES, auto_kv_budget
 from harness.roofline.engines import PROFILES, engine_name, get_engine
 from harness.roofline.executor import (
     SYNTHETIC_IDS,
-    SYNTHETIC_PERIOD,
     RooflineExecutor,
     TierLinks,
     synthetic_tokens,
@@ -86,7 +85,7 @@ def build_roofline(rc: RunConfig, workload: Workload, quiet: bool = False,
            sch.lane_blocker() or lane_blocker(st.kv, backend.costs()))
     if why is None:
         assert isinstance(st.kv, PagedKVManager | ContiguousKVManager)
-        sch.lane = DecodeLane(st.kv, backend.costs(), synthetic_tokens, SYNTHETIC_PERIOD,
+        sch.lane = DecodeLane(st.kv, backend.costs(), synthetic_tokens,
                               SYNTHETIC_IDS,
                               sch.eos_token_ids, sch.cfg.max_model_len)
         sch.lane.on_leave = st.collector.lane_leave

@@ -56,8 +56,7 @@ from harness.kv.policies.window import WindowPolicy
 from harness.kv.residual import ResidualKVManager
 from harness.sched.sequence import SeqStatus, Sequence, SequenceGroup
 
-# (request id, first position, count) -> the synthetic token ids at those positions,
-# which repeat with a period (DecodeLane's ``period``) in the position.
+# (request id, first position, count) -> the synthetic token ids at those positions.
 TokenFn = Callable[[int, int, int], list[int]]
 
 # A member's place in the scheduler's running list (the order of every per-member event):
@@ -116,7 +115,6 @@ class LaneMember:
     touch: int
     reason: str
     ro: int = 0  # its group's run_order
-    cycle: list[int] | None = None  # its tokens at positions 0 .. 2 period - 1
     over: bool = False  # its context is past the declaration's lane_split()
     end: int = 0  # the lane step whose update finishes it
     drop: int = -1  # a window's: the lane step whose update gives back its next block
@@ -126,14 +124,14 @@ class DecodeLane:
     """The members of one scheduler's lane and their sums (see the module docstring)."""
 
     def __init__(self, kv: PagedKVManager | ContiguousKVManager, costs: KVCosts,
-                 tokens: TokenFn, period: int,
+                 tokens: TokenFn,
                  synthetic_ids: range, eos_token_ids: frozenset[int],
                  max_model_len: int) -> None:
-        """``tokens``: the executor's synthetic ids, which repeat every ``period``
-        positions; ``synthetic_ids``: every id it can return (a request that could stop
-        on one of them at EOS never joins)."""
+        """``tokens``: the executor's synthetic ids (a member's sequence is made of them
+        only when read); ``synthetic_ids``: every id it can return (a request that could
+        stop on one of them at EOS never joins)."""
         assert lane_blocker(kv, costs) is None, lane_blocker(kv, costs)
-        self.kv, self.tokens, self.period = kv, tokens, period
+        self.kv, self.tokens = kv, tokens
         self.bs = kv.block_size
         # A contiguous range is one unit (its start) that a member fills until its end,
         # where its next write fails as append_slot's would (no blocks, no names).
@@ -376,15 +374,8 @@ class DecodeLane:
             toks += self._tokens(m, have, want - have)
 
     def _tokens(self, m: LaneMember, start: int, count: int) -> list[int]:
-        """``m``'s synthetic ids at positions ``start .. start + count - 1``: slices of
-        one period's ids, held twice so that any run of up to a period is one slice."""
-        P, cyc = self.period, m.cycle
-        if cyc is None:
-            cyc = m.cycle = self.tokens(m.seq.group.request_id, 0, 2 * P)
-        s = start % P
-        if count <= P:
-            return cyc[s:s + count]
-        return (cyc[s:s + P] * (count // P + 1))[:count]  # one period from s, repeated
+        """``m``'s synthetic ids at positions ``start .. start + count - 1``."""
+        return self.tokens(m.seq.group.request_id, start, count)
 
     def _settle(self, m: LaneMember, L: int) -> None:
         """The in-place writes of lane steps ``settled + 1 .. L`` into ``m``'s block, one
