@@ -6,11 +6,14 @@ and queue orders after each step, saying why that order is the right one.
 
 from __future__ import annotations
 
+import random
+
 from harness.kv.base import CopyOp, Demand
 from harness.kv.block_pool import BlockPool
 from harness.kv.evicting import WindowKVManager
 from harness.kv.paged import PagedKVManager
 from harness.kv.policies.window import WindowPolicy
+from harness.sched.sequence import Sequence
 from tests.helpers import decode, make_seq
 
 BS = 4
@@ -304,3 +307,58 @@ def test_group_hits_are_taken_before_new_blocks_evict_them() -> None:
     # Hits taken first leave LRU [7, 6, 5]: the new blocks evict 7 and 6, not block 3.
     assert m.table_of(a2) == [0, 1, 7] and m.table_of(b2) == [0, 3, 6]
     assert m.pool.ref[3] == 1 and m.pool.ref[0] == 2
+
+
+def test_without_slot_maps_only_the_prompts_slot_lists_go() -> None:
+    """``slot_maps=False`` (the roofline: nothing reads a step's slots): a prefill chunk's
+    slot list is empty, and everything else is as with them: append_slot's slot (in
+    place, into a new block, after a fork's copy-on-write), the tables, the names, the
+    pool's and the ledger's state, over a random mix of admissions, decodes and frees."""
+    rng = random.Random(3)
+    on, off = mgr(64), mgr(64)
+    off.slot_maps = False
+    live: list[tuple[Sequence, Sequence]] = []
+    for _ in range(400):
+        r = rng.random()
+        if r < 0.2 and len(live) < 8:
+            toks = [rng.randrange(2) for _ in range(rng.randrange(1, 14))]
+            a, b = make_seq(toks), make_seq(toks)
+            da = Demand(a, len(toks), on.lookup_prefix(a).blocks)
+            db = Demand(b, len(toks), off.lookup_prefix(b).blocks)
+            if not on.can_allocate([da], watermark=False):
+                continue
+            da.num_tokens = db.num_tokens = len(toks) - len(da.hit_blocks) * BS
+            sa, sb = on.allocate(da), off.allocate(db)
+            assert sb == [] and len(sa) == da.num_tokens
+            a.num_computed = b.num_computed = len(toks)
+            live.append((a, b))
+        elif r < 0.25 and live:
+            a, b = live[rng.randrange(len(live))]
+            ca, cb = make_seq([0]), make_seq([0])
+            ca.token_ids, cb.token_ids = list(a.token_ids), list(b.token_ids)
+            on.fork(a, ca)
+            off.fork(b, cb)
+            ca.num_computed, cb.num_computed = a.num_computed, b.num_computed
+            live.append((ca, cb))
+        elif r < 0.4 and live:
+            a, b = live.pop(rng.randrange(len(live)))
+            on.free(a)
+            off.free(b)
+        elif live:
+            a, b = live[rng.randrange(len(live))]
+            t = rng.randrange(3)
+            a.token_ids.append(t)
+            b.token_ids.append(t)
+            x, y = on.append_slot(a), off.append_slot(b)
+            assert x == y
+            if x is None:
+                continue
+            pos = a.num_computed  # the slot is where the table puts the token
+            assert x == on.table_of(a)[pos // BS] * BS + pos % BS
+            a.num_computed += 1
+            b.num_computed += 1
+        assert [on.table_of(a) for a, _ in live] == [off.table_of(b) for _, b in live]
+        assert on.pool.block_hash == off.pool.block_hash and on.pool.fill == off.pool.fill
+        assert on.ledger.open_units() == off.ledger.open_units()
+        assert on.take_cache_ops() == off.take_cache_ops()
+    assert on.stats.cow_copies > 5 and on.stats.prefix_hit_tokens > 0 and on.pool.num_evictions

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import harness.metrics.collector as collector
+from harness.roofline.executor import SYNTHETIC_PERIOD, synthetic_tokens
 from harness.runner import run
 from tests.compose import compose_cfg
 
@@ -306,3 +307,28 @@ def test_ids_text_is_joined_str() -> None:
               for _ in range(300)]
     for ids in cases:
         assert collector.ids_text(ids) == " ".join(map(str, ids)), ids
+
+
+def test_ids_text_of_a_periodic_list_is_joined_str(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The periodic shortcut (one period joined, then copied) gives str's text for every
+    period it takes, every remainder, ids past the table, and lists that repeat all but
+    one id (which must not take it); the roofline's synthetic outputs take it."""
+    rng = np.random.default_rng(1)
+    took = 0
+    for _ in range(600):
+        p = int(rng.integers(1, 40))
+        unit = rng.integers(-3, 70_000 if rng.random() < 0.2 else 300, size=p).tolist()
+        n = int(rng.integers(50, 300))
+        ids = (unit * (n // p + 1))[:n]
+        if rng.random() < 0.3:  # one id off the period, anywhere
+            ids[int(rng.integers(0, n))] += 1
+        periodic = len(ids) >= 64 and any(ids[q:] == ids[:-q] for q in range(1, 33))
+        took += periodic
+        assert collector.ids_text(ids) == " ".join(map(str, ids)), (p, ids)
+    assert took > 200
+    # The roofline's outputs take it: no join is longer than their period.
+    joined: list[int] = []
+    join = collector._join_ids
+    monkeypatch.setattr(collector, "_join_ids", lambda ids: joined.append(len(ids)) or join(ids))
+    out = synthetic_tokens(12345, 161, 338)
+    assert collector.ids_text(out) == " ".join(map(str, out)) and max(joined) == SYNTHETIC_PERIOD

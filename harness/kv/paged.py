@@ -124,6 +124,11 @@ class PagedKVManager:
         self._named_ready: list[tuple[int, int]] = []  # computed: to write through
         if self.tiers is not None:
             self.pool.on_evict = self.tiers.store
+        # Whether allocations list their tokens' slots (ScheduledSeq.slots). A modelled
+        # executor that reads none turns it off (the roofline without a scoring policy:
+        # a prompt's slots were 3% of a decode-lane run); a prefill chunk's slots are then
+        # empty, and append_slot still returns its one slot.
+        self.slot_maps = True
 
     # -- per-sequence state --------------------------------------------------------------
     def blocks_of(self, seq: Sequence) -> SeqBlocks:
@@ -363,6 +368,8 @@ class PagedKVManager:
             self.logical_blocks += stop - held
         if self.enable_prefix_caching:
             self._register_full_blocks(seq, st, end)
+        if not self.slot_maps:
+            return []
         slots: list[int] = []  # block by block: a prompt's thousands of slots are ranges
         for i in range(first, stop):
             base = table[i] * bs - i * bs  # slot of token p in block i: base + p
@@ -387,7 +394,8 @@ class PagedKVManager:
                 return b * bs + off
         if pool.num_free == 0:
             return None
-        return self._extend(seq, pos, 1)[0]
+        self._extend(seq, pos, 1)
+        return self._seqs[seq.seq_id].table[pos // bs] * bs + off
 
     # -- the roofline's decode lane (harness.sched.lane): in-place writes in bulk --------
     def ramp_fill(self, block: int, k: int) -> None:

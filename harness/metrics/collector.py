@@ -256,7 +256,30 @@ def ids_text(ids: list[int]) -> str:
     """``" ".join(map(str, ids))``, 3x faster for ids in [0, 65,536) (every vocabulary of
     ours; the roofline's synthetic ids): a table lookup instead of an int's formatting,
     per token of every request (15% of a decode-lane run's time at 10,000 requests). A
-    dict, not a list: any other id (a negative one too) misses it, and is formatted."""
+    dict, not a list: any other id (a negative one too) misses it, and is formatted.
+
+    A list that repeats with a short period (the roofline's synthetic outputs repeat
+    every 26 tokens) is joined one period and copied: what C's list compare finds, in a
+    tenth of the time at ShareGPT's lengths (2% of a decode-lane run at 100,000)."""
+    n = len(ids)
+    if n >= _PERIODIC_MIN:
+        # The period, if any: where the first id comes back (a scan in C).
+        try:
+            p = ids.index(ids[0], 1, _PERIOD_MAX + 1)
+        except ValueError:
+            p = 0
+        if p and ids[p:] == ids[:-p]:
+            q, r = divmod(n, p)
+            unit = _join_ids(ids[:p])
+            return (unit + " ") * q + _join_ids(ids[:r]) if r else " ".join([unit] * q)
+    return _join_ids(ids)
+
+
+# Lists this long (and periods this short) take the periodic shortcut of ids_text.
+_PERIODIC_MIN, _PERIOD_MAX = 64, 32
+
+
+def _join_ids(ids: list[int]) -> str:
     try:
         return " ".join(map(_ID_TEXT.__getitem__, ids))
     except KeyError:

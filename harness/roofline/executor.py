@@ -16,10 +16,11 @@ from harness.backends.base import KVBackend
 from harness.engine.executor import StepOutput
 from harness.kv.base import KVManager, StepScores
 from harness.kv.evicting import EvictingKVManager
+from harness.kv.paged import PagedKVManager
 from harness.kv.tiers import CPU, DISK, GPU, TierOp
 from harness.roofline.shape import step_shape
 from harness.roofline.steptime import StepModel, StepTime
-from harness.sched.step import ScheduledSeq, StepRecord
+from harness.sched.step import CHECKS, ScheduledSeq, StepRecord
 
 
 class VirtualClock:
@@ -156,6 +157,9 @@ class RooflineExecutor:
     def bind(self, kv: KVManager) -> None:
         self.kv = kv
         self.needs_scores = isinstance(kv, EvictingKVManager) and kv.policy.needs_scores
+        if isinstance(kv, PagedKVManager):
+            # Only the scores (take_scores) and the slot checks read a step's slots.
+            kv.slot_maps = self.needs_scores or CHECKS
 
     def apply_cache_ops(self, rec: StepRecord) -> None:
         """No tensors to move: the copies' and swaps' bytes are charged as time instead

@@ -21,7 +21,8 @@ if TYPE_CHECKING:  # harness.backends imports this module
 class ScheduledSeq:
     """``num_tokens`` new tokens of ``seq`` starting at position ``start``.
 
-    ``slots[i]`` is the cache slot of token ``start + i``. ``sample`` is True when the
+    ``slots[i]`` is the cache slot of token ``start + i`` (a prefill chunk's are empty
+    when nothing reads them: ``PagedKVManager.slot_maps``). ``sample`` is True when the
     chunk reaches the end of the known tokens, so the step yields this sequence's next
     token; a partial prefill chunk has ``sample=False``.
     """
