@@ -51,7 +51,7 @@ from harness.backends.costs import (
 )
 from harness.kv.contiguous import ContiguousKVManager
 from harness.kv.evicting import WindowKVManager
-from harness.kv.paged import PagedKVManager
+from harness.kv.paged import PagedKVManager, SeqBlocks
 from harness.kv.policies.window import WindowPolicy
 from harness.kv.residual import ResidualKVManager
 from harness.sched.sequence import SeqStatus, Sequence, SequenceGroup
@@ -103,10 +103,13 @@ class LaneMember:
     ``n0 + (L - j)`` tokens and ``c0 + (L - j)`` computed. ``block``: its last block,
     whose fill was last brought up to date at lane step ``settled``; ``touch``: the next
     lane step that needs its per-sequence path; ``reason``: why it finishes (the lane
-    files it under the step whose update finishes it)."""
+    files it under the step whose update finishes it). ``rid``, ``st``: its request id
+    and (paged) its block table's record, read at every block it takes or names."""
 
     uid: int
     seq: Sequence
+    rid: int
+    st: SeqBlocks | None
     j: int
     c0: int
     n0: int
@@ -163,10 +166,9 @@ class DecodeLane:
         self._drops: dict[int, list[LaneMember]] = {}
         self._live: dict[int, LaneMember] = {}
         self._finish: dict[int, list[LaneMember]] = {}
-        # Members whose write of lane step k fills their block (prefix caching names it).
-        self._fills: dict[int, list[LaneMember]] = {}
         # Members whose write of lane step k takes a new block (their touch): the scheduler
-        # visits them without a pass over every running group.
+        # visits them without a pass over every running group. With prefix caching, the
+        # write of step k - 1 fills their block, which is then named (fills(k - 1)).
         self._touches: dict[int, list[LaneMember]] = {}
         self._uid = 0
         # Told the request id of a member that leaves other than by finishing (the
@@ -187,13 +189,15 @@ class DecodeLane:
         if n0 - c0 != 1 or c0 < seq.num_prompt_tokens or c0 + 1 < self.sinks:
             return False
         L = self.L
+        st: SeqBlocks | None = None
         if self.ranges is not None:
             block, cap = self.ranges.range_of(seq)
             touch = L + 1 + max(0, cap - c0)  # the step whose write finds the range full
         else:
             assert self.paged is not None
             bs, pool = self.bs, self.paged.pool
-            table = self.paged.blocks_of(seq).table
+            st = self.paged.blocks_of(seq)
+            table = st.table
             if c0 % bs:
                 block = table[c0 // bs]
                 if pool.ref[block] != 1:  # a shared last block: its next write copies it
@@ -209,8 +213,9 @@ class DecodeLane:
         else:
             r, reason = r_len, "length"
         self._uid += 1
-        m = LaneMember(self._uid, seq, L, c0, n0, block, L, touch, reason, g.run_order)
-        self._track_touch(m)
+        m = LaneMember(self._uid, seq, g.request_id, st, L, c0, n0, block, L, touch, reason,
+                       g.run_order)
+        self._touches.setdefault(touch, []).append(m)
         g.lane = m
         self._live[m.uid] = m
         m.end = L + r
@@ -228,13 +233,6 @@ class DecodeLane:
         """The first lane step from ``L1`` (which writes slot ``pos``) that writes a
         block's first slot."""
         return L1 + -pos % self.bs
-
-    def _track_touch(self, m: LaneMember) -> None:
-        """File ``m`` under its next touch and, with prefix caching, under the step before
-        it, which fills its block."""
-        self._touches.setdefault(m.touch, []).append(m)
-        if self.caching and m.touch - 1 > m.j:
-            self._fills.setdefault(m.touch - 1, []).append(m)
 
     def _track_drop(self, m: LaneMember, earliest: int) -> None:
         """A window's: file ``m`` under the first lane step from ``earliest`` whose update
@@ -278,8 +276,13 @@ class DecodeLane:
 
     def fills(self, L1: int) -> list[LaneMember]:
         """The members whose write of lane step ``L1`` fills their block, in running
-        order (prefix caching: :meth:`name_filled` names each)."""
-        out = self._fills.pop(L1, [])
+        order (prefix caching: :meth:`name_filled` names each): those whose next touch is
+        the step after, but for one that joined at ``L1`` or later (its block was named
+        by the per-sequence path, or it joined after this step's schedule)."""
+        if not self.caching:
+            return []
+        nxt = L1 + 1
+        out = [m for m in self._touches.get(nxt, ()) if m.touch == nxt and m.j < L1]
         if len(out) > 1:
             out.sort(key=RUN_ORDER)
         return out
@@ -295,11 +298,11 @@ class DecodeLane:
         and naming another commute)."""
         kv = self.paged
         assert kv is not None
-        bs, ramp = self.bs, kv.ramp_fill
+        bs, ramp, tokens, nxt = self.bs, kv.ramp_fill, self.tokens, L1 + 1
         seqs: list[Sequence] = []
         blocks: list[list[int]] = []
         for m in members:
-            if m.touch != L1 + 1:  # it left (-1), or its block changed since
+            if m.touch != nxt:  # it left (-1), or its block changed since
                 continue
             k = L1 - m.settled  # _settle, inline: the block's fill, this write included
             if k > 0:
@@ -308,12 +311,12 @@ class DecodeLane:
             end = m.c0 + L1 - m.j  # tokens computed after the write
             toks = m.seq.token_ids
             have = len(toks)
-            if have >= end:
+            if have <= end - bs:  # (the usual case: none of the block's ids made yet)
+                block = tokens(m.rid, end - bs, bs)
+            elif have >= end:
                 block = toks[end - bs:end]
-            elif have <= end - bs:
-                block = self._tokens(m, end - bs, bs)
             else:
-                block = toks[end - bs:] + self._tokens(m, have, end - have)
+                block = toks[end - bs:] + tokens(m.rid, have, end - have)
             seqs.append(m.seq)
             blocks.append(block)
         if seqs:
@@ -343,7 +346,7 @@ class DecodeLane:
         self.sync(m, self.L)
         self._drop(m)
         if self.on_leave is not None:
-            self.on_leave(m.seq.group.request_id)
+            self.on_leave(m.rid)
 
     def leave_all(self) -> None:
         """Every member leaves, synced (the run ended or stopped)."""
@@ -375,7 +378,7 @@ class DecodeLane:
 
     def _tokens(self, m: LaneMember, start: int, count: int) -> list[int]:
         """``m``'s synthetic ids at positions ``start .. start + count - 1``."""
-        return self.tokens(m.seq.group.request_id, start, count)
+        return self.tokens(m.rid, start, count)
 
     def _settle(self, m: LaneMember, L: int) -> None:
         """The in-place writes of lane steps ``settled + 1 .. L`` into ``m``'s block, one
@@ -403,16 +406,19 @@ class DecodeLane:
         kv = self.paged
         assert kv is not None and kv.pool.num_free >= len(members)
         blocks = kv.pool.allocate_all(len(members), 1)  # with this step's write
-        ramp, blocks_of, nxt = kv.ramp_fill, kv.blocks_of, L1 + self.bs
+        ramp, nxt = kv.ramp_fill, L1 + self.bs
+        # Every member touched now touches next at the same step: one list, in running order.
+        later = self._touches.setdefault(nxt, [])
         for m, b in zip(members, blocks):
             k = L1 - 1 - m.settled  # _settle to L1 - 1, inline: the old block's last writes
             if k > 0:
                 ramp(m.block, k)
-            blocks_of(m.seq).table.append(b)
+            assert m.st is not None
+            m.st.table.append(b)
             m.block = b
             m.settled = L1
             m.touch = nxt
-            self._track_touch(m)
+            later.append(m)
         kv.logical_blocks += len(members)
 
     def scheduled(self, n_sched: int, n_touched: int) -> None:
