@@ -194,12 +194,14 @@ def _random_steps(rng: np.random.Generator, n: int) -> list[Any]:
     return [StepRow(*(value(f.type) for f in fields(StepRow))) for _ in range(n)]
 
 
+@pytest.mark.parametrize("batch", [1, 5])
 @pytest.mark.parametrize("spill", [1, 3, 7, 64])
 def test_a_spilled_step_log_reads_and_writes_as_one_held_in_memory(
-        spill: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        spill: int, batch: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Past ``spill_rows`` the numbers go to files: every read (items, negative items,
     slices, iteration, columns) and both written formats equal those of a log that held
-    everything; its folder is removed when it is let go."""
+    everything; its folder is removed when it is let go. Rows move into the columns
+    ``batch`` at a time (reads take the rest first): 3 of the 23 wait at the end."""
     import gc
 
     import pandas as pd
@@ -208,11 +210,12 @@ def test_a_spilled_step_log_reads_and_writes_as_one_held_in_memory(
     from harness.metrics.steplog import FIELDS, StepLog
 
     rows = _random_steps(np.random.default_rng(spill), 23)
-    held, spilled = StepLog(), StepLog(spill_rows=spill)
+    held, spilled = StepLog(), StepLog(spill_rows=spill, batch=batch)
     for r in rows:
         held.append(r)
         spilled.append(r)
-    assert (spilled._dir is None) == (spill > 23)
+    assert (spilled._dir is None) == (spill > 23 - 23 % batch)
+    assert len(spilled._new) == 23 % batch
     assert len(spilled) == 23 and list(spilled) == rows
     assert [spilled[i] for i in range(-23, 23)] == [rows[i] for i in range(-23, 23)]
     assert spilled[2:17] == rows[2:17] and spilled[5:5] == []
