@@ -395,7 +395,7 @@ class PagedKVManager:
         if pool.num_free == 0:
             return None
         self._extend(seq, pos, 1)
-        return self._seqs[seq.seq_id].table[pos // bs] * bs + off
+        return self.slot(seq, pos)  # (the block _extend took, or its copy-on-write copy)
 
     # -- the roofline's decode lane (harness.sched.lane): in-place writes in bulk --------
     def ramp_fill(self, block: int, k: int) -> None:
@@ -448,7 +448,7 @@ class PagedKVManager:
         return None
 
     def slot(self, seq: Sequence, pos: int) -> int:
-        """Physical slot of token ``pos`` of ``seq`` (tests and debugging)."""
+        """Physical slot of token ``pos`` of ``seq``."""
         bs = self.block_size
         return self._seqs[seq.seq_id].table[pos // bs] * bs + pos % bs
 

@@ -250,6 +250,8 @@ def request_row(rid: int, g: SequenceGroup, t: RequestTimes, block_size: int,
 
 
 _ID_TEXT = {i: str(i) for i in range(1 << 16)}  # a vocabulary's ids as text, made once
+# Lists this long (and periods this short) take the periodic shortcut of ids_text.
+_PERIODIC_MIN, _PERIOD_MAX = 64, 32
 
 
 def ids_text(ids: list[int]) -> str:
@@ -273,10 +275,6 @@ def ids_text(ids: list[int]) -> str:
             unit = _join_ids(ids[:p])
             return (unit + " ") * q + _join_ids(ids[:r]) if r else " ".join([unit] * q)
     return _join_ids(ids)
-
-
-# Lists this long (and periods this short) take the periodic shortcut of ids_text.
-_PERIODIC_MIN, _PERIOD_MAX = 64, 32
 
 
 def _join_ids(ids: list[int]) -> str:

@@ -374,11 +374,7 @@ class DecodeLane:
         toks = seq.token_ids
         have, want = len(toks), m.n0 + L - m.j
         if want > have:
-            toks += self._tokens(m, have, want - have)
-
-    def _tokens(self, m: LaneMember, start: int, count: int) -> list[int]:
-        """``m``'s synthetic ids at positions ``start .. start + count - 1``."""
-        return self.tokens(m.rid, start, count)
+            toks += self.tokens(m.rid, have, want - have)
 
     def _settle(self, m: LaneMember, L: int) -> None:
         """The in-place writes of lane steps ``settled + 1 .. L`` into ``m``'s block, one
@@ -407,7 +403,8 @@ class DecodeLane:
         assert kv is not None and kv.pool.num_free >= len(members)
         blocks = kv.pool.allocate_all(len(members), 1)  # with this step's write
         ramp, nxt = kv.ramp_fill, L1 + self.bs
-        # Every member touched now touches next at the same step: one list, in running order.
+        # Every member touched now touches next at the same step (touching() sorts the list:
+        # members that join can be filed under it too).
         later = self._touches.setdefault(nxt, [])
         for m, b in zip(members, blocks):
             k = L1 - 1 - m.settled  # _settle to L1 - 1, inline: the old block's last writes
