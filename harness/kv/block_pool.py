@@ -232,6 +232,11 @@ class BlockPool:
         A hash may name several blocks (the same content computed twice): all stay
         findable until each is evicted."""
         assert self.fill[b] == self.block_size, "only full blocks are cacheable"
+        return self.name(b, block_hash, owner)
+
+    def name(self, b: int, block_hash: int, owner: int = -1) -> bool:
+        """:meth:`register` of a block known to be full whose fill is recorded later (a
+        decode lane's: harness.sched.lane)."""
         if self.block_hash[b] is not None:
             return False
         by_hash = self._by_hash

@@ -84,6 +84,19 @@ class ReservationLedger:
         ep[_FILL] = f + k
         ep[_LAST] += k
 
+    def ramp_all(self, units: list[int], ks: list[int]) -> None:
+        """:meth:`ramp` of each of ``units`` by its ``k`` (``k = 0``: nothing)."""
+        epochs, now = self._open, self.now
+        for unit, k in zip(units, ks):
+            if k:
+                ep = epochs[unit]
+                f = ep[_FILL]
+                assert f + k <= ep[_CAP] and now - 1 <= ep[_LAST] + k <= now, \
+                    (unit, f, k, ep[_LAST], now)
+                ep[_INTEGRAL] += f * k + k * (k - 1) // 2
+                ep[_FILL] = f + k
+                ep[_LAST] += k
+
     def close(self, unit: int) -> int | None:
         """Close ``unit``'s epoch and classify it; returns its tag."""
         tag: int | None = self._open[unit][_TAG]

@@ -404,6 +404,13 @@ class PagedKVManager:
         self.pool.fill[block] += k
         self.ledger.ramp(block, k)
 
+    def ramp_fills(self, blocks: list[int], ks: list[int]) -> None:
+        """:meth:`ramp_fill` of each block by its ``k`` (``k = 0``: nothing)."""
+        fill = self.pool.fill
+        for b, k in zip(blocks, ks):
+            fill[b] += k
+        self.ledger.ramp_all(blocks, ks)
+
     def add_used(self, n: int) -> None:
         """``n`` in-place writes this step, their blocks' fills settled later."""
         self.pool.used_slots += n
@@ -414,9 +421,14 @@ class PagedKVManager:
         token lists are made only when read). Not with write-through lower tiers."""
         self.name_next_blocks([seq], [tokens])
 
-    def name_next_blocks(self, seqs: list[Sequence], blocks: list[list[int]]) -> None:
-        """:meth:`name_next_block` of each sequence in turn (with its block's tokens)."""
-        tables, key_of, register = self._seqs, self.key_of, self.pool.register
+    def name_next_blocks(self, seqs: list[Sequence], blocks: list[list[int]],
+                         settled: bool = True) -> None:
+        """:meth:`name_next_block` of each sequence in turn (with its block's tokens).
+        ``settled=False``: a decode lane's blocks, full though their fills are brought up
+        to date later (harness.sched.lane)."""
+        pool = self.pool
+        tables, key_of = self._seqs, self.key_of
+        register = pool.register if settled else pool.name
         for seq, tokens in zip(seqs, blocks):
             st = tables[seq.seq_id]
             hashes = st.hashes

@@ -178,24 +178,26 @@ class MetricsCollector:
         assert u is not None, "a step that ran records its usage (Scheduler.schedule)"
         r = reads if reads is not None else StepReads()
         step_ms = (t_end - t_start) * 1e3
-        self.steps.append(StepRow(
-            step=rec.step, time_s=t_end - run_start, step_ms=step_ms,
-            forward_ms=forward_s * 1e3, overhead_ms=step_ms - forward_s * 1e3,
-            batch_tokens=rec.num_tokens, prefill_tokens=rec.num_prefill_tokens,
-            decode_tokens=rec.num_decode_tokens, num_seqs=rec.num_seqs,
-            running=sch.num_running_seqs, waiting=len(sch.waiting), swapped=len(sch.swapped),
-            reserved_bytes=u.reserved_slots * bps, used_bytes=u.used_slots * bps,
-            free_blocks=u.free_blocks, cached_free_blocks=u.cached_free_blocks,
-            shared_blocks=u.shared_blocks, logical_blocks=u.logical_blocks,
-            held_blocks=u.held_blocks,
-            external_frag_bytes=upd.external_slots * bps, preempted=len(rec.preempted),
-            finished=len(upd.finished),
-            kv_read_tokens=r.decode_tokens, kv_read_bytes=r.decode_bytes,
-            prefill_pairs=r.prefill_pairs,
-            cpu_tier_blocks=u.tier_blocks[0] if u.tier_blocks else 0,
-            disk_tier_blocks=u.tier_blocks[1] if len(u.tier_blocks) > 1 else 0,
-            tier_ops=len(rec.tier_ops),
-            group_blocks="|".join(map(str, u.group_blocks)),
+        # StepRow's fields in order (a tuple, not the object: StepLog.append_values).
+        tb = u.tier_blocks
+        self.steps.append_values((
+            rec.step, t_end - run_start, step_ms,  # step, time_s, step_ms
+            forward_s * 1e3, step_ms - forward_s * 1e3,  # forward_ms, overhead_ms
+            rec.num_tokens, rec.num_prefill_tokens,  # batch_tokens, prefill_tokens
+            rec.num_decode_tokens, rec.num_seqs,  # decode_tokens, num_seqs
+            sch.num_running_seqs, len(sch.waiting), len(sch.swapped),  # running .. swapped
+            u.reserved_slots * bps, u.used_slots * bps,  # reserved_bytes, used_bytes
+            u.free_blocks, u.cached_free_blocks,  # free_blocks, cached_free_blocks
+            u.shared_blocks, u.logical_blocks,  # shared_blocks, logical_blocks
+            u.held_blocks,  # held_blocks
+            upd.external_slots * bps, len(rec.preempted),  # external_frag_bytes, preempted
+            len(upd.finished),  # finished
+            r.decode_tokens, r.decode_bytes,  # kv_read_tokens, kv_read_bytes
+            r.prefill_pairs,  # prefill_pairs
+            tb[0] if tb else 0,  # cpu_tier_blocks
+            tb[1] if len(tb) > 1 else 0,  # disk_tier_blocks
+            len(rec.tier_ops),  # tier_ops
+            "|".join(map(str, u.group_blocks)) if u.group_blocks else "",  # group_blocks
         ))
 
 

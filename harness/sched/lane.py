@@ -293,21 +293,18 @@ class DecodeLane:
         self.name_filled_all([m], L1)
 
     def name_filled_all(self, members: list[LaneMember], L1: int) -> None:
-        """:meth:`name_filled` of each of ``members`` (in running order), in one pass:
-        their fills settled, then their blocks named in that order (settling a block
-        and naming another commute)."""
+        """:meth:`name_filled` of each of ``members`` (in running order), in one pass.
+        Their blocks' fills are not settled here: a name is all a lookup reads, and the
+        fill is brought up to date with the block's other writes at the member's next
+        touch, sync or finish (one ledger ramp a block, not two)."""
         kv = self.paged
         assert kv is not None
-        bs, ramp, tokens, nxt = self.bs, kv.ramp_fill, self.tokens, L1 + 1
+        bs, tokens, nxt = self.bs, self.tokens, L1 + 1
         seqs: list[Sequence] = []
         blocks: list[list[int]] = []
         for m in members:
             if m.touch != nxt:  # it left (-1), or its block changed since
                 continue
-            k = L1 - m.settled  # _settle, inline: the block's fill, this write included
-            if k > 0:
-                ramp(m.block, k)
-                m.settled = L1
             end = m.c0 + L1 - m.j  # tokens computed after the write
             toks = m.seq.token_ids
             have = len(toks)
@@ -320,7 +317,7 @@ class DecodeLane:
             seqs.append(m.seq)
             blocks.append(block)
         if seqs:
-            kv.name_next_blocks(seqs, blocks)
+            kv.name_next_blocks(seqs, blocks, settled=False)
 
     def _drop(self, m: LaneMember) -> None:
         del self._live[m.uid]
@@ -402,20 +399,22 @@ class DecodeLane:
         kv = self.paged
         assert kv is not None and kv.pool.num_free >= len(members)
         blocks = kv.pool.allocate_all(len(members), 1)  # with this step's write
-        ramp, nxt = kv.ramp_fill, L1 + self.bs
+        nxt = L1 + self.bs
         # Every member touched now touches next at the same step (touching() sorts the list:
         # members that join can be filed under it too).
         later = self._touches.setdefault(nxt, [])
+        # _settle to L1 - 1 of each old block (its last writes), in one call: a member that
+        # joined on a block's last slot has none left to settle (k = 0).
+        old = [m.block for m in members]
+        ks = [L1 - 1 - m.settled for m in members]
         for m, b in zip(members, blocks):
-            k = L1 - 1 - m.settled  # _settle to L1 - 1, inline: the old block's last writes
-            if k > 0:
-                ramp(m.block, k)
             assert m.st is not None
             m.st.table.append(b)
             m.block = b
             m.settled = L1
             m.touch = nxt
             later.append(m)
+        kv.ramp_fills(old, ks)
         kv.logical_blocks += len(members)
 
     def scheduled(self, n_sched: int, n_touched: int) -> None:
