@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from harness.backends.costs import KIVICosts, KVCosts, QuantCosts, QuestCosts, WindowCosts
+from harness.engine.engine import Engine
 from harness.kv.contiguous import ContiguousKVManager
 from harness.kv.evicting import WindowKVManager
 from harness.kv.paged import PagedKVManager
@@ -87,9 +88,10 @@ def options() -> st.SearchStrategy[list[str]]:
         st.sampled_from([64, 256]), st.sampled_from([256, 2048]))
 
 
-def _run(overrides: list[str], fast: bool, monkeypatch: pytest.MonkeyPatch
-         ) -> tuple[RunResult, dict[int, list[float]], int]:
-    """The run, every request's token times as it was let go, and the lane's joins."""
+def _run(overrides: list[str], fast: bool, monkeypatch: pytest.MonkeyPatch,
+         lane_steps: list[int] | None = None) -> tuple[RunResult, dict[int, list[float]], int]:
+    """The run, every request's token times as it was let go, and the lane's joins;
+    ``lane_steps``: counts the steps taken as lane steps (Engine.lane_step)."""
     times: dict[int, list[float]] = {}
     real_let_go = collector.MetricsCollector._let_go
 
@@ -107,6 +109,14 @@ def _run(overrides: list[str], fast: bool, monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(collector.MetricsCollector, "_let_go", let_go)
     monkeypatch.setattr(DecodeLane, "try_join", try_join)
+    if lane_steps is not None:
+        real_lane_step = Engine.lane_step
+
+        def lane_step(self: Engine, *args: Any) -> None:
+            lane_steps[0] += 1
+            real_lane_step(self, *args)
+
+        monkeypatch.setattr(Engine, "lane_step", lane_step)
     # The lane run builds no prompt slot lists, as the roofline does outside the tests
     # (KVBENCH_CHECK keeps them for the slot check): stepping one by one does.
     monkeypatch.setattr(roofline_executor, "CHECKS", not fast)
@@ -149,6 +159,28 @@ def test_the_lane_equals_stepping_one_by_one(workload: list[str], opts: list[str
     assert on, lane.metrics["run.fast_path"]
     if on and one.metrics["requests.finished"]:
         assert joins > 0  # the lane ran, not only the per-sequence path
+
+
+@pytest.mark.parametrize("opts", [
+    # few at a time: the waiting queue is held back by max_num_seqs, members finish
+    ["workload.rate=0", "scheduler.max_num_seqs=4"],
+    # arrivals between steps; prefix caching off; kivi's manager
+    ["workload.rate=50", "cache.enable_prefix_caching=false", "backend=kivi"],
+    # a small pool: touches that find no free block, preemption
+    ["workload.rate=0", "cache.kv_budget=48MiB", "backend.block_size=4"],
+])
+def test_lane_steps_equal_stepping_one_by_one(opts: list[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps of lane members only (Engine.lane_step: no StepRecord) are taken, and the
+    run equals stepping one by one, row by row."""
+    overrides = ["workload=random", "workload.num_requests=24", "workload.input_max=64",
+                 "workload.output_max=160", *opts]
+    one, t_one, _ = _run(overrides, False, monkeypatch)
+    n = [0]
+    lane, t_lane, _ = _run(overrides, True, monkeypatch, lane_steps=n)
+    assert n[0] > 10, n[0]
+    assert t_one == t_lane
+    assert_same_run(one, lane)
 
 
 # -- the scheduler, KV manager and collector alone: many small cases a second -----------------

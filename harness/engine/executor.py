@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from harness.backends.base import KVBackend
-from harness.backends.costs import StepReads, step_reads
+from harness.backends.costs import LaneSums, StepReads, step_reads
 from harness.engine.batch import build_inputs, group_batch
 from harness.kv.base import KVManager, StepScores
 from harness.kv.groups import GroupedKVManager
@@ -96,6 +96,16 @@ class Executor(Protocol):
     def transfer_s(self) -> float:
         """Seconds the prefix cache's lower tiers spent moving blocks (the model
         executor's measured copies; the roofline's modelled transfers)."""
+        ...
+
+
+@runtime_checkable
+class LaneExecutor(Executor, Protocol):
+    """An executor that can run a step of decode-lane members given as their sums (the
+    roofline's: harness.sched.lane, Engine.lane_step)."""
+
+    def forward_lane(self, n: int, sums: LaneSums) -> tuple[float, StepReads]:
+        """The forward of ``n`` members, all the step runs: its seconds and reads."""
         ...
 
 

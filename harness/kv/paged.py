@@ -417,23 +417,24 @@ class PagedKVManager:
 
     def name_next_block(self, seq: Sequence, tokens: list[int]) -> None:
         """Name ``seq``'s first block not named yet, full, which holds ``tokens`` (the
-        chain's next link; also for a decode lane, harness.sched.lane, whose sequences'
-        token lists are made only when read). Not with write-through lower tiers."""
-        self.name_next_blocks([seq], [tokens])
+        chain's next link). Not with write-through lower tiers."""
+        self.name_next_blocks([self._seqs[seq.seq_id]], [tokens], [self.key_of(seq)],
+                              [seq.group.request_id])
 
-    def name_next_blocks(self, seqs: list[Sequence], blocks: list[list[int]],
+    def name_next_blocks(self, tables: list[SeqBlocks], blocks: list[list[int]],
+                         keys: list[object], owners: list[int],
                          settled: bool = True) -> None:
-        """:meth:`name_next_block` of each sequence in turn (with its block's tokens).
-        ``settled=False``: a decode lane's blocks, full though their fills are brought up
-        to date later (harness.sched.lane)."""
+        """:meth:`name_next_block` of each block table in turn, with its block's tokens,
+        its sequence's :meth:`key_of` and request id (a decode lane, harness.sched.lane,
+        keeps all three per member and names its members' blocks in one call).
+        ``settled=False``: the lane's blocks, full though their fills are brought up to
+        date later."""
         pool = self.pool
-        tables, key_of = self._seqs, self.key_of
         register = pool.register if settled else pool.name
-        for seq, tokens in zip(seqs, blocks):
-            st = tables[seq.seq_id]
+        for st, tokens, key, owner in zip(tables, blocks, keys, owners):
             hashes = st.hashes
-            h = block_hash(hashes[-1] if hashes else _ROOT_HASH, tokens, key_of(seq))
-            register(st.table[len(hashes)], h, seq.group.request_id)
+            h = block_hash(hashes[-1] if hashes else _ROOT_HASH, tokens, key)
+            register(st.table[len(hashes)], h, owner)
             hashes.append(h)
 
     def _register_full_blocks(self, seq: Sequence, st: SeqBlocks, end: int) -> None:

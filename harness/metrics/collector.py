@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from harness.backends.costs import StepReads
-from harness.kv.base import KVManager
+from harness.kv.base import KVManager, KVUsage
 from harness.metrics.requestlog import RequestLog
 from harness.metrics.rows import StepRow
 from harness.metrics.steplog import StepLog
@@ -119,14 +119,19 @@ class MetricsCollector:
                 elif t.last_token_step >= 0:
                     self.itl_other.append((now - self.token_t[t.last_token_step]) * 1e3)
                 t.last_token_step = k
-        for g in upd.finished:
-            if reqs[g.request_id].lane_from >= 0:
+        self._finished(upd.finished, now)
+        for rid in upd.lane_joined:
+            reqs[rid].lane_from = k + 1
+
+    def _finished(self, groups: list[SequenceGroup], now: float) -> None:
+        """``groups`` finished at ``now`` (their last token's step is recorded): their
+        rows made and their times let go."""
+        for g in groups:
+            if self.requests[g.request_id].lane_from >= 0:
                 self.lane_leave(g.request_id)
             t = self._let_go(g, finished=now)
             self.span_start.append(t.arrival)
             self.span_end.append(now)
-        for rid in upd.lane_joined:
-            reqs[rid].lane_from = k + 1
 
     def lane_leave(self, rid: int) -> None:
         """Request ``rid`` leaves the decode lane: its token times since it joined (one
@@ -173,30 +178,56 @@ class MetricsCollector:
         """``rec.usage``: the KV usage while the step's forward ran (the ledger integrates
         the same state, so summing rows reproduces its reserved and used slot-steps);
         ``upd``: what the scheduler's update did after it."""
-        sch, bps = self.scheduler, self.bytes_per_slot
         u = rec.usage
         assert u is not None, "a step that ran records its usage (Scheduler.schedule)"
-        r = reads if reads is not None else StepReads()
+        self._row(rec.step, t_start, t_end, forward_s, run_start, rec.num_prefill_tokens,
+                  rec.num_decode_tokens, rec.num_seqs, u, upd.external_slots,
+                  len(rec.preempted), len(upd.finished),
+                  reads if reads is not None else StepReads(), len(rec.tier_ops))
+
+    def on_lane_tokens(self, n: int, finished: list[SequenceGroup], now: float) -> None:
+        """:meth:`on_tokens` of a lane step (``Scheduler.schedule_lane``: ``n`` decode-lane
+        members decoded, nothing else ran; ``finished``: the members it finished): the
+        step clock, the members' inter-token latencies, the finished requests' rows."""
+        self.token_t.append(now)
+        self.itl_next.append(n)
+        if finished:
+            self._finished(finished, now)
+
+    def on_lane_step(self, step: int, n: int, t_start: float, t_end: float,
+                     forward_s: float, run_start: float, reads: StepReads, usage: KVUsage,
+                     finished: int) -> None:
+        """:meth:`on_step` of a lane step (see :meth:`on_lane_tokens`); ``usage``: what the
+        KV manager held for its forward (Scheduler.schedule_lane)."""
+        self._row(step, t_start, t_end, forward_s, run_start, 0, n, n, usage, 0, 0,
+                  finished, reads, 0)
+
+    def _row(self, step: int, t_start: float, t_end: float, forward_s: float,
+             run_start: float, prefill_tokens: int, decode_tokens: int, num_seqs: int,
+             u: KVUsage, external_slots: int, preempted: int, finished: int,
+             r: StepReads, tier_ops: int) -> None:
+        """Append one step's row (StepRow's fields, in order, as a tuple:
+        StepLog.append_values)."""
+        sch, bps = self.scheduler, self.bytes_per_slot
         step_ms = (t_end - t_start) * 1e3
-        # StepRow's fields in order (a tuple, not the object: StepLog.append_values).
         tb = u.tier_blocks
         self.steps.append_values((
-            rec.step, t_end - run_start, step_ms,  # step, time_s, step_ms
+            step, t_end - run_start, step_ms,  # step, time_s, step_ms
             forward_s * 1e3, step_ms - forward_s * 1e3,  # forward_ms, overhead_ms
-            rec.num_tokens, rec.num_prefill_tokens,  # batch_tokens, prefill_tokens
-            rec.num_decode_tokens, rec.num_seqs,  # decode_tokens, num_seqs
+            prefill_tokens + decode_tokens, prefill_tokens,  # batch_tokens, prefill_tokens
+            decode_tokens, num_seqs,  # decode_tokens, num_seqs
             sch.num_running_seqs, len(sch.waiting), len(sch.swapped),  # running .. swapped
             u.reserved_slots * bps, u.used_slots * bps,  # reserved_bytes, used_bytes
             u.free_blocks, u.cached_free_blocks,  # free_blocks, cached_free_blocks
             u.shared_blocks, u.logical_blocks,  # shared_blocks, logical_blocks
             u.held_blocks,  # held_blocks
-            upd.external_slots * bps, len(rec.preempted),  # external_frag_bytes, preempted
-            len(upd.finished),  # finished
+            external_slots * bps, preempted,  # external_frag_bytes, preempted
+            finished,  # finished
             r.decode_tokens, r.decode_bytes,  # kv_read_tokens, kv_read_bytes
             r.prefill_pairs,  # prefill_pairs
             tb[0] if tb else 0,  # cpu_tier_blocks
             tb[1] if len(tb) > 1 else 0,  # disk_tier_blocks
-            len(rec.tier_ops),  # tier_ops
+            tier_ops,  # tier_ops
             "|".join(map(str, u.group_blocks)) if u.group_blocks else "",  # group_blocks
         ))
 

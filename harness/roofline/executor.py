@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from harness.backends.base import KVBackend
+from harness.backends.costs import LaneSums, StepReads
 from harness.engine.executor import StepOutput
 from harness.kv.base import KVManager, StepScores
 from harness.kv.evicting import EvictingKVManager
 from harness.kv.paged import PagedKVManager
 from harness.kv.tiers import CPU, DISK, GPU, TierOp
-from harness.roofline.shape import step_shape
+from harness.roofline.shape import StepShape, lane_shape, step_shape
 from harness.roofline.steptime import StepModel, StepTime
 from harness.sched.step import CHECKS, ScheduledSeq, StepRecord
 
@@ -178,7 +179,29 @@ class RooflineExecutor:
         assert self.kv is not None, "bind() the KV manager first"
         sh = step_shape(rec, self.costs, self.kv)
         samplers = sh.samplers
-        t = self.model.time(self.model.work_of(sh, rec.fresh))
+        t = self._charge(sh, rec.fresh)
+        if self.needs_scores:
+            self._written = list(rec.seqs)
+        # One-hot rows at each sequence's synthetic token, as their ids: the engine's own
+        # sampling code then runs unchanged (forks, beams), greedy reading the ids and
+        # the rest the tensor they stand for (making it each step and taking the argmax
+        # back cost ~8% of a decode-lane run).
+        ids = [synthetic_token(g.request_id, g.seqs.index(q) if len(g.seqs) > 1 else 0,
+                               q.num_tokens) for q, g in ((s.seq, s.seq.group) for s in samplers)]
+        return StepOutput(None, samplers, float(t.forward), sh.reads, one_hot=ids, vocab=VOCAB)
+
+    def forward_lane(self, n: int, sums: LaneSums) -> tuple[float, StepReads]:
+        """:meth:`forward` of a step whose ``n`` decodes are all decode-lane members and
+        which has no cache operations (harness.engine.engine's lane steps): its forward
+        seconds and reads, with nothing to sample."""
+        sh = lane_shape(n, sums, self.costs)
+        t = self._charge(sh, True)
+        return float(t.forward), sh.reads
+
+    def _charge(self, sh: StepShape, fresh: bool) -> StepTime:
+        """The step's modelled time, with the cache operations and tier transfers
+        charged before it: added to the totals and the clock."""
+        t = self.model.time(self.model.work_of(sh, fresh))
         t.overhead += self._ops_s
         self._ops_s = 0.0
         if self._tier_s:
@@ -191,16 +214,8 @@ class RooflineExecutor:
         self.totals.add(t)
         self.clock.advance(float(t.total))
         if self.trace is not None:
-            self.trace.append((float(t.forward), sh.seqs, rec.fresh, self.clock.t))
-        if self.needs_scores:
-            self._written = list(rec.seqs)
-        # One-hot rows at each sequence's synthetic token, as their ids: the engine's own
-        # sampling code then runs unchanged (forks, beams), greedy reading the ids and
-        # the rest the tensor they stand for (making it each step and taking the argmax
-        # back cost ~8% of a decode-lane run).
-        ids = [synthetic_token(g.request_id, g.seqs.index(q) if len(g.seqs) > 1 else 0,
-                               q.num_tokens) for q, g in ((s.seq, s.seq.group) for s in samplers)]
-        return StepOutput(None, samplers, float(t.forward), sh.reads, one_hot=ids, vocab=VOCAB)
+            self.trace.append((float(t.forward), sh.seqs, fresh, self.clock.t))
+        return t
 
     def take_scores(self) -> StepScores | None:
         if not self.needs_scores or not self._written:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from harness.backends.costs import HeldSource, KVCosts, StepReads
+from harness.backends.costs import HeldSource, KVCosts, LaneSums, StepReads
 from harness.sched.step import ScheduledSeq, StepRecord
 
 
@@ -41,8 +41,20 @@ class StepShape:
         return len(self.samplers) + self.lane_rows
 
 
+def lane_shape(n: int, sums: LaneSums, costs: KVCosts) -> StepShape:
+    """The shape of a step whose ``n`` decodes are all decode-lane members (harness.sched
+    .lane), given as their sums: what :func:`step_shape` makes of such a step."""
+    r = costs.summed_decode_read(sums)
+    widest = costs.gathered(sums.ctx_max, sums.ctx_max)
+    return StepShape(n, n, 0.0, 0.0, float(r.tokens), n, [], 0.0, float(n * widest),
+                     float(r.bytes), 0.0, StepReads(n, r.tokens, r.bytes, 0), n)
+
+
 def step_shape(rec: StepRecord, costs: KVCosts, kv: HeldSource) -> StepShape:
     """The shape of ``rec``'s forward, with the KV manager in its state during it."""
+    if not rec.seqs and rec.lane_n:  # every decode a lane member: the one rule above
+        assert rec.lane_sums is not None
+        return lane_shape(rec.lane_n, rec.lane_sums, costs)
     decodes: list[ScheduledSeq] = []
     prefills: list[ScheduledSeq] = []
     dec_tok = dec_b = pre_b = pairs = 0

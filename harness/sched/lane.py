@@ -121,6 +121,7 @@ class LaneMember:
     over: bool = False  # its context is past the declaration's lane_split()
     end: int = 0  # the lane step whose update finishes it
     drop: int = -1  # a window's: the lane step whose update gives back its next block
+    key: object = None  # (paged, prefix caching) its block hashes' extra key (key_of)
 
 
 class DecodeLane:
@@ -215,6 +216,9 @@ class DecodeLane:
         self._uid += 1
         m = LaneMember(self._uid, seq, g.request_id, st, L, c0, n0, block, L, touch, reason,
                        g.run_order)
+        if self.caching:
+            assert self.paged is not None
+            m.key = self.paged.key_of(seq)
         self._touches.setdefault(touch, []).append(m)
         g.lane = m
         self._live[m.uid] = m
@@ -266,6 +270,12 @@ class DecodeLane:
             if m.uid in self._live:
                 self._track_drop(m, self.L + 1)
 
+    def touches_at(self, L1: int) -> int:
+        """At most how many members take a new block at lane step ``L1`` (left or moved
+        members filed there count: Scheduler.lane_step_ready may say no where a step
+        could have been a lane step, never the reverse)."""
+        return len(self._touches.get(L1, ()))
+
     def touching(self, L1: int) -> list[LaneMember]:
         """The members whose write of lane step ``L1`` takes a new block (or, in a
         contiguous range, finds it full), in running order."""
@@ -300,8 +310,10 @@ class DecodeLane:
         kv = self.paged
         assert kv is not None
         bs, tokens, nxt = self.bs, self.tokens, L1 + 1
-        seqs: list[Sequence] = []
+        tables: list[SeqBlocks] = []
         blocks: list[list[int]] = []
+        keys: list[object] = []
+        owners: list[int] = []
         for m in members:
             if m.touch != nxt:  # it left (-1), or its block changed since
                 continue
@@ -314,10 +326,13 @@ class DecodeLane:
                 block = toks[end - bs:end]
             else:
                 block = toks[end - bs:] + tokens(m.rid, have, end - have)
-            seqs.append(m.seq)
+            assert m.st is not None
+            tables.append(m.st)
             blocks.append(block)
-        if seqs:
-            kv.name_next_blocks(seqs, blocks, settled=False)
+            keys.append(m.key)
+            owners.append(m.rid)
+        if tables:
+            kv.name_next_blocks(tables, blocks, keys, owners, settled=False)
 
     def _drop(self, m: LaneMember) -> None:
         del self._live[m.uid]

@@ -31,10 +31,11 @@ import heapq
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from harness.errors import UserError
-from harness.kv.base import Demand, KVManager, SwapManager
-from harness.sched.lane import RUN_ORDER, DecodeLane
+from harness.kv.base import Demand, KVManager, KVUsage, SwapManager
+from harness.sched.lane import RUN_ORDER, DecodeLane, LaneMember
 from harness.sched.sequence import SeqStatus, Sequence, SequenceGroup
 from harness.sched.step import (
     CHECKS,
@@ -47,6 +48,9 @@ from harness.sched.step import (
 )
 from harness.sched.waiting import WaitingQueue
 from harness.validate import at_least, one_of
+
+if TYPE_CHECKING:  # (harness.backends imports the scheduler's step module)
+    from harness.backends.costs import LaneSums
 
 PREEMPTION_MODES = ("recompute", "swap")
 POLICIES = ("fcfs", "priority")
@@ -243,15 +247,9 @@ class Scheduler:
             touching = lane.touching(L1)
             if (len(running) == lane.n and len(running) <= budget and lane.paged is not None
                     and lane.paged.pool.num_free >= len(touching)):
-                # Every running group is a member, and the step has a token for each and
-                # a free block for each that needs one: what the loop below would do, the
-                # blocks named and taken in running order (naming a held block and taking
-                # a free one commute), in two passes.
-                lane.name_filled_all(lane.fills(L1), L1)
-                lane.touch_all(touching, L1)
                 rec.lane_n = len(running)
                 rec.num_decode_tokens += len(running)
-                rec.lane_sums = lane.context_sums(L1)
+                rec.lane_sums = self._lane_all(L1, touching)
                 return self._after_running(rec, budget - len(running), continuing,
                                            len(touching))
             visit = [k for k, g in enumerate(running)
@@ -376,6 +374,62 @@ class Scheduler:
             if n_lane:
                 rec.lane_sums = lane.context_sums(L1)
         return self._after_running(rec, budget, continuing, n_touched)
+
+    def _lane_all(self, L1: int, touching: list[LaneMember]) -> LaneSums:
+        """Every running group is a member, and lane step ``L1`` has a token for each and
+        a free block for each of ``touching``: what the loop of :meth:`schedule` would
+        do, the blocks named and taken in running order (naming a held block and taking
+        a free one commute), in two passes; returns the members' sums."""
+        lane = self.lane
+        assert lane is not None
+        lane.name_filled_all(lane.fills(L1), L1)
+        lane.touch_all(touching, L1)
+        return lane.context_sums(L1)
+
+    def lane_step_ready(self) -> bool:
+        """Whether the next step is a *lane step*: every running group a decode-lane
+        member (paged, no window), a free block for each member that needs one, and
+        nothing to swap in or admit (the waiting head is held back by ``max_num_seqs``).
+        Such a step changes nothing but the members' sums and blocks, the clocks and the
+        members it finishes: :meth:`schedule_lane` and :meth:`finish_lane` then do what
+        :meth:`schedule` and :meth:`update` would, without a StepRecord
+        (Engine.lane_step)."""
+        lane = self.lane
+        if lane is None or lane.paged is None or lane.window is not None or self.swapped:
+            return False
+        n = len(self.running)
+        if n == 0 or n != lane.n or n > self.cfg.max_num_batched_tokens:
+            return False
+        if lane.touches_at(lane.L + 1) > lane.paged.pool.num_free:
+            return False
+        return not self.waiting or (self.num_running_seqs + len(self.waiting.head().live_seqs)
+                                    > self.cfg.max_num_seqs)
+
+    def schedule_lane(self) -> tuple[int, LaneSums, KVUsage]:
+        """:meth:`schedule` of the step :meth:`lane_step_ready` found; returns its step
+        number, the members' sums and what the KV manager holds for its forward. Its
+        cache operations can only be the slots a finished request's frees invalidated,
+        which nothing modelled reads: they are dropped."""
+        lane = self.lane
+        assert lane is not None and self._window_left == 0
+        step = self._step
+        self._step += 1
+        L1 = lane.L + 1
+        touching = lane.touching(L1)
+        sums = self._lane_all(L1, touching)
+        ops = self.kv.take_cache_ops()
+        assert not ops.copies and not ops.tier_ops, "a lane step has no copies or loads"
+        lane.scheduled(sums.n, len(touching))
+        return step, sums, self.kv.usage()
+
+    def finish_lane(self) -> list[SequenceGroup]:
+        """:meth:`update` of a lane step, after :meth:`end_forward`: the members whose
+        update this is finish, in running order; returns their groups, retired."""
+        lane = self.lane
+        assert lane is not None
+        for m in sorted(lane.finishing(), key=RUN_ORDER):
+            self._finish_seq(m.seq, m.reason)
+        return self._retire_finished()
 
     def _after_running(self, rec: StepRecord, budget: int, continuing: bool,
                        n_touched: int) -> StepRecord:
