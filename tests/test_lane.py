@@ -185,11 +185,16 @@ def test_lane_steps_equal_stepping_one_by_one(opts: list[str],
 
 # -- the scheduler, KV manager and collector alone: many small cases a second -----------------
 
-def _pool_state(kv: PagedKVManager | ContiguousKVManager) -> tuple[Any, ...]:
+def _pool_state(kv: PagedKVManager | ContiguousKVManager, names: bool = True
+                ) -> tuple[Any, ...]:
+    """The free and LRU orders and (``names``) every name with its copies, oldest first.
+    Reading the names makes a lane's pending ones (harness.kv.lazy_names): the drive reads
+    them every few steps, so that chains stay pending, get evicted and are looked up in
+    between. (The index's own key order is when a name was entered: not compared.)"""
     if isinstance(kv, ContiguousKVManager):
         return (kv.arena.holes(), kv.usage())
     return (kv.pool.free_order(), kv.pool.lru_order(),
-            list(kv.pool.hash_index().items()))
+            sorted(kv.pool.hash_index().items()) if names else None)
 
 
 def _drive(case: dict[str, Any], lane_on: bool) -> tuple[Any, ...]:
@@ -287,12 +292,13 @@ def _drive(case: dict[str, Any], lane_on: bool) -> tuple[Any, ...]:
                     list(rec.swap_out), list(rec.swap_in), list(rec.copies),
                     list(rec.invalidated),
                     sh.tokens, sh.ctx_decode, sh.gather_decode, sh.dec_bytes, sh.num_decode,
-                    sh.rows, *_pool_state(kv)))
+                    sh.rows, *_pool_state(kv, names=step % 7 == 0)))
     if sch.lane is not None:
         # A window's give-backs are filed only before their member's finish: a finished
         # member is not kept for a step it never reaches.
         assert all(m.drop < m.end for due in sch.lane._drops.values() for m in due)
         sch.lane.leave_all()
+    log.append(_pool_state(kv))
     vals, counts = col.itl_ms()
     return (log, kv.ledger.finish(), list(col.rows), vals.tolist(), counts.tolist(), kv.stats,
             col.outputs())

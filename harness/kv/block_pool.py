@@ -23,6 +23,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from harness.kv.base import KVUsage
+from harness.kv.lazy_names import LazyNames, PendingChain
 from harness.kv.ledger import ReservationLedger
 
 # Called with (block, hash, owner) as a named block is evicted from the LRU of cached-free
@@ -42,7 +43,9 @@ class BlockPool:
         self.block_size = block_size
         self.ref = [0] * num_blocks
         self.fill = [0] * num_blocks  # slots of the block holding a token's K/V
-        self.block_hash: list[int | None] = [None] * num_blocks
+        # A block's name: its hash, a decode lane's pending chain (named when first read:
+        # harness.kv.lazy_names), or None.
+        self.block_hash: list[int | PendingChain | None] = [None] * num_blocks
         self.owner: list[int] = [-1] * num_blocks  # request that computed a named block
         # hash -> the block carrying it, or (two or more copies) every block carrying it in
         # insertion order, the oldest copy served first. Nearly every hash names one block:
@@ -57,6 +60,7 @@ class BlockPool:
         self.num_evictions = 0  # cached blocks whose hash was dropped to reuse them
         self.ledger = ledger
         self.on_evict: EvictHook | None = None
+        self.lazy: LazyNames | None = None  # set by a decode lane (harness.sched.lane)
 
     # -- queries ---------------------------------------------------------------------
     @property
@@ -96,6 +100,9 @@ class BlockPool:
     def lookup(self, block_hash: int) -> int | None:
         """A block holding this content: a held copy if any (taking it shares memory), else
         the oldest cached one."""
+        lazy = self.lazy
+        if lazy is not None and block_hash in lazy.pending:  # chains under it: named now
+            lazy.materialize([block_hash])
         copies = self._by_hash.get(block_hash)
         if copies is None or isinstance(copies, int):
             return copies
@@ -104,13 +111,24 @@ class BlockPool:
                 return b
         return next(iter(copies))
 
+    def sole_copy(self, block_hash: int) -> int | None:
+        """The block named ``block_hash`` if it is the only one (None: none or several)."""
+        c = self._by_hash.get(block_hash)
+        return c if isinstance(c, int) else None
+
     def copies(self, block_hash: int) -> list[int]:
-        """Every block named ``block_hash``, oldest first (tests and debugging)."""
+        """Every block named ``block_hash``, oldest first (tests and debugging: pending
+        names are made first)."""
+        if self.lazy is not None:
+            self.lazy.materialize_all()
         c = self._by_hash.get(block_hash)
         return [] if c is None else [c] if isinstance(c, int) else list(c)
 
     def hash_index(self) -> dict[int, list[int]]:
-        """Every name and its blocks, oldest first (tests and debugging)."""
+        """Every name and its blocks, oldest first (tests and debugging: pending names
+        are made first)."""
+        if self.lazy is not None:
+            self.lazy.materialize_all()
         return {h: self.copies(h) for h in self._by_hash}
 
     # -- state changes ---------------------------------------------------------------
@@ -138,7 +156,13 @@ class BlockPool:
             for _ in range(n - k):
                 b = cached.popitem(last=False)[0]
                 h = names[b]
-                assert h is not None, f"cached block {b} has no name"
+                if not isinstance(h, int):  # a pending name (lazy_names): no index entry
+                    assert h is not None and self.lazy is not None, f"cached block {b}"
+                    self.lazy.evicted(h)
+                    names[b] = None
+                    owner[b] = -1
+                    out.append(b)
+                    continue
                 if on_evict is not None:
                     on_evict(b, h, owner[b])
                 # Its name goes (another copy keeps it: back to an int when one is left).
@@ -239,6 +263,15 @@ class BlockPool:
         decode lane's: harness.sched.lane)."""
         if self.block_hash[b] is not None:
             return False
+        lazy = self.lazy
+        if lazy is not None and block_hash in lazy.pending:  # chains under it: named now
+            lazy.materialize([block_hash])
+        self.enter_name(b, block_hash, owner)
+        return True
+
+    def enter_name(self, b: int, block_hash: int, owner: int) -> None:
+        """Name block ``b`` (not named, or named by a pending chain being materialized:
+        harness.kv.lazy_names) in the index."""
         by_hash = self._by_hash
         c = by_hash.setdefault(block_hash, b)
         if c is not b:  # (setdefault returns ``b`` itself when it inserted it) a new copy
@@ -248,4 +281,3 @@ class BlockPool:
                 c[b] = None
         self.block_hash[b] = block_hash
         self.owner[b] = owner
-        return True

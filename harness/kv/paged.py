@@ -299,7 +299,7 @@ class PagedKVManager:
                 st.cursor = i + 1
                 continue
             h = pool.block_hash[b]
-            assert h is not None, f"hit block {b} lost its hash before it was taken"
+            assert isinstance(h, int), f"hit block {b} lost its hash before it was taken"
             self._count_hit(seq, pool.owner[b])
             pool.touch(b)
             st.table.append(b)
@@ -577,6 +577,13 @@ class PagedKVManager:
                     cpu.free.append(c)
         self.stats.swapped_in_blocks += len(mapping)
         self.logical_blocks += sum(st.num_held for st in held)
+        lazy = self.pool.lazy
+        if lazy is not None and lazy.pending:
+            # Back with its names: a decode lane's chains under them are named first, as
+            # any sequence passing their roots has them named (harness.kv.lazy_names).
+            roots = [h for st in held for h in st.hashes if h in lazy.pending]
+            if roots:
+                lazy.materialize(roots)
         return list(mapping.items())
 
     # -- accounting ----------------------------------------------------------------------

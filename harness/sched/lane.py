@@ -51,7 +51,8 @@ from harness.backends.costs import (
 )
 from harness.kv.contiguous import ContiguousKVManager
 from harness.kv.evicting import WindowKVManager
-from harness.kv.paged import PagedKVManager, SeqBlocks
+from harness.kv.lazy_names import LazyNames, PendingChain
+from harness.kv.paged import PagedKVManager, SeqBlocks, block_hash
 from harness.kv.policies.window import WindowPolicy
 from harness.kv.residual import ResidualKVManager
 from harness.sched.sequence import SeqStatus, Sequence, SequenceGroup
@@ -122,6 +123,7 @@ class LaneMember:
     end: int = 0  # the lane step whose update finishes it
     drop: int = -1  # a window's: the lane step whose update gives back its next block
     key: object = None  # (paged, prefix caching) its block hashes' extra key (key_of)
+    chain: PendingChain | None = None  # its filled blocks not named yet (lazy_names)
 
 
 class DecodeLane:
@@ -143,6 +145,12 @@ class DecodeLane:
         self.ranges: ContiguousKVManager | None = \
             kv if isinstance(kv, ContiguousKVManager) else None
         self.caching = self.paged is not None and self.paged.enable_prefix_caching
+        # With prefix caching, members' filled blocks are named when first read
+        # (harness.kv.lazy_names): the pool asks this for the names it is about to read.
+        self.lazy: LazyNames | None = None
+        if self.caching:
+            assert self.paged is not None
+            self.lazy = self.paged.pool.lazy = LazyNames(self.paged.pool, tokens, block_hash)
         self.eos_hit = bool(eos_token_ids.intersection(synthetic_ids))
         self.max_model_len = max_model_len
         self.sinks = costs.sinks if isinstance(costs, QuantCosts) else 0
@@ -304,35 +312,42 @@ class DecodeLane:
 
     def name_filled_all(self, members: list[LaneMember], L1: int) -> None:
         """:meth:`name_filled` of each of ``members`` (in running order), in one pass.
-        Their blocks' fills are not settled here: a name is all a lookup reads, and the
+        A block all of whose ids are the lane's joins its member's pending chain, named
+        when first read (harness.kv.lazy_names), where its member is the only holder of
+        the name before it; the others are named now. Fills are not settled here: the
         fill is brought up to date with the block's other writes at the member's next
         touch, sync or finish (one ledger ramp a block, not two)."""
-        kv = self.paged
-        assert kv is not None
-        bs, tokens, nxt = self.bs, self.tokens, L1 + 1
-        tables: list[SeqBlocks] = []
-        blocks: list[list[int]] = []
-        keys: list[object] = []
-        owners: list[int] = []
+        if not members:
+            return
+        kv, lazy = self.paged, self.lazy
+        assert kv is not None and lazy is not None
+        bs, tokens, nxt, names = self.bs, self.tokens, L1 + 1, kv.pool.block_hash
         for m in members:
             if m.touch != nxt:  # it left (-1), or its block changed since
                 continue
             end = m.c0 + L1 - m.j  # tokens computed after the write
             toks = m.seq.token_ids
             have = len(toks)
+            st = m.st
+            assert st is not None
+            c = m.chain
             if have <= end - bs:  # (the usual case: none of the block's ids made yet)
+                if c is None or c.closed:
+                    c = m.chain = (lazy.open(st, m.key, m.rid, end - bs, m.ro)
+                                   if lazy.may_open(st) else None)
+                if c is not None:
+                    c.blocks.append(m.block)
+                    c.steps.append(L1)
+                    c.live += 1
+                    names[m.block] = c
+                    continue
                 block = tokens(m.rid, end - bs, bs)
-            elif have >= end:
-                block = toks[end - bs:end]
             else:
-                block = toks[end - bs:] + tokens(m.rid, have, end - have)
-            assert m.st is not None
-            tables.append(m.st)
-            blocks.append(block)
-            keys.append(m.key)
-            owners.append(m.rid)
-        if tables:
-            kv.name_next_blocks(tables, blocks, keys, owners, settled=False)
+                if c is not None and not c.closed:  # its hashes first
+                    lazy.materialize([c.root])
+                block = (toks[end - bs:end] if have >= end
+                         else toks[end - bs:] + tokens(m.rid, have, end - have))
+            kv.name_next_blocks([st], [block], [m.key], [m.rid], settled=False)
 
     def _drop(self, m: LaneMember) -> None:
         del self._live[m.uid]
@@ -354,7 +369,11 @@ class DecodeLane:
                 heapq.heapify(self._under)
 
     def leave(self, m: LaneMember) -> None:
-        """``m`` leaves (a preemption), synced to the steps done."""
+        """``m`` leaves (a preemption), synced to the steps done, its blocks named."""
+        c = m.chain
+        if c is not None and not c.closed:
+            assert self.lazy is not None
+            self.lazy.materialize([c.root])
         self.sync(m, self.L)
         self._drop(m)
         if self.on_leave is not None:

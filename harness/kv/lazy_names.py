@@ -1,0 +1,143 @@
+"""Lazy names: a decode lane's filled blocks are named when a name could first be read.
+
+With prefix caching, every block a decode fills is named by its chained hash
+(``PagedKVManager.name_next_block``) so that a later prompt holding the same tokens can
+hit it. Under the roofline's decode lanes (harness.sched.lane) nearly none of those names
+is ever looked up, yet computing them (the block's synthetic ids, a hash, the pool's
+index) was the lane's largest per-block cost (issue #24). Here a member's filled blocks
+form a :class:`PendingChain` instead: each block carries the chain as its name (so a
+release still caches it and an eviction still counts), and the chain's hashes are made,
+and entered into the pool's index, only when something could read them.
+
+What could read them, and why nothing else can:
+
+- A chain hangs under its *root*: the hash of the block before its first, which is
+  named. Any lookup or naming of a pending block's content must pass the root first (a
+  prefix's hashes chain from the start), by a lookup of the root (``BlockPool.lookup``),
+  a naming of a copy of it (``BlockPool.name``), or a swapped-out sequence coming back
+  with it in its hashes (``PagedKVManager.swap_in``). Each of those materializes the
+  chains under that root first.
+- A sequence that held the root *before* the chain opened would not pass it again: so a
+  chain opens only where its member is the root's only holder (:meth:`LazyNames.may_open`:
+  its block's only reference, the only block carrying that name). A sequence preempted by
+  recompute looks its prefix up again; a swapped one comes back through ``swap_in``.
+- A member that leaves the lane has its chain materialized (its own naming continues
+  from its hashes).
+
+Materializing registers each chain's blocks in the order they were filled (the lane step,
+then running order), chains hanging under the hashes it names included: what stepping one
+by one had registered, copies of one content in the same order. A block evicted while
+pending is skipped (one by one, its name had come and gone); a chain whose blocks are all
+evicted is dropped. The property test of harness.sched.lane covers it (identical prompts
+whose requests decode identical ids, conversations that re-send their answers).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from harness.kv.block_pool import BlockPool
+    from harness.kv.paged import SeqBlocks
+
+# (request id, first position, count) -> that request's ids at those positions.
+TokenFn = Callable[[int, int, int], list[int]]
+# (parent hash, a block's tokens, extra key) -> the block's chained hash.
+HashFn = Callable[[int, list[int], object], int]
+
+
+@dataclass(slots=True, eq=False)
+class PendingChain:
+    """A member's filled blocks not named yet, in order: block ``i`` holds its request's
+    ids at positions ``start + i * block_size`` on (the lane's synthetic ids), filled at
+    lane step ``steps[i]``. ``root``: the (named) hash before the first; ``st``: the
+    member's block table record, whose hashes the chain's extend when materialized."""
+
+    root: int
+    st: SeqBlocks
+    key: object
+    owner: int  # the request: its ids, and who computed the blocks
+    start: int
+    ro: int  # its group's run order: fills of one step are named in running order
+    uid: int
+    blocks: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    live: int = 0  # blocks still named by the chain (the rest were evicted)
+    closed: bool = False  # materialized or dropped: its member starts a new chain
+    done: int = 0  # blocks materialized so far (while materializing)
+    prev: int = 0  # the hash of the block before block ``done``
+
+
+class LazyNames:
+    """The pending chains of one block pool, by root (see the module docstring)."""
+
+    def __init__(self, pool: BlockPool, tokens: TokenFn, hash_fn: HashFn) -> None:
+        self.pool, self.tokens, self.hash_fn = pool, tokens, hash_fn
+        self.pending: dict[int, list[PendingChain]] = {}
+        self._uid = 0
+
+    def may_open(self, st: SeqBlocks) -> bool:
+        """Whether a chain may start after ``st``'s last named block: ``st``'s sequence
+        is the only holder of that name (its block's only reference, and the only block
+        carrying it), so no other sequence can name or look up what follows without
+        passing the root."""
+        hashes = st.hashes
+        if not hashes:  # the root would be the empty prefix, which everyone holds
+            return False
+        b = st.table[len(hashes) - 1]
+        return self.pool.ref[b] == 1 and self.pool.sole_copy(hashes[-1]) == b
+
+    def open(self, st: SeqBlocks, key: object, owner: int, start: int,
+             ro: int) -> PendingChain:
+        """A chain after ``st``'s last named block (:meth:`may_open` said yes)."""
+        self._uid += 1
+        c = PendingChain(st.hashes[-1], st, key, owner, start, ro, self._uid)
+        self.pending.setdefault(c.root, []).append(c)
+        return c
+
+    def evicted(self, c: PendingChain) -> None:
+        """One of ``c``'s blocks was evicted (the pool calls this, its name gone)."""
+        c.live -= 1
+        if c.live == 0 and not c.closed:
+            chains = self.pending[c.root]
+            chains.remove(c)
+            if not chains:
+                del self.pending[c.root]
+            c.closed = True
+
+    def materialize(self, roots: list[int]) -> None:
+        """Name the blocks of every chain under ``roots`` and, in turn, under the hashes
+        those names make, in the order they were filled (see the module docstring)."""
+        pending, pool = self.pending, self.pool
+        names, tokens, hash_fn = pool.block_hash, self.tokens, self.hash_fn
+        bs = pool.block_size
+        heap: list[tuple[int, int, int, PendingChain]] = []
+
+        def push(root: int) -> None:
+            for c in pending.pop(root, ()):
+                c.closed = True
+                c.done, c.prev = 0, c.root
+                heapq.heappush(heap, (c.steps[0], c.ro, c.uid, c))
+
+        for r in roots:
+            push(r)
+        while heap:
+            c = heapq.heappop(heap)[3]
+            i = c.done
+            h = hash_fn(c.prev, tokens(c.owner, c.start + i * bs, bs), c.key)
+            b = c.blocks[i]
+            if names[b] is c:  # (else evicted while pending)
+                pool.enter_name(b, h, c.owner)
+            c.st.hashes.append(h)
+            c.prev, c.done = h, i + 1
+            if h in pending:
+                push(h)
+            if c.done < len(c.blocks):
+                heapq.heappush(heap, (c.steps[c.done], c.ro, c.uid, c))
+
+    def materialize_all(self) -> None:
+        """Name every pending block (tests and debugging read the whole index)."""
+        self.materialize(list(self.pending))
