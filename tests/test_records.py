@@ -64,12 +64,18 @@ def test_itl_percentiles_equal_those_of_every_requests_token_times(
 def test_a_finished_request_is_let_go(monkeypatch: pytest.MonkeyPatch) -> None:
     live: list[int] = []
     real = collector.MetricsCollector.on_tokens
+    real_lane = collector.MetricsCollector.on_lane_tokens
 
     def spy(self: Any, rec: Any, upd: Any, groups: Any, now: float) -> None:
         real(self, rec, upd, groups, now)
         live.append(len(self.groups))
 
+    def spy_lane(self: Any, n: int, finished: Any, now: float) -> None:
+        real_lane(self, n, finished, now)  # a lane step (its members finish here too)
+        live.append(len(self.groups))
+
     monkeypatch.setattr(collector.MetricsCollector, "on_tokens", spy)
+    monkeypatch.setattr(collector.MetricsCollector, "on_lane_tokens", spy_lane)
     r = run(compose_cfg(ROOFLINE))
     # Never more groups held than requests in flight (12 running plus the queue), and
     # none at the end; every finished request's outputs and row are still there.
