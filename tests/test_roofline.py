@@ -12,7 +12,7 @@ import pytest
 from harness.errors import UserError
 from harness.roofline.config import RooflineConfig, auto_kv_budget
 from harness.roofline.engines import EngineProfile
-from harness.roofline.hardware import HARDWARE, get_hardware
+from harness.roofline.hardware import CPU_PRIOR, HARDWARE, get_hardware
 from harness.roofline.hf_config import from_hf_config
 from harness.roofline.models import MODEL_SPECS, get_model_spec
 from harness.roofline.steptime import StepModel
@@ -124,6 +124,28 @@ def test_engine_profile_charges_scheduling_only_on_fresh_steps() -> None:
     assert tf.overhead == pytest.approx(2e-3 + 100 * 50e-6 + 4e-4 + 100 * 2e-6)
     assert tl.overhead == pytest.approx(4e-4 + 100 * 2e-6)
     assert tf.forward == tl.forward
+
+
+@pytest.mark.parametrize("hw", [
+    H100, PLAIN, HARDWARE["l40s"],
+    # the gather path, a 1-byte cache's widening, a profiled GEMM (CPU calibration's form)
+    dataclasses.replace(CPU_PRIOR, widen_s_per_elem={"int8": 3e-10},
+                        gemm_profile=((1.0, 2e-12, 3e-12), (64.0, 1e-12, 2e-12)),
+                        profile_dtype="bf16"),
+])
+def test_lane_time_is_time_of_work_of_a_decode_only_step(hw: object) -> None:
+    # The decode lane's steps (n decodes, nothing else) are timed with the terms of n
+    # alone made once per n: the same floats as the full model, step after step.
+    a = MODEL_SPECS["llama-3.1-70b"]
+    prof = EngineProfile("x", "x", schedule_s=2e-3, schedule_per_seq_s=5e-5, step_s=4e-4,
+                         step_per_seq_s=2e-6)
+    for kw in (dict(kv_dtype="int8", kv_bytes_per_token=a.num_layers * a.kv_elems_per_layer),
+               dict(engine=prof, kv_bytes_per_token=2 * a.num_layers * a.kv_elems_per_layer)):
+        m = StepModel(a, hw, tp=8, **kw)  # type: ignore[arg-type]
+        for n, ctx in [(3, 1000), (200, 61_234), (3, 1017), (200, 70_001), (1, 9)]:
+            gathered, dec_bytes = float(n * (ctx // n + 16)), ctx * 1234.5
+            w = m.work(n, n, n, 0.0, 0.0, float(ctx), 0.0, gathered, 0.0, dec_bytes)
+            assert m.lane_time(n, float(ctx), gathered, dec_bytes) == m.time(w), (n, ctx)
 
 
 def test_fp8_compute_uses_the_fp8_peak_for_gemms_only() -> None:

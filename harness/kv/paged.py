@@ -484,7 +484,8 @@ class PagedKVManager:
             return
         # Reverse order: the tail (least likely to be shared) enters the LRU first and is
         # evicted first, keeping the common prefix cached longest.
-        self.pool.release_all([b for b in reversed(st.table) if b >= 0])
+        self.pool.release_all(st.table[::-1] if not st.given_back
+                              else [b for b in reversed(st.table) if b != GIVEN_BACK])
         self.logical_blocks -= st.num_held
 
     def take_cache_ops(self) -> CacheOps:

@@ -85,8 +85,14 @@ class RooflineTotals:
          "overhead"), 0.0))
 
     def add(self, t: StepTime) -> None:
-        for k in self.terms:
-            self.terms[k] += float(getattr(t, k))
+        d = self.terms  # (every step: the terms by name, not a getattr loop)
+        d["gemm"] += float(t.gemm)
+        d["lm_head"] += float(t.lm_head)
+        d["prefill_attn"] += float(t.prefill_attn)
+        d["decode_attn"] += float(t.decode_attn)
+        d["allreduce"] += float(t.allreduce)
+        d["nongemm"] += float(t.nongemm)
+        d["overhead"] += float(t.overhead)
 
 
 @dataclass(frozen=True)
@@ -179,7 +185,7 @@ class RooflineExecutor:
         assert self.kv is not None, "bind() the KV manager first"
         sh = step_shape(rec, self.costs, self.kv)
         samplers = sh.samplers
-        t = self._charge(sh, rec.fresh)
+        t = self._charge(self.model.time(self.model.work_of(sh, rec.fresh)), sh, rec.fresh)
         if self.needs_scores:
             self._written = list(rec.seqs)
         # One-hot rows at each sequence's synthetic token, as their ids: the engine's own
@@ -195,13 +201,14 @@ class RooflineExecutor:
         which has no cache operations (harness.engine.engine's lane steps): its forward
         seconds and reads, with nothing to sample."""
         sh = lane_shape(n, sums, self.costs)
-        t = self._charge(sh, True)
+        assert sh.dec_bytes is not None
+        t = self._charge(self.model.lane_time(n, sh.ctx_decode, sh.gather_decode,
+                                              sh.dec_bytes), sh, True)
         return float(t.forward), sh.reads
 
-    def _charge(self, sh: StepShape, fresh: bool) -> StepTime:
-        """The step's modelled time, with the cache operations and tier transfers
-        charged before it: added to the totals and the clock."""
-        t = self.model.time(self.model.work_of(sh, fresh))
+    def _charge(self, t: StepTime, sh: StepShape, fresh: bool) -> StepTime:
+        """The step's modelled time ``t`` (of shape ``sh``), with the cache operations and
+        tier transfers charged before it: added to the totals and the clock."""
         t.overhead += self._ops_s
         self._ops_s = 0.0
         if self._tier_s:

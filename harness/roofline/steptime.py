@@ -174,6 +174,7 @@ class StepModel:
         elems = arch.num_layers * arch.kv_elems_per_layer / self.kv_split
         self.widen_s_per_key = elems * hw.widen_s_per_elem.get(kv_dtype, 0.0) \
             if quantized else 0.0
+        self._lane_base: dict[int, StepTime] = {}  # lane_time's terms of n alone, by n
 
     def work_of(self, sh: StepShape, fresh: bool = True) -> StepWork:
         """:meth:`work` of a step's shape (``fresh``: scheduled anew)."""
@@ -203,13 +204,13 @@ class StepModel:
                                     + self.allreduce_latency)
         widen = 0.0
         if self.hw.attention == "gather":
-            pairs, ctx_decode, kvb = pairs_full, gather_decode, self.gather_rank_bytes
+            pairs, kvb = pairs_full, self.gather_rank_bytes
             widen = self.widen_s_per_key
-            pre_b, dec_b = kvb * ctx_prefill, kvb * ctx_decode
+            pre_b = kvb * ctx_prefill
         else:
             kvb, split = self.kv_rank_bytes, self.kv_split
             pre_b = kvb * ctx_prefill if pre_bytes is None else pre_bytes / split
-            dec_b = kvb * ctx_decode if dec_bytes is None else dec_bytes / split
+        ctx_decode, dec_b, dec_widen = self._decode_side(ctx_decode, gather_decode, dec_bytes)
         return StepWork(
             gemm_flops=2.0 * a.active_params * tokens / tp,
             gemm_bytes=wb * (a.dense_params + touched) / tp,
@@ -219,8 +220,39 @@ class StepModel:
             dec_flops=self.attn_flops_per_pair * ctx_decode,
             dec_bytes=dec_b,
             ar_seconds=ar, seqs=seqs, tokens=tokens, rows=rows,
-            pre_widen_s=widen * ctx_prefill, dec_widen_s=widen * ctx_decode,
+            pre_widen_s=widen * ctx_prefill, dec_widen_s=dec_widen,
             nongemm_bytes=self.nongemm_per_token * tokens)
+
+    def _decode_side(self, ctx_decode: Any, gather_decode: Any,
+                     dec_bytes: Any) -> tuple[Any, Any, Any]:
+        """The decodes' keys, bytes and widening seconds as :meth:`work` counts them (the
+        gather path copies ``gather_decode`` keys; fused kernels read ``ctx_decode``, or
+        the declared ``dec_bytes``)."""
+        if self.hw.attention == "gather":
+            return (gather_decode, self.gather_rank_bytes * gather_decode,
+                    self.widen_s_per_key * gather_decode)
+        dec_b = self.kv_rank_bytes * ctx_decode if dec_bytes is None \
+            else dec_bytes / self.kv_split
+        return ctx_decode, dec_b, 0.0 * ctx_decode
+
+    def lane_time(self, n: int, ctx_decode: float, gather_decode: float,
+                  dec_bytes: float) -> StepTime:
+        """:meth:`time` of :meth:`work` of a fresh step of ``n`` decodes and nothing else
+        (a roofline run's decode-lane steps, harness.roofline.shape.lane_shape), the same
+        floats: the terms that depend on ``n`` alone (GEMMs, lm_head, the empty prefill,
+        all-reduces, non-GEMM kernels, the engine's time) are made once per ``n``, and
+        only the decodes' attention each step."""
+        base = self._lane_base.get(n)
+        if base is None:
+            w = self.work(n, n, n, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+            w.fresh = 1.0
+            base = self._lane_base[n] = self.time(w)
+        ctx, dec_b, widen = self._decode_side(ctx_decode, gather_decode, dec_bytes)
+        h = self.hw
+        decode = _roof(self.attn_flops_per_pair * ctx / (self.peak * h.eff_attn),
+                       dec_b / (h.mem_bw * h.eff_bw), 1.0 - h.overlap) + widen
+        return StepTime(base.gemm, base.lm_head, base.prefill_attn, decode, base.allreduce,
+                        base.overhead, base.nongemm)
 
     def time(self, w: StepWork, hw: HardwareSpec | None = None) -> StepTime:
         """Seconds of ``w`` on ``hw`` (default: the model's own; calibration passes
@@ -232,10 +264,8 @@ class StepModel:
         lap = 1.0 - h.overlap
         p = h.gemm_corner_p
 
-        def mx(c: Any, m: Any) -> Any:  # the roofline, or the sum where nothing overlaps
-            if isinstance(c, float) and isinstance(m, float):  # one step: no numpy scalars
-                return max(c, m) + lap * min(c, m)
-            return np.maximum(c, m) + lap * np.minimum(c, m)
+        def mx(c: Any, m: Any) -> Any:
+            return _roof(c, m, lap)
 
         if h.profiled(self.compute_dtype):
             a, tp = self.arch, self.tp
@@ -267,6 +297,14 @@ class StepModel:
             prefill_attn=mx(w.pre_flops / fa, w.pre_bytes / bw) + w.pre_widen_s,
             decode_attn=mx(w.dec_flops / fa, w.dec_bytes / bw) + w.dec_widen_s,
             allreduce=w.ar_seconds, overhead=overhead, nongemm=nongemm)
+
+
+def _roof(c: Any, m: Any, lap: float) -> Any:
+    """The roofline of compute seconds ``c`` and memory seconds ``m``, or their sum where
+    nothing overlaps (``lap = 1 - overlap``); floats or numpy arrays."""
+    if isinstance(c, float) and isinstance(m, float):  # one step: no numpy scalars
+        return max(c, m) + lap * min(c, m)
+    return np.maximum(c, m) + lap * np.minimum(c, m)
 
 
 @functools.lru_cache(maxsize=8)
