@@ -3,12 +3,16 @@
 Free blocks live in one of two queues:
 
 * ``_free``: blocks with no hash (never full, or evicted). Reused first, FIFO.
-* ``_cached``: blocks with ref count 0 that still hold a registered hash, in LRU order
-  (least recently freed first). A prefix hit on one revives it; a new allocation evicts the
-  oldest only when ``_free`` is empty.
+* ``_lru``: blocks with ref count 0 that still hold a name (*cached*), least recently
+  freed first. A prefix hit on one revives it; a new allocation evicts the oldest only
+  when ``_free`` is empty.
 
-Both are O(1) for every operation: a deque and an insertion-ordered dict (removal from the
-middle, which a hit on a cached block needs, is a dict delete). No per-step scan of the pool.
+Both are deques, O(1) for every operation. A revived block stays in the LRU's deque as a
+*void* entry, counted in ``_voids[block]`` and skipped when it comes to the front (a
+block's void entries all come before its live one, which is its latest): every block of
+every request enters and leaves the LRU, and an insertion-ordered dict spent a node and a
+hash-table entry on each (the roofline's decode lanes, issue #24). No per-step scan of
+the pool.
 
 The same content can be computed twice (two identical prompts admitted in one step,
 overlapping chunked prefills, a group readmitted after recompute): every copy stays
@@ -19,7 +23,7 @@ earlier work (a recompute after preemption) is told apart from a hit on another 
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 
 from harness.kv.base import KVUsage
@@ -33,6 +37,10 @@ EvictHook = Callable[[int, int, int], None]
 
 class BlockPool:
     """``num_blocks`` blocks of ``block_size`` slots, shared by every sequence of a run."""
+
+    # The LRU's deque is rebuilt without its void entries once they outnumber the live
+    # ones by this many (a run of prefix hits on a pool that never fills would grow it).
+    compact_min = 1024
 
     def __init__(self, num_blocks: int, block_size: int,
                  ledger: ReservationLedger | None = None) -> None:
@@ -53,7 +61,9 @@ class BlockPool:
         # every request is named once and unnamed once: the roofline's decode lanes).
         self._by_hash: dict[int, int | dict[int, None]] = {}
         self._free: deque[int] = deque(range(num_blocks))
-        self._cached: OrderedDict[int, None] = OrderedDict()
+        self._lru: deque[int] = deque()  # cached blocks, oldest first, and void entries
+        self._voids = [0] * num_blocks  # a block's void entries in _lru (revived since)
+        self.num_cached_free = 0  # live entries of _lru
         self.num_used = 0  # blocks with ref > 0
         self.num_shared = 0  # blocks with ref > 1
         self.used_slots = 0  # sum of fill over blocks with ref > 0
@@ -66,15 +76,18 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks an allocation can take now (plain free + evictable cached)."""
-        return len(self._free) + len(self._cached)
-
-    @property
-    def num_cached_free(self) -> int:
-        return len(self._cached)
+        return len(self._free) + self.num_cached_free
 
     def lru_order(self) -> list[int]:
         """Evictable cached blocks, next to be evicted first (for tests and debugging)."""
-        return list(self._cached)
+        voids = self._voids[:]
+        out = []
+        for b in self._lru:
+            if voids[b]:
+                voids[b] -= 1
+            else:
+                out.append(b)
+        return out
 
     def free_order(self) -> list[int]:
         return list(self._free)
@@ -151,10 +164,15 @@ class BlockPool:
         k = min(n, len(free))
         out = [free.popleft() for _ in range(k)]
         if k < n:
-            cached, on_evict, by_hash = self._cached, self.on_evict, self._by_hash
+            lru, voids = self._lru, self._voids
+            on_evict, by_hash = self.on_evict, self._by_hash
             names, owner = self.block_hash, self.owner
+            self.num_cached_free -= n - k
             for _ in range(n - k):
-                b = cached.popitem(last=False)[0]
+                b = lru.popleft()
+                while voids[b]:  # revived since it entered: its live entry is later
+                    voids[b] -= 1
+                    b = lru.popleft()
                 h = names[b]
                 if not isinstance(h, int):  # a pending name (lazy_names): no index entry
                     assert h is not None and self.lazy is not None, f"cached block {b}"
@@ -191,7 +209,11 @@ class BlockPool:
         if self.ref[b] == 0:
             # Only a cached block can be revived: a plain free block has no content.
             assert self.block_hash[b] is not None, f"touch of free block {b}"
-            del self._cached[b]
+            self._voids[b] += 1  # its LRU entry is void now
+            self.num_cached_free -= 1
+            if len(self._lru) > 2 * self.num_cached_free + self.compact_min:  # compact
+                self._lru = deque(self.lru_order())
+                self._voids = [0] * self.num_blocks
             self.num_used += 1
             self.used_slots += self.fill[b]
             if self.ledger is not None:
@@ -208,9 +230,9 @@ class BlockPool:
         """:meth:`release` of each of ``blocks`` in turn (a sequence's table as it is freed:
         every block of every request passes here, in one call)."""
         ref, fill, names, led = self.ref, self.fill, self.block_hash, self.ledger
-        cached, free = self._cached, self._free
+        lru, free = self._lru, self._free
         closed: list[int] = []
-        unshared = slots = 0
+        unshared = slots = cached = 0
         for b in blocks:
             r = ref[b] - 1
             assert r >= 0, f"release of free block {b}"
@@ -221,9 +243,11 @@ class BlockPool:
                 slots += fill[b]
                 closed.append(b)
                 if names[b] is not None:
-                    cached[b] = None  # most recently freed: evicted last
+                    lru.append(b)  # most recently freed: evicted last
+                    cached += 1
                 else:
                     free.append(b)
+        self.num_cached_free += cached
         self.num_shared -= unshared
         self.num_used -= len(closed)
         self.used_slots -= slots
