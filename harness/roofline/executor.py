@@ -85,14 +85,8 @@ class RooflineTotals:
          "overhead"), 0.0))
 
     def add(self, t: StepTime) -> None:
-        d = self.terms  # (every step: the terms by name, not a getattr loop)
-        d["gemm"] += float(t.gemm)
-        d["lm_head"] += float(t.lm_head)
-        d["prefill_attn"] += float(t.prefill_attn)
-        d["decode_attn"] += float(t.decode_attn)
-        d["allreduce"] += float(t.allreduce)
-        d["nongemm"] += float(t.nongemm)
-        d["overhead"] += float(t.overhead)
+        for k in self.terms:
+            self.terms[k] += float(getattr(t, k))
 
 
 @dataclass(frozen=True)

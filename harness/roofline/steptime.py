@@ -210,14 +210,14 @@ class StepModel:
         else:
             kvb, split = self.kv_rank_bytes, self.kv_split
             pre_b = kvb * ctx_prefill if pre_bytes is None else pre_bytes / split
-        ctx_decode, dec_b, dec_widen = self._decode_side(ctx_decode, gather_decode, dec_bytes)
+        dec_flops, dec_b, dec_widen = self._decode_side(ctx_decode, gather_decode, dec_bytes)
         return StepWork(
             gemm_flops=2.0 * a.active_params * tokens / tp,
             gemm_bytes=wb * (a.dense_params + touched) / tp,
             lm_flops=2.0 * vh * rows / tp, lm_bytes=(wb * vh / tp) if rows else 0.0,
             pre_flops=self.attn_flops_per_pair * pairs,
             pre_bytes=pre_b,
-            dec_flops=self.attn_flops_per_pair * ctx_decode,
+            dec_flops=dec_flops,
             dec_bytes=dec_b,
             ar_seconds=ar, seqs=seqs, tokens=tokens, rows=rows,
             pre_widen_s=widen * ctx_prefill, dec_widen_s=dec_widen,
@@ -225,15 +225,16 @@ class StepModel:
 
     def _decode_side(self, ctx_decode: Any, gather_decode: Any,
                      dec_bytes: Any) -> tuple[Any, Any, Any]:
-        """The decodes' keys, bytes and widening seconds as :meth:`work` counts them (the
+        """The decodes' FLOPs, bytes and widening seconds as :meth:`work` counts them (the
         gather path copies ``gather_decode`` keys; fused kernels read ``ctx_decode``, or
         the declared ``dec_bytes``)."""
         if self.hw.attention == "gather":
-            return (gather_decode, self.gather_rank_bytes * gather_decode,
+            return (self.attn_flops_per_pair * gather_decode,
+                    self.gather_rank_bytes * gather_decode,
                     self.widen_s_per_key * gather_decode)
         dec_b = self.kv_rank_bytes * ctx_decode if dec_bytes is None \
             else dec_bytes / self.kv_split
-        return ctx_decode, dec_b, 0.0 * ctx_decode
+        return self.attn_flops_per_pair * ctx_decode, dec_b, 0.0 * ctx_decode
 
     def lane_time(self, n: int, ctx_decode: float, gather_decode: float,
                   dec_bytes: float) -> StepTime:
@@ -247,10 +248,9 @@ class StepModel:
             w = self.work(n, n, n, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
             w.fresh = 1.0
             base = self._lane_base[n] = self.time(w)
-        ctx, dec_b, widen = self._decode_side(ctx_decode, gather_decode, dec_bytes)
         h = self.hw
-        decode = _roof(self.attn_flops_per_pair * ctx / (self.peak * h.eff_attn),
-                       dec_b / (h.mem_bw * h.eff_bw), 1.0 - h.overlap) + widen
+        decode = _attn_s(*self._decode_side(ctx_decode, gather_decode, dec_bytes),
+                         self.peak * h.eff_attn, h.mem_bw * h.eff_bw, 1.0 - h.overlap)
         return StepTime(base.gemm, base.lm_head, base.prefill_attn, decode, base.allreduce,
                         base.overhead, base.nongemm)
 
@@ -294,8 +294,8 @@ class StepModel:
                         + e.step_s + e.step_per_seq_s * w.seqs)
         return StepTime(
             gemm=gemm, lm_head=lm,
-            prefill_attn=mx(w.pre_flops / fa, w.pre_bytes / bw) + w.pre_widen_s,
-            decode_attn=mx(w.dec_flops / fa, w.dec_bytes / bw) + w.dec_widen_s,
+            prefill_attn=_attn_s(w.pre_flops, w.pre_bytes, w.pre_widen_s, fa, bw, lap),
+            decode_attn=_attn_s(w.dec_flops, w.dec_bytes, w.dec_widen_s, fa, bw, lap),
             allreduce=w.ar_seconds, overhead=overhead, nongemm=nongemm)
 
 
@@ -305,6 +305,12 @@ def _roof(c: Any, m: Any, lap: float) -> Any:
     if isinstance(c, float) and isinstance(m, float):  # one step: no numpy scalars
         return max(c, m) + lap * min(c, m)
     return np.maximum(c, m) + lap * np.minimum(c, m)
+
+
+def _attn_s(flops: Any, nbytes: Any, widen_s: Any, fa: float, bw: float, lap: float) -> Any:
+    """An attention term's seconds: the roofline of its FLOPs at ``fa`` FLOP/s and its
+    bytes at ``bw`` bytes/s, plus a 1-byte cache's widening (``time`` and ``lane_time``)."""
+    return _roof(flops / fa, nbytes / bw, lap) + widen_s
 
 
 @functools.lru_cache(maxsize=8)
