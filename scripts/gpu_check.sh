@@ -49,6 +49,19 @@ install_into() {  # $1: python; wheels offline, then kvbench editable (no build 
     --no-build-isolation --disable-pip-version-check -q -e "$root" >> "$log" 2>&1
 }
 
+# --system-site-packages gives the packages of the base interpreter's *installation*; where
+# python3 is itself a venv (the H200 image's /opt/torch/.venv holds torch), those are not
+# its packages: a .pth file in the new venv adds them after its own (so the bundled
+# hydra wins and torch, triton, pytest come from the image).
+see_base_packages() {  # $1: base python, $2: the new venv's python
+  local own
+  own="$("$2" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")" || return 1
+  "$1" -c "import site, sys; print('\n'.join(p for p in site.getsitepackages() if p not in sys.path[:1]))" \
+    > "$own/_kvbench_base_site.pth" || return 1
+  echo "== base packages seen through $own/_kvbench_base_site.pth:" >> "$log"
+  cat "$own/_kvbench_base_site.pth" >> "$log"
+}
+
 t0=$SECONDS
 if [[ -n "${PYTHON:-}" ]]; then
   py="$PYTHON"
@@ -64,7 +77,7 @@ else
     echo "gpu check: no $wheels: run scripts/gpu_bundle.sh here and carry gpu_wheels" | tee -a "$log"
   fi
   if "$base" -m venv --system-site-packages "$venv" >> "$log" 2>&1 \
-      && install_into "$venv/bin/python"; then
+      && see_base_packages "$base" "$venv/bin/python" && install_into "$venv/bin/python"; then
     py="$venv/bin/python"
   else
     echo "== venv failed; installing into $base itself" >> "$log"
@@ -92,5 +105,14 @@ export TRITON_INTERPRET=0
 # 7.5 minutes in all: the driver gets what the install left (an explicit --total-s, later
 # on the line, wins); the timeout is the backstop.
 left=$((448 - SECONDS))
-exec timeout $((left + 10)) "$py" -m harness.gpucheck --out "$out" --total-s "$left" \
+timeout $((left + 10)) "$py" -m harness.gpucheck --out "$out" --total-s "$left" \
   ${args[@]+"${args[@]}"}
+rc=$?
+# The device tool brings back at most 8 files from $OUT: there, everything also goes into
+# one archive, and summary.md / status.json stay beside it (the rest is removed).
+if [[ -n "${OUT:-}" && "$out" == "$(cd "$OUT" 2>/dev/null && pwd)" ]]; then
+  tar czf /tmp/gpu_check.tgz -C "$out" . && find "$out" -mindepth 1 -maxdepth 1 \
+    ! -name summary.md ! -name status.json -exec rm -rf {} + \
+    && mv /tmp/gpu_check.tgz "$out/gpu_check.tgz"
+fi
+exit $rc

@@ -29,6 +29,7 @@ from harness.gpucheck.context import SectionContext, error_text, write_json
 from harness.gpucheck.profile import PROFILES, Profile
 from harness.gpucheck.sections import get_section, section_names
 from harness.gpucheck.summary import write_summary
+from harness.gpucheck.verdict import problems
 
 GRACE_S = 5.0  # after a section's budget, before its process group is killed
 SUMMARY_RESERVE_S = 3.0
@@ -93,7 +94,8 @@ def run_all(profile: Profile, out: Path, root: Path, names: list[str],
 
 
 def run_one(name: str, profile: Profile, out: Path, root: Path, budget: float) -> int:
-    """One section in this process: its result saved as <name>.json, exit 0 if it ran."""
+    """One section in this process: its result saved as <name>.json; exit 0 only if it ran
+    and nothing in its result failed (``verdict.problems``)."""
     t0 = time.monotonic()
     ctx = SectionContext(name, profile, out, t0 + max(1.0, budget - 1.0), root)
     try:
@@ -104,7 +106,14 @@ def run_one(name: str, profile: Profile, out: Path, root: Path, budget: float) -
         partial = json.loads(prior.read_text()) if prior.is_file() else {}
         ctx.save({**partial, "error": error_text(e), "seconds": time.monotonic() - t0})
         return 1
-    ctx.save({**result, "seconds": round(time.monotonic() - t0, 2)})
+    bad = problems(result)
+    ctx.save({**result, "seconds": round(time.monotonic() - t0, 2),
+              **({"problems": bad} if bad else {})})
+    if bad:  # the last line of the log is the status's error
+        for line in bad:
+            print(f"problem: {line}", file=sys.stderr)
+        print(f"{len(bad)} problem(s); the first: {bad[0]}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

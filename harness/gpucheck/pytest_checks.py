@@ -102,7 +102,7 @@ def benchmarks_section(ctx: SectionContext) -> dict[str, Any]:
     result = run_pytest(ctx, ["tests/benchmarks", "-q", "--benchmark-enable",
                               f"--benchmark-json={raw}", *ctx.profile.bench_args],
                         "benchmarks.pytest.log")
-    if raw.is_file():
+    if raw.is_file() and raw.stat().st_size:  # pytest stopped early: empty or absent
         data = json.loads(raw.read_text())
         result["machine"] = data.get("machine_info", {}).get("cpu", {}).get("brand_raw")
         result["rows"] = benchmark_rows(data)
