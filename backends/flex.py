@@ -105,8 +105,11 @@ class FlexBackend(PagedStorageBackend):
                                  f"backend.block_size must be a power of two >= 16, got {bs}")
             self._flex = torch.compile(flex_attention)
             # The kernel's KV tile must divide the KV block (= cache block): its default
-            # tiles (64, 128) do not divide 16 or 32.
-            self._options = {"BLOCK_N": min(bs, 64)}
+            # tiles (64, 128) do not divide 16 or 32. The main template always: a step of
+            # under 128 query rows would take flex_decoding's, which for this layout (one
+            # packed sequence of all the step's rows over the whole cache) generated no
+            # kernel on torch 2.11 / an H200 (NoValidChoicesError, results/gpu/2026-12-04-run1).
+            self._options = {"BLOCK_N": min(bs, 64), "FORCE_USE_FLEX_ATTENTION": True}
         self._step: FlexStep | None = None
 
     @property

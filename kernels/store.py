@@ -35,7 +35,8 @@ def _round_e4m3(y):
     # Subnormal e4m3: multiples of 2^-9, rounded by the 1.5 * 2^23 float32 trick.
     t = y * 512.0
     sub = tl.abs((t + 12582912.0) - 12582912.0) * 0.001953125
-    sub = tl.where(y < 0, -sub, sub)  # -2^-10 rounds to -0, as torch's cast
+    # The sign bit, not y < 0: -2^-10 rounds to -0 and -0 stays -0, as torch's cast.
+    sub = tl.where(bits < 0, -sub, sub)
     return tl.where(tl.abs(y) < 0.015625, sub, normal)
 
 

@@ -169,3 +169,33 @@ def test_time_limit_interrupts_python_code() -> None:
     with time_limit(5):
         pass  # and leaves no alarm behind
     time.sleep(0.01)
+
+
+def test_a_section_with_failed_rows_or_pytest_is_not_ok() -> None:
+    # On the first H200 run every kernel row held a ModuleNotFoundError and pytest stopped
+    # at collection, and those sections read "ok": the verdict reads what they saved.
+    from harness.gpucheck.verdict import problems
+
+    assert problems({"rows": [{"kernel": "store", "ok": True}]}) == []
+    assert problems({"rows": [{"backend": "flex", "ok": None,
+                               "error": "skipped: time budget"}]}) == []
+    bad = problems({"rows": [{"kernel": "store-fp8", "batch": 8, "ok": False},
+                             {"kernel": "decode", "error": "ModuleNotFoundError: x"}]})
+    assert len(bad) == 2 and "store-fp8" in bad[0] and "ModuleNotFoundError" in bad[1]
+    assert problems({"engine": [{"error": "InductorError"}], "kernels": [], "timings": []})
+    ran = {"command": "pytest", "tail": ["5 errors in 1.2s"]}
+    assert problems({**ran, "returncode": 0}) == []
+    assert "5 errors" in problems({**ran, "returncode": 2})[0]
+    assert problems({**ran, "returncode": 0, "failed": 1, "failures": ["t::x"]})
+    assert problems({"error": "timeout"}) == ["timeout"]
+
+
+def test_a_failed_row_fails_its_section_through_the_driver(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def fake(ctx: Any) -> dict[str, Any]:
+        return {"rows": [{"kernel": "store-fp8", "ok": False}]}
+
+    monkeypatch.setattr(orchestrate, "get_section", lambda name, profile: fake)
+    assert orchestrate.run_one("kernel-correctness", DRY, tmp_path, ROOT, 10) == 1
+    saved = json.loads((tmp_path / "kernel-correctness.json").read_text())
+    assert saved["problems"] == ["rows: store-fp8: not equal to its reference"]

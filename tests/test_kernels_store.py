@@ -18,6 +18,17 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8) if x.element_size() == 1 else x
 
 
+def _assert_same_bits(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    """Bit-equal, or a message naming the first differing entries (what a GPU log needs)."""
+    a, b = _bits(ours), _bits(ref)
+    diff = (a != b).nonzero()
+    if len(diff):
+        shown = [(tuple(i.tolist()), float(ours[tuple(i)].float()), float(ref[tuple(i)].float()),
+                  int(a[tuple(i)]), int(b[tuple(i)])) for i in diff[:8]]
+        raise AssertionError(f"{len(diff)} of {a.numel()} entries differ; (index, ours, ref, "
+                             f"our bits, ref bits): {shown}")
+
+
 def _inputs(t: int, kv: int, d: int, dtype: torch.dtype, num_slots: int, device: str = "cpu",
             seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator(device).manual_seed(seed)
@@ -50,7 +61,7 @@ def _run(dtype: torch.dtype, cache_dtype: torch.dtype, t: int, kv: int, d: int, 
         store_kv_ref(k, v, *caches, slots)
         store_kv(k, v, *ours, slots)
     for a, b in zip(ours, caches):
-        assert torch.equal(_bits(a), _bits(b))  # untouched slots included
+        _assert_same_bits(a, b)  # untouched slots included
 
 
 @pytest.mark.parametrize("cache_dtype", [None, FP8, torch.int8], ids=["same", "fp8", "int8"])
@@ -79,25 +90,32 @@ def test_quantized_store_round_trips_within_half_a_step() -> None:
         assert bool(((back - k[keep]).abs() <= bound + 1e-7).all())
 
 
-def test_fp8_rounding_hits_every_e4m3_value_and_tie() -> None:
-    # Rows whose amax is 448 (scale 1) carrying every positive e4m3 value and every
-    # midpoint between neighbours: ties must go to even, and 2^k - tiny must carry into
-    # the exponent (the interpreter's own cast gets both wrong).
+def _fp8_every_value_and_tie(device: str) -> None:
+    # Rows whose amax is 448 (scale 1) carrying every e4m3 value of either sign (-0
+    # included), every midpoint between neighbours and values just below them: ties must
+    # go to even, 2^k - tiny must carry into the exponent (the interpreter's own cast gets
+    # both wrong), and -0 must stay -0 (it did not until 2026-12-04). The reference is
+    # torch's cast on the same device (on CUDA, the hardware conversion).
     grid = torch.arange(0, 127, dtype=torch.uint8).view(FP8).float()
     mids = (grid[1:] + grid[:-1]) / 2
     below = grid[1:] * (1 - 2.0**-12)
-    vals = torch.cat([grid, mids, below, -mids])
+    vals = torch.cat([grid, -grid, mids, -mids, below, -below, mids / 2**10])
     d = 128
     rows = torch.cat([vals, torch.zeros((-vals.numel()) % (d - 1))]).view(-1, d - 1)
-    x = torch.cat([torch.full((rows.shape[0], 1), 448.0), rows], dim=1)
+    x = torch.cat([torch.full((rows.shape[0], 1), 448.0), rows], dim=1).to(device)
     t = x.shape[0]
     k = x.view(t, 1, d)
-    slots = torch.arange(t)
-    kc = torch.zeros(t, 1, 1, d, dtype=FP8)
-    vc, ks, vs = torch.zeros_like(kc), torch.zeros(t, 1, 1), torch.zeros(t, 1, 1)
+    slots = torch.arange(t, device=device)
+    kc = torch.zeros(t, 1, 1, d, dtype=FP8, device=device)
+    vc = torch.zeros_like(kc)
+    ks, vs = torch.zeros(t, 1, 1, device=device), torch.zeros(t, 1, 1, device=device)
     store_kv_quant(k, k, kc, vc, ks, vs, slots)
     assert bool((ks == 1).all())
-    assert torch.equal(kc.view(t, d).view(torch.uint8), x.to(FP8).view(torch.uint8))
+    _assert_same_bits(kc.view(t, d), x.to(FP8))
+
+
+def test_fp8_rounding_hits_every_e4m3_value_and_tie() -> None:
+    _fp8_every_value_and_tie("cpu")
 
 
 def test_int8_rounds_half_to_even() -> None:
@@ -117,3 +135,9 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available() or interpreting(),
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8, torch.int8])
 def test_store_gpu_llama3_sizes(cache_dtype: torch.dtype) -> None:
     _run(torch.bfloat16, cache_dtype, 4099, 8, 128, 16, device="cuda")
+
+
+@pytest.mark.gpu
+@gpu
+def test_fp8_rounding_hits_every_e4m3_value_and_tie_on_gpu() -> None:
+    _fp8_every_value_and_tie("cuda")
