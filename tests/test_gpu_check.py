@@ -199,3 +199,25 @@ def test_a_failed_row_fails_its_section_through_the_driver(
     assert orchestrate.run_one("kernel-correctness", DRY, tmp_path, ROOT, 10) == 1
     saved = json.loads((tmp_path / "kernel-correctness.json").read_text())
     assert saved["problems"] == ["rows: store-fp8: not equal to its reference"]
+
+
+def test_engine_row_counts_steps_far_over_their_median() -> None:
+    # A kernel compiled inside the measured run shows as a few steps far over the median.
+    from types import SimpleNamespace
+
+    from harness.gpucheck.engine_checks import engine_row
+
+    def step(ms: float, prefill: int) -> SimpleNamespace:
+        return SimpleNamespace(step_ms=ms, prefill_tokens=prefill, decode_tokens=4)
+
+    steps = [step(30, 256), step(29, 256), step(700, 256),
+             *[step(22, 0) for _ in range(9)], step(45, 0), step(44, 0)]
+    metrics = {k: 0 for k in ("run.kernel", "run.model", "run.device",
+                              "throughput.output_tokens_per_s",
+                              "throughput.total_tokens_per_s", "engine.step_ms_mean",
+                              "engine.wall_s", "requests.finished", "requests.rejected",
+                              "sched.preemptions_recompute", "memory.max_running_seqs",
+                              "memory.token_capacity", "engine.overhead_pct")}
+    row = engine_row(metrics, steps)
+    assert row["slow_steps"] == 2 and row["step_ms_max"] == 700  # 700 and 45; not 44
+    assert row["decode_step_ms_p50"] == 22 and row["prefill_step_ms_p50"] == 30

@@ -1,8 +1,12 @@
 """Sections ``engine-<shape>``: the whole engine, through the public ``harness.runner.run``
 on a composed config, once per backend, at one model shape.
 
-Each backend first serves a small warm-up workload (Triton compiles its kernels, flex its
-graph, cuBLAS picks its GEMMs), then the measured one. Reported per backend: output and
+Each backend first serves a warm-up workload (Triton compiles its kernels, flex its graph,
+cuBLAS picks its GEMMs), then the measured one. The warm-up has the measured batch and
+prompts and a few output tokens, so that it takes the same kernel variants (the split-K
+decode and its combine kernel among them: a 2-request warm-up did not, and the first H200
+run compiled them inside the measured run); ``slow_steps`` counts steps over twice their
+kind's median, to show if one still does. Reported per backend: output and
 total tokens/s over the run's wall time, the mean step, the median decode-only step and the
 median prefill step, the kernel actually used, and whether the run finished every request.
 """
@@ -49,6 +53,10 @@ def engine_row(metrics: dict[str, Any], steps: Sequence[Any]) -> dict[str, Any]:
     """The figures of one measured run (``steps``: the run's StepRow list)."""
     decode = [s.step_ms for s in steps if s.prefill_tokens == 0 and s.decode_tokens > 0]
     prefill = [s.step_ms for s in steps if s.prefill_tokens > 0]
+    # Steps over twice their kind's median: what a kernel compiled inside the measured run
+    # looks like (the first H200 run's Triton backends: mean step 40 ms, medians 23 / 29).
+    slow = sum(x > 2 * m for xs in (decode, prefill) if xs
+               for m in [statistics.median(xs)] for x in xs)
     return {
         "kernel": metrics["run.kernel"], "model": metrics["run.model"],
         "device": metrics["run.device"],
@@ -57,6 +65,7 @@ def engine_row(metrics: dict[str, Any], steps: Sequence[Any]) -> dict[str, Any]:
         "step_ms_mean": metrics["engine.step_ms_mean"],
         "decode_step_ms_p50": _median(decode), "prefill_step_ms_p50": _median(prefill),
         "decode_batch_max": max((s.decode_tokens for s in steps), default=0),
+        "step_ms_max": max((s.step_ms for s in steps), default=None), "slow_steps": slow,
         "steps": len(steps), "wall_s": metrics["engine.wall_s"],
         "finished": metrics["requests.finished"], "rejected": metrics["requests.rejected"],
         "preemptions": metrics["sched.preemptions_recompute"],

@@ -94,11 +94,13 @@ def engine_lines(d: dict[str, Any]) -> list[str]:
     table = [[r["backend"], str(r.get("kernel", "-")), _f(r.get("output_tok_s"), "{:.0f}"),
               _f(r.get("total_tok_s"), "{:.0f}"), _f(r.get("decode_step_ms_p50")),
               _f(r.get("prefill_step_ms_p50")), _f(r.get("step_ms_mean")),
-              str(r.get("finished", "-")), (r.get("error") or "")[:120].replace("|", "/")]
+              str(r.get("slow_steps", "-")), str(r.get("finished", "-")),
+              (r.get("error") or "")[:120].replace("|", "/")]
              for r in d.get("rows", [])]
     model = next((r["model"] for r in d.get("rows", []) if r.get("model")), d.get("shape"))
     head = ["backend", "kernel", "output tok/s", "total tok/s", "decode step ms (p50)",
-            "prefill step ms (p50)", "step ms (mean)", "finished", "error"]
+            "prefill step ms (p50)", "step ms (mean)", "steps > 2x median", "finished",
+            "error"]
     return [f"Model: {model}; workload {' '.join(d.get('workload', []))}; KV budget "
             f"{d.get('kv_budget')}.", "", *_table(head, table)]
 
