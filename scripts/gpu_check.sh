@@ -56,7 +56,7 @@ install_into() {  # $1: python; wheels offline, then kvbench editable (no build 
 see_base_packages() {  # $1: base python, $2: the new venv's python
   local own
   own="$("$2" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")" || return 1
-  "$1" -c "import site, sys; print('\n'.join(p for p in site.getsitepackages() if p not in sys.path[:1]))" \
+  "$1" -c "import site; print('\n'.join(site.getsitepackages()))" \
     > "$own/_kvbench_base_site.pth" || return 1
   echo "== base packages seen through $own/_kvbench_base_site.pth:" >> "$log"
   cat "$own/_kvbench_base_site.pth" >> "$log"

@@ -49,14 +49,18 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def _over_twice_median(xs: list[float]) -> int:
+    m = _median(xs)
+    return 0 if m is None else sum(x > 2 * m for x in xs)
+
+
 def engine_row(metrics: dict[str, Any], steps: Sequence[Any]) -> dict[str, Any]:
     """The figures of one measured run (``steps``: the run's StepRow list)."""
     decode = [s.step_ms for s in steps if s.prefill_tokens == 0 and s.decode_tokens > 0]
     prefill = [s.step_ms for s in steps if s.prefill_tokens > 0]
     # Steps over twice their kind's median: what a kernel compiled inside the measured run
     # looks like (the first H200 run's Triton backends: mean step 40 ms, medians 23 / 29).
-    slow = sum(x > 2 * m for xs in (decode, prefill) if xs
-               for m in [statistics.median(xs)] for x in xs)
+    slow = _over_twice_median(decode) + _over_twice_median(prefill)
     return {
         "kernel": metrics["run.kernel"], "model": metrics["run.model"],
         "device": metrics["run.device"],
