@@ -153,9 +153,13 @@ class BlockPool:
             return None
         return self.allocate_all(1, fill)[0]
 
-    def allocate_all(self, n: int, fill: int = 0) -> list[int]:
+    def allocate_all(self, n: int, fill: int = 0, ramp: int = 0) -> list[int]:
         """:meth:`allocate` ``n`` times (the caller checked ``num_free >= n``): the same
-        blocks in the same order, evictions included, in one call."""
+        blocks in the same order, evictions included, in one call. ``ramp``: each block
+        also takes one more slot at each of the next ``ramp`` steps, recorded now in its
+        fill and the ledger (a decode lane's: harness.sched.lane, which counts those writes'
+        used slots as they happen and trims what did not happen,
+        ``PagedKVManager.trim_fill``, before anything else reads the block)."""
         assert self.num_free >= n, (self.num_free, n)
         if n == 0:  # (a decode opening a block asks for no full ones first)
             return []
@@ -195,11 +199,12 @@ class BlockPool:
                 owner[b] = -1
                 out.append(b)
             self.num_evictions += n - k
+        f = fill + ramp
         for b in out:
             ref[b] = 1
-            fills[b] = fill
+            fills[b] = f
         if led is not None:
-            led.open_all(out, bs, fill)
+            led.open_all(out, bs, fill, ramp=ramp)
         self.used_slots += fill * n
         self.num_used += n
         return out

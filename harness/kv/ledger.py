@@ -54,14 +54,19 @@ class ReservationLedger:
         self.open_all([unit], capacity, fill, tag)
 
     def open_all(self, units: list[int], capacity: int, fill: int = 0,
-                 tag: int | None = None) -> None:
+                 tag: int | None = None, ramp: int = 0) -> None:
         """:meth:`open` of each of ``units`` (not open) at the same capacity, fill and tag
-        (a block pool's allocations: every block of every request)."""
+        (a block pool's allocations: every block of every request). ``ramp``: each
+        unit's :meth:`ramp` by ``ramp`` recorded now, ahead of its ticks (a decode lane's
+        block, whose writes to its last slot are known when it is taken: harness.sched.lane;
+        :meth:`trim` takes back what did not happen)."""
         now, epochs = self.now, self._open
         tag = self.tag if tag is None else tag
         before = len(epochs)
+        # (as ramp() from fill at now: fill * k + k (k - 1) / 2 slot-ticks, last at now + k)
+        f, last, integral = fill + ramp, now + ramp, fill * ramp + ramp * (ramp - 1) // 2
         for unit in units:
-            epochs[unit] = [capacity, fill, now, now, 0, tag]
+            epochs[unit] = [capacity, f, now, last, integral, tag]
         assert len(epochs) == before + len(units), f"a unit of {units} opened twice"
 
     def fill(self, unit: int, fill: int) -> None:
@@ -96,6 +101,17 @@ class ReservationLedger:
                 ep[_INTEGRAL] += f * k + k * (k - 1) // 2
                 ep[_FILL] = f + k
                 ep[_LAST] += k
+
+    def trim(self, unit: int, k: int) -> None:
+        """Take back the last ``k`` ticks of ``unit``'s ramp, recorded ahead (its writer
+        stopped ``k`` writes short of what :meth:`open_all`'s ``ramp`` recorded): those
+        ticks held fills ``f - k .. f - 1``, ``f`` the recorded fill."""
+        ep = self._open[unit]
+        f = ep[_FILL]
+        assert 0 <= k < f and ep[_LAST] - k >= ep[_OPENED], (unit, f, k, ep[_LAST])
+        ep[_INTEGRAL] -= k * f - k * (k + 1) // 2
+        ep[_FILL] = f - k
+        ep[_LAST] -= k
 
     def close(self, unit: int) -> int | None:
         """Close ``unit``'s epoch and classify it; returns its tag."""

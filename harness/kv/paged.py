@@ -411,6 +411,12 @@ class PagedKVManager:
             fill[b] += k
         self.ledger.ramp_all(blocks, ks)
 
+    def trim_fill(self, block: int, k: int) -> None:
+        """Block ``block``'s last ``k`` writes, recorded ahead when it was taken
+        (``BlockPool.allocate_all``'s ``ramp``), did not happen: its writer stopped."""
+        self.pool.fill[block] -= k
+        self.ledger.trim(block, k)
+
     def add_used(self, n: int) -> None:
         """``n`` in-place writes this step, their blocks' fills settled later."""
         self.pool.used_slots += n

@@ -102,7 +102,8 @@ def lane_blocker(kv: object, costs: KVCosts) -> str | None:
 class LaneMember:
     """One member: at lane step ``L`` (steps done) its sequence holds
     ``n0 + (L - j)`` tokens and ``c0 + (L - j)`` computed. ``block``: its last block,
-    whose fill was last brought up to date at lane step ``settled``; ``touch``: the next
+    whose fill is recorded through lane step ``settled`` (ahead of ``L`` for a block the
+    lane took: through its last slot's step); ``touch``: the next
     lane step that needs its per-sequence path; ``reason``: why it finishes (the lane
     files it under the step whose update finishes it). ``rid``, ``st``: its request id
     and (paged) its block table's record, read at every block it takes or names."""
@@ -314,9 +315,9 @@ class DecodeLane:
         """:meth:`name_filled` of each of ``members`` (in running order), in one pass.
         A block all of whose ids are the lane's joins its member's pending chain, named
         when first read (harness.kv.lazy_names), where its member is the only holder of
-        the name before it; the others are named now. Fills are not settled here: the
-        fill is brought up to date with the block's other writes at the member's next
-        touch, sync or finish (one ledger ramp a block, not two)."""
+        the name before it; the others are named now. Fills are not settled here: a
+        block the lane took was recorded full when taken; the one a member joined with is
+        brought up to date at its next touch, sync or finish."""
         if not members:
             return
         kv, lazy = self.paged, self.lazy
@@ -410,11 +411,16 @@ class DecodeLane:
     def _settle(self, m: LaneMember, L: int) -> None:
         """The in-place writes of lane steps ``settled + 1 .. L`` into ``m``'s block, one
         slot each: the pool's used slots were counted as they happened
-        (:meth:`scheduled`); the block's fill and the ledger's integral now."""
+        (:meth:`scheduled`); the block's fill and the ledger's integral now. A block the
+        lane took was recorded full when taken (:meth:`touch_all`): ``settled`` is then
+        its last slot's step, and the writes after ``L`` are taken back."""
         k = L - m.settled
         if k > 0:
             self.kv.ramp_fill(m.block, k)
-            m.settled = L
+        elif k < 0:
+            assert self.paged is not None  # (only touch_all records ahead)
+            self.paged.trim_fill(m.block, -k)
+        m.settled = L
 
     def touch(self, m: LaneMember, L1: int) -> bool:
         """Write ``m``'s slot of lane step ``L1``, a block's first, into a new block as
@@ -432,23 +438,32 @@ class DecodeLane:
         member takes a block every ``block size`` steps)."""
         kv = self.paged
         assert kv is not None and kv.pool.num_free >= len(members)
-        blocks = kv.pool.allocate_all(len(members), 1)  # with this step's write
-        nxt = L1 + self.bs
+        # Each block with this step's write and, recorded ahead, its writes to its last
+        # slot at lane step L1 + bs - 1 (the member touches next at L1 + bs; one that
+        # stops before is trimmed back by _settle): a block's fill and ledger epoch are
+        # made once, not made and ramped.
+        bs = self.bs
+        blocks = kv.pool.allocate_all(len(members), 1, ramp=bs - 1)
+        nxt = L1 + bs
         # Every member touched now touches next at the same step (touching() sorts the list:
         # members that join can be filed under it too).
         later = self._touches.setdefault(nxt, [])
-        # _settle to L1 - 1 of each old block (its last writes), in one call: a member that
-        # joined on a block's last slot has none left to settle (k = 0).
-        old = [m.block for m in members]
-        ks = [L1 - 1 - m.settled for m in members]
+        # _settle to L1 - 1 of each old block not recorded ahead (the block a member held
+        # when it joined: its writes since), in one call.
+        old: list[int] = []
+        ks: list[int] = []
         for m, b in zip(members, blocks):
             assert m.st is not None
+            if m.settled != L1 - 1:
+                old.append(m.block)
+                ks.append(L1 - 1 - m.settled)
             m.st.table.append(b)
             m.block = b
-            m.settled = L1
+            m.settled = nxt - 1
             m.touch = nxt
             later.append(m)
-        kv.ramp_fills(old, ks)
+        if old:
+            kv.ramp_fills(old, ks)
         kv.logical_blocks += len(members)
 
     def scheduled(self, n_sched: int, n_touched: int) -> None:
