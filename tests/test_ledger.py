@@ -183,3 +183,30 @@ def test_one_sequence_split_matches_a_hand_count() -> None:
     assert m["memory.internal_frag_pct"] == pytest.approx(100 * M / (R * M))
     assert m["memory.waste_pct"] == pytest.approx(
         100 * (1 - (M * P + M * (M - 1) / 2) / (R * M)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(cap=st.integers(1, 32), data=st.data())
+def test_a_ramp_recorded_ahead_and_trimmed_equals_filling_tick_by_tick(
+        cap: int, data: st.DataObject) -> None:
+    """A decode lane's block (harness.sched.lane) is opened with its writes to its last slot
+    recorded ahead (``open_all(..., ramp=)``) and trimmed back (``trim``) when its writer
+    stops early: the totals equal a block filled one slot per tick by ``fill``."""
+    fill0 = data.draw(st.integers(0, cap - 1))
+    ramp = data.draw(st.integers(0, cap - fill0))
+    made = data.draw(st.integers(0, ramp))  # writes that happened: trim the rest
+    t0, hold = data.draw(st.integers(0, 50)), data.draw(st.integers(0, 20))
+    ahead, ref = ReservationLedger(), ReservationLedger()
+    ahead.now = ref.now = t0
+    ahead.open_all([5], cap, fill0, ramp=ramp)
+    ref.open(5, cap, fill0)
+    for i in range(1, made + 1):  # the write of tick t0 + i
+        ref.now = t0 + i
+        ref.fill(5, fill0 + i)
+    if made < ramp:
+        ahead.trim(5, ramp - made)
+    assert ahead.open_units() == ref.open_units() == {5: fill0 + made}
+    ahead.now = ref.now = t0 + made + hold
+    ahead.close(5)
+    ref.close(5)
+    assert split(ahead.totals) == split(ref.totals)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -51,10 +51,13 @@ HashFn = Callable[[int, list[int], object], int]
 
 @dataclass(slots=True, eq=False)
 class PendingChain:
-    """A member's filled blocks not named yet, in order: block ``i`` holds its request's
-    ids at positions ``start + i * block_size`` on (the lane's synthetic ids), filled at
-    lane step ``steps[i]``. ``root``: the (named) hash before the first; ``st``: the
-    member's block table record, whose hashes the chain's extend when materialized."""
+    """A member's ``n`` filled blocks not named yet, in order: block ``i`` is its block
+    table's entry ``first + i``, holds its request's ids at positions
+    ``start + i * block_size`` on (the lane's synthetic ids) and was filled at lane step
+    ``s0 + i * block_size`` (a member fills a block every ``block_size`` lane steps, and a
+    chain ends when its member leaves the lane). ``root``: the (named) hash before the
+    first; ``st``: the member's block table record, whose hashes the chain's extend when
+    materialized."""
 
     root: int
     st: SeqBlocks
@@ -63,9 +66,10 @@ class PendingChain:
     start: int
     ro: int  # its group's run order: fills of one step are named in running order
     uid: int
-    blocks: list[int] = field(default_factory=list)
-    steps: list[int] = field(default_factory=list)
-    live: int = 0  # blocks still named by the chain (the rest were evicted)
+    first: int
+    s0: int
+    n: int = 0  # blocks so far
+    gone: int = 0  # of them evicted (their names gone)
     closed: bool = False  # materialized or dropped: its member starts a new chain
     done: int = 0  # blocks materialized so far (while materializing)
     prev: int = 0  # the hash of the block before block ``done``
@@ -91,17 +95,22 @@ class LazyNames:
         return self.pool.ref[b] == 1 and self.pool.sole_copy(hashes[-1]) == b
 
     def open(self, st: SeqBlocks, key: object, owner: int, start: int,
-             ro: int) -> PendingChain:
-        """A chain after ``st``'s last named block (:meth:`may_open` said yes)."""
+             ro: int, s0: int) -> PendingChain:
+        """A chain after ``st``'s last named block (:meth:`may_open` said yes), whose
+        first block is ``st``'s last, filled at lane step ``s0`` (the caller counts it and
+        every later one in ``n``, and makes the chain each block's name)."""
         self._uid += 1
-        c = PendingChain(st.hashes[-1], st, key, owner, start, ro, self._uid)
+        c = PendingChain(st.hashes[-1], st, key, owner, start, ro, self._uid,
+                         len(st.table) - 1, s0)
         self.pending.setdefault(c.root, []).append(c)
         return c
 
     def evicted(self, c: PendingChain) -> None:
-        """One of ``c``'s blocks was evicted (the pool calls this, its name gone)."""
-        c.live -= 1
-        if c.live == 0 and not c.closed:
+        """One of ``c``'s blocks was evicted (the pool calls this, its name gone). Only
+        released blocks are evicted, and a member releases its blocks when it finishes:
+        no block is added to a chain after one of its blocks was evicted."""
+        c.gone += 1
+        if c.gone == c.n and not c.closed:
             chains = self.pending[c.root]
             chains.remove(c)
             if not chains:
@@ -120,7 +129,7 @@ class LazyNames:
             for c in pending.pop(root, ()):
                 c.closed = True
                 c.done, c.prev = 0, c.root
-                heapq.heappush(heap, (c.steps[0], c.ro, c.uid, c))
+                heapq.heappush(heap, (c.s0, c.ro, c.uid, c))
 
         for r in roots:
             push(r)
@@ -128,15 +137,15 @@ class LazyNames:
             c = heapq.heappop(heap)[3]
             i = c.done
             h = hash_fn(c.prev, tokens(c.owner, c.start + i * bs, bs), c.key)
-            b = c.blocks[i]
+            b = c.st.table[c.first + i]
             if names[b] is c:  # (else evicted while pending)
                 pool.enter_name(b, h, c.owner)
             c.st.hashes.append(h)
             c.prev, c.done = h, i + 1
             if h in pending:
                 push(h)
-            if c.done < len(c.blocks):
-                heapq.heappush(heap, (c.steps[c.done], c.ro, c.uid, c))
+            if c.done < c.n:
+                heapq.heappush(heap, (c.s0 + c.done * bs, c.ro, c.uid, c))
 
     def materialize_all(self) -> None:
         """Name every pending block (tests and debugging read the whole index)."""

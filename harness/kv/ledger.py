@@ -108,7 +108,7 @@ class ReservationLedger:
         ticks held fills ``f - k .. f - 1``, ``f`` the recorded fill."""
         ep = self._open[unit]
         f = ep[_FILL]
-        assert 0 <= k < f and ep[_LAST] - k >= ep[_OPENED], (unit, f, k, ep[_LAST])
+        assert 0 <= k <= f and ep[_LAST] - k >= ep[_OPENED], (unit, f, k, ep[_LAST])
         ep[_INTEGRAL] -= k * f - k * (k + 1) // 2
         ep[_FILL] = f - k
         ep[_LAST] -= k

@@ -270,8 +270,17 @@ class DecodeLane:
         if len(out) > 1:
             out.sort(key=RUN_ORDER)
         for m in out:
+            self._close_chain(m)  # (its ids are made now: its next block is named now)
             self.sync(m, self.L)
         return out
+
+    def _close_chain(self, m: LaneMember) -> None:
+        """Name ``m``'s pending blocks now (harness.kv.lazy_names: nothing could read the
+        names before, so naming them early changes nothing a lookup finds)."""
+        c = m.chain
+        if c is not None and not c.closed:
+            assert self.lazy is not None
+            self.lazy.materialize([c.root])
 
     def redrop(self, done: list[LaneMember]) -> None:
         """After the manager observed ``done`` (their cursors moved): their next drops."""
@@ -326,26 +335,29 @@ class DecodeLane:
         for m in members:
             if m.touch != nxt:  # it left (-1), or its block changed since
                 continue
+            c = m.chain
+            if c is not None and not c.closed:
+                # (the usual case) its open chain's next block: none of its ids are made
+                # (a member's ids are made only as it leaves, or by drops_due, which
+                # closes its chain first)
+                c.n += 1
+                names[m.block] = c
+                continue
             end = m.c0 + L1 - m.j  # tokens computed after the write
             toks = m.seq.token_ids
             have = len(toks)
             st = m.st
             assert st is not None
-            c = m.chain
-            if have <= end - bs:  # (the usual case: none of the block's ids made yet)
-                if c is None or c.closed:
-                    c = m.chain = (lazy.open(st, m.key, m.rid, end - bs, m.ro)
-                                   if lazy.may_open(st) else None)
+            if have <= end - bs:  # none of the block's ids made yet
+                c = m.chain = (lazy.open(st, m.key, m.rid, end - bs, m.ro, L1)
+                               if lazy.may_open(st) else None)
                 if c is not None:
-                    c.blocks.append(m.block)
-                    c.steps.append(L1)
-                    c.live += 1
+                    assert st.table[c.first] == m.block
+                    c.n = 1
                     names[m.block] = c
                     continue
                 block = tokens(m.rid, end - bs, bs)
             else:
-                if c is not None and not c.closed:  # its hashes first
-                    lazy.materialize([c.root])
                 block = (toks[end - bs:end] if have >= end
                          else toks[end - bs:] + tokens(m.rid, have, end - have))
             kv.name_next_blocks([st], [block], [m.key], [m.rid], settled=False)
@@ -371,10 +383,7 @@ class DecodeLane:
 
     def leave(self, m: LaneMember) -> None:
         """``m`` leaves (a preemption), synced to the steps done, its blocks named."""
-        c = m.chain
-        if c is not None and not c.closed:
-            assert self.lazy is not None
-            self.lazy.materialize([c.root])
+        self._close_chain(m)
         self.sync(m, self.L)
         self._drop(m)
         if self.on_leave is not None:
