@@ -180,9 +180,11 @@ class BlockPool:
                 h = names[b]
                 if not isinstance(h, int):  # a pending name (lazy_names): no index entry
                     assert h is not None and self.lazy is not None, f"cached block {b}"
-                    self.lazy.evicted(h)
-                    names[b] = None
-                    owner[b] = -1
+                    # LazyNames.evicted, inline (every decode block of a lane's run):
+                    h.gone += 1
+                    if h.gone == h.n and not h.closed:
+                        self.lazy.dropped(h)
+                    names[b] = None  # (its owner was never set: named by its chain)
                     out.append(b)
                     continue
                 if on_evict is not None:

@@ -105,17 +105,16 @@ class LazyNames:
         self.pending.setdefault(c.root, []).append(c)
         return c
 
-    def evicted(self, c: PendingChain) -> None:
-        """One of ``c``'s blocks was evicted (the pool calls this, its name gone). Only
-        released blocks are evicted, and a member releases its blocks when it finishes:
-        no block is added to a chain after one of its blocks was evicted."""
-        c.gone += 1
-        if c.gone == c.n and not c.closed:
-            chains = self.pending[c.root]
-            chains.remove(c)
-            if not chains:
-                del self.pending[c.root]
-            c.closed = True
+    def dropped(self, c: PendingChain) -> None:
+        """Every block of open chain ``c`` was evicted, nothing is left to name (the pool
+        counts a chain's evicted blocks in ``gone`` as it drops their names. Only released
+        blocks are evicted, and a member releases its blocks when it finishes: no block
+        is added to a chain after one of its blocks was evicted)."""
+        chains = self.pending[c.root]
+        chains.remove(c)
+        if not chains:
+            del self.pending[c.root]
+        c.closed = True
 
     def materialize(self, roots: list[int]) -> None:
         """Name the blocks of every chain under ``roots`` and, in turn, under the hashes
