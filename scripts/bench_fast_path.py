@@ -12,8 +12,10 @@ run's (but for this CPU's time and the name of the path).
     python scripts/bench_fast_path.py --requests 100000 --rate 10 --rounds 1 \
         --baseline /tmp/snap-b471e65   # also: one by one as of an older commit
 
-``--baseline DIR``: a snapshot made by scripts/snapshot_run.sh (its code stepped one by
-one, before the lanes), run in the same rounds. Writes ``--out`` (JSON) when given.
+``--baseline DIR``: a snapshot made by scripts/snapshot_run.sh, run in the same rounds
+with its own defaults (a snapshot from before the lanes steps one by one; a later one
+takes the lanes unless ``--baseline-overrides roofline.fast_path=false``). Writes
+``--out`` (JSON) when given.
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--experiment", default="roofline_70b")
     ap.add_argument("--baseline", type=Path, default=None)
+    ap.add_argument("--baseline-overrides", nargs="*", default=[],
+                    help="harness overrides for the baseline snapshot's run only")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("overrides", nargs="*", help="more harness overrides")
     a = ap.parse_args(argv)
@@ -83,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         "lanes": (ROOT, [*base, "roofline.fast_path=true"])}
     if a.baseline is not None:
         rev = (a.baseline / "SNAPSHOT_REV").read_text().strip()[:7]
-        variants[f"one by one @ {rev}"] = (a.baseline, base)
+        extra = f" ({' '.join(a.baseline_overrides)})" if a.baseline_overrides else ""
+        variants[f"snapshot @ {rev}{extra}"] = (a.baseline, [*base, *a.baseline_overrides])
     times: dict[str, list[float]] = {k: [] for k in variants}
     cpus: dict[str, list[float]] = {k: [] for k in variants}
     rss: dict[str, list[int]] = {k: [] for k in variants}

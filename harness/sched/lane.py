@@ -56,6 +56,7 @@ from harness.kv.paged import PagedKVManager, SeqBlocks, block_hash
 from harness.kv.policies.window import WindowPolicy
 from harness.kv.residual import ResidualKVManager
 from harness.sched.sequence import SeqStatus, Sequence, SequenceGroup
+from harness.sched.step import CHECKS
 
 # (request id, first position, count) -> the synthetic token ids at those positions.
 TokenFn = Callable[[int, int, int], list[int]]
@@ -180,6 +181,11 @@ class DecodeLane:
         # visits them without a pass over every running group. With prefix caching, the
         # write of step k - 1 fills their block, which is then named (fills(k - 1)).
         self._touches: dict[int, list[LaneMember]] = {}
+        # The steps whose list above may be out of running order: a list is appended to by
+        # touch_all (members in running order, before any join files a member under that
+        # step) and by joins, in the order they happen; a member that joins after one with
+        # a later run order (its prompt took more steps) puts its step here.
+        self._unsorted: set[int] = set()
         self._uid = 0
         # Told the request id of a member that leaves other than by finishing (the
         # collector brings its token times up to date).
@@ -228,7 +234,10 @@ class DecodeLane:
         if self.caching:
             assert self.paged is not None
             m.key = self.paged.key_of(seq)
-        self._touches.setdefault(touch, []).append(m)
+        filed = self._touches.setdefault(touch, [])
+        if filed and filed[-1].ro > m.ro:
+            self._unsorted.add(touch)
+        filed.append(m)
         g.lane = m
         self._live[m.uid] = m
         m.end = L + r
@@ -298,8 +307,11 @@ class DecodeLane:
         """The members whose write of lane step ``L1`` takes a new block (or, in a
         contiguous range, finds it full), in running order."""
         out = [m for m in self._touches.pop(L1, ()) if m.touch == L1]
-        if len(out) > 1:
+        if L1 in self._unsorted:
+            self._unsorted.discard(L1)
             out.sort(key=RUN_ORDER)
+        elif CHECKS:
+            assert out == sorted(out, key=RUN_ORDER), f"lane step {L1}: touches out of order"
         return out
 
     def fills(self, L1: int) -> list[LaneMember]:
@@ -311,8 +323,10 @@ class DecodeLane:
             return []
         nxt = L1 + 1
         out = [m for m in self._touches.get(nxt, ()) if m.touch == nxt and m.j < L1]
-        if len(out) > 1:
+        if nxt in self._unsorted:
             out.sort(key=RUN_ORDER)
+        elif CHECKS:
+            assert out == sorted(out, key=RUN_ORDER), f"lane step {L1}: fills out of order"
         return out
 
     def name_filled(self, m: LaneMember, L1: int) -> None:
@@ -454,9 +468,11 @@ class DecodeLane:
         bs = self.bs
         blocks = kv.pool.allocate_all(len(members), 1, ramp=bs - 1)
         nxt = L1 + bs
-        # Every member touched now touches next at the same step (touching() sorts the list:
-        # members that join can be filed under it too).
+        # Every member touched now touches next at the same step (members that join can be
+        # filed under it too: _unsorted).
         later = self._touches.setdefault(nxt, [])
+        if later and members and later[-1].ro > members[0].ro:
+            self._unsorted.add(nxt)
         # _settle to L1 - 1 of each old block not recorded ahead (the block a member held
         # when it joined: its writes since), in one call.
         old: list[int] = []
