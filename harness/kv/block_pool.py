@@ -180,7 +180,8 @@ class BlockPool:
                 h = names[b]
                 if not isinstance(h, int):  # a pending name (lazy_names): no index entry
                     assert h is not None and self.lazy is not None, f"cached block {b}"
-                    # LazyNames.evicted, inline (every decode block of a lane's run):
+                    # Counted on its chain here (every decode block of a lane's run),
+                    # which is dropped once all its blocks are gone:
                     h.gone += 1
                     if h.gone == h.n and not h.closed:
                         self.lazy.dropped(h)

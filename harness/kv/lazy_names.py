@@ -22,7 +22,8 @@ What could read them, and why nothing else can:
   its block's only reference, the only block carrying that name). A sequence preempted by
   recompute looks its prefix up again; a swapped one comes back through ``swap_in``.
 - A member that leaves the lane has its chain materialized (its own naming continues
-  from its hashes).
+  from its hashes), and so does one whose ids a window's give-back makes
+  (``DecodeLane.drops_due``: its next block is then named when it fills).
 
 Materializing registers each chain's blocks in the order they were filled (the lane step,
 then running order), chains hanging under the hashes it names included: what stepping one

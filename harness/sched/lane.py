@@ -461,6 +461,8 @@ class DecodeLane:
         member takes a block every ``block size`` steps)."""
         kv = self.paged
         assert kv is not None and kv.pool.num_free >= len(members)
+        if not members:  # (most steps: a member touches once every block size steps)
+            return
         # Each block with this step's write and, recorded ahead, its writes to its last
         # slot at lane step L1 + bs - 1 (the member touches next at L1 + bs; one that
         # stops before is trimmed back by _settle): a block's fill and ledger epoch are
@@ -471,7 +473,7 @@ class DecodeLane:
         # Every member touched now touches next at the same step (members that join can be
         # filed under it too: _unsorted).
         later = self._touches.setdefault(nxt, [])
-        if later and members and later[-1].ro > members[0].ro:
+        if later and later[-1].ro > members[0].ro:
             self._unsorted.add(nxt)
         # _settle to L1 - 1 of each old block not recorded ahead (the block a member held
         # when it joined: its writes since), in one call.
