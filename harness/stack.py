@@ -250,6 +250,8 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
             f"scheduler.preemption_mode=recompute")
     if shapes is not None:
         check_budget(shapes, kv, backend, sizing, cache.watermark, quiet)
+    if model is not None:  # RoPE for every position the scheduler admits, read without a sync
+        model.model.reserve_positions(max_model_len)
     if executor is None:  # a roofline run holds no K/V tensors
         if tiers is not None:
             check_tier_space(cache, tiers, sizing, device)

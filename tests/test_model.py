@@ -207,7 +207,10 @@ def test_hf_folder_round_trip_and_transformers_agree(preset: str, tmp_path: Path
     ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
     with torch.no_grad():
         theirs = ref(torch.tensor([ids])).logits[0].float()
-    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    # fp32 rounding differences add up layer by layer (as a random walk): 1e-5 at the
+    # 2-layer presets, ~4e-5 at tiny-deep's 30 (seen: 1.3e-5).
+    atol = 1e-5 * max(1.0, (model.config.num_layers / 2) ** 0.5)
+    torch.testing.assert_close(ours, theirs, atol=atol, rtol=0)
 
 
 # ---- tokenizers and errors ----------------------------------------------------------------

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from harness.model.config import ModelConfig
 from harness.model.llama import AttentionFn, LlamaLayer, LlamaModel, empty_param
-from harness.model.rope import RotaryEmbedding
+from harness.model.rope import RotaryEmbedding, rotate_pairs
 
 
 def gemma_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -78,6 +78,10 @@ class Gemma3Model(LlamaModel):
         # dtype (bf16 rounds 25.3 to 25.25): the same here.
         self.embed_scale = torch.tensor(c.hidden_size**0.5).to(dtype).item()
 
+    def reserve_positions(self, num_positions: int) -> None:
+        super().reserve_positions(num_positions)
+        self.local_rope.reserve(num_positions)
+
     @torch.no_grad()
     def forward(
         self,
@@ -92,14 +96,17 @@ class Gemma3Model(LlamaModel):
         t, eps = input_ids.shape[0], c.rms_norm_eps
         h = F.embedding(input_ids, self.embed) * self.embed_scale
         split = [c.q_size, c.kv_size, c.kv_size]
+        # Each RoPE base's cos/sin gathered once a step, shared by its layers.
+        rot = {False: self.rope.at(positions, h.dtype), True: self.local_rope.at(positions,
+                                                                                 h.dtype)}
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, Gemma3Layer)
             x = gemma_norm(h, layer.input_norm, eps)
             q, k, v = torch.split(F.linear(x, layer.qkv_weight, layer.qkv_bias), split, dim=-1)
             q = gemma_norm(q.view(t, c.num_heads, c.head_dim), layer.q_norm, eps)
             k = gemma_norm(k.view(t, c.num_kv_heads, c.head_dim), layer.k_norm, eps)
-            rope = self.local_rope if self.sliding[i] else self.rope
-            q, k = rope.apply(q, k, positions)
+            cos, sin = rot[self.sliding[i]]
+            q, k = rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
             if self.q_scale != 1.0:
                 q = q * self.q_scale
             o = attn(i, q, k, v.reshape(t, c.num_kv_heads, c.head_dim))

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from harness.model.config import ModelConfig
-from harness.model.rope import RotaryEmbedding
+from harness.model.rope import RotaryEmbedding, rotate_pairs
 
 AttentionFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 """``attn(layer_idx, q (T, n_heads, hd), k (T, n_kv, hd), v (T, n_kv, hd)) -> (T, n_heads, hd)``.
@@ -88,6 +88,11 @@ class LlamaModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed.device
 
+    def reserve_positions(self, num_positions: int) -> None:
+        """Size the RoPE tables for positions ``[0, num_positions)`` now (the engine's
+        max_model_len), so that no forward reads a position back to grow them."""
+        self.rope.reserve(num_positions)
+
     # no_grad, not inference_mode: tensors a backend allocates inside attn() would become
     # inference tensors, and the engine's later in-place writes to them outside inference
     # mode (block copies, say) would raise. Callers may still wrap the call in inference_mode.
@@ -116,13 +121,13 @@ class LlamaModel(nn.Module):
         assert positions.shape == (t,), (positions.shape, t)
         h = F.embedding(input_ids, self.embed)
         split = [c.q_size, c.kv_size, c.kv_size]
+        cos, sin = self.rope.at(positions, h.dtype)  # once a step, shared by every layer
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, LlamaLayer)
             x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
             q, k, v = torch.split(F.linear(x, layer.qkv_weight, layer.qkv_bias), split, dim=-1)
-            q, k = self.rope.apply(
-                q.view(t, c.num_heads, c.head_dim), k.view(t, c.num_kv_heads, c.head_dim), positions
-            )
+            q = rotate_pairs(q.view(t, c.num_heads, c.head_dim), cos, sin)
+            k = rotate_pairs(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
             o = attn(i, q, k, v.reshape(t, c.num_kv_heads, c.head_dim))
             assert o.shape == (t, c.num_heads, c.head_dim), o.shape
             h = h + F.linear(o.reshape(t, c.q_size), layer.o_weight)

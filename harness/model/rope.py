@@ -57,10 +57,14 @@ def _llama3(inv_freq: Tensor, scaling: dict[str, Any]) -> Tensor:
 class RotaryEmbedding:
     """Rotates q and k of a flat token batch by each token's own position.
 
-    cos/sin tables cover positions ``[0, capacity)``; they are built in float32 on first use
-    and regrown to the next power of two when a larger position shows up, so a decode loop
-    does not rebuild them every step. Tables are cast to the activation dtype before use,
-    as Hugging Face does (bf16 rotation in a bf16 model).
+    cos/sin tables cover positions ``[0, capacity)``, built in float32 and cast to the
+    activation dtype before use, as Hugging Face does (bf16 rotation in a bf16 model).
+    The engine sizes them once, at load, to the longest sequence it admits
+    (:meth:`reserve`); from then on :meth:`at` gathers a step's cos/sin without reading
+    anything back from the device (no host sync, no data-dependent branch: what CUDA graph
+    capture and ``torch.compile(fullgraph=True)`` need). Until then (a caller that never
+    reserved: tests, tools), tables grow to the next power of two when a larger position
+    shows up, which reads the batch's largest position back (one sync).
     """
 
     def __init__(
@@ -75,21 +79,41 @@ class RotaryEmbedding:
         self._cos = torch.empty(0, head_dim // 2, device=device)
         self._sin = torch.empty(0, head_dim // 2, device=device)
         self._cast: dict[torch.dtype, tuple[Tensor, Tensor]] = {}
+        self.reserved = 0  # positions [0, reserved) are covered without a check
 
     @property
     def capacity(self) -> int:
         return self._cos.shape[0]
 
-    def _tables(self, max_position: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        if max_position >= self.capacity:
-            size = 1 << max(10, max_position.bit_length())
-            pos = torch.arange(size, device=self.inv_freq.device, dtype=torch.float32)
-            freqs = pos[:, None] * self.inv_freq[None, :]
-            self._cos, self._sin = freqs.cos(), freqs.sin()
-            self._cast.clear()
+    def reserve(self, num_positions: int) -> None:
+        """Cover positions ``[0, num_positions)`` from now on, with no per-call check
+        (a larger position is then an index error on the CPU, a device assert on CUDA)."""
+        if num_positions > self.capacity:
+            self._grow(num_positions - 1)
+        self.reserved = max(self.reserved, num_positions)
+
+    def _grow(self, max_position: int) -> None:
+        # A power of two >= 1024: the values at a position do not depend on the size.
+        size = 1 << max(10, max_position.bit_length())
+        pos = torch.arange(size, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq[None, :]
+        self._cos, self._sin = freqs.cos(), freqs.sin()
+        self._cast.clear()
+
+    def _tables(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         if dtype not in self._cast:
             self._cast[dtype] = (self._cos.to(dtype), self._sin.to(dtype))
         return self._cast[dtype]
+
+    def at(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin at ``positions`` int64 (T,), as ``dtype`` (T, 1, head_dim // 2):
+        gathered once per forward and shared by every layer (:func:`rotate_pairs`)."""
+        if not self.reserved and positions.numel():
+            top = int(positions.max())
+            if top >= self.capacity:
+                self._grow(top)
+        cos_t, sin_t = self._tables(dtype)
+        return cos_t[positions].unsqueeze(1), sin_t[positions].unsqueeze(1)
 
     def apply(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """Return rotated copies of ``q`` (T, n_heads, hd) and ``k`` (T, n_kv, hd).
@@ -100,9 +124,7 @@ class RotaryEmbedding:
         assert q.shape[-1] == k.shape[-1] == self.head_dim
         if positions.numel() == 0:
             return q, k
-        cos_t, sin_t = self._tables(int(positions.max()), q.dtype)
-        cos = cos_t[positions].unsqueeze(1)
-        sin = sin_t[positions].unsqueeze(1)
+        cos, sin = self.at(positions, q.dtype)
         return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
 
 

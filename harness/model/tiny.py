@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -74,6 +75,11 @@ TINY_PRESETS: dict[str, ModelConfig] = {
         query_pre_attn_scalar=24.0,
     ),
 }
+# tiny's shape at SmolLM2-135M's depth (30 layers): per-layer host work (launches, syncs,
+# wrappers) shows at its real multiple while the arithmetic stays negligible
+# (scripts/bench_host_step.py).
+TINY_PRESETS["tiny-deep"] = dataclasses.replace(TINY_PRESETS["tiny"], name="tiny-deep",
+                                                num_layers=30)
 
 
 # Logits are ~N(0, (_HEAD_STD * sqrt(hidden))^2), std ~3 at hidden 64: peaked enough that

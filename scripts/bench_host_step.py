@@ -1,0 +1,115 @@
+"""What the engine does on the host in a decode step, per backend: syncs, ops, Triton
+launches (counted) and seconds (timed), on a 30-layer tiny model where the arithmetic is
+negligible, so what is left is the engine's own per-step and per-layer work.
+
+    .venv/bin/python scripts/bench_host_step.py                       # the default matrix
+    .venv/bin/python scripts/bench_host_step.py --backends paged,fp8 --kernels torch
+    .venv/bin/python scripts/bench_host_step.py --out docs/results/host_step.json
+
+Each backend runs one workload: ``--batch`` requests of ``--prompt`` tokens arriving at
+once, each decoding ``--output`` tokens (EOS ignored), so most steps decode the whole batch.
+Counts come from a run under :class:`harness.engine.host_syncs.HostSyncCounter` (a
+dispatch mode; syncs are what a CUDA device would wait for); seconds from a second,
+unpatched run (the median decode step). ``kernel=triton`` runs the Triton kernels under
+the interpreter: counted with every launch stubbed to the real kernel with counting paused,
+never timed (the interpreter's seconds say nothing about a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+DEFAULT = "paged,contiguous,fp8,int8,sliding_window,streaming_llm,h2o,tova,snapkv,knorm,quest,kivi"
+TRITON = ("paged", "fp8", "int8", "sliding_window", "streaming_llm")
+
+
+def has_kernel_option(backend: str) -> bool:
+    """Whether ``backend`` takes ``backend.kernel`` as an attention kernel (snapkv's
+    ``kernel`` is its pooling width)."""
+    import dataclasses
+
+    from harness.backends import get_backend
+
+    fields = {f.name for f in dataclasses.fields(get_backend(backend).Options)}
+    return "kernel" in fields and backend != "snapkv"
+
+
+def overrides(backend: str, kernel: str, a: argparse.Namespace) -> list[str]:
+    o = [f"backend={backend}", "model=tiny", f"model.source={a.model}", "workload=random",
+         f"workload.num_requests={a.batch}", "workload.distribution=uniform",
+         f"workload.input_min={a.prompt}", f"workload.input_max={a.prompt}",
+         f"workload.output_min={a.output}", f"workload.output_max={a.output}",
+         "device=cpu", "cache.kv_budget=64MiB", f"scheduler.max_num_seqs={a.batch}",
+         "scheduler.max_model_len=2048"]
+    if kernel != "default" and has_kernel_option(backend):
+        o.append(f"backend.kernel={kernel}")
+    return o
+
+
+def measure(backend: str, kernel: str, a: argparse.Namespace) -> dict[str, Any]:
+    from harness.engine.host_syncs import profile_steps
+    from harness.runner import run
+    from tests.compose import compose_cfg
+
+    cfg = compose_cfg(overrides(backend, kernel, a))
+    triton = kernel == "triton"
+    with profile_steps(count=True, launches=triton) as counted:
+        run(cfg)
+    row: dict[str, Any] = {
+        "backend": backend, "kernel": kernel,
+        "decode_steps": len(counted.decode_steps()),
+        "syncs_per_decode_step": round(counted.per_decode_step("syncs"), 3),
+        "run_syncs_per_decode_step": round(counted.run_syncs_per_decode_step(), 3),
+        "ops_per_decode_step": round(counted.per_decode_step("ops"), 1),
+        "launches_per_decode_step": round(counted.per_decode_step("launches"), 1),
+        "sync_causes": dict(counted.causes.most_common(8)),
+    }
+    if not triton:
+        with profile_steps(count=False) as timed:
+            run(cfg)
+        secs = [s.seconds for s in timed.decode_steps()]
+        row["decode_step_ms_median"] = round(1e3 * statistics.median(secs), 3)
+    return row
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backends", default=DEFAULT)
+    p.add_argument("--kernels", default="torch,triton",
+                   help="torch, triton (interpreted; counts only) or default, comma-separated")
+    p.add_argument("--model", default="tiny-deep")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--output", type=int, default=24)
+    p.add_argument("--out", type=Path, default=None, help="also write the rows as JSON")
+    a = p.parse_args()
+    if "triton" in a.kernels.split(","):  # read once, at triton's first import
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+    rows = []
+    for kernel in a.kernels.split(","):
+        for backend in a.backends.split(","):
+            if kernel == "triton" and backend not in TRITON:
+                continue
+            row = measure(backend, kernel, a)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if a.out is not None:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
