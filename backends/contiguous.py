@@ -16,7 +16,13 @@ from typing import Any
 import torch
 
 from harness.backends.attention_ref import attend_chunk, attend_decode, chunk_mask, decode_mask
-from harness.backends.base import BackendOptions, CacheSizing, KVBackend, KVLayout
+from harness.backends.base import (
+    AttentionBatch,
+    BackendOptions,
+    CacheSizing,
+    KVBackend,
+    KVLayout,
+)
 from harness.backends.costs import KVCosts
 from harness.kv.base import KVManager
 from harness.kv.contiguous import POLICIES, ContiguousKVManager
@@ -49,6 +55,7 @@ class ContiguousBackend(KVBackend):
         self.k_cache = [torch.zeros(shape, dtype=lay.dtype, device=self.device)
                         for _ in range(lay.num_layers)]
         self.v_cache = [torch.zeros_like(t) for t in self.k_cache]
+        self._num_slots = sizing.num_slots
 
     def declare_costs(self) -> KVCosts:
         return KVCosts(self.full_slot_bytes())  # a range per sequence: no block granule
@@ -62,6 +69,19 @@ class ContiguousBackend(KVBackend):
             for t in (*self.k_cache, *self.v_cache):
                 t[op.dst:op.dst + op.num_slots] = t[op.src:op.src + op.num_slots]
 
+    def begin_step(self, batch: AttentionBatch) -> None:
+        super().begin_step(batch)
+        # What every layer reads the same way, made once a step from the host's lengths
+        # (no device sync to size the gather): the decodes' (B, width) slot indices into
+        # their ranges, and each chunk's range start.
+        self._decode_idx: torch.Tensor | None = None
+        if batch.num_decode:
+            self._width = max(d.start + 1 for d in batch.decode_seqs)
+            idx = batch.decode_tables[:, :1] + torch.arange(self._width, device=self.device)
+            # Past a row's length the key is masked: any slot will do.
+            self._decode_idx = idx.clamp_(max=self._num_slots - 1)
+        self._chunk_first = [c.sched.slots[0] - c.start for c in batch.prefills]
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
         b = self.batch
@@ -72,17 +92,14 @@ class ContiguousBackend(KVBackend):
         out = torch.empty_like(q)
         nd = b.num_decode
         if nd:
-            # Host-side lengths: no device sync to size the gather.
-            width = max(d.start + 1 for d in b.decode_seqs)
-            idx = b.decode_tables[:, :1] + torch.arange(width, device=q.device)
-            idx = idx.clamp_(max=kc.shape[0] - 1)  # past a row's length: masked, any slot
+            idx = self._decode_idx
+            assert idx is not None
             if f := self.touch_factor(layer):
-                self.touch_full_keys(decode_mask(b.decode_lens, width).sum() * f)
+                self.touch_full_keys(decode_mask(b.decode_lens, self._width).sum() * f)
             out[:nd] = attend_decode(q[:nd], kc[idx].to(q.dtype), vc[idx].to(q.dtype),
                                      b.decode_lens)
-        for c in b.prefills:
+        for c, first in zip(b.prefills, self._chunk_first):
             n = c.start + c.num_tokens
-            first = c.sched.slots[0] - c.start  # the range's first slot, known on the host
             if f := self.touch_factor(layer):
                 self.touch_prefill(chunk_mask(c.start, c.num_tokens, n, device=q.device).sum()
                                    * f)

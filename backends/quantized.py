@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from harness.backends.base import CacheSizing, KVLayout
+from harness.backends.base import AttentionBatch, CacheSizing, KVLayout
 from harness.backends.costs import KVCosts, QuantCosts
 from harness.backends.paged import PagedBackend, PagedOptions
 from harness.errors import UserError
-from harness.kernels.reference import dequantize_ref, store_kv_quant_ref
+from harness.kernels.reference import dequantize_ref, quantize_ref
 
 SCALE_BYTES = 4  # float32 scale per (token, KV head), for K and for V
 
@@ -37,6 +37,20 @@ class QuantizedOptions(PagedOptions):
         if self.sink_tokens and self.kernel == "triton":
             raise UserError("backend.sink_tokens > 0 (full-precision sinks) runs on the torch "
                             "path only: use backend.kernel=torch or sink_tokens=0")
+
+
+def store_kv_quant_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                         slots: torch.Tensor) -> None:
+    """The torch path's quantizing store: :func:`~harness.kernels.reference.
+    store_kv_quant_ref`'s values and scales, for a slot mapping with no padding (every
+    slot >= 0, as the engine's eager steps have), without its boolean mask (which reads
+    the kept rows' count back: six syncs a layer). k, v: (T, KV, D); slots: int64 (T,)."""
+    for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        stored, scale = quantize_ref(x, cache.dtype)  # row by row: the same as on x[keep]
+        # An integer index (index_copy_ has no fp8 on the CPU).
+        cache.view(-1, *cache.shape[2:])[slots] = stored
+        scales.view(-1, scales.shape[2])[slots] = scale
 
 
 class QuantizedBackend(PagedBackend):
@@ -117,18 +131,32 @@ class QuantizedBackend(PagedBackend):
             for t in (*self.k_sink, *self.v_sink):
                 t[op.dst // bs] = t[op.src // bs]
 
+    def begin_step(self, batch: AttentionBatch) -> None:
+        super().begin_step(batch)
+        # The batch rows of tokens at positions < sink_tokens, from the host's own
+        # positions (a mask of the device's positions would read its size back, a sync a
+        # layer): decodes at such a position, then each chunk's first ones. None: no such
+        # row this step (every decode past the sinks: most steps).
+        self._sink_rows: torch.Tensor | None = None
+        if self.sink_tokens:
+            n = self.sink_tokens
+            rows = [i for i, d in enumerate(batch.decode_seqs) if d.start < n]
+            for c in batch.prefills:
+                rows += range(c.row, c.row + max(0, min(c.num_tokens, n - c.start)))
+            if rows:
+                self._sink_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
+
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         b = self.batch
         assert b is not None
-        store_kv_quant_ref(k, v, self.k_cache[layer], self.v_cache[layer],
-                           self.k_scale[layer], self.v_scale[layer], b.slot_mapping)
-        if self.sink_tokens:
-            sink = b.positions < self.sink_tokens
-            if bool(sink.any()):
-                slots = b.slot_mapping[sink]
-                blocks, offs = slots // self.block_size, slots % self.block_size
-                self.k_sink[layer][blocks, offs] = k[sink].to(self.layout.dtype)
-                self.v_sink[layer][blocks, offs] = v[sink].to(self.layout.dtype)
+        store_kv_quant_torch(k, v, self.k_cache[layer], self.v_cache[layer],
+                             self.k_scale[layer], self.v_scale[layer], b.slot_mapping)
+        rows = self._sink_rows
+        if rows is not None:
+            slots = b.slot_mapping[rows]
+            blocks, offs = slots // self.block_size, slots % self.block_size
+            self.k_sink[layer][blocks, offs] = k[rows].to(self.layout.dtype)
+            self.v_sink[layer][blocks, offs] = v[rows].to(self.layout.dtype)
 
     def read_blocks(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor,
                                                                        torch.Tensor]:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from harness.backends.base import CacheSizing, KVLayout
+from harness.backends.base import AttentionBatch, CacheSizing, KVLayout
 from harness.backends.costs import KVCosts, QuestCosts
 from harness.backends.paged import PagedBackend, PagedOptions
 from harness.errors import UserError
@@ -96,18 +96,30 @@ class QuestBackend(PagedBackend):
             for t in (*self.k_min, *self.k_max):
                 t[op.dst // bs] = t[op.src // bs]
 
+    def begin_step(self, batch: AttentionBatch) -> None:
+        super().begin_step(batch)
+        # A token at a block's first slot starts that block's content: the blocks whose
+        # bounds every layer forgets this step, from the host's slots (a mask of the
+        # device's slot mapping would read its size back, a sync a layer). None: no block
+        # starts (most decode steps).
+        bs = self.block_size
+        slots = [d.slots[0] for d in batch.decode_seqs]
+        slots += (s for c in batch.prefills for s in c.sched.slots)
+        fresh = [s // bs for s in slots if s % bs == 0]
+        self._fresh = torch.tensor(fresh, dtype=torch.int64, device=self.device) \
+            if fresh else None
+
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         super().store(layer, k, v)
         b = self.batch
         assert b is not None
-        bs = self.block_size
-        blocks = b.slot_mapping // bs
-        # A token at a block's first slot starts that block's content: forget the bounds
-        # of whatever the block held before, then fold in every key written this step.
-        fresh = blocks[b.slot_mapping % bs == 0]
+        blocks = b.slot_mapping // self.block_size
+        # Forget the bounds of whatever a starting block held before, then fold in every
+        # key written this step.
         kmin, kmax = self.k_min[layer], self.k_max[layer]
-        kmin[fresh] = float("inf")
-        kmax[fresh] = float("-inf")
+        if self._fresh is not None:
+            kmin[self._fresh] = float("inf")
+            kmax[self._fresh] = float("-inf")
         k = k.to(kmin.dtype)
         idx = blocks[:, None, None].expand_as(k)
         kmin.scatter_reduce_(0, idx, k, "amin", include_self=True)

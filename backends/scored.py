@@ -154,10 +154,13 @@ class ScoredBackend(SlottedBackend):
         if self.reads in ("window", "held"):  # set by the chunks a selection follows
             self._touched = None
             return
+        # The slots this step's attention scores, with duplicates and (for decodes)
+        # the slots of held blocks that hold no token marked -1: what take_scores sends,
+        # deduplicated on the host (a unique or a mask here reads a size back, a sync).
         touched = list(self._chunk_slots)
         if batch.num_decode:
-            touched.append(self._decode_slots[self._decode_valid])
-        self._touched = torch.unique(torch.cat(touched)) if touched else None
+            touched.append(torch.where(self._decode_valid, self._decode_slots, -1).flatten())
+        self._touched = torch.cat(touched) if touched else None
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         super().store(layer, k, v)
@@ -274,6 +277,15 @@ class ScoredBackend(SlottedBackend):
             return None
         t = self._touched
         both = torch.stack([t.to(torch.float64), self._received[t].to(torch.float64)])
+        # Read above before it is cleared (stream order). A -1 (weights) reads and clears
+        # the last slot: 0 unless touched this step, and then read first all the same.
         self._received[t] = 0.0
         host = both.cpu().numpy()  # the step's one device-to-host transfer
-        return StepScores(slots=host[0].astype(np.int64), values=host[1])
+        slots = host[0].astype(np.int64)
+        if self.reads != "weights":  # each slot once, every one held
+            return StepScores(slots=slots, values=host[1])
+        # Candidates with repeats and -1s (begin_step); a slot's value is the same
+        # wherever it repeats.
+        keep = slots >= 0
+        slots, first = np.unique(slots[keep], return_index=True)  # sorted, as torch.unique
+        return StepScores(slots=slots, values=host[1][keep][first])

@@ -18,7 +18,7 @@ import torch
 
 from harness.backends.base import KVBackend
 from harness.backends.costs import LaneSums, StepReads, step_reads
-from harness.engine.batch import build_inputs, group_batch
+from harness.engine.batch import InputBuilder, group_batch
 from harness.kv.base import KVManager, StepScores
 from harness.kv.groups import GroupedKVManager
 from harness.model.llama import LlamaModel
@@ -118,6 +118,7 @@ class ModelExecutor:
         self.model, self.backend, self.device = model, backend, device
         self.clock: Clock = WallClock()
         self.kv: KVManager | None = None
+        self.inputs = InputBuilder(device)  # the step's metadata, in persistent buffers
 
     def bind(self, kv: KVManager) -> None:
         self.kv = kv
@@ -139,14 +140,14 @@ class ModelExecutor:
         kv = self.kv
         assert kv is not None, "bind() the KV manager first"
         if isinstance(kv, GroupedKVManager):  # each layer attends through its group's
-            inputs = build_inputs(rec, kv, self.device, kv.members, kv.block_size)
+            inputs = self.inputs.build(rec, kv, kv.members, kv.block_size)
             if CHECKS and not kv.chooses:  # positional: the first group's slots read from
                 # its tables are the record's (the others are read the same way)
                 again = group_batch(inputs.attn, kv.members[0], kv.block_size, self.device)
                 assert torch.equal(again.slot_mapping, inputs.attn.slot_mapping)
             self.backend.begin_groups(inputs.groups)
         else:
-            inputs = build_inputs(rec, kv, self.device)
+            inputs = self.inputs.build(rec, kv)
             self.backend.begin_step(inputs.attn)
         tf = time.perf_counter()
         with torch.inference_mode():

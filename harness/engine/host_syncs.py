@@ -14,7 +14,8 @@ What counts as a sync:
   runs ``nonzero`` to find its size);
 - the Tensor methods that copy to the host: ``tolist``, ``item``, ``cpu``, ``numpy``
   (patched: on the CPU ``cpu()`` and ``numpy()`` dispatch nothing, yet on CUDA each is a
-  blocking copy). Ops dispatched inside one of them are not counted again.
+  blocking copy). Ops dispatched inside one of them are not counted again, nor is
+  ``numpy()`` of what a counted ``cpu()`` returned (one transfer).
 
 ``ops`` counts every ATen op that is not a view (a view launches no kernel): with the
 Triton launches of harness.kernels (stubbed by :func:`count_launches`, which runs the real
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -60,6 +62,8 @@ class HostSyncCounter(TorchDispatchMode):
     Use as a context manager; :meth:`paused` stops counting inside (a stubbed kernel's
     reference, a check that is not part of the measured path)."""
 
+    supports_higher_order_operators = True
+
     def __init__(self) -> None:
         super().__init__()
         self.syncs: Counter[str] = Counter()
@@ -94,6 +98,10 @@ class HostSyncCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):  # flex_attention: one kernel
+            if not self._quiet:
+                self.ops[func.name()] += 1
+            return func(*args, **kwargs)
         if not self._quiet:
             packet = func.overloadpacket
             name = packet.__name__
@@ -121,13 +129,21 @@ class HostSyncCounter(TorchDispatchMode):
 def _patch_host_methods(counter: HostSyncCounter) -> Callable[[], None]:
     originals = {name: getattr(torch.Tensor, name) for name in _HOST_METHODS}
 
+    # What a counted cpu() returned is on the host already: its numpy() copies nothing
+    # (``t.cpu().numpy()`` is one transfer).
+    fetched: set[int] = set()  # ids of live tensors a counted cpu() returned
+
     def wrap(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
         def method(self: torch.Tensor, *a: Any, **k: Any) -> Any:
-            if counter._quiet:
+            if counter._quiet or (name == "numpy" and id(self) in fetched):
                 return orig(self, *a, **k)
             counter.syncs[f"Tensor.{name}"] += 1
             with counter.paused():
-                return orig(self, *a, **k)
+                out = orig(self, *a, **k)
+            if name == "cpu" and isinstance(out, torch.Tensor):
+                fetched.add(id(out))
+                weakref.finalize(out, fetched.discard, id(out))
+            return out
         return method
 
     for name, orig in originals.items():

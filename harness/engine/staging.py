@@ -1,0 +1,88 @@
+"""Persistent buffers for a step's metadata, filled from the host without a sync.
+
+nano-vllm and vLLM v1 build a step's positions, slot mapping, lengths and block tables
+into buffers that live for the whole run: a pinned host buffer written from Python, copied
+into its device twin without blocking (``non_blocking=True`` from pinned memory is an
+asynchronous DMA; from pageable memory, or ``torch.tensor(list, device=cuda)``, the copy
+waits for the device). The device buffer's address never changes, which a CUDA graph
+replay needs. On the CPU the host buffer is the tensor itself: nothing is copied.
+
+A pinned buffer must not be rewritten while the copy out of it is still in flight: each
+step's copies are followed by an event, and the next step's first write waits for it
+(already passed in practice: the step's sampled tokens were read after it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class Staging:
+    """The int64 fields of a step's metadata, each a persistent (host, device) pair that
+    grows (doubling) when a step needs more than it holds."""
+
+    def __init__(self, device: torch.device, capacity: int = 1024) -> None:
+        self.device = device
+        self.capacity = capacity
+        self._cuda = device.type == "cuda"
+        self._host: dict[str, torch.Tensor] = {}
+        self._np: dict[str, np.ndarray] = {}
+        self._dev: dict[str, torch.Tensor] = {}
+        self._copied: torch.cuda.Event | None = None  # after the last step's copies
+
+    def _buffers(self, name: str, n: int) -> tuple[np.ndarray, torch.Tensor]:
+        arr = self._np.get(name)
+        if arr is None or arr.shape[0] < n:
+            size = max(self.capacity, 1 << max(0, (n - 1).bit_length()))
+            if self._cuda:  # page-locked, so that the copy to the device is a DMA
+                host = torch.zeros(size, dtype=torch.int64, pin_memory=True)
+                arr = host.numpy()
+            else:
+                arr = np.zeros(size, dtype=np.int64)
+                host = torch.from_numpy(arr)
+            self._host[name], self._np[name] = host, arr
+            self._dev[name] = torch.zeros(size, dtype=torch.int64, device=self.device) \
+                if self._cuda else host
+        return arr, self._host[name]
+
+    def begin(self) -> None:
+        """Before a step's first write: the previous step's copies out of the pinned
+        buffers have finished (a no-op off CUDA)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+
+    def put(self, name: str, values: list[int] | range, n: int) -> torch.Tensor:
+        """``values`` (``n`` ints) into field ``name``; its device tensor, int64 (n,), valid
+        until the same field is written again (the next step)."""
+        arr, _ = self._buffers(name, n)
+        if n:
+            arr[:n] = values
+        return self._publish(name, n)
+
+    def put2d(self, name: str, rows: list[list[int]], width: int) -> torch.Tensor:
+        """Rows of ints, each padded with 0 to ``width``, as one int64 (len(rows), width)
+        tensor of field ``name`` (contiguous: row stride ``width``)."""
+        n = len(rows) * width
+        arr, _ = self._buffers(name, n)
+        if n:
+            # One flat list, one conversion: row by row costs a conversion per row.
+            pad = [0] * width
+            arr[:n] = [b for r in rows for b in (r + pad[len(r):] if len(r) < width else r)]
+        return self._publish(name, n).view(len(rows), width)
+
+    def _publish(self, name: str, n: int) -> torch.Tensor:
+        host = self._host[name]
+        if not self._cuda:
+            return host[:n]
+        dev = self._dev[name]
+        dev[:n].copy_(host[:n], non_blocking=True)
+        return dev[:n]
+
+    def end(self) -> None:
+        """After a step's last write: mark its copies (CUDA), so the next :meth:`begin`
+        knows when the pinned buffers may be written again."""
+        if self._cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
