@@ -28,7 +28,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-DEFAULT = "paged,contiguous,fp8,int8,sliding_window,streaming_llm,h2o,tova,snapkv,knorm,quest,kivi"
+# Every backend but flex (compiled by torch.compile, which a dispatch mode cannot watch)
+# and flash_attn (CUDA only).
+DEFAULT = ("paged,contiguous,fp8,int8,sliding_window,streaming_llm,h2o,tova,snapkv,knorm,"
+           "keydiff,observed_attention,expected_attention,quest,kivi")
 TRITON = ("paged", "fp8", "int8", "sliding_window", "streaming_llm")
 
 
@@ -68,12 +71,14 @@ def measure(backend: str, kernel: str, a: argparse.Namespace) -> dict[str, Any]:
         "backend": backend, "kernel": kernel,
         "decode_steps": len(counted.decode_steps()),
         "syncs_per_decode_step": round(counted.per_decode_step("syncs"), 3),
+        "max_syncs_decode_step": max(s.syncs for s in counted.decode_steps()),
+        "syncs_per_step": round(sum(s.syncs for s in counted.steps) / len(counted.steps), 3),
         "run_syncs_per_decode_step": round(counted.run_syncs_per_decode_step(), 3),
         "ops_per_decode_step": round(counted.per_decode_step("ops"), 1),
         "launches_per_decode_step": round(counted.per_decode_step("launches"), 1),
         "sync_causes": dict(counted.causes.most_common(8)),
     }
-    if not triton:
+    if not triton and a.time:
         with profile_steps(count=False) as timed:
             run(cfg)
         secs = [s.seconds for s in timed.decode_steps()]
@@ -90,6 +95,8 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--output", type=int, default=24)
+    p.add_argument("--no-time", dest="time", action="store_false",
+                   help="counts only (no second, timed run)")
     p.add_argument("--out", type=Path, default=None, help="also write the rows as JSON")
     a = p.parse_args()
     if "triton" in a.kernels.split(","):  # read once, at triton's first import
