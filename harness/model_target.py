@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from harness.config import RunConfig
-from harness.engine.sampler import Sampler
+from harness.engine.sampler import make_sampler
 from harness.errors import UserError
 from harness.metrics.groups import group_metrics
 from harness.metrics.requestlog import RequestLog
@@ -64,7 +64,8 @@ class ModelTarget:
         if self.texts is None and rc.quality.enabled:
             self.texts = load_texts(rc.quality, self.loaded)
         return build_stack(self.loaded, self.device, rc.backend, rc.cache, rc.scheduler,
-                           Sampler(rc.seed), request_shapes(workload), quiet=quiet)
+                           make_sampler(rc.seed, self.device), request_shapes(workload),
+                           quiet=quiet)
 
     def record(self, st: Stack, sim_wall_s: float, sim_cpu_s: float) -> ExecutorRecord:
         run = {

@@ -24,7 +24,7 @@ import torch
 from harness.backends.base import BackendOptions
 from harness.backends.contiguous import ContiguousOptions
 from harness.backends.paged import PagedOptions
-from harness.engine.sampler import Sampler
+from harness.engine.sampler import Sampler, make_sampler
 from harness.errors import UserError
 from harness.metrics.bootstrap import ci_keys
 from harness.metrics.summary import kv_read_bytes_per_token
@@ -241,8 +241,8 @@ def generation_agreement(loaded: LoadedModel, device: torch.device, rc: RunConfi
     workload = make_workload(rc.workload, ref_model.tokenizer)
     budget = fp32_bytes_per_token(ref_model) * max(2 * capacity, 4096)
     st = build_stack(ref_model, device, reference_backend(ref_model),
-                     rc.cache.without_tiers(), rc.scheduler, Sampler(rc.seed), quiet=True,
-                     kv_budget=budget)
+                     rc.cache.without_tiers(), rc.scheduler, make_sampler(rc.seed, device),
+                     quiet=True, kv_budget=budget)
     st.engine.run(workload)
     return agreement(outputs, st.collector.outputs())
 

@@ -25,7 +25,7 @@ from harness.backends.costs import GroupedCosts
 from harness.backends.tier_storage import TierStorage
 from harness.engine.engine import Engine
 from harness.engine.executor import Executor
-from harness.engine.sampler import Sampler
+from harness.engine.sampler import TokenSampler
 from harness.errors import UserError
 from harness.kv.base import KVManager
 from harness.kv.evicting import WindowKVManager
@@ -79,7 +79,7 @@ def make_backend(opts: BackendOptions, layout: KVLayout, device: torch.device) -
 
 
 def build_stack(loaded: LoadedModel, device: torch.device, backend_opts: BackendOptions,
-                cache: CacheSpec, sched: SchedulerConfig, sampler: Sampler,
+                cache: CacheSpec, sched: SchedulerConfig, sampler: TokenSampler,
                 shapes: Iterable[RequestShape] | None = None, quiet: bool = False,
                 kv_budget: str | int | None = None) -> Stack:
     """One serving stack for ``backend_opts`` under the run's ``cache`` and ``sched``
@@ -187,7 +187,7 @@ def kv_plan_label(layers: tuple[LayerAttention, ...], kv: KVManager) -> str:
 
 
 def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
-                   sched: SchedulerConfig, sampler: Sampler, max_position: int,
+                   sched: SchedulerConfig, sampler: TokenSampler, max_position: int,
                    eos_ids: tuple[int, ...], model: LoadedModel | None = None,
                    executor: Executor | None = None,
                    shapes: Iterable[RequestShape] | None = None,

@@ -26,7 +26,22 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+# --code DIR measures another checkout (a snapshot of an older commit, as
+# scripts/records_equal.py makes): its harness is imported, this checkout's counter.
+_code = sys.argv[sys.argv.index("--code") + 1] if "--code" in sys.argv else str(ROOT)
+sys.path.insert(0, _code)
+
+
+def _counter_module() -> Any:
+    """harness.engine.host_syncs of this checkout, whichever harness is imported."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "kvbench_host_syncs", ROOT / "harness" / "engine" / "host_syncs.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 # Every backend but flex (compiled by torch.compile, which a dispatch mode cannot watch)
 # and flash_attn (CUDA only).
@@ -59,10 +74,10 @@ def overrides(backend: str, kernel: str, a: argparse.Namespace) -> list[str]:
 
 
 def measure(backend: str, kernel: str, a: argparse.Namespace) -> dict[str, Any]:
-    from harness.engine.host_syncs import profile_steps
     from harness.runner import run
     from tests.compose import compose_cfg
 
+    profile_steps = _counter_module().profile_steps
     cfg = compose_cfg(overrides(backend, kernel, a))
     triton = kernel == "triton"
     with profile_steps(count=True, launches=triton) as counted:
@@ -97,6 +112,7 @@ def main() -> int:
     p.add_argument("--output", type=int, default=24)
     p.add_argument("--no-time", dest="time", action="store_false",
                    help="counts only (no second, timed run)")
+    p.add_argument("--code", default=None, help="measure this checkout instead (a folder)")
     p.add_argument("--out", type=Path, default=None, help="also write the rows as JSON")
     a = p.parse_args()
     if "triton" in a.kernels.split(","):  # read once, at triton's first import

@@ -58,10 +58,11 @@ def counts(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], di
     own process: KVBENCH_CHECK off, as a user's run, so only the measured path counts)."""
     out = tmp_path_factory.mktemp("syncs") / "rows.json"
     env = {**os.environ, "KVBENCH_CHECK": "0"}
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_host_step.py"),
-                    "--model", "tiny", "--batch", "4", "--prompt", "40", "--output", "8",
-                    "--no-time", "--out", str(out)], check=True, env=env, cwd=ROOT,
-                   capture_output=True)
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_host_step.py"),
+                           "--model", "tiny", "--batch", "4", "--prompt", "40", "--output",
+                           "8", "--no-time", "--out", str(out)], env=env, cwd=ROOT,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
     return {(r["backend"], r["kernel"]): r for r in json.loads(out.read_text())}
 
 

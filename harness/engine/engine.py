@@ -18,7 +18,7 @@ from harness.engine.executor import (
     StepOutput,
     WallClock,
 )
-from harness.engine.sampler import Sampler
+from harness.engine.sampler import TokenSampler
 from harness.metrics.collector import MetricsCollector
 from harness.model.llama import LlamaModel
 from harness.sched.scheduler import Scheduler
@@ -33,7 +33,7 @@ class Engine:
     """Runs one workload to completion on one model, backend and scheduler."""
 
     def __init__(self, model: LlamaModel | None, backend: KVBackend, scheduler: Scheduler,
-                 sampler: Sampler, metrics: MetricsCollector, device: torch.device,
+                 sampler: TokenSampler, metrics: MetricsCollector, device: torch.device,
                  executor: Executor | None = None) -> None:
         """``executor``: what runs each step's forward and keeps the clock (default: the
         real forward of ``model`` on the wall clock; harness.engine.executor)."""

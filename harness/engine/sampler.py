@@ -1,10 +1,33 @@
-"""Greedy and seeded temperature / top-p sampling."""
+"""Greedy and seeded temperature / top-p sampling: on the host (here; bit-identical
+run to run on the CPU and under executor=roofline) or on the device
+(harness.engine.device_sampler, what a CUDA run uses: :func:`make_sampler`)."""
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
 from harness.sched.sequence import Sequence, SequenceGroup
+
+
+class TokenSampler(Protocol):
+    """What the engine asks of a sampler."""
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence],
+               samples: list[int | None] | None = None) -> list[int]: ...
+
+    def forget(self, group: SequenceGroup) -> None: ...
+
+
+def make_sampler(seed: int, device: torch.device) -> TokenSampler:
+    """The device sampler on CUDA (no per-row host work, one read a step), the host one
+    elsewhere (the streams every CPU record was made with)."""
+    if device.type == "cuda":
+        from harness.engine.device_sampler import DeviceSampler
+
+        return DeviceSampler(seed, device)
+    return Sampler(seed)
 
 
 class Sampler:

@@ -17,10 +17,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+_NP = {torch.int64: np.int64, torch.float32: np.float32, torch.float64: np.float64}
+
 
 class Staging:
-    """The int64 fields of a step's metadata, each a persistent (host, device) pair that
-    grows (doubling) when a step needs more than it holds."""
+    """The fields of a step's metadata (int64 unless a field is first written with
+    another dtype), each a persistent (host, device) pair that grows (doubling) when a
+    step needs more than it holds."""
 
     def __init__(self, device: torch.device, capacity: int = 1024) -> None:
         self.device = device
@@ -31,18 +34,19 @@ class Staging:
         self._dev: dict[str, torch.Tensor] = {}
         self._copied: torch.cuda.Event | None = None  # after the last step's copies
 
-    def _buffers(self, name: str, n: int) -> tuple[np.ndarray, torch.Tensor]:
+    def _buffers(self, name: str, n: int,
+                 dtype: torch.dtype = torch.int64) -> tuple[np.ndarray, torch.Tensor]:
         arr = self._np.get(name)
         if arr is None or arr.shape[0] < n:
             size = max(self.capacity, 1 << max(0, (n - 1).bit_length()))
             if self._cuda:  # page-locked, so that the copy to the device is a DMA
-                host = torch.zeros(size, dtype=torch.int64, pin_memory=True)
+                host = torch.zeros(size, dtype=dtype, pin_memory=True)
                 arr = host.numpy()
             else:
-                arr = np.zeros(size, dtype=np.int64)
+                arr = np.zeros(size, dtype=_NP[dtype])
                 host = torch.from_numpy(arr)
             self._host[name], self._np[name] = host, arr
-            self._dev[name] = torch.zeros(size, dtype=torch.int64, device=self.device) \
+            self._dev[name] = torch.zeros(size, dtype=dtype, device=self.device) \
                 if self._cuda else host
         return arr, self._host[name]
 
@@ -53,10 +57,12 @@ class Staging:
             self._copied.synchronize()
             self._copied = None
 
-    def put(self, name: str, values: list[int] | range, n: int) -> torch.Tensor:
-        """``values`` (``n`` ints) into field ``name``; its device tensor, int64 (n,), valid
-        until the same field is written again (the next step)."""
-        arr, _ = self._buffers(name, n)
+    def put(self, name: str, values: list[int] | list[float] | range, n: int,
+            dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """``values`` (``n`` numbers) into field ``name``; its device tensor (n,) of
+        ``dtype`` (the field's, fixed by its first write), valid until the same field is
+        written again (the next step)."""
+        arr, _ = self._buffers(name, n, dtype)
         if n:
             arr[:n] = values
         return self._publish(name, n)
