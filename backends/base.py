@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from harness.backends.costs import KVCosts, QuantCosts, Read, WindowCosts
+from harness.backends.staging import Staging
 from harness.errors import UserError
 from harness.kv.base import KVManager, StepScores
 from harness.kv.policies.base import EvictionPolicy
@@ -155,6 +156,10 @@ class KVBackend(ABC):
         self.device = device
         self.block_size = self.opts.block_size  # paged storage; contiguous ignores it
         self.batch: AttentionBatch | None = None
+        # A step's small index lists (copies, invalidated slots, the slots a method reads
+        # differently), in buffers that live for the run; the executor ends each step's
+        # writes after begin_step (backends.staging).
+        self.staging = Staging(device, capacity=256)
         self._costs: KVCosts | None = None
         if type(self).declare_costs is KVBackend.declare_costs:
             raise UserError(

@@ -15,6 +15,7 @@ import torch
 
 from harness.backends.attention_ref import attend_chunk, attend_decode, chunk_mask, decode_mask
 from harness.backends.base import CacheSizing, KVBackend
+from harness.backends.staging import Staging
 from harness.kv.base import CopyOp, KVManager
 from harness.kv.paged import PagedKVManager
 from harness.sched.step import StepRecord
@@ -22,12 +23,12 @@ from harness.sched.step import StepRecord
 Index = slice | torch.Tensor
 
 
-def copy_runs(copies: list[CopyOp],
-              device: torch.device) -> Iterator[tuple[Index, Index, bool]]:
+def copy_runs(copies: list[CopyOp], staging: Staging) -> Iterator[tuple[Index, Index, bool]]:
     """The step's copies in order as (src, dst, move) slot indices: a slice per copy, and
     each run of consecutive moves as one pair of int64 index tensors (a compaction moves
     one slot at a time; one gather and scatter per tensor instead of one per slot, which
-    its disjoint sources and destinations allow)."""
+    its disjoint sources and destinations allow), written through ``staging`` (call once
+    a step: :meth:`PagedStorageBackend.step_copies`)."""
     i = 0
     while i < len(copies):
         op = copies[i]
@@ -42,8 +43,8 @@ def copy_runs(copies: list[CopyOp],
         run = copies[i:j]
         src = [s for o in run for s in range(o.src, o.src + o.num_slots)]
         dst = [d for o in run for d in range(o.dst, o.dst + o.num_slots)]
-        yield (torch.tensor(src, dtype=torch.int64, device=device),
-               torch.tensor(dst, dtype=torch.int64, device=device), True)
+        yield (staging.put(f"copy_src{i}", src, len(src)),
+               staging.put(f"copy_dst{i}", dst, len(dst)), True)
         i = j
 
 
@@ -88,10 +89,18 @@ class PagedStorageBackend(KVBackend):
             for caches, cpus in self.swap_pairs():
                 for t, c in zip(caches, cpus):
                     t[dev] = c[cpu].to(self.device)
-        for src, dst, _ in copy_runs(rec.copies, self.device):
+        for src, dst, _ in self.step_copies(rec):
             for t in self.slot_tensors():
                 flat = t.view(-1, *t.shape[2:])
                 flat[dst] = flat[src]
+
+    def step_copies(self, rec: StepRecord) -> list[tuple[Index, Index, bool]]:
+        """:func:`copy_runs` of ``rec``'s copies, made once a step (a subclass that
+        copies per-slot state of its own reads the same list)."""
+        if getattr(self, "_copies_of", None) is not rec:
+            self._copies_of: StepRecord | None = rec
+            self._copies = list(copy_runs(rec.copies, self.staging))
+        return self._copies
 
     def slot_tensors(self) -> list[torch.Tensor]:
         """Every tensor indexed (num_blocks, block_size, ...): what a copy copies."""

@@ -144,7 +144,7 @@ class QuantizedBackend(PagedBackend):
             for c in batch.prefills:
                 rows += range(c.row, c.row + max(0, min(c.num_tokens, n - c.start)))
             if rows:
-                self._sink_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
+                self._sink_rows = self.staging.put("sink_rows", rows, len(rows))
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         b = self.batch

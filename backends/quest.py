@@ -106,8 +106,7 @@ class QuestBackend(PagedBackend):
         slots = [d.slots[0] for d in batch.decode_seqs]
         slots += (s for c in batch.prefills for s in c.sched.slots)
         fresh = [s // bs for s in slots if s % bs == 0]
-        self._fresh = torch.tensor(fresh, dtype=torch.int64, device=self.device) \
-            if fresh else None
+        self._fresh = self.staging.put("fresh", fresh, len(fresh)) if fresh else None
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         super().store(layer, k, v)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from harness.backends.base import AttentionBatch, CacheSizing, PrefillChunk
 from harness.backends.costs import KVCosts
-from harness.backends.paged_storage import PagedStorageBackend, copy_runs
+from harness.backends.paged_storage import PagedStorageBackend
 from harness.kv.base import KVManager
 from harness.kv.evicting import EvictingKVManager
 from harness.kv.policies.base import EvictionPolicy
@@ -55,8 +55,9 @@ class SlottedBackend(PagedStorageBackend):
     def apply_cache_ops(self, rec: StepRecord) -> None:
         super().apply_cache_ops(rec)
         if rec.invalidated:
-            self.slot_pos[torch.tensor(rec.invalidated, device=self.device)] = -1
-        for src, dst, move in copy_runs(rec.copies, self.device):
+            n = len(rec.invalidated)
+            self.slot_pos[self.staging.put("invalidated", rec.invalidated, n)] = -1
+        for src, dst, move in self.step_copies(rec):
             self.slot_pos[dst] = self.slot_pos[src]
             if move:
                 self.slot_pos[src] = -1

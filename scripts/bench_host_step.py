@@ -39,7 +39,10 @@ def _counter_module() -> Any:
     spec = importlib.util.spec_from_file_location(
         "kvbench_host_syncs", ROOT / "harness" / "engine" / "host_syncs.py")
     assert spec is not None and spec.loader is not None
+    if spec.name in sys.modules:
+        return sys.modules[spec.name]
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # (its dataclasses look their module up)
     spec.loader.exec_module(mod)
     return mod
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from harness.backends.quantized import store_kv_quant_torch
+from harness.backends.staging import Staging
 from harness.engine.host_syncs import HostSyncCounter
-from harness.engine.staging import Staging
 from harness.kernels.reference import store_kv_quant_ref
 from harness.model.rope import RotaryEmbedding
 

@@ -9,7 +9,7 @@ from typing import Protocol
 import torch
 
 from harness.backends.base import AttentionBatch, PrefillChunk
-from harness.engine.staging import Staging
+from harness.backends.staging import Staging
 from harness.sched.sequence import Sequence
 from harness.sched.step import ScheduledSeq, StepRecord
 
@@ -71,7 +71,7 @@ def group_batch(base: AttentionBatch, source: TableSource, block_size: int,
 
 class InputBuilder:
     """Builds each step's :class:`ForwardInputs` into persistent buffers
-    (:class:`~harness.engine.staging.Staging`): on the CPU, tensors over buffers that live
+    (:class:`~harness.backends.staging.Staging`): on the CPU, tensors over buffers that live
     for the run; on CUDA, device buffers filled from pinned host ones without a blocking
     copy. No tensor is built from a Python list and nothing is read back."""
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from harness.engine.staging import Staging
+from harness.backends.staging import Staging
 from harness.sched.sequence import Sequence, SequenceGroup
 
 _M32 = 0xFFFF_FFFF

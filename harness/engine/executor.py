@@ -149,6 +149,7 @@ class ModelExecutor:
         else:
             inputs = self.inputs.build(rec, kv)
             self.backend.begin_step(inputs.attn)
+        self.backend.staging.end()  # what the cache ops and begin_step wrote is copied
         tf = time.perf_counter()
         with torch.inference_mode():
             logits = self.model(inputs.input_ids, inputs.positions, self.backend.attend,

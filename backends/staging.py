@@ -8,8 +8,9 @@ waits for the device). The device buffer's address never changes, which a CUDA g
 replay needs. On the CPU the host buffer is the tensor itself: nothing is copied.
 
 A pinned buffer must not be rewritten while the copy out of it is still in flight: each
-step's copies are followed by an event, and the next step's first write waits for it
-(already passed in practice: the step's sampled tokens were read after it).
+step's copies are followed by an event (:meth:`Staging.end`), and the next step's first
+write waits for it (already passed in practice: the step's sampled tokens were read
+after it). So a field is written at most once between two ``end()`` calls.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Staging:
         self._np: dict[str, np.ndarray] = {}
         self._dev: dict[str, torch.Tensor] = {}
         self._copied: torch.cuda.Event | None = None  # after the last step's copies
+        self._open = False  # between begin() and end(): a step is writing
 
     def _buffers(self, name: str, n: int,
                  dtype: torch.dtype = torch.int64) -> tuple[np.ndarray, torch.Tensor]:
@@ -52,16 +54,20 @@ class Staging:
 
     def begin(self) -> None:
         """Before a step's first write: the previous step's copies out of the pinned
-        buffers have finished (a no-op off CUDA)."""
+        buffers have finished (a no-op off CUDA). :meth:`put` calls it when a step's
+        first write comes without it."""
         if self._copied is not None:
             self._copied.synchronize()
             self._copied = None
+        self._open = True
 
     def put(self, name: str, values: list[int] | list[float] | range, n: int,
             dtype: torch.dtype = torch.int64) -> torch.Tensor:
         """``values`` (``n`` numbers) into field ``name``; its device tensor (n,) of
         ``dtype`` (the field's, fixed by its first write), valid until the same field is
         written again (the next step)."""
+        if not self._open:
+            self.begin()
         arr, _ = self._buffers(name, n, dtype)
         if n:
             arr[:n] = values
@@ -70,6 +76,8 @@ class Staging:
     def put2d(self, name: str, rows: list[list[int]], width: int) -> torch.Tensor:
         """Rows of ints, each padded with 0 to ``width``, as one int64 (len(rows), width)
         tensor of field ``name`` (contiguous: row stride ``width``)."""
+        if not self._open:
+            self.begin()
         n = len(rows) * width
         arr, _ = self._buffers(name, n)
         if n:
@@ -89,6 +97,7 @@ class Staging:
     def end(self) -> None:
         """After a step's last write: mark its copies (CUDA), so the next :meth:`begin`
         knows when the pinned buffers may be written again."""
-        if self._cuda:
+        if self._cuda and self._open:
             self._copied = torch.cuda.Event()
             self._copied.record()
+        self._open = False
