@@ -130,18 +130,21 @@ class PagedBackend(PagedStorageBackend):
         return None, None
 
     def store_triton(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        from harness.kernels.store import store_kv
-
         b = self.batch
         assert b is not None
-        store_kv(k, v, self.k_cache[layer], self.v_cache[layer], b.slot_mapping)
+        kc = self.k_cache[layer]
+        # Cast here, not in the op: the interpreter's float downcasts do not round to
+        # nearest even (kernels/store.py).
+        torch.ops.kvbench.store_kv(k.to(kc.dtype), v.to(kc.dtype), kc, self.v_cache[layer],
+                                   b.slot_mapping)
 
     def _attend_triton(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
-        # Imported here: importing triton fixes the interpreter switch for the process,
-        # which triton_for() had to decide first.
-        from harness.kernels.decode import paged_decode
-        from harness.kernels.prefill import paged_prefill
+        # Each launch is a torch custom op (harness.kernels.ops): one opaque node to
+        # dynamo and to graph capture. Imported here: importing triton fixes the
+        # interpreter switch for the process, which triton_for() had to decide first.
+        import harness.kernels.ops  # noqa: F401  (registers torch.ops.kvbench.*)
+        from harness.kernels.decode import default_splits
 
         b = self.batch
         assert b is not None
@@ -149,14 +152,17 @@ class PagedBackend(PagedStorageBackend):
         self.touch_by_bounds(layer, window or None, sinks)
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         ks, vs = self.scales(layer)
-        shape = {"window": window, "sinks": sinks, "k_scale": ks, "v_scale": vs}
         out = torch.empty_like(q)
         nd = b.num_decode
         if nd:
-            paged_decode(q[:nd], kc, vc, b.decode_tables, b.decode_lens, out=out[:nd],
-                         **shape)
+            # The split count from host values only (the table's width), as the kernel's
+            # own default: no read of the lengths.
+            splits = default_splits(nd, kc.shape[2], b.decode_tables.shape[1] * kc.shape[1],
+                                    q.device)
+            torch.ops.kvbench.paged_decode(q[:nd], kc, vc, b.decode_tables, b.decode_lens,
+                                           out[:nd], splits, window, sinks, ks, vs)
         if self._prefill is not None:
             p = self._prefill
-            paged_prefill(q, kc, vc, p.cu_rows, p.starts, p.tables, p.max_tokens, out=out,
-                          **shape)
+            torch.ops.kvbench.paged_prefill(q, kc, vc, p.cu_rows, p.starts, p.tables,
+                                            p.max_tokens, out, window, sinks, ks, vs)
         return out

@@ -176,9 +176,8 @@ class QuantizedBackend(PagedBackend):
         return self.k_scale[layer], self.v_scale[layer]
 
     def store_triton(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        from harness.kernels.store import store_kv_quant
-
         b = self.batch
         assert b is not None
-        store_kv_quant(k, v, self.k_cache[layer], self.v_cache[layer], self.k_scale[layer],
-                       self.v_scale[layer], b.slot_mapping)
+        torch.ops.kvbench.store_kv_quant(k, v, self.k_cache[layer], self.v_cache[layer],
+                                         self.k_scale[layer], self.v_scale[layer],
+                                         b.slot_mapping)
