@@ -252,6 +252,8 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
         check_budget(shapes, kv, backend, sizing, cache.watermark, quiet)
     if model is not None:  # RoPE for every position the scheduler admits, read without a sync
         model.model.reserve_positions(max_model_len)
+        # The fused layer kernels go with the Triton attention (the run's kernel).
+        model.model.use_fused_layers(backend.kernel == "triton")
     if executor is None:  # a roofline run holds no K/V tensors
         if tiers is not None:
             check_tier_space(cache, tiers, sizing, device)

@@ -85,3 +85,62 @@ def _(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_rows: Tensor, starts: Tens
       tables: Tensor, max_tokens: int, out: Tensor, window: int, sinks: int,
       k_scale: Tensor | None, v_scale: Tensor | None) -> None:
     return None
+
+
+@torch.library.custom_op(f"{_M}::rms_norm", mutates_args=("out",))
+def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
+    """:func:`harness.kernels.layers.add_rms_norm` without a residual: ``out`` (T, C)."""
+    from harness.kernels import layers
+
+    layers.add_rms_norm(x, None, weight, eps, out)
+
+
+@rms_norm.register_fake
+def _(x: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op(f"{_M}::add_rms_norm", mutates_args=("residual", "out"))
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
+    """:func:`harness.kernels.layers.add_rms_norm`: ``residual += x``, ``out`` its norm."""
+    from harness.kernels import layers
+
+    layers.add_rms_norm(x, residual, weight, eps, out)
+
+
+@add_rms_norm.register_fake
+def _(x: Tensor, residual: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op(f"{_M}::rope_qkv", mutates_args=("qkv",))
+def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, num_heads: int,
+             num_kv_heads: int, head_dim: int) -> None:
+    """:func:`harness.kernels.layers.rope_qk` on the q and k parts of a fused projection's
+    output ``qkv`` (T, (H + 2 KV) x D), in place (one tensor: the op's mutated inputs
+    must not alias each other)."""
+    from harness.kernels import layers
+
+    t = qkv.shape[0]
+    qs, ks = num_heads * head_dim, num_kv_heads * head_dim
+    layers.rope_qk(qkv[:, :qs].view(t, num_heads, head_dim),
+                   qkv[:, qs:qs + ks].view(t, num_kv_heads, head_dim), cos, sin, positions)
+
+
+@rope_qkv.register_fake
+def _(qkv: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, num_heads: int,
+      num_kv_heads: int, head_dim: int) -> None:
+    return None
+
+
+@torch.library.custom_op(f"{_M}::silu_mul", mutates_args=("out",))
+def silu_mul(x: Tensor, out: Tensor) -> None:
+    """:func:`harness.kernels.layers.silu_mul`: ``out`` (T, I) from gate/up x (T, 2I)."""
+    from harness.kernels import layers
+
+    layers.silu_mul(x, out)
+
+
+@silu_mul.register_fake
+def _(x: Tensor, out: Tensor) -> None:
+    return None

@@ -128,3 +128,34 @@ def paged_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         qpos = torch.arange(start, ctx, device=q.device)
         out[r0:r1] = _attend(q[r0:r1], k, v, qpos, window, sinks).to(q.dtype)
     return out
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual) * weight, x + residual); x, residual (T, C), weight (C,).
+    RMSNorm as Hugging Face's LlamaRMSNorm: in float32, rounded to x's dtype, then the
+    weight."""
+    s = x if residual is None else x + residual
+    sf = s.float()
+    y = (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight * y, s
+
+
+def rope_qk_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated copies of q (T, H, D) and k (T, KV, D): pair (i, i + D/2) of each head by
+    the angle whose cos / sin (P, D/2) tables hold at its token's position (T,)."""
+    c, s = cos[positions].float().unsqueeze(1), sin[positions].float().unsqueeze(1)
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        a, b = x[..., :half].float(), x[..., half:].float()
+        return torch.cat((a * c - b * s, b * c + a * s), dim=-1).to(x.dtype)
+
+    return rot(q), rot(k)
+
+
+def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[:, :I]) * x[:, I:] of x (T, 2I), in float32, in x's dtype."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(x.dtype)

@@ -78,6 +78,10 @@ class Gemma3Model(LlamaModel):
         # dtype (bf16 rounds 25.3 to 25.25): the same here.
         self.embed_scale = torch.tensor(c.hidden_size**0.5).to(dtype).item()
 
+    def use_fused_layers(self, on: bool) -> None:
+        """Gemma's norms (1 + w, four a layer) and GELU have no fused kernels here: its
+        layers stay torch ops under every backend.kernel."""
+
     def reserve_positions(self, num_positions: int) -> None:
         super().reserve_positions(num_positions)
         self.local_rope.reserve(num_positions)

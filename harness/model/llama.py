@@ -88,6 +88,18 @@ class LlamaModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed.device
 
+    fused = False  # the forward through harness.kernels' fused layer kernels
+
+    def use_fused_layers(self, on: bool) -> None:
+        """Run norms (with their residual adds), RoPE and SiLU x mul as the fused Triton
+        kernels of harness.kernels.layers (``backend.kernel=triton``; compiled on CUDA,
+        interpreted on the CPU), each a torch custom op (torch.ops.kvbench.*): ~11
+        launches a layer instead of ~40. Needs the RoPE tables reserved first."""
+        if on:
+            assert self.rope.reserved, "reserve_positions() before the fused forward"
+            import harness.kernels.ops  # noqa: F401  (registers torch.ops.kvbench.*)
+        self.fused = on
+
     def reserve_positions(self, num_positions: int) -> None:
         """Size the RoPE tables for positions ``[0, num_positions)`` now (the engine's
         max_model_len), so that no forward reads a position back to grow them."""
@@ -119,6 +131,8 @@ class LlamaModel(nn.Module):
         c = self.config
         t = input_ids.shape[0]
         assert positions.shape == (t,), (positions.shape, t)
+        if self.fused:
+            return self._forward_fused(input_ids, positions, attn, logits_indices)
         h = F.embedding(input_ids, self.embed)
         split = [c.q_size, c.kv_size, c.kv_size]
         cos, sin = self.rope.at(positions, h.dtype)  # once a step, shared by every layer
@@ -135,6 +149,37 @@ class LlamaModel(nn.Module):
             gate, up = F.linear(x, layer.gate_up_weight).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, layer.down_weight)
         return self.logits(h, logits_indices)
+
+    def _forward_fused(self, input_ids: Tensor, positions: Tensor, attn: AttentionFn,
+                       logits_indices: Tensor | None) -> Tensor:
+        """:meth:`forward` with the fused layer kernels: the residual stream is kept apart
+        and added inside the next norm (vLLM's layout), RoPE rotates q and k in the fused
+        projection's output in place, the MLP's activation is one kernel."""
+        ops = torch.ops.kvbench
+        c, eps = self.config, self.config.rms_norm_eps
+        t = input_ids.shape[0]
+        residual = F.embedding(input_ids, self.embed)
+        x = torch.empty_like(residual)  # each norm's output, reused layer after layer
+        act = residual.new_empty(t, c.intermediate_size)
+        cos, sin = self.rope.tables(residual.dtype)
+        qs, ks = c.q_size, c.kv_size
+        h: Tensor | None = None  # the last sublayer's output, not yet in the residual
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, LlamaLayer)
+            if h is None:
+                ops.rms_norm(residual, layer.input_norm, eps, x)
+            else:
+                ops.add_rms_norm(h, residual, layer.input_norm, eps, x)
+            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            ops.rope_qkv(qkv, cos, sin, positions, c.num_heads, c.num_kv_heads, c.head_dim)
+            o = attn(i, qkv[:, :qs].view(t, c.num_heads, c.head_dim),
+                     qkv[:, qs:qs + ks].view(t, c.num_kv_heads, c.head_dim),
+                     qkv[:, qs + ks:].view(t, c.num_kv_heads, c.head_dim))
+            h = F.linear(o.reshape(t, qs), layer.o_weight)
+            ops.add_rms_norm(h, residual, layer.post_norm, eps, x)
+            ops.silu_mul(F.linear(x, layer.gate_up_weight), act)
+            h = F.linear(act, layer.down_weight)
+        return self.logits(residual if h is None else residual + h, logits_indices)
 
     def norm(self, x: Tensor, weight: Tensor) -> Tensor:
         """The model's RMSNorm (Llama's; Gemma's scales by 1 + w)."""

@@ -100,6 +100,11 @@ class RotaryEmbedding:
         self._cos, self._sin = freqs.cos(), freqs.sin()
         self._cast.clear()
 
+    def tables(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The whole cos and sin tables as ``dtype``, (capacity, head_dim // 2) each
+        (what a kernel that gathers by position itself reads)."""
+        return self._tables(dtype)
+
     def _tables(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         if dtype not in self._cast:
             self._cast[dtype] = (self._cos.to(dtype), self._sin.to(dtype))
