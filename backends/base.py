@@ -258,6 +258,16 @@ class KVBackend(ABC):
         """The attention implementation actually used (part of the run's record)."""
         return "torch"
 
+    def graph_unsafe_reason(self) -> str | None:
+        """Why a decode step of this backend cannot be replayed from a captured graph
+        (harness.engine.graphs), or None when it can: everything its attention reads
+        per step is the step's batch (whose tensors a replay refreshes in place), no
+        per-step tensor made in begin_step, no host value that changes between steps of
+        one batch bucket, and padded rows (slot :attr:`pad_slot`, length 1) harmless."""
+        return f"backend {self.name} prepares per-step state outside the batch"
+
+    pad_slot: int = -1  # where a padded row of a replayed batch stores its K/V
+
     @property
     def trigger(self) -> str | None:
         """When an eviction method compresses a prompt (``run.prefill``: ``full``, once

@@ -79,6 +79,13 @@ class PagedBackend(PagedStorageBackend):
                                self.window_sinks)
         return KVCosts(self.full_slot_bytes(), self.block_size)
 
+    def graph_unsafe_reason(self) -> str | None:
+        # A decode step reads its batch only (tables, lengths, slots); the split count is
+        # the table width's, fixed per bucket. Subclasses that add per-step state say so.
+        if type(self).begin_step is not PagedBackend.begin_step:
+            return super().graph_unsafe_reason()
+        return None
+
     def requested_kernel(self) -> str:
         """``backend.kernel`` as this backend can honour it (subclasses narrow it)."""
         assert isinstance(self.opts, PagedOptions)

@@ -65,6 +65,12 @@ class QuantizedBackend(PagedBackend):
         assert isinstance(self.opts, QuantizedOptions)
         self.sink_tokens = self.opts.sink_tokens
 
+    def graph_unsafe_reason(self) -> str | None:
+        # Its begin_step adds only the sink rows, None without sinks.
+        if self.sink_tokens:
+            return "backend.sink_tokens > 0 finds its sink rows on the host every step"
+        return None
+
     def requested_kernel(self) -> str:
         # Full-precision sinks are a torch-path feature: auto then means torch (recorded
         # in run.kernel, never a silent switch).
@@ -97,7 +103,10 @@ class QuantizedBackend(PagedBackend):
                              f"backend.block_size={sizing.block_size}")
         lay = self.layout
         self.block_size = sizing.block_size
-        shape = (sizing.num_blocks, sizing.block_size, lay.num_kv_heads, lay.head_dim)
+        # (+1: the pad block of a replayed decode batch, as PagedStorageBackend's)
+        shape = (sizing.num_blocks + 1, sizing.block_size, lay.num_kv_heads, lay.head_dim)
+        self.pad_block = sizing.num_blocks
+        self.pad_slot = sizing.num_blocks * sizing.block_size
         dev, n = self.device, self.storage_layers  # per layer, or per group position
         self.k_cache = [torch.zeros(shape, dtype=self.cache_dtype, device=dev)
                         for _ in range(n)]
@@ -105,7 +114,7 @@ class QuantizedBackend(PagedBackend):
         self.k_scale = [torch.zeros(shape[:3], dtype=torch.float32, device=dev)
                         for _ in range(n)]
         self.v_scale = [torch.zeros_like(t) for t in self.k_scale]
-        sink_shape = (sizing.num_blocks, self.sink_tokens, lay.num_kv_heads, lay.head_dim)
+        sink_shape = (sizing.num_blocks + 1, self.sink_tokens, lay.num_kv_heads, lay.head_dim)
         self.k_sink = [torch.zeros(sink_shape, dtype=lay.dtype, device=dev)
                        for _ in range(n if self.sink_tokens else 0)]
         self.v_sink = [torch.zeros_like(t) for t in self.k_sink]

@@ -165,6 +165,24 @@ class WandbLoggerSpec(LoggerSpec):
 RECORD_FORMATS = ("csv", "parquet")
 
 
+CUDA_GRAPHS = ("auto", "off", "on")
+
+
+@dataclass
+class EngineSpec:
+    """How the model executor runs a step (``engine.*``)."""
+
+    # Decode steps replayed from CUDA graphs captured per batch bucket at start-up
+    # (harness.engine.graphs): auto = on with CUDA where the backend is graph-safe and
+    # nothing counts per-step touches (KVBENCH_CHECK); on = the same, refused without
+    # CUDA or with a backend that is not graph-safe; off = every step eager. The run
+    # records what it did in run.cuda_graphs.
+    cuda_graphs: str = "auto"
+
+    def __post_init__(self) -> None:
+        one_of(self, "engine", "cuda_graphs", CUDA_GRAPHS)
+
+
 @dataclass
 class RecordsSpec:
     """How a run writes its per-step and per-request records (``records.*``)."""
@@ -194,6 +212,7 @@ class RunConfig:
     quality: QualityConfig = field(default_factory=QualityConfig)
     slo: SLOConfig = field(default_factory=SLOConfig)  # goodput targets (metrics.goodput)
     records: RecordsSpec = field(default_factory=RecordsSpec)
+    engine: EngineSpec = field(default_factory=EngineSpec)
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     # torch's intra-op threads on CPU (0 = torch's default). 1 by default: on a shared

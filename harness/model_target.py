@@ -7,8 +7,11 @@ from typing import Any
 import torch
 
 from harness.config import RunConfig
+from harness.engine.executor import ModelExecutor
+from harness.engine.graphs import setup_graphs
 from harness.engine.sampler import make_sampler
 from harness.errors import UserError
+from harness.kv.groups import GroupedKVManager
 from harness.metrics.groups import group_metrics
 from harness.metrics.requestlog import RequestLog
 from harness.metrics.tasks import add_task_scores
@@ -49,6 +52,7 @@ class ModelTarget:
             torch.set_num_threads(rc.cpu_threads)
         self.loaded = load_model(rc.model.source, rc.model.path, rc.model.dtype, self.device)
         self.texts: list[list[int]] | None = None
+        self.cuda_graphs = "off"  # what run.cuda_graphs records (set by build)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -63,15 +67,23 @@ class ModelTarget:
         # The texts before the stack: a bad quality.text_file fails before the run.
         if self.texts is None and rc.quality.enabled:
             self.texts = load_texts(rc.quality, self.loaded)
-        return build_stack(self.loaded, self.device, rc.backend, rc.cache, rc.scheduler,
-                           make_sampler(rc.seed, self.device), request_shapes(workload),
-                           quiet=quiet)
+        st = build_stack(self.loaded, self.device, rc.backend, rc.cache, rc.scheduler,
+                         make_sampler(rc.seed, self.device), request_shapes(workload),
+                         quiet=quiet)
+        ex = st.engine.executor
+        assert isinstance(ex, ModelExecutor)
+        ex.graphs, self.cuda_graphs = setup_graphs(
+            rc.engine.cuda_graphs, self.loaded.model, st.backend, self.device,
+            isinstance(st.kv, GroupedKVManager), st.scheduler.cfg.max_num_seqs,
+            st.scheduler.cfg.max_model_len, st.sizing.block_size)
+        return st
 
     def record(self, st: Stack, sim_wall_s: float, sim_cpu_s: float) -> ExecutorRecord:
         run = {
             "executor": "model", "model": self.loaded.description, "kernel": st.backend.kernel,
             "device": str(self.device),
             "dtype": str(st.backend.layout.dtype).removeprefix("torch."),
+            "cuda_graphs": self.cuda_graphs,
         }
         layers = self.loaded.config.layer_attention
         if layers:

@@ -125,10 +125,16 @@ def compare(old: Path, new: Path, name: str) -> list[str]:
                 problems.append(f"{name}/{fname} row {i}: {dict(list(diff.items())[:4])}")
                 break
     ma, mb = _metrics(a / "metrics.json"), _metrics(b / "metrics.json")
-    diff = {k: (ma.get(k), mb.get(k)) for k in set(ma) | set(mb) if ma.get(k) != mb.get(k)}
+    # A key only this side has is an addition (DESIGN.md: add keys, never rename them),
+    # listed apart; a key changed or gone is a difference.
+    diff = {k: (ma.get(k), mb.get(k)) for k in ma if ma.get(k) != mb.get(k)}
     if diff:
         problems.append(f"{name}/metrics.json: {dict(sorted(diff.items())[:6])}")
+    ADDED.update(set(mb) - set(ma))
     return problems
+
+
+ADDED: set[str] = set()  # metrics keys this side added (compare() fills it)
 
 
 def snapshot(rev: str, dest: Path) -> None:
@@ -176,6 +182,8 @@ def main() -> int:
     problems = [x for n in names for x in compare(work / "old", work / "new", n)]
     for line in problems:
         print(line)
+    if ADDED:
+        print(f"metrics keys added here (not compared): {', '.join(sorted(ADDED))}")
     print(f"records_equal: {len(names) - len({x.split('/')[0] for x in problems})} of "
           f"{len(names)} runs equal to {a.rev} ({work})")
     if a.keep is None and not problems:

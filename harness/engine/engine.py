@@ -159,9 +159,9 @@ class Engine:
                 col.on_rejected(stuck)
             return False
         out = self.executor.forward(rec)
-        forward_s = out.forward_s
         sch.end_forward()
         outcome = self._sample(out, [s.seq for s in out.samplers])
+        forward_s = out.forward_seconds()  # (CUDA events: ready once the tokens are read)
         outcome.scores = self.executor.take_scores()
         upd = sch.update(rec, outcome)
         t_tok = clock.now()

@@ -19,6 +19,7 @@ import torch
 from harness.backends.base import KVBackend
 from harness.backends.costs import LaneSums, StepReads, step_reads
 from harness.engine.batch import InputBuilder, group_batch
+from harness.engine.graphs import DecodeGraphs
 from harness.kv.base import KVManager, StepScores
 from harness.kv.groups import GroupedKVManager
 from harness.model.llama import LlamaModel
@@ -58,6 +59,19 @@ class StepOutput:
     reads: StepReads  # what the step's attention read, as the backend declares it
     one_hot: list[int] | None = None
     vocab: int = 0  # the one-hot rows' width
+    # On CUDA: events around the forward, read once the step's tokens are (no sync of
+    # its own); forward_s is then filled by forward_seconds().
+    timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+
+    def forward_seconds(self) -> float:
+        """The forward's seconds: measured on the host, or by the CUDA events (read after
+        the step's one sync, the sampled ids, so reading them waits for nothing)."""
+        if self.timing is not None:
+            start, end = self.timing
+            end.synchronize()
+            self.forward_s = start.elapsed_time(end) / 1e3
+            self.timing = None
+        return self.forward_s
 
     def dense_logits(self) -> torch.Tensor:
         """``logits``, made from ``one_hot`` the first time they are asked for."""
@@ -119,6 +133,9 @@ class ModelExecutor:
         self.clock: Clock = WallClock()
         self.kv: KVManager | None = None
         self.inputs = InputBuilder(device)  # the step's metadata, in persistent buffers
+        # Decode steps replayed per batch bucket (harness.engine.graphs), when the run has
+        # them (harness.engine.graph_setup); None: every step eager.
+        self.graphs: DecodeGraphs | None = None
 
     def bind(self, kv: KVManager) -> None:
         self.kv = kv
@@ -139,6 +156,7 @@ class ModelExecutor:
     def forward(self, rec: StepRecord) -> StepOutput:
         kv = self.kv
         assert kv is not None, "bind() the KV manager first"
+        bucket: int | None = None  # the graph bucket this step replays in (None: eager)
         if isinstance(kv, GroupedKVManager):  # each layer attends through its group's
             inputs = self.inputs.build(rec, kv, kv.members, kv.block_size)
             if CHECKS and not kv.chooses:  # positional: the first group's slots read from
@@ -148,17 +166,29 @@ class ModelExecutor:
             self.backend.begin_groups(inputs.groups)
         else:
             inputs = self.inputs.build(rec, kv)
-            self.backend.begin_step(inputs.attn)
+            bucket = self.graphs.bucket(inputs) if self.graphs is not None else None
+            if bucket is None:  # (a replay begins the step on its own static batch)
+                self.backend.begin_step(inputs.attn)
         self.backend.staging.end()  # what the cache ops and begin_step wrote is copied
+        cuda = self.device.type == "cuda"
+        timing = (torch.cuda.Event(enable_timing=True),
+                  torch.cuda.Event(enable_timing=True)) if cuda else None
         tf = time.perf_counter()
-        with torch.inference_mode():
-            logits = self.model(inputs.input_ids, inputs.positions, self.backend.attend,
-                                inputs.logits_rows)
+        if timing is not None:
+            timing[0].record()
+        if self.graphs is not None and bucket is not None:
+            logits = self.graphs.run(inputs, bucket)
+        else:
+            with torch.inference_mode():
+                logits = self.model(inputs.input_ids, inputs.positions, self.backend.attend,
+                                    inputs.logits_rows)
+        if timing is not None:
+            timing[1].record()
         forward_s = time.perf_counter() - tf
         reads = step_reads(rec, kv, self.backend.costs())
         if CHECKS and self.backend.track_touches:
             check_touched(rec, reads, self.backend, kv)
-        return StepOutput(logits, inputs.samplers, forward_s, reads)
+        return StepOutput(logits, inputs.samplers, forward_s, reads, timing=timing)
 
     def take_scores(self) -> StepScores | None:
         return self.backend.take_scores()
