@@ -56,11 +56,14 @@ class PagedStorageBackend(KVBackend):
 
     def allocate(self, sizing: CacheSizing) -> None:
         lay = self.layout
-        # One block past the pool's (never in a table): where the padded rows of a
-        # replayed decode batch store and read (harness.engine.graphs); not charged.
-        shape = (sizing.num_blocks + 1, sizing.block_size, lay.num_kv_heads, lay.head_dim)
-        self.pad_block = sizing.num_blocks
-        self.pad_slot = sizing.num_blocks * sizing.block_size
+        # A graph-safe backend gets one block past the pool's (never in a table): where
+        # the padded rows of a replayed decode batch store and read (harness.engine.
+        # graphs); not charged.
+        pad = self.graph_unsafe_reason() is None
+        shape = (sizing.num_blocks + pad, sizing.block_size, lay.num_kv_heads, lay.head_dim)
+        if pad:
+            self.pad_block = sizing.num_blocks
+            self.pad_slot = sizing.num_blocks * sizing.block_size
         self.block_size = sizing.block_size
         # One tensor per storage layer: every layer, or under KV cache groups one per group
         # position, each block owned by whichever group took it (LayerSlot).
