@@ -144,3 +144,20 @@ def test_the_engine_runs_forks_on_the_device_sampler(monkeypatch: pytest.MonkeyP
     assert all(r["status"] == "finished" for r in rows)
     outs = [tuple(o) for o in first.outputs.values()]
     assert len(set(outs)) > 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_noise_and_the_draws_are_the_cpus() -> None:
+    """The hash is integer arithmetic: the same bits on CUDA; and the sampler reads once."""
+    dev = torch.device("cuda")
+    keys, counters = torch.tensor([0, 7, 123456789]), torch.tensor([1, 2, 2048])
+    assert torch.equal(uniform_bits(keys.to(dev), counters.to(dev), 999).cpu(),
+                       uniform_bits(keys, counters, 999))
+    logits = torch.randn(16, 300)
+    seqs = [seq(r, temperature=0.9, top_p=0.95) for r in range(16)]
+    on_cpu = DeviceSampler(seed=3, device=CPU).sample(logits, seqs)
+    on_cuda = DeviceSampler(seed=3, device=dev).sample(logits.to(dev), seqs)
+    # The same keys and noise; the logits' float arithmetic may differ by an ulp, which
+    # can flip a near tie: nearly all rows agree.
+    assert sum(a == b for a, b in zip(on_cpu, on_cuda)) >= 15

@@ -89,6 +89,22 @@ def test_engine_sections_run_every_backend_through_the_runner(dry_run: Path,
     if shape.backends is None:
         assert rows["flex"]["kernel"] == "flex_eager"
         assert rows["paged-torch"]["kernel"] == "torch"
+        # On the CPU no graph replays: said, not silent; the -eager rows turned them off.
+        assert rows["paged"]["cuda_graphs"] == "off: no CUDA device"
+        assert rows["paged-eager"]["cuda_graphs"] == "off: engine.cuda_graphs=off"
+    assert data["weight_bytes"] > 0
+
+
+def test_weight_bytes_are_the_models_own() -> None:
+    """The engine section's weight-read floor counts every weight of the model once (the
+    tied embedding once), in its dtype."""
+    from harness.gpucheck.engine_checks import weight_bytes
+    from harness.model import load_model
+
+    for source in ("tiny", "tiny-bias", "tiny-deep"):
+        model = load_model(source).model
+        want = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert weight_bytes(["model=tiny", f"model.source={source}"]) == want, source
 
 
 def test_roofline_section_fits_the_h200_spec_code_path(dry_run: Path) -> None:

@@ -58,11 +58,12 @@ def test_who_replays_and_why_not() -> None:
         run_config(compose_config(["model=tiny", "engine.cuda_graphs=yes"]))
 
 
-def _run(backend: str, kernel: str | None, graphs: bool) -> tuple[dict[int, list[int]],
-                                                                  list[float], set[int]]:
+def _run(backend: str, kernel: str | None, graphs: bool,
+         device: str = "cpu") -> tuple[dict[int, list[int]], list[float], set[int]]:
     """A run whose batch shrinks as requests finish (buckets 8, 4, 2, 1); with
-    ``graphs``, every decode step is also run eagerly first and the logits compared."""
-    ov = ["model=tiny", "device=cpu", f"backend={backend}", "workload=random",
+    ``graphs``, every decode step is also run eagerly first and the logits compared
+    (on the CPU the traced stand-in replays, on CUDA a CUDA graph)."""
+    ov = ["model=tiny", f"device={device}", f"backend={backend}", "workload=random",
           "workload.num_requests=6", "workload.distribution=uniform", "workload.input_min=9",
           "workload.input_max=40", "workload.output_min=3", "workload.output_max=14",
           "cache.kv_budget=8MiB", "scheduler.max_num_seqs=8", "scheduler.max_model_len=256"]
@@ -73,16 +74,18 @@ def _run(backend: str, kernel: str | None, graphs: bool) -> tuple[dict[int, list
     target = ModelTarget(rc)
     wl = make_workload(rc.workload, target.tokenizer)
     st = target.build(wl, quiet=True)
-    assert target.cuda_graphs == "off: no CUDA device"
+    cuda = device == "cuda"
+    assert target.cuda_graphs == ("off: KVBENCH_CHECK counts what each step's attention "
+                                  "touched" if cuda else "off: no CUDA device")
     ex = st.engine.executor
     assert isinstance(ex, ModelExecutor)
     errors: list[float] = []
     used: set[int] = set()
     if graphs:
         st.backend.track_touches = False  # (KVBENCH_CHECK's touch counts: per step)
-        g, label = setup_graphs("on", target.loaded.model, st.backend, CPU,
+        g, label = setup_graphs("on", target.loaded.model, st.backend, torch.device(device),
                                 isinstance(st.kv, GroupedKVManager), 8, 256,
-                                st.sizing.block_size, capture=TraceCapture())
+                                st.sizing.block_size, capture=None if cuda else TraceCapture())
         assert g is not None and label.startswith("on: 4 batch buckets")
         ex.graphs = g
         replay = DecodeGraphs.run
@@ -114,4 +117,17 @@ def test_a_replayed_decode_step_gives_the_eager_logits(backend: str, kernel: str
     out, errors, used = _run(backend, kernel, graphs=True)
     assert used == {1, 2, 4, 8}, used  # every bucket, padded and not
     assert len(errors) >= 12 and max(errors) < 1e-4, errors
+    assert out == eager_out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend,kernel", [("paged", "triton"), ("fp8", "triton"),
+                                            ("paged", "torch")])
+def test_cuda_graph_replays_give_the_eager_logits(backend: str, kernel: str) -> None:
+    """The same check with real CUDA graphs (compiled kernels, one memory pool)."""
+    eager_out, _, _ = _run(backend, kernel, graphs=False, device="cuda")
+    out, errors, used = _run(backend, kernel, graphs=True, device="cuda")
+    assert used == {1, 2, 4, 8}, used
+    assert max(errors) < 1e-3, errors
     assert out == eager_out

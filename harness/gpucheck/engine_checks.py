@@ -7,8 +7,11 @@ prompts and a few output tokens, so that it takes the same kernel variants (the 
 decode and its combine kernel among them: a 2-request warm-up did not, and the first H200
 run compiled them inside the measured run); ``slow_steps`` counts steps over twice their
 kind's median, to show if one still does. Reported per backend: output and
-total tokens/s over the run's wall time, the mean step, the median decode-only step and the
-median prefill step, the kernel actually used, and whether the run finished every request.
+total tokens/s over the run's wall time, the mean step, the median decode-only step (and
+its ratio to reading the weights once at the measured copy bandwidth: 1 is a decode step
+paced by its weights alone) and the median prefill step, the kernel actually used, whether
+decode steps replayed CUDA graphs (``run.cuda_graphs``; the ``-eager`` rows turn them off),
+and whether the run finished every request.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ def engine_row(metrics: dict[str, Any], steps: Sequence[Any]) -> dict[str, Any]:
     slow = _over_twice_median(decode) + _over_twice_median(prefill)
     return {
         "kernel": metrics["run.kernel"], "model": metrics["run.model"],
+        "cuda_graphs": metrics.get("run.cuda_graphs"),
         "device": metrics["run.device"],
         "output_tok_s": metrics["throughput.output_tokens_per_s"],
         "total_tok_s": metrics["throughput.total_tokens_per_s"],
@@ -107,11 +111,46 @@ def run_backend(profile: Profile, shape: EngineShape, label: str,
     return row
 
 
+def weight_bytes(overrides: list[str]) -> int | None:
+    """Bytes of the weights of the model ``overrides`` choose, from its preset's shape
+    (a tiny or random-weight preset; None for a model read from files)."""
+    from harness.model import RANDOM_PRESETS, TINY_PRESETS
+
+    model = compose_run(overrides).model
+    c = {**TINY_PRESETS, **RANDOM_PRESETS}.get(model.source)
+    if c is None:
+        return None
+    h, inter = c.hidden_size, c.intermediate_size
+    layer = h * (c.q_size + 2 * c.kv_size) + c.q_size * h + 3 * h * inter + 2 * h
+    if c.attention_bias:
+        layer += c.q_size + 2 * c.kv_size
+    params = c.vocab_size * h * (1 if c.tie_word_embeddings else 2) + c.num_layers * layer + h
+    return params * torch.empty(0, dtype=getattr(torch, model.dtype)).element_size()
+
+
+def weight_read_ms(ctx: SectionContext, nbytes: int | None) -> float | None:
+    """Reading the weights once at the copy bandwidth the bandwidth section measured
+    (None when either is unknown): the floor of a decode step."""
+    path = ctx.out / "kernel-bandwidth.json"
+    if nbytes is None or not path.exists():
+        return None
+    import json
+
+    gbps = json.loads(path.read_text()).get("copy_gbps")
+    return None if not gbps else nbytes / (gbps * 1e9) * 1e3
+
+
 def engine_section(ctx: SectionContext, shape: EngineShape) -> dict[str, Any]:
     p = ctx.profile
     result: dict[str, Any] = {"shape": shape.name, "overrides": list(shape.overrides),
                               "workload": list(p.workload), "kv_budget": shape.kv_budget,
                               "rows": []}
+    try:
+        result["weight_bytes"] = weight_bytes([*shape.overrides, *p.engine_common])
+    except Exception as e:  # a figure for the summary, not the section's verdict
+        result["weight_bytes_error"] = error_text(e)
+    floor = weight_read_ms(ctx, result.get("weight_bytes"))
+    result["weight_read_ms"] = floor
     backends = [(label, b) for label, b in ENGINE_BACKENDS
                 if shape.backends is None or label in shape.backends]
     for i, (label, backend) in enumerate(backends):
@@ -122,7 +161,9 @@ def engine_section(ctx: SectionContext, shape: EngineShape) -> dict[str, Any]:
             continue
         # An even share of what is left, but a backend may use the time others did not.
         share = max(p.min_backend_s, left / (len(backends) - i))
-        result["rows"].append(run_backend(p, shape, label, backend,
-                                          min(left - 0.5, 2.5 * share)))
+        row = run_backend(p, shape, label, backend, min(left - 0.5, 2.5 * share))
+        if floor and row.get("decode_step_ms_p50"):
+            row["decode_over_weight_read"] = row["decode_step_ms_p50"] / floor
+        result["rows"].append(row)
         ctx.save(result)
     return result

@@ -45,6 +45,9 @@ ENGINE_BACKENDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("sliding_window", ("backend=sliding_window",)),
     ("h2o", ("backend=h2o",)),
     ("paged-torch", ("backend=paged", "backend.kernel=torch")),
+    # The same backends with every step eager: what the decode graphs buy (issue #50).
+    ("paged-eager", ("backend=paged", "engine.cuda_graphs=off")),
+    ("fp8-eager", ("backend=fp8", "engine.cuda_graphs=off")),
     ("flex", ("backend=flex",)),
 )
 

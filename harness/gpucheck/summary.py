@@ -91,18 +91,24 @@ def bandwidth_lines(d: dict[str, Any]) -> list[str]:
 
 
 def engine_lines(d: dict[str, Any]) -> list[str]:
-    table = [[r["backend"], str(r.get("kernel", "-")), _f(r.get("output_tok_s"), "{:.0f}"),
+    table = [[r["backend"], str(r.get("kernel", "-")),
+              str(r.get("cuda_graphs") or "-").split(":")[0],
+              _f(r.get("output_tok_s"), "{:.0f}"),
               _f(r.get("total_tok_s"), "{:.0f}"), _f(r.get("decode_step_ms_p50")),
+              _f(r.get("decode_over_weight_read"), "{:.1f}"),
               _f(r.get("prefill_step_ms_p50")), _f(r.get("step_ms_mean")),
               str(r.get("slow_steps", "-")), str(r.get("finished", "-")),
               (r.get("error") or "")[:120].replace("|", "/")]
              for r in d.get("rows", [])]
     model = next((r["model"] for r in d.get("rows", []) if r.get("model")), d.get("shape"))
-    head = ["backend", "kernel", "output tok/s", "total tok/s", "decode step ms (p50)",
-            "prefill step ms (p50)", "step ms (mean)", "steps > 2x median", "finished",
-            "error"]
+    head = ["backend", "kernel", "graphs", "output tok/s", "total tok/s",
+            "decode step ms (p50)", "x weight read", "prefill step ms (p50)",
+            "step ms (mean)", "steps > 2x median", "finished", "error"]
+    floor = d.get("weight_read_ms")
     return [f"Model: {model}; workload {' '.join(d.get('workload', []))}; KV budget "
-            f"{d.get('kv_budget')}.", "", *_table(head, table)]
+            f"{d.get('kv_budget')}; reading its weights once: "
+            f"{_f(floor, '{:.3f}')} ms at the measured copy bandwidth.", "",
+            *_table(head, table)]
 
 
 def gpu_tests_lines(d: dict[str, Any]) -> list[str]:
