@@ -88,7 +88,11 @@ class ModelTarget:
         layers = self.loaded.config.layer_attention
         if layers:
             run["kv_groups"] = kv_plan_label(layers, st.kv)
-        return ExecutorRecord(run, group_metrics(st.kv, st.sizing, st.collector.steps))
+        metrics = group_metrics(st.kv, st.sizing, st.collector.steps)
+        ex = st.engine.executor
+        if isinstance(ex, ModelExecutor) and ex.graphs is not None:
+            metrics["memory.cuda_graph_bytes"] = ex.graphs.nbytes
+        return ExecutorRecord(run, metrics)
 
     def score(self, st: Stack, workload: Workload, outputs: dict[int, list[int]],
               metrics: dict[str, Any], rows: RequestLog) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, open_dict
 
@@ -23,3 +24,26 @@ def tiny(*overrides: str, out_dir: Path | None = None) -> DictConfig:
             "workload.system_words=20", "workload.user_words=6", "workload.answer_tokens=8",
             "cache.kv_budget=256KiB"]
     return compose_cfg([*base, *overrides], out_dir)
+
+
+def random_lengths(requests: int, prompt: tuple[int, int], output: tuple[int, int]) -> list[str]:
+    """Overrides for the `random` workload: ``requests`` at once, prompt and output
+    lengths uniform in the given (min, max)."""
+    return ["workload=random", f"workload.num_requests={requests}",
+            "workload.distribution=uniform", f"workload.input_min={prompt[0]}",
+            f"workload.input_max={prompt[1]}", f"workload.output_min={output[0]}",
+            f"workload.output_max={output[1]}"]
+
+
+def model_stack(overrides: list[str]) -> tuple[Any, Any, Any]:
+    """(the model target, the workload, the built stack) of a composed run, without
+    running it: for tests that drive or watch the engine themselves."""
+    from harness.config import run_config
+    from harness.model_target import ModelTarget
+    from harness.workloads import make_workload
+
+    rc = run_config(compose_config(overrides))
+    rc.workload.seed = rc.seed
+    target = ModelTarget(rc)
+    wl = make_workload(rc.workload, target.tokenizer)
+    return target, wl, target.build(wl, quiet=True)

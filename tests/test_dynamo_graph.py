@@ -11,9 +11,7 @@ import pytest
 import torch
 
 import harness.engine.executor as ex
-from harness.config import compose_config, run_config
-from harness.model_target import ModelTarget
-from harness.workloads import make_workload
+from tests.compose import model_stack, random_lengths
 
 GRAPH_SAFE = ["paged", "contiguous", "fp8", "int8", "sliding_window", "streaming_llm",
               "h2o", "tova", "snapkv", "knorm", "quest", "kivi"]
@@ -23,17 +21,11 @@ TRITON = ["paged", "fp8", "int8", "sliding_window"]
 def explain_decode_steps(backend: str, kernel: str | None, steps: int = 2) -> list[Any]:
     """``torch._dynamo.explain`` of the model's forward on the first ``steps`` decode
     steps of a small run (the inputs and backend state as the engine made them)."""
-    ov = ["model=tiny", "device=cpu", f"backend={backend}", "workload=random",
-          "workload.num_requests=3", "workload.distribution=uniform",
-          "workload.input_min=20", "workload.input_max=20", "workload.output_min=6",
-          "workload.output_max=6", "cache.kv_budget=8MiB"]
+    ov = ["model=tiny", "device=cpu", f"backend={backend}", "cache.kv_budget=8MiB",
+          *random_lengths(3, (20, 20), (6, 6))]
     if kernel is not None:
         ov.append(f"backend.kernel={kernel}")
-    rc = run_config(compose_config(ov))
-    rc.workload.seed = 0
-    target = ModelTarget(rc)
-    wl = make_workload(rc.workload, target.tokenizer)
-    st = target.build(wl, quiet=True)
+    _, wl, st = model_stack(ov)
     # What KVBENCH_CHECK adds (counting what the attention touched) is not the measured
     # path: off, as in a user's run.
     st.backend.track_touches = False

@@ -24,8 +24,7 @@ from harness.engine.graphs import (
 )
 from harness.errors import UserError
 from harness.kv.groups import GroupedKVManager
-from harness.model_target import ModelTarget
-from harness.workloads import make_workload
+from tests.compose import model_stack, random_lengths
 
 CPU = torch.device("cpu")
 
@@ -63,17 +62,12 @@ def _run(backend: str, kernel: str | None, graphs: bool,
     """A run whose batch shrinks as requests finish (buckets 8, 4, 2, 1); with
     ``graphs``, every decode step is also run eagerly first and the logits compared
     (on the CPU the traced stand-in replays, on CUDA a CUDA graph)."""
-    ov = ["model=tiny", f"device={device}", f"backend={backend}", "workload=random",
-          "workload.num_requests=6", "workload.distribution=uniform", "workload.input_min=9",
-          "workload.input_max=40", "workload.output_min=3", "workload.output_max=14",
-          "cache.kv_budget=8MiB", "scheduler.max_num_seqs=8", "scheduler.max_model_len=256"]
+    ov = ["model=tiny", f"device={device}", f"backend={backend}", "cache.kv_budget=8MiB",
+          "scheduler.max_num_seqs=8", "scheduler.max_model_len=256",
+          *random_lengths(6, (9, 40), (3, 14))]
     if kernel is not None:
         ov.append(f"backend.kernel={kernel}")
-    rc = run_config(compose_config(ov))
-    rc.workload.seed = 0
-    target = ModelTarget(rc)
-    wl = make_workload(rc.workload, target.tokenizer)
-    st = target.build(wl, quiet=True)
+    target, wl, st = model_stack(ov)
     cuda = device == "cuda"
     assert target.cuda_graphs == ("off: KVBENCH_CHECK counts what each step's attention "
                                   "touched" if cuda else "off: no CUDA device")

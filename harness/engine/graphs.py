@@ -101,6 +101,7 @@ class DecodeGraphs:
         self.rows = torch.arange(n, dtype=torch.int64, device=device)
         self.batches: dict[int, AttentionBatch] = {}
         self.graphs: dict[int, Callable[[], Tensor]] = {}
+        self.nbytes = 0  # device memory the capture reserved (setup_graphs measures it)
 
     def _batch(self, b: int) -> AttentionBatch:
         return AttentionBatch(slot_mapping=self.slots[:b], positions=self.positions[:b],
@@ -190,8 +191,13 @@ def setup_graphs(setting: str, model: LlamaModel, backend: KVBackend, device: to
     why = graphs_unavailable(setting, device, backend, grouped) if capture is None else None
     if why is not None:
         return None, f"off: {why}"
+    cuda = device.type == "cuda"
+    before = torch.cuda.memory_reserved(device) if cuda else 0
     graphs = DecodeGraphs(model, backend, device, max_num_seqs,
                           -(-max_model_len // block_size), capture or CudaCapture(device))
     graphs.capture_all()
+    # What the graphs hold beside the KV cache (their pool, static buffers): device
+    # memory the KV budget did not count (the cache was allocated first).
+    graphs.nbytes = torch.cuda.memory_reserved(device) - before if cuda else 0
     b = graphs.buckets
     return graphs, f"on: {len(b)} batch buckets, {b[0]}..{b[-1]}"
