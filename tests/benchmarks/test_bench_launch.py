@@ -18,8 +18,8 @@ import torch
 
 pytest.importorskip("triton")
 
-import harness.kernels.ops  # noqa: F401,E402  (registers torch.ops.kvbench.*)
-from harness.kernels import decode, layers, store  # noqa: E402
+import harness.kernels.ops  # noqa: F401  (registers torch.ops.kvbench.*)
+from harness.kernels import decode, layers, store
 
 B, H, KV, D, BS, NB, HIDDEN, INTER = 32, 32, 8, 128, 16, 512, 4096, 14336
 
