@@ -7,9 +7,10 @@ fewer bytes). The CPU tier is one host tensor per block tensor (pinned when the 
 CUDA, so copies can run asynchronously); the disk tier is :class:`DiskTier`.
 
 The disk tier does **not** outlive a run: each run writes into a fresh folder of its own
-(``run-<pid>-<random>``) under ``cache.tiers.disk_dir`` and removes it when it ends. A
-folder left by a run that died (``kill -9``, a lost machine: its pid is gone) is removed,
-unread, by the next run that opens the same parent, and said so; no run ever reads
+(``run-<pid>-<random>``, marked with a :data:`MARKER` file written as it is made) under
+``cache.tiers.disk_dir`` and removes it when it ends. A marked folder left by a run that
+died (``kill -9``, a lost machine: its pid is gone) is removed, unread, by the next run
+that opens the same parent, and said so; nothing unmarked is ever removed; no run ever reads
 another run's blocks, so a block from another model, backend or layout cannot come back.
 Within a run every file is written to a temporary name and renamed when complete (a
 reader never sees half a block), and carries a header with its slot, length and CRC-32,
@@ -41,6 +42,26 @@ _HEADER = struct.Struct("<8sqqI")  # magic, slot, payload bytes, crc32
 # Tests: a path; a write then stops halfway through its temporary file, creates this
 # path and waits to be killed (tests/test_tier_storage.py kills it with SIGKILL there).
 PAUSE_ENV = "KVBENCH_TEST_DISK_PAUSE"
+
+
+# A disk tier's folder holds this file from its creation: "kvbench disk tier, pid <pid>".
+MARKER = "KVBENCH_DISK_TIER"
+MARKER_TEXT = "kvbench disk tier, pid "
+
+
+def _marked_pid(d: Path) -> int | None:
+    """The pid of the run whose disk tier made folder ``d``, or None when ``d`` is not
+    one (not a real folder, no marker, or a marker of another text)."""
+    if d.is_symlink() or not d.is_dir():
+        return None
+    try:
+        text = (d / MARKER).read_text()
+    except OSError:
+        return None
+    if not text.startswith(MARKER_TEXT):
+        return None
+    pid = text[len(MARKER_TEXT):].strip()
+    return int(pid) if pid.isdigit() and int(pid) > 0 else None
 
 
 class CorruptBlock(RuntimeError):
@@ -78,23 +99,28 @@ class DiskTier:
         self.num_blocks = num_blocks
         self.dir = root / f"run-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.dir.mkdir()
-        (self.dir / "OWNER").write_text(f"{os.getpid()}\n")
+        # The marker is what makes the folder kvbench's: only a marked folder is ever
+        # removed by a later run (a user's own run-* folders under disk_dir are not).
+        (self.dir / MARKER).write_text(f"{MARKER_TEXT}{os.getpid()}\n")
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)
 
     @staticmethod
     def discard_stale(root: Path) -> list[Path]:
-        """Remove the folders of runs whose process is gone; returns them."""
+        """Remove the folders that a disk tier of a process now gone created (marked:
+        :data:`MARKER`); returns them. Anything else under ``root`` (a file, a link, a
+        folder without the marker or with another text in it) is left as it is."""
         gone = []
         for d in sorted(root.glob("run-*")):
+            pid = _marked_pid(d)
+            if pid is None or pid == os.getpid() or _pid_alive(pid):
+                continue  # not a tier's, or one still in use (quality's stacks share a pid)
             try:
-                pid = int((d / "OWNER").read_text().strip())
-            except (OSError, ValueError):
-                pid = int(d.name.split("-")[1]) if d.name.split("-")[1].isdigit() else -1
-            if pid > 0 and pid != os.getpid() and _pid_alive(pid):
+                shutil.rmtree(d)
+            except OSError as e:
+                print(f"kvbench: disk tier: could not remove {d}, left by a run that ended "
+                      f"without cleaning up ({e.strerror or e}); it is never read",
+                      file=sys.stderr)
                 continue
-            if pid == os.getpid():
-                continue  # another tier of this process (quality's stacks): still in use
-            shutil.rmtree(d, ignore_errors=True)
             gone.append(d)
         return gone
 

@@ -121,3 +121,35 @@ def test_a_disk_dir_that_cannot_be_written_says_so(tmp_path: Path) -> None:
         DiskTier(a_file, 2)
     with pytest.raises(UserError, match="give a writable folder"):
         DiskTier(a_file / "below", 2)
+
+
+def test_a_users_run_folders_under_disk_dir_are_never_removed(tmp_path: Path) -> None:
+    """Only what a disk tier made (its marker inside) is cleaned: a user's own run-*
+    folders and files under cache.tiers.disk_dir survive with their contents, also a
+    folder whose OWNER names a dead pid (the old rule removed it) and a link."""
+    from harness.backends.tier_storage import MARKER
+
+    mine = tmp_path / "run-results"
+    mine.mkdir()
+    (mine / "data.csv").write_text("keep me")
+    dead = tmp_path / "run-99999999-abc"  # looks like a tier's, is not marked
+    dead.mkdir()
+    (dead / "OWNER").write_text("99999999\n")
+    (tmp_path / "run-notes.txt").write_text("a file")
+    forged = tmp_path / "run-1-x"
+    forged.mkdir()
+    (forged / MARKER).write_text("something else\n")
+    (tmp_path / "run-link").symlink_to(mine)
+    stale = tmp_path / "run-2-y"  # a real tier's folder of a dead run: removed
+    stale.mkdir()
+    (stale / MARKER).write_text("kvbench disk tier, pid 99999998\n")
+    (stale / "0.kv").write_bytes(b"x")
+    tier = DiskTier(tmp_path, 2)
+    assert tier.discarded == [stale] and not stale.exists()
+    assert (mine / "data.csv").read_text() == "keep me"
+    assert (dead / "OWNER").exists() and (forged / MARKER).exists()
+    assert (tmp_path / "run-notes.txt").read_text() == "a file"
+    assert (tmp_path / "run-link").is_symlink()
+    assert (tier.dir / MARKER).read_text().startswith("kvbench disk tier, pid ")
+    tier.close()
+    assert not tier.dir.exists() and mine.exists()
