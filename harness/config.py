@@ -33,7 +33,7 @@ from harness.quality_config import QualityConfig
 from harness.roofline.config import RooflineConfig
 from harness.sched.scheduler import SchedulerConfig
 from harness.units import parse_bytes
-from harness.validate import one_of
+from harness.validate import finite_floats, one_of
 from harness.workloads import WORKLOADS, WorkloadOptions
 
 
@@ -288,6 +288,7 @@ def run_config(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunConfig:
         obj.backend = _backend_options(obj.backend)
     if not isinstance(obj.workload, WorkloadOptions):
         obj.workload = _workload_options(obj.workload)
+    finite_floats(obj)
     return obj
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.metrics.repeats import RepeatSummary, summarize_repeats
-from harness.results import METRICS, atomic_write, outcome
+from harness.results import METRICS, atomic_write, json_null_nonfinite, outcome
 
 GROUP_MARK = ".kvbench-repeats"  # JSON {"repeats": N}: this folder holds one config's repeats
 SUMMARY = "repeats.json"
@@ -122,7 +122,8 @@ def write_summary(group: Path) -> RepeatSummary | None:
         if not done:
             return None
         s = summarize_repeats([m for _, m in done], [k for k, _ in done])
-        atomic_write(group / SUMMARY, json.dumps(
+        atomic_write(group / SUMMARY, json.dumps(json_null_nonfinite(
             {"repeats": group_repeats(group), "finished": s.repeats, "varied": s.varied,
-             "metrics": s.metrics}, indent=2, sort_keys=True, default=str) + "\n")
+             "metrics": s.metrics}), indent=2, sort_keys=True, default=str,
+            allow_nan=False) + "\n")
         return s

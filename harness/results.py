@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
+import math
 import numbers
 import os
 import secrets
@@ -179,6 +180,25 @@ def claim_sweep(folder: Path) -> None:
 
 # --- writing a run's files -----------------------------------------------------------------
 
+def json_null_nonfinite(v: Any) -> Any:
+    """``v`` with every NaN or infinite float (in dicts and lists) as None: what standard
+    JSON can say of a figure that has no value (``json.dumps`` would write ``NaN`` and
+    ``Infinity``, which JSON readers other than Python's refuse)."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: json_null_nonfinite(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [json_null_nonfinite(x) for x in v]
+    return v
+
+
+def json_text(metrics: dict[str, Any]) -> str:
+    """metrics.json's text: sorted keys, standard JSON (null, never NaN or Infinity)."""
+    return json.dumps(json_null_nonfinite(metrics), indent=2, sort_keys=True,
+                      allow_nan=False) + "\n"
+
+
 def write_results(out: Path, config_yaml: str, metrics: dict[str, Any],
                   steps: Sequence[StepRow], requests: Sequence[dict[str, Any]],
                   fmt: str = "csv", step_extra: dict[str, Sequence[Any]] | None = None
@@ -200,8 +220,7 @@ def write_results(out: Path, config_yaml: str, metrics: dict[str, Any],
         (f"steps{ext}", lambda p: _write_records(
             p, step_columns(steps) | (step_extra or {}), fmt)),
         (f"requests{ext}", lambda p: _write_records(p, request_columns(requests), fmt)),
-        (METRICS, lambda p: atomic_write(
-            p, json.dumps(metrics, indent=2, sort_keys=True) + "\n"))]
+        (METRICS, lambda p: atomic_write(p, json_text(metrics)))]
     for name, write in files:
         try:
             write(out / name)

@@ -3,6 +3,8 @@ reported with the key, the value and the valid range (never silently accepted)."
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -40,3 +42,26 @@ def ordered(obj: Any, prefix: str, low: str, high: str) -> None:
     if a > b:
         raise UserError(f"{prefix}.{low}={a} is larger than {prefix}.{high}={b}: the "
                         f"minimum must not exceed the maximum")
+
+
+def finite_floats(obj: Any, prefix: str = "") -> None:
+    """Every float option in dataclass ``obj`` (and in the dataclasses, lists and dicts
+    inside it) is a finite number: NaN or infinity is refused with its key named. (A NaN
+    bandwidth passed every ``== 0`` check and stalled a run; an infinite latency wrote
+    ``Infinity`` into metrics.json, which is not JSON.)"""
+    for f in dataclasses.fields(obj):
+        _finite(getattr(obj, f.name), f"{prefix}{f.name}")
+
+
+def _finite(v: Any, key: str) -> None:
+    if isinstance(v, float) and not math.isfinite(v):
+        raise UserError(f"{key}={v} is not a finite number: give a number (NaN and "
+                        "infinity are refused)")
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        finite_floats(v, f"{key}.")
+    elif isinstance(v, list | tuple):
+        for i, x in enumerate(v):
+            _finite(x, f"{key}[{i}]")
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            _finite(x, f"{key}.{k}")

@@ -79,6 +79,14 @@ ROWS = [
     (["scheduler.max_model_len=16"], "no request finished: all 3 were rejected"),
     (["scheduler.chunked_prefill=false", "scheduler.max_num_batched_tokens=64"],
      "exceeds scheduler.max_num_batched_tokens=64 with chunked_prefill off"),
+    # Issue #55: NaN and infinity were accepted (a NaN bandwidth stalled the run after
+    # ~150 steps; an infinite latency wrote Infinity into metrics.json).
+    (["cache.tiers.cpu=1MiB", "cache.tiers.cpu_bw_gbs=nan"],
+     "cache.tiers.cpu_bw_gbs=nan is not a finite number"),
+    (["cache.tiers.cpu=1MiB", "cache.tiers.cpu_latency_us=inf"],
+     "cache.tiers.cpu_latency_us=inf is not a finite number"),
+    (["workload=random", "workload.rate=inf"], "workload.rate=inf"),
+    (["engine.cuda_graphs=yes"], "unknown engine.cuda_graphs 'yes'; known: auto, off, on"),
 ]
 
 
@@ -137,3 +145,17 @@ def test_a_block_larger_than_any_sequence_is_a_warning(capsys) -> None:  # type:
              "workload.conversations=1", "workload.turns=1", "workload.answer_tokens=2"))
     assert "warning: backend.block_size=512 exceeds the longest sequence " \
            "(max_model_len=400)" in capsys.readouterr().err
+
+
+def test_metrics_json_is_standard_json(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A figure with no value is null in metrics.json, never NaN or Infinity (which JSON
+    readers other than Python's refuse)."""
+    import json
+
+    from harness.results import json_text
+
+    text = json_text({"a": float("nan"), "b": [1.0, float("inf")], "c": {"d": -float("inf")},
+                      "e": 2.5, "f": "x"})
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard {c}")) == {
+        "a": None, "b": [1.0, None], "c": {"d": None}, "e": 2.5, "f": "x"}
