@@ -22,7 +22,8 @@ unreadable baseline, runs that match none of its keys, runs of another config, b
 options). Stale runs (not jobs
 of their sweep folder's multirun.yaml) are left out, with a note.
 A run of repeats (``repeats=N``) is gated by its median, and a speed metric by its 95%
-interval over the repeats: it fails only when the baseline's value lies outside that
+interval over the repeats (other metrics, quality among them, by value and tolerance, even
+when the run carries a bootstrap interval for them): it fails only when the baseline's value lies outside that
 interval by more than the tolerance (the verdict says so); a baseline written from repeats
 records each repeat's value. ``--write-baseline`` writes or refreshes a file from finished
 runs; it keeps the spec already in the file unless ``--metrics`` is given, and starts from
@@ -185,7 +186,11 @@ def check(base: Baseline, runs: list[Run], partial: bool = False) -> list[Row]:
                 continue
             low, high = number(r.metrics.get(m + CI_LOW)), number(r.metrics.get(m + CI_HIGH))
             note = ""
-            if low is not None and high is not None:  # a run of repeats: its interval
+            # A speed metric of a run of repeats: its interval over the repeats. Any other
+            # metric by its value: a quality metric's interval is a bootstrap over one run's
+            # tokens, and a baseline inside it passed a +107% perplexity regression
+            # (issue #55); its tolerance says how far it may move.
+            if low is not None and high is not None and timed(m):
                 v, note = judge_interval(spec, b, c, low, high)
             else:
                 v = judge(spec, b, c)

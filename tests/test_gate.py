@@ -239,3 +239,29 @@ def test_a_baseline_from_another_config_says_so_first(copy: Path, baseline: Path
     assert lines[0].startswith("kvbench gate: baseline from another config:")
     assert lines[1].startswith(f"  {key}: {ck} ") and len(lines) == 3, err
     assert "(unset)" not in err and "REGRESSED" not in err
+
+
+def test_a_quality_regression_inside_its_bootstrap_interval_still_fails() -> None:
+    """Issue #55: quality.ppl_delta_pct -4 -> 0.269 (+107%, tolerance 0.2) passed because
+    the baseline lay inside the run's bootstrap interval. Quality is judged by its value;
+    a speed metric of repeats still by its interval."""
+    from pathlib import Path
+
+    from harness.gate import check
+    from harness.reporting.baseline import Baseline, make_spec
+    from harness.reporting.runs import Run
+
+    spec = {"quality.ppl_delta_pct": make_spec("lower", 0.0, 0.2),
+            "throughput.output_tokens_per_s": make_spec("higher", 0.05, 0.0)}
+    base = Baseline([], spec, {"h2o/multiturn": {
+        "quality.ppl_delta_pct": -4.0, "throughput.output_tokens_per_s": 100.0}})
+    metrics = {"quality.ppl_delta_pct": 0.269, "quality.ppl_delta_pct_ci95_low": -10.0,
+               "quality.ppl_delta_pct_ci95_high": 5.0,
+               "throughput.output_tokens_per_s": 90.0,
+               "throughput.output_tokens_per_s_ci95_low": 80.0,
+               "throughput.output_tokens_per_s_ci95_high": 104.0}
+    run = Run(Path("r"), {"backend.name": "h2o", "workload.name": "multiturn"}, metrics, None)
+    rows = {r.metric: r for r in check(base, [run])}
+    assert rows["quality.ppl_delta_pct"].verdict == "REGRESSED"
+    assert rows["throughput.output_tokens_per_s"].verdict == "ok"  # inside: noise
+    assert "interval" in rows["throughput.output_tokens_per_s"].note
