@@ -22,12 +22,12 @@ unreadable baseline, runs that match none of its keys, runs of another config, b
 options). Stale runs (not jobs
 of their sweep folder's multirun.yaml) are left out, with a note.
 A run of repeats (``repeats=N``) is gated by its median, and a speed metric by its 95%
-interval over the repeats (other metrics, quality among them, by value and tolerance, even
-when the run carries a bootstrap interval for them): it fails only when the baseline's value lies outside that
-interval by more than the tolerance (the verdict says so); a baseline written from repeats
-records each repeat's value. ``--write-baseline`` writes or refreshes a file from finished
-runs; it keeps the spec already in the file unless ``--metrics`` is given, and starts from
-:data:`DEFAULT_SPEC` otherwise.
+interval over the repeats: it fails only when the baseline's value lies outside that
+interval by more than the tolerance (the verdict says so); other metrics, quality among
+them, are judged by value and tolerance, even where a run carries a bootstrap interval;
+a baseline written from repeats records each repeat's value. ``--write-baseline`` writes
+or refreshes a file from finished runs; it keeps the spec already in the file unless
+``--metrics`` is given, and starts from :data:`DEFAULT_SPEC` otherwise.
 """
 
 from __future__ import annotations
