@@ -400,3 +400,21 @@ def test_prefix_aware_without_prefix_caching_warns(capsys: pytest.CaptureFixture
     run(compose_cfg([*ROOF, *MULTITURN, "cluster.replicas=2", "cluster.router=prefix_aware",
                      "cache.enable_prefix_caching=false"]))
     assert "routes on load alone" in capsys.readouterr().err
+
+
+def test_an_idle_replica_has_no_goodput_figures(tmp_path: Path) -> None:
+    """Issue #55: a replica the router sent nothing reported slo_attainment 0.0 and
+    goodput 0.0 (every request missing its target, read literally) where its latencies
+    were null: all of them are null."""
+    res = run(compose_cfg([*ROOF, "workload=multiturn", "workload.conversations=1",
+                           "workload.turns=1", "cache.kv_budget=1GiB", "cluster.replicas=3",
+                           "cluster.router=round_robin", "slo.ttft_ms=40"], tmp_path))
+    m = res.metrics
+    busy = [i for i in range(3) if m.get(f"replica.{i}.requests.finished")]
+    assert len(busy) == 1
+    for i in range(3):
+        att = m[f"replica.{i}.latency.slo_attainment"]
+        if i in busy:
+            assert att is not None and 0 <= att <= 1
+        else:
+            assert att is None and m[f"replica.{i}.latency.goodput_rps"] is None

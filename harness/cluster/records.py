@@ -143,7 +143,10 @@ def replica_goodput(rows: RequestLog, n: int, wall_s: float) -> dict[str, Any]:
     for i in range(n):
         mine = rep == i
         met = int(ok[mine].sum())
-        m[f"replica.{i}.latency.goodput_rps"] = met / wall_s if wall_s > 0 else 0.0
-        m[f"replica.{i}.latency.slo_attainment"] = met / int(mine.sum()) if mine.any() \
-            else 0.0
+        # A replica the router sent nothing: no figure (null, as its latencies), not a 0
+        # that reads as every request missing its target.
+        idle = not mine.any()
+        m[f"replica.{i}.latency.goodput_rps"] = None if idle else \
+            met / wall_s if wall_s > 0 else 0.0
+        m[f"replica.{i}.latency.slo_attainment"] = None if idle else met / int(mine.sum())
     return m
