@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -51,13 +52,20 @@ def sha256_of(path: Path) -> str:
 def gemma3_270m_path(cache: Path | None = None) -> Path:
     """The assembled, verified GGUF: joined from the chunks on first use (to a temporary
     name, renamed once its SHA-256 matches: parallel jobs may race to build it), then
-    reused while its size matches the chunks'."""
+    reused while its size and SHA-256 still match, checked at every load (~0.5 s: a file
+    whose bytes rotted in the cache once ran and emitted token 0 for every output); a
+    damaged copy is joined again, and said so."""
     chunks = chunk_paths()
     root = cache or Path(os.environ.get("KVBENCH_CACHE", Path.home() / ".cache" / "kvbench"))
     target = root / "models" / GEMMA3_FILE
     size = sum(p.stat().st_size for p in chunks)
     if target.is_file() and target.stat().st_size == size:
-        return target
+        got = sha256_of(target)
+        if got == GEMMA3_SHA256:
+            return target
+        print(f"kvbench: model={GEMMA3_SOURCE}: the cached {target} is damaged (SHA-256 "
+              f"{got}, not the pinned {GEMMA3_SHA256}); joining it again from the packages",
+              file=sys.stderr)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{GEMMA3_FILE}.")
     tmp = Path(tmp_name)
