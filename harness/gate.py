@@ -39,7 +39,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.errors import UserError
+from harness.errors import UserError, interruptible
 from harness.metrics.repeats import CI_HIGH, CI_LOW
 from harness.reporting.baseline import (
     Baseline,
@@ -306,4 +306,4 @@ def _write(path: Path, runs: list[Run], metrics: list[str] | None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(interruptible(main, "kvbench gate"))

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness.errors import interruptible
 from harness.reporting.plots import write_plots
 from harness.reporting.rate import write_rate_plots
 from harness.reporting.runs import SweepCheck, check_sweeps, find_runs, one_line, variant
@@ -150,4 +151,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(interruptible(main, "kvbench report"))

@@ -265,3 +265,30 @@ def test_a_quality_regression_inside_its_bootstrap_interval_still_fails() -> Non
     assert rows["quality.ppl_delta_pct"].verdict == "REGRESSED"
     assert rows["throughput.output_tokens_per_s"].verdict == "ok"  # inside: noise
     assert "interval" in rows["throughput.output_tokens_per_s"].note
+
+
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
+@pytest.mark.parametrize("module,name", [("harness.gate", "kvbench gate"),
+                                         ("harness.report", "kvbench report")])
+def test_ctrl_c_exits_130_with_one_line(module: str, name: str, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue #55: Ctrl-C in the report or the gate printed a KeyboardInterrupt traceback.
+    Here the interrupt comes while the runs are read."""
+    import runpy
+    import sys
+
+    import harness.reporting.runs as runs_mod
+
+    def interrupted(*a: object, **k: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runs_mod, "find_runs", interrupted)
+    args = [str(tmp_path), "--baseline", str(tmp_path / "b.json")] \
+        if module == "harness.gate" else [str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", [module, *args])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    assert e.value.code == 130
+    err = capsys.readouterr().err
+    assert err.strip() == f"{name}: interrupted (Ctrl-C); nothing more was written"
