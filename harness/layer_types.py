@@ -88,9 +88,12 @@ def from_hf(raw: dict[str, Any], num_layers: int) -> tuple[LayerAttention, ...]:
                             f"num_hidden_layers={num_layers}")
         return tuple(make(str(t)) for t in types)
     pattern = raw.get("sliding_window_pattern")
-    if window and pattern:
-        p = need(pattern, "sliding_window_pattern")
-        return tuple(FULL if (i + 1) % p == 0 else LayerAttention("sliding", window)
+    if pattern is not None or raw.get("model_type") in ("gemma3", "gemma3_text"):
+        # Gemma 3: both must be positive integers. A 0, null or text in either once made
+        # every layer full (or every layer sliding) without a word (issue #55).
+        p = need(pattern if pattern is not None else 6, "sliding_window_pattern")
+        w = need(window, "sliding_window")
+        return tuple(FULL if (i + 1) % p == 0 else LayerAttention("sliding", w)
                      for i in range(num_layers))
     if chunk:
         nope = raw.get("no_rope_layers") or [int((i + 1) % 4 != 0) for i in range(num_layers)]

@@ -5,6 +5,7 @@ group by hand count, and the refusal of a model a uniform cache would misreport.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,18 @@ def test_a_windowed_model_runs_its_window_on_paged_or_its_own_backend(
                  "backend.window=16"))
     with pytest.raises(UserError, match=r"backend quest cannot attend per layer"):
         run(tiny("model=hf", f"model.path={folder}", "backend=quest"))
+
+
+@pytest.mark.parametrize("raw,phrase", [
+    ({"sliding_window": "512", "sliding_window_pattern": 6}, "sliding_window='512'"),
+    ({"sliding_window": 0, "sliding_window_pattern": 6}, "sliding_window=0"),
+    ({"sliding_window": None, "sliding_window_pattern": 6}, "sliding_window=None"),
+    ({"sliding_window": 512, "sliding_window_pattern": 0}, "sliding_window_pattern=0"),
+    ({"model_type": "gemma3_text", "sliding_window": None}, "sliding_window=None"),
+])
+def test_gemma3_window_fields_that_are_not_positive_integers_are_refused(
+        raw: dict[str, object], phrase: str) -> None:
+    """Issue #55: a text, 0 or null in Gemma 3's window fields made every layer full or
+    every layer sliding, silently (or a traceback later, for a text)."""
+    with pytest.raises(UserError, match=re.escape(phrase) + " is not a positive integer"):
+        from_hf(raw, 12)
