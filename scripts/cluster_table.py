@@ -86,6 +86,9 @@ def main() -> None:
     ap.add_argument("sweeps", type=Path, nargs="+")
     ap.add_argument("--plot", type=Path, default=None)
     a = ap.parse_args()
+    missing = [str(p) for p in a.sweeps if not p.exists()]
+    if missing:
+        ap.error(f"no such folder: {', '.join(missing)} (give sweep or run folders)")
     ms = runs(a.sweeps)
     print(f"| {COLS} |")
     print("|" + "---|" * (COLS.count("|") + 1))

@@ -82,11 +82,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--output-median", type=float, default=250.0, help="output tokens")
     ap.add_argument("--block", type=int, default=BLOCK, help="prompt tokens per hash id")
     a = ap.parse_args(argv)
+    finite = all(math.isfinite(x) for x in (a.rate, a.input_median, a.output_median))
     if a.rows < 0 or not a.rate > 0 or a.block < 1 or not a.input_median >= 1 \
-            or not a.output_median >= 1:
-        ap.error("--rows >= 0, --rate > 0, --block >= 1 and medians >= 1, please")
-    write_mooncake_like(a.out, a.rows, a.rate, a.seed, input_median=a.input_median,
-                        output_median=a.output_median, block=a.block)
+            or not a.output_median >= 1 or not finite:
+        ap.error("--rows >= 0, --rate > 0, --block >= 1 and medians >= 1, all finite, please")
+    if a.out.is_dir():
+        ap.error(f"{a.out} is a folder: give the trace file's path (e.g. {a.out / 'trace.jsonl'})")
+    if not a.out.parent.is_dir():
+        ap.error(f"{a.out.parent} does not exist: create it, or give a path in a folder that "
+                 "does")
+    try:
+        write_mooncake_like(a.out, a.rows, a.rate, a.seed, input_median=a.input_median,
+                            output_median=a.output_median, block=a.block)
+    except OSError as e:
+        ap.exit(1, f"trace_synth: cannot write {a.out}: {e.strerror or e}\n")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,39 @@
+"""The small command-line tools answer bad arguments with one clear line and exit 2, no
+traceback (issue #55's rows for trace_synth and cluster_table)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("args,phrase", [
+    (["-m", "harness.workloads.trace_synth", "{tmp}/nope/x.jsonl", "--rows", "3"],
+     "does not exist: create it"),
+    (["-m", "harness.workloads.trace_synth", "{tmp}", "--rows", "3"],
+     "is a folder: give the trace file's path"),
+    (["-m", "harness.workloads.trace_synth", "{tmp}/t.jsonl", "--input-median", "inf"],
+     "all finite"),
+    (["-m", "harness.workloads.trace_synth", "{tmp}/t.jsonl", "--rate", "nan"],
+     "all finite"),
+    ([str(ROOT / "scripts" / "cluster_table.py"), "{tmp}/no-such-sweep"],
+     "no such folder"),
+])
+def test_bad_arguments_get_one_line(args: list[str], phrase: str, tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, *(a.format(tmp=tmp_path) for a in args)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 2, done.stderr
+    assert phrase in done.stderr and "Traceback" not in done.stderr
+
+
+def test_trace_synth_writes_what_it_was_asked(tmp_path: Path) -> None:
+    out = tmp_path / "t.jsonl"
+    done = subprocess.run([sys.executable, "-m", "harness.workloads.trace_synth", str(out),
+                           "--rows", "5"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert len(out.read_text().splitlines()) == 5
