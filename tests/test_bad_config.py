@@ -87,6 +87,15 @@ ROWS = [
      "cache.tiers.cpu_latency_us=inf is not a finite number"),
     (["workload=random", "workload.rate=inf"], "workload.rate=inf"),
     (["engine.cuda_graphs=yes"], "unknown engine.cuda_graphs 'yes'; known: auto, off, on"),
+    # Options a cluster never reads, set away from their defaults (issue #55).
+    (["cluster.router=least_loaded"],
+     "cluster.router=least_loaded: ignored, as with cluster.replicas=1 there is no router"),
+    (["cluster.replicas=2", "cluster.prefix_scorer=llm_d"],
+     "cluster.prefix_scorer=llm_d: ignored, as cluster.router=round_robin does not read it"),
+    (["cluster.replicas=2", "cluster.router=prefix_aware", "cluster.kv_weight=3"],
+     "cluster.kv_weight=3.0: ignored, as cluster.router=prefix_aware with "
+     "prefix_scorer=dynamo does not read it"),
+    (["cluster.replicas=2", "cluster.seed=4"], "cluster.seed=4: ignored"),
 ]
 
 

@@ -50,3 +50,32 @@ class ClusterConfig:
             v = getattr(self, key)
             if not (v >= 0 and v < float("inf")):
                 raise UserError(f"cluster.{key}={v} must be a finite weight >= 0")
+        self._refuse_ignored()
+
+    def _refuse_ignored(self) -> None:
+        """An option set away from its default where this cluster never reads it is a
+        mistake, not a no-op (issue #55: a router with one replica, llm_d's scorer under
+        round_robin, were ignored without a word)."""
+        defaults = {f: getattr(ClusterConfig, f) for f in (  # (the class's defaults)
+            "router", "prefix_scorer", "overlap_weight", "prefix_weight", "kv_weight",
+            "queue_weight", "seed")}
+        changed = [k for k, v in defaults.items() if getattr(self, k) != v]
+        if self.replicas == 1:
+            used: set[str] = set()
+            why = "with cluster.replicas=1 there is no router: set cluster.replicas >= 2"
+        else:
+            used = {"router"}
+            if self.router == "prefix_aware":
+                used.add("prefix_scorer")
+                used |= {"overlap_weight"} if self.prefix_scorer == "dynamo" else {
+                    "prefix_weight", "kv_weight", "queue_weight"}
+            if self.router == "random":
+                used.add("seed")
+            why = (f"cluster.router={self.router}" + (
+                f" with prefix_scorer={self.prefix_scorer}"
+                if self.router == "prefix_aware" else "") + " does not read it")
+        ignored = [k for k in changed if k not in used]
+        if ignored:
+            keys = ", ".join(f"cluster.{k}={getattr(self, k)}" for k in ignored)
+            raise UserError(f"{keys}: ignored, as {why}; drop "
+                            f"{'it' if len(ignored) == 1 else 'them'}")
