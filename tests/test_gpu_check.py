@@ -52,7 +52,11 @@ def test_every_section_ran_ok_within_its_budget(dry_run: Path) -> None:
     status = load(dry_run, "status")
     assert list(status["sections"]) == section_names(DRY)
     for name, rec in status["sections"].items():
-        assert rec["status"] == "ok", (name, rec)
+        if name == "gpu-tests":  # every gpu test needs CUDA: it ran and checked nothing,
+            # and says so (issue #55: it read "ok")
+            assert rec["status"] == "empty" and "nothing ran" in rec["error"], rec
+        else:
+            assert rec["status"] == "ok", (name, rec)
         assert rec["seconds"] <= rec["budget_s"] + orchestrate.GRACE_S
     summary = (dry_run / "summary.md").read_text()
     for title in ("Environment", "Triton kernels vs torch references", "Decode attention",
@@ -237,3 +241,25 @@ def test_engine_row_counts_steps_far_over_their_median() -> None:
     row = engine_row(metrics, steps)
     assert row["slow_steps"] == 2 and row["step_ms_max"] == 700  # 700 and 45; not 44
     assert row["decode_step_ms_p50"] == 22 and row["prefill_step_ms_p50"] == 30
+
+
+def test_a_section_that_checked_nothing_is_empty_not_ok() -> None:
+    from harness.gpucheck.verdict import nothing_ran, problems
+
+    skipped = {"command": ["pytest"], "returncode": 0, "passed": 0, "failed": 0,
+               "skipped": 4, "skip_reasons": {"needs CUDA": 4}, "failures": []}
+    assert problems(skipped) == []
+    assert nothing_ran(skipped) == "nothing ran: 4 skipped (4 x needs CUDA)"
+    assert nothing_ran({**skipped, "passed": 1}) is None
+    assert nothing_ran({"rows": [{"ok": True}]}) is None  # not a pytest section
+
+
+@pytest.mark.parametrize("args", [["--total-s", "-5"], ["--total-s", "0"],
+                                  ["--total-s", "nan"], ["--budget", "env=-1"]])
+def test_a_budget_that_is_not_positive_is_refused(args: list[str], tmp_path: Path) -> None:
+    """Issue #55: a negative total budget skipped every section and exited 1."""
+    done = subprocess.run([sys.executable, "-m", "harness.gpucheck", "--dry-run", "--out",
+                           str(tmp_path / "o"), *args], capture_output=True, text=True,
+                          cwd=ROOT)
+    assert done.returncode == 2 and "give a positive number of seconds" in done.stderr
+    assert not (tmp_path / "o").exists()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import signal
 import subprocess
@@ -29,9 +30,10 @@ from harness.gpucheck.context import SectionContext, error_text, write_json
 from harness.gpucheck.profile import PROFILES, Profile
 from harness.gpucheck.sections import get_section, section_names
 from harness.gpucheck.summary import write_summary
-from harness.gpucheck.verdict import problems
+from harness.gpucheck.verdict import nothing_ran, problems
 
 GRACE_S = 5.0  # after a section's budget, before its process group is killed
+EMPTY_RC = 3  # a section's exit status when it ran but checked nothing (verdict.nothing_ran)
 SUMMARY_RESERVE_S = 3.0
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,14 +61,14 @@ def run_child(profile: Profile, name: str, out: Path, root: Path,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             rc = proc.wait(timeout=budget + GRACE_S)
-            rec.update(status="ok" if rc == 0 else "failed", returncode=rc)
+            rec.update(status={0: "ok", EMPTY_RC: "empty"}.get(rc, "failed"), returncode=rc)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             rec.update(status="timeout", returncode=None,
                        error=f"killed after {budget + GRACE_S:.0f} s (budget {budget:.0f} s)")
     rec["seconds"] = round(time.monotonic() - t0, 1)
-    if rec["status"] == "failed":
+    if rec["status"] in ("failed", "empty"):
         lines = (out / f"{name}.log").read_text(errors="replace").strip().splitlines()
         rec["error"] = lines[-1][:500] if lines else f"exit status {rec['returncode']}"
     return rec
@@ -107,13 +109,17 @@ def run_one(name: str, profile: Profile, out: Path, root: Path, budget: float) -
         ctx.save({**partial, "error": error_text(e), "seconds": time.monotonic() - t0})
         return 1
     bad = problems(result)
+    empty = None if bad else nothing_ran(result)
     ctx.save({**result, "seconds": round(time.monotonic() - t0, 2),
-              **({"problems": bad} if bad else {})})
+              **({"problems": bad} if bad else {}), **({"empty": empty} if empty else {})})
     if bad:  # the last line of the log is the status's error
         for line in bad:
             print(f"problem: {line}", file=sys.stderr)
         print(f"{len(bad)} problem(s); the first: {bad[0]}", file=sys.stderr, flush=True)
         return 1
+    if empty:
+        print(empty, file=sys.stderr, flush=True)
+        return EMPTY_RC
     return 0
 
 
@@ -149,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         budgets = {k: float(v) for k, v in (b.split("=", 1) for b in a.budget)}
     except ValueError:
         ap.error(f"--budget takes NAME=SECONDS, got {a.budget}")
+    # A budget of 0, a negative or a non-finite one skipped every section (issue #55).
+    for key, v in [("--total-s", a.total_s), *((f"--budget {k}", x) for k, x in budgets.items())]:
+        if v is not None and not (math.isfinite(v) and v > 0):
+            ap.error(f"{key}={v}: give a positive number of seconds")
     profile = dataclasses.replace(profile, budgets={**profile.budgets, **budgets})
     names = section_names(profile)
     unknown = set(_names(a.only)) | set(_names(a.skip)) | set(budgets)
@@ -156,7 +166,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown sections {sorted(unknown - set(names))}; known: {names}")
     names = [n for n in names if (not a.only or n in _names(a.only))
              and n not in _names(a.skip)]
-    status = run_all(profile, a.out, a.root, names, a.total_s or profile.total_s)
+    status = run_all(profile, a.out, a.root, names,
+                     a.total_s if a.total_s is not None else profile.total_s)
     print(f"gpu check: summary in {a.out / 'summary.md'}")
-    bad = [n for n, r in status["sections"].items() if r["status"] != "ok"]
+    # "empty" (ran, checked nothing) fails a real check; on the dry run's CPU the gpu
+    # tests cannot run, and say so.
+    ok = ("ok", "empty") if profile.device == "cpu" else ("ok",)
+    bad = [n for n, r in status["sections"].items() if r["status"] not in ok]
     return 1 if bad else 0

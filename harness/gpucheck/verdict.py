@@ -46,3 +46,14 @@ def problems(result: dict[str, Any]) -> list[str]:
     if result.get("failed"):
         out.append(f"{result['failed']} tests failed: {result.get('failures', [])[:3]}")
     return out
+
+
+def nothing_ran(result: dict[str, Any]) -> str | None:
+    """Why a section ran without failing yet checked nothing (None: it checked something):
+    a pytest section whose tests all skipped (issue #55: the dry run called such a section
+    ``ok``). Its status is ``empty``, which only the dry run accepts (its gpu tests need
+    CUDA)."""
+    if "skip_reasons" in result and not result.get("passed") and not result.get("failed"):
+        reasons = "; ".join(f"{n} x {why}" for why, n in result["skip_reasons"].items())
+        return f"nothing ran: {result.get('skipped', 0)} skipped ({reasons or 'no test'})"
+    return None
