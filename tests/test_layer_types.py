@@ -153,3 +153,17 @@ def test_gemma3_window_fields_that_are_not_positive_integers_are_refused(
     every layer sliding, silently (or a traceback later, for a text)."""
     with pytest.raises(UserError, match=re.escape(phrase) + " is not a positive integer"):
         from_hf(raw, 12)
+
+
+def test_the_error_band_is_only_where_it_was_validated() -> None:
+    """Issue #55: the what-if printed its dense-Llama error band for MoE and hybrid models
+    it was never validated on. A dense validated run carries it; Gemma 3 (hybrid) and
+    gpt-oss (MoE, and hybrid) say they are unvalidated."""
+    dense = roofline("roofline.model=Llama-3.1-8B")
+    assert dense["roofline.expected_error_pct"] > 0 and "median" in dense["run.expected_error"]
+    for model, kind in (("Gemma-3-27B", "a hybrid-attention model"),
+                        ("gpt-oss-120b", "a mixture-of-experts model")):
+        m = roofline(f"roofline.model={model}", "roofline.tp=8")
+        assert "roofline.expected_error_pct" not in m, model
+        assert m["run.expected_error"].endswith(
+            f"unvalidated: the published points validate dense models only, not {kind}")

@@ -25,13 +25,19 @@ def band(engine: str, hardware: str, path: Path = RESULT) -> dict[str, Any] | No
     return got or None
 
 
-def describe(engine: str, hardware: str, calibrated: bool) -> tuple[str, float | None]:
+def describe(engine: str, hardware: str, calibrated: bool,
+             unvalidated_model: str | None = None) -> tuple[str, float | None]:
     """(the record's ``run.expected_error`` text, ``roofline.expected_error_pct``: the
-    largest validated median |error| over throughput and TPOT, None if unvalidated)."""
+    largest validated median |error| over throughput and TPOT, None if unvalidated).
+    ``unvalidated_model``: what kind of model no published point covers (the validation
+    set holds dense Llama models only): then no band, whatever the engine and GPU."""
     b = band(engine, hardware)
     prior = "" if calibrated else f"engine profile {engine} is a prior (not fitted); "
     if hardware == "cpu":
         return ("cpu spec: calibrated on this machine (README: held-out error)", None)
+    if unvalidated_model is not None:
+        return (f"{prior}unvalidated: the published points validate dense models only, "
+                f"not {unvalidated_model}", None)
     if not b:
         return (f"{prior}unvalidated: no published point validates {engine} on "
                 f"{GPU_CLASS.get(hardware, hardware)} GPUs", None)

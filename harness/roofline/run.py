@@ -135,7 +135,10 @@ class RooflineTarget:
                     "fast_path": ex.fast_path})
         if self.arch.layer_attention:
             run["kv_groups"] = self.kv_label
-        text, pct = describe(eng, hw.name, prof.calibrated)
+        # The band is measured on dense models: an MoE or hybrid run has none (issue #55).
+        kind = ("a mixture-of-experts model" if self.arch.num_experts else
+                "a hybrid-attention model" if self.arch.layer_attention else None)
+        text, pct = describe(eng, hw.name, prof.calibrated, kind)
         run["expected_error"] = text
         metrics: dict[str, Any] = {f"roofline.{k}_s": v for k, v in ex.totals.terms.items()}
         if pct is not None:
