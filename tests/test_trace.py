@@ -72,6 +72,10 @@ def test_each_format_is_detected_and_read() -> None:
      ":2:", "not a list of integers"),
     ("a.jsonl", '{"timestamp": 0, "input_length": 8, "output_length": 2}\n[1, 2]\n', ":2:",
      "not an object"),
+    # Issue #55: a key given twice (JSON keeps the last, silently).
+    ("a.jsonl", '{"timestamp": 0, "input_length": 8, "output_length": 2}\n'
+                '{"timestamp": 1, "input_length": 8, "input_length": 900, "output_length": 2}\n',
+     ":2:", "key 'input_length' appears twice"),
     ("b.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,10,2\n"
               "yesterday,10,2\n", ":3:", "neither a date-time"),
     ("b.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,10,2,9\n",
@@ -449,3 +453,11 @@ def test_a_rejected_rows_prompt_is_not_drawn(tmp_path: Path) -> None:
     assert reqs[0].rejected_reason is not None and len(reqs[0].prompt_ids) == 5_000_000
     assert len(set(reqs[0].prompt_ids)) == 1  # a placeholder of its length, no text drawn
     assert reqs[1].rejected_reason is None and len(set(reqs[1].prompt_ids)) > 5
+
+
+def test_a_speedup_that_stretches_the_trace_past_any_run_is_refused(tmp_path: Path) -> None:
+    """Issue #55: workload.speedup=1e-300 was taken (arrivals 10^300 seconds apart)."""
+    p = write(tmp_path, "t.csv", "arrival_s,prompt_tokens,output_tokens\n0,12,3\n2,12,3\n")
+    assert trace(p, speedup=1e-6).arrival.max() == pytest.approx(2e6)
+    with pytest.raises(UserError, match=r"workload\.speedup=1e-300 stretches the trace"):
+        trace(p, speedup=1e-300)

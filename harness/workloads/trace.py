@@ -24,6 +24,7 @@ the rows' places in the file, never their scheduling order.
 
 from __future__ import annotations
 
+import math
 import random
 import sys
 from collections import OrderedDict
@@ -44,6 +45,9 @@ from harness.workloads.trace_formats import TraceRow, scan_trace
 
 OVER_LENGTH = ("truncate", "reject")
 REPO = Path(harness.__file__).resolve().parents[1]
+
+
+MAX_SPAN_S = 1e9  # the longest trace a run takes, in seconds after the speedup
 
 
 @dataclass
@@ -178,6 +182,12 @@ class TraceWorkload:
                 last[int(conv[k])] = k
         self.kept, self.prompt_len, self.output_len = rows, prompt, output
         self.arrival = (t[rows] - c.start_s) / c.speedup
+        span = float(self.arrival.max()) if len(self.arrival) else 0.0
+        if not (math.isfinite(span) and span <= MAX_SPAN_S):
+            # (issue #55: workload.speedup=1e-300 was taken, a trace of 10^300 seconds)
+            raise UserError(
+                f"workload.speedup={c.speedup} stretches the trace's arrivals over {span:.3g} "
+                f"s (more than {MAX_SPAN_S:.0e} s, ~32 years): give a larger speedup")
         self.follows, self.rejected_rows = follows, rejected
         self._next = {int(f): k for k, f in enumerate(follows.tolist()) if f >= 0}
         self.num_initial = int((follows < 0).sum())

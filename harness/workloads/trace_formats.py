@@ -170,6 +170,16 @@ def _kvbench(rec: dict[str, Any], index: int, line: int) -> TraceRow:
 PARSERS = {"mooncake": _mooncake, "azure": _azure, "kvbench": _kvbench}
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict; ValueError when a key appears twice."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"key {k!r} appears twice")
+        out[k] = v
+    return out
+
+
 def sniff(path: Path) -> tuple[str, str]:
     """How the file's rows are written, from its content (its first non-blank line), not
     its name: ``("jsonl" | "csv", why)``; ``why`` says from what, for messages."""
@@ -215,6 +225,10 @@ def _records(path: Path, kind: str, errors: _Errors
                 continue
             try:
                 rec = json.loads(text)
+                # A key given twice: json keeps the last, silently (issue #55). Parsed again
+                # with a check only when the row may hold one (more ':' than keys).
+                if isinstance(rec, dict) and text.count(":") > len(rec):
+                    json.loads(text, object_pairs_hook=_unique_keys)
             except RecursionError:
                 errors.append(f"{path}:{no}: JSON nested too deeply to be a trace row")
                 continue
