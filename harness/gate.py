@@ -175,6 +175,9 @@ def check(base: Baseline, runs: list[Run], partial: bool = False) -> list[Row]:
             why = "NOT RUN" if r is None else f"{r.status.upper()}: {one_line(r.failure)}"
             rows.append(Row(key, "(run)", None, None, None, why, True))
             continue
+        if r.repeats and r.failure:  # medians of fewer repeats than it was run for
+            rows.append(Row(key, "(run)", None, None, None,
+                            f"PARTIAL: {one_line(r.failure)}", True))
         band = number(r.metrics.get("roofline.expected_error_pct"))  # roofline runs only
         for m, b in values.items():
             c = number(r.metrics.get(m))
@@ -238,11 +241,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         runs = find_runs(args.folders)
-        if stale := check_sweeps(args.folders, runs).stale:
+        sweeps = check_sweeps(args.folders, runs)
+        if stale := sweeps.stale:
             print(f"note: leaving out {len(stale)} stale run(s), not jobs of their sweep "
                   "folder's multirun.yaml (an earlier sweep into the same folder): "
                   + ", ".join(str(r.path) for r in stale), file=sys.stderr)
             runs = [r for r in runs if not r.stale]
+        # Jobs a sweep planned that never started: no run to gate, so no row would say it
+        # (issue #55: such a sweep passed). Named in the verdict, refused as a baseline.
+        missing = [f"{sweep}: {' '.join(job)}" for sweep, job in sweeps.never_started]
+        if missing and args.write_baseline is not None:
+            raise ValueError("cannot take a baseline from a sweep with jobs that never "
+                             f"started: {'; '.join(missing)}; finish the sweep first")
         if args.write_baseline is not None:
             return _write(args.write_baseline, runs, args.metrics)
         if args.metrics is not None:
@@ -258,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
                   "<runs>", file=sys.stderr)
             return 2
         rows = check(base, runs, args.partial)
+        if not args.partial:
+            rows += [Row(m, "(run)", None, None, None, "NOT STARTED (a job of its sweep)",
+                         True) for m in missing]
     except ValueError as e:
         print(f"kvbench gate: {e}", file=sys.stderr)
         return 2

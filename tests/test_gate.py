@@ -292,3 +292,21 @@ def test_ctrl_c_exits_130_with_one_line(module: str, name: str, tmp_path: Path,
     assert e.value.code == 130
     err = capsys.readouterr().err
     assert err.strip() == f"{name}: interrupted (Ctrl-C); nothing more was written"
+
+
+def test_a_partial_group_of_repeats_is_no_baseline() -> None:
+    """Issue #55: one of three repeats (the others interrupted) wrote a baseline."""
+    from pathlib import Path
+
+    from harness.reporting.baseline import make_spec, take_baseline
+    from harness.reporting.runs import Run
+
+    config = {"backend.name": "paged", "workload.name": "random"}
+    member = Run(Path("g/repeat-0"), config, {"requests.finished": 4.0}, None)
+    group = Run(Path("g"), config, {"requests.finished": 4.0},
+                "1 of 3 repeats finished: repeat 1: interrupted: SIGINT", repeats=[member],
+                repeats_planned=3)
+    spec = {"requests.finished": make_spec("higher", 0.0, 0.0)}
+    with pytest.raises(ValueError, match="partial group of repeats: g: 1 of 3 repeats"):
+        take_baseline([group], spec)
+    assert take_baseline([member], spec).runs == {"paged/random": {"requests.finished": 4.0}}

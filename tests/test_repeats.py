@@ -146,6 +146,21 @@ def test_a_sweep_with_repeats_interleaves_and_reports_each_configuration_once(
     assert sorted(r.backend for r in runs) == ["contiguous", "paged"]
     assert all(len(r.repeats) == 2 for r in runs)
     assert check_sweeps([tmp_path], runs).never_started == []
+    # The gate reads medians; its baseline records every repeat.
+    base = tmp_path.parent / f"{tmp_path.name}-baseline.json"
+    metrics = ["--metrics", "requests.finished", "throughput.output_tokens_per_s:higher:0.5"]
+
+    def gate(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "harness.gate", *args],
+                              capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+    w = gate("--write-baseline", str(base), str(tmp_path), *metrics)
+    assert w.returncode == 0, w.stderr
+    d = json.loads(base.read_text())
+    assert len(d["repeats"]["paged/random"]["throughput.output_tokens_per_s"]) == 2
+    g = gate(str(tmp_path), "--baseline", str(base))
+    assert g.returncode == 0, g.stdout + g.stderr
+    assert "interval" in g.stdout
     # A repeat that never ran is named as never started, and the group says so.
     shutil.rmtree(tmp_path / "1-contiguous-random" / "repeat-1")
     runs = find_runs([tmp_path])
@@ -153,16 +168,10 @@ def test_a_sweep_with_repeats_interleaves_and_reports_each_configuration_once(
     assert [job[-1] for _, job in check.never_started] == ["repeat=1"]
     part = next(r for r in runs if r.backend == "contiguous")
     assert part.metrics is not None and "1 of 2 repeats" in str(part.failure)
-    # The gate reads medians; its baseline records every repeat.
-    base = tmp_path.parent / f"{tmp_path.name}-baseline.json"
-    w = subprocess.run([sys.executable, "-m", "harness.gate", "--write-baseline", str(base),
-                        str(tmp_path), "--metrics", "requests.finished",
-                        "throughput.output_tokens_per_s:higher:0.5"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert w.returncode == 0, w.stderr
-    d = json.loads(base.read_text())
-    assert len(d["repeats"]["paged/random"]["throughput.output_tokens_per_s"]) == 2
-    g = subprocess.run([sys.executable, "-m", "harness.gate", str(tmp_path), "--baseline",
-                        str(base)], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert g.returncode == 0, g.stdout + g.stderr
-    assert "interval" in g.stdout
+    # ... and the gate names it in its verdict, and refuses it as a baseline (issue #55:
+    # one of three repeats gated PASS and wrote a baseline).
+    g = gate(str(tmp_path), "--baseline", str(base))
+    assert g.returncode == 1 and "PARTIAL: 1 of 2 repeats finished" in g.stdout
+    assert "NOT STARTED (a job of its sweep)" in g.stdout and "FAIL (" in g.stdout
+    w = gate("--write-baseline", str(base), str(tmp_path), *metrics)
+    assert w.returncode == 2 and "jobs that never started" in w.stderr

@@ -156,6 +156,12 @@ def take_baseline(runs: list[Run], spec: dict[str, MetricSpec],
     if failed := [r for r in runs if r.metrics is None]:
         raise ValueError("cannot take a baseline from runs that did not finish: " + "; ".join(
             f"{r.path} ({r.status}): {one_line(r.failure)}" for r in failed))
+    if partial := [r for r in runs if r.repeats and r.failure]:
+        # A group of repeats short of some (interrupted, killed, never started): its
+        # medians and intervals are of fewer runs than it was taken for (issue #55).
+        raise ValueError("cannot take a baseline from a partial group of repeats: " + "; ".join(
+            f"{r.path}: {one_line(r.failure)}" for r in partial) + "; run the missing "
+            "repeats (rerun the sweep into its folder) first")
     fields = variant_keys(runs)
     by_key = keyed(runs, fields)
     values: dict[str, dict[str, float]] = {}
