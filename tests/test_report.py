@@ -276,3 +276,18 @@ def test_roofline_runs_are_labelled_by_their_roofline_model(tmp_path: Path) -> N
     assert keys == ["executor", "roofline.model"]
     assert label(by["0-paged-random"], keys) == "paged executor=roofline,model=Llama-3.1-8B"
     assert label(by["2-paged-random"], keys) == "paged executor=model"
+
+
+@pytest.mark.parametrize("damage", [b"\xff\xfe\x00\x01garbage", b'a,b\n1,"unterminated\n'])
+def test_a_corrupt_records_file_is_named_and_the_report_goes_on(
+        sweep: Path, tmp_path: Path, damage: bytes,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue #55: one corrupt steps.csv aborted the whole report without naming it."""
+    copy = tmp_path / "s"
+    shutil.copytree(sweep, copy)
+    bad = next(copy.glob("*/steps.csv"))
+    bad.write_bytes(damage)
+    files = build_report([copy], out=tmp_path / "rep")
+    assert (tmp_path / "rep" / "report.md").is_file() and files.plots
+    err = capsys.readouterr().err
+    assert f"cannot read {bad}" in err and "its plots leave this run out" in err

@@ -23,6 +23,7 @@ import json
 import os
 import re
 import socket
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,13 +93,20 @@ class Run:
 
 
 def _read_records(folder: Path, name: str) -> pd.DataFrame:
+    """A run's records; empty if absent, and empty with a line on stderr naming the file
+    when it cannot be read (a corrupt CSV or Parquet file once aborted the whole report
+    without saying which: issue #55). Its plots then leave the run out."""
     pq = folder / f"{name}.parquet"
-    if pq.is_file():
-        return pd.read_parquet(pq)
-    path = folder / f"{name}.csv"
+    path = pq if pq.is_file() else folder / f"{name}.csv"
     if not path.is_file() or path.stat().st_size == 0:
         return pd.DataFrame()
-    return pd.read_csv(path)
+    try:
+        return pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
+    except (ValueError, OSError, UnicodeDecodeError) as e:  # pandas' and pyarrow's parse
+        # errors are ValueErrors (ParserError, ArrowInvalid)
+        print(f"kvbench report: cannot read {path} ({one_line(str(e))}); its plots leave "
+              "this run out", file=sys.stderr)
+        return pd.DataFrame()
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
