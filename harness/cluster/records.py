@@ -35,7 +35,7 @@ from harness.metrics.tiers import hit_rates_of
 REPLICA_KEYS = ("cache.prefix_hit_rate", "latency.ttft_ms.p50", "latency.ttft_ms.p99",
                 "latency.tpot_ms.p50", "latency.tpot_ms.p99", "requests.finished",
                 "requests.rejected", "throughput.output_tokens_per_s", "memory.waste_pct",
-                "sched.preemptions_recompute", "sched.steps")
+                "sched.preemptions_recompute", "sched.steps", "cache.blocks_saved_by_sharing")
 
 
 def _sum_fields(objs: Sequence[Any], cls: Any) -> Any:
@@ -108,6 +108,14 @@ def summarize_cluster(
                      ("memory.peak_used_bytes", "used_bytes"),
                      ("memory.max_running_seqs", "running")):
         m[key] = cluster_peak(column(steps, col), w, n)
+    # Blocks saved by sharing, the cluster's as the memory keys are: its peak the largest
+    # sum over replicas at one moment, its mean the sum of the replicas' means (a mean
+    # over the merged steps was one replica's on average: it halved as replicas doubled
+    # while sharing_saved_pct, a ratio of totals, held; issue #55).
+    saved = column(steps, "logical_blocks") - column(steps, "held_blocks")
+    m["cache.blocks_saved_by_sharing_peak"] = cluster_peak(saved, w, n)
+    m["cache.blocks_saved_by_sharing"] = float(sum(
+        saved[w == i].mean() for i in range(n) if (w == i).any()))
     below = [0, 0]
     for r in reps:
         if r.stack.tiers is not None:
