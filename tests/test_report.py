@@ -291,3 +291,16 @@ def test_a_corrupt_records_file_is_named_and_the_report_goes_on(
     assert (tmp_path / "rep" / "report.md").is_file() and files.plots
     err = capsys.readouterr().err
     assert f"cannot read {bad}" in err and "its plots leave this run out" in err
+
+
+def test_a_plot_says_which_runs_it_leaves_out(sweep: Path, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue #55: a run without requests.csv was left out of the latency plot silently."""
+    copy = tmp_path / "s"
+    shutil.copytree(sweep, copy)
+    gone = next(copy.glob("*/requests.csv"))
+    gone.unlink()
+    build_report([copy], out=tmp_path / "rep")
+    err = capsys.readouterr().err
+    assert (f"latency_cdf.png leaves out 1 run(s) without readable requests records: "
+            f"{gone.parent}") in err

@@ -8,6 +8,7 @@ in every figure, so the figures read together.
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -128,8 +129,9 @@ def quality_vs_memory(cmp: Comparison, runs: list[Run], path: Path) -> Path | No
 
 def kv_over_time(runs: list[Run], keys: list[str], path: Path) -> Path | None:
     """Reserved and used KV bytes over each run's time, one small panel per run."""
-    series = [(r, r.steps()) for r in runs if r.metrics is not None]
-    series = [(r, s) for r, s in series if not s.empty and "reserved_bytes" in s]
+    every = [(r, r.steps()) for r in runs if r.metrics is not None]
+    series = [(r, s) for r, s in every if not s.empty and "reserved_bytes" in s]
+    _say_left_out(path, "steps", [r for r, s in every if not any(r is x for x, _ in series)])
     order = list(dict.fromkeys(r.workload for r, _ in series))
     series.sort(key=lambda rs: order.index(rs[0].workload))  # stable: path order within
     if not series:
@@ -158,9 +160,11 @@ def kv_over_time(runs: list[Run], keys: list[str], path: Path) -> Path | None:
 
 def latency_cdfs(runs: list[Run], keys: list[str], path: Path) -> Path | None:
     """CDFs of TTFT and end-to-end latency of finished requests; one row per workload."""
-    done = [r for r in runs if r.metrics is not None]
-    frames = {str(r.path): r.requests() for r in done}
-    done = [r for r in done if {"ttft_ms", "e2e_ms"} <= set(frames[str(r.path)].columns)]
+    finished = [r for r in runs if r.metrics is not None]
+    frames = {str(r.path): r.requests() for r in finished}
+    done = [r for r in finished
+            if {"ttft_ms", "e2e_ms"} <= set(frames[str(r.path)].columns)]
+    _say_left_out(path, "requests", [r for r in finished if r not in done])
     if not done:
         return None
     workloads = list(dict.fromkeys(r.workload for r in done))
@@ -190,6 +194,14 @@ def latency_cdfs(runs: list[Run], keys: list[str], path: Path) -> Path | None:
                 ax.legend(fontsize=7, loc="lower right")
     fig.suptitle("Latency CDFs (finished requests)")
     return _save(fig, path)
+
+
+def _say_left_out(path: Path, records: str, runs: list[Run]) -> None:
+    """One line on stderr naming the finished runs a figure leaves out for want of their
+    records (issue #55: a missing requests.csv left a plot out without a word)."""
+    if runs:
+        print(f"kvbench report: {path.name} leaves out {len(runs)} run(s) without readable "
+              f"{records} records: {', '.join(str(r.path) for r in runs)}", file=sys.stderr)
 
 
 def write_plots(cmp: Comparison, runs: list[Run], out: Path) -> list[Path]:
