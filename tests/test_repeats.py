@@ -128,6 +128,15 @@ def test_a_run_with_repeats_is_one_folder_of_repeats_and_one_run_to_the_report(
     assert len(runs) == 1 and runs[0].path == run.resolve() and len(runs[0].repeats) == 3
     assert runs[0].metrics is not None and runs[0].metrics["repeats.n"] == 3
     assert "repeat" not in runs[0].config and runs[0].requests().shape[0] == 4
+    # A run of another configuration in the group's folder (copied or run there by
+    # hand) is not one of its repeats: left out, and said (issue #55: it was merged).
+    cfg = (reps[2] / "config.yaml").read_text()
+    assert "backend:\n  name: paged" in cfg
+    (reps[2] / "config.yaml").write_text(cfg.replace("name: paged", "name: fp8", 1))
+    (group,) = find_runs([run])
+    assert len(group.repeats) == 2 and group.metrics is not None
+    assert group.metrics["repeats.n"] == 2
+    assert "repeat-2 is another configuration's run (left out)" in str(group.failure)
 
 
 def test_a_sweep_with_repeats_interleaves_and_reports_each_configuration_once(

@@ -282,6 +282,16 @@ def _merged(group: Path, members: list[Run]) -> Run:
     members.sort(key=lambda r: repeat_index(r.path) or 0)
     done = [r for r in members if r.metrics is not None]
     first = done[0] if done else members[0]
+    # A repeat of another configuration (a folder copied or run by hand into the group)
+    # is not one of its repeats: left out of its figures, and said (issue #55: it was
+    # merged and widened the interval).
+    mine = {k: v for k, v in comparable(first.config).items() if k not in REPEAT_KEYS}
+    strangers = [r for r in members if r.config and
+                 {k: v for k, v in comparable(r.config).items() if k not in REPEAT_KEYS}
+                 != mine]
+    if strangers:
+        members = [r for r in members if not any(r is x for x in strangers)]
+        done = [r for r in members if r.metrics is not None]
     config = {k: v for k, v in first.config.items() if k not in REPEAT_KEYS}
     overrides = None if first.overrides is None else [
         o for o in first.overrides if o.split("=", 1)[0].lstrip("+~") not in REPEAT_KEYS]
@@ -289,9 +299,13 @@ def _merged(group: Path, members: list[Run]) -> Run:
     missing = [r for r in members if r.metrics is None]
     why = "; ".join(f"repeat {repeat_index(r.path)}: {r.status}: {one_line(r.failure)}"
                     for r in missing)
-    short = (planned or 0) - len(members)
+    short = (planned or 0) - len(members) - len(strangers)
     if short > 0:
         why = "; ".join(x for x in (why, f"{short} repeat(s) never started") if x)
+    if strangers:
+        why = "; ".join(x for x in (why, *(
+            f"{r.path.name} is another configuration's run (left out)"
+            for r in strangers)) if x)
     if not done:
         return Run(group, config, None, f"no repeat finished: {why}", first.status, overrides,
                    repeats=members, repeats_planned=planned)
