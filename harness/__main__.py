@@ -97,6 +97,16 @@ def run_job(cfg: DictConfig, out: Path, multirun: bool) -> int:
     """One job into ``out``: a run, or with ``repeats=N`` its N repeats (harness/repeats.py).
     Returns the exit code (module docstring)."""
     if cfg.get("repeat_of") is not None:  # one repeat of a sweep's configuration
+        from harness.errors import UserError
+        from harness.repeats import repeat_index
+
+        if not multirun or repeat_index(out) is None:
+            # Set by hand, it marked the run's parent (results/) as a group of repeats
+            # (issue #55): only kvbench's sweeper sets it, on a job folder repeat-<k>.
+            e = UserError("repeat_of (and repeat) are set by kvbench's sweeper for the jobs "
+                          "of a sweep with repeats=N; drop them, and give repeats=N")
+            print(f"\nkvbench: run failed: {e}\n  ({_mark_failed(out, e)})", file=sys.stderr)
+            return EXIT_USER
         return _sweep_repeat(cfg, out, multirun)
     if int(cfg.get("repeats", 1)) > 1:
         return _repeats(cfg, out, multirun)

@@ -184,3 +184,16 @@ def test_a_sweep_with_repeats_interleaves_and_reports_each_configuration_once(
     assert "NOT STARTED (a job of its sweep)" in g.stdout and "FAIL (" in g.stdout
     w = gate("--write-baseline", str(base), str(tmp_path), *metrics)
     assert w.returncode == 2 and "jobs that never started" in w.stderr
+
+
+def test_repeat_of_set_by_hand_is_refused_and_marks_no_group(tmp_path: Path) -> None:
+    """Issue #55: repeat_of given on one run marked its parent folder (results/) as a
+    group of repeats."""
+    from harness.repeats import GROUP_MARK
+
+    p = harness(*SMALL, "repeat_of=0", f"results_dir={tmp_path}")
+    assert p.returncode == 2 and "repeat_of (and repeat) are set by kvbench's sweeper" \
+        in p.stderr
+    assert not (tmp_path / GROUP_MARK).exists()
+    (run,) = list(tmp_path.iterdir())
+    assert (run / "FAILED").is_file()
