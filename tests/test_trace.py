@@ -461,3 +461,18 @@ def test_a_speedup_that_stretches_the_trace_past_any_run_is_refused(tmp_path: Pa
     assert trace(p, speedup=1e-6).arrival.max() == pytest.approx(2e6)
     with pytest.raises(UserError, match=r"workload\.speedup=1e-300 stretches the trace"):
         trace(p, speedup=1e-300)
+
+
+def test_conversation_ids_that_read_as_one_are_refused(tmp_path: Path) -> None:
+    """Issue #55: conversation ids 1 and "1" were merged into one conversation."""
+    p = write(tmp_path, "c.jsonl",
+              '{"arrival_s": 0, "prompt_tokens": 8, "output_tokens": 2, '
+              '"conversation_id": 1, "turn": 0}\n'
+              '{"arrival_s": 1, "prompt_tokens": 9, "output_tokens": 2, '
+              '"conversation_id": "1", "turn": 1}\n')
+    with pytest.raises(UserError, match=r"c\.jsonl:2: conversation_id '1' and 1 .* read as "
+                                        "one id"):
+        trace(p)
+    ok = write(tmp_path, "d.jsonl", p.read_text().replace('"conversation_id": "1"',
+                                                            '"conversation_id": 1'))
+    assert trace(ok).num_initial == 1  # one conversation: its turn 1 follows turn 0

@@ -366,6 +366,7 @@ def scan_trace(path: Path, fmt: str = "auto") -> TraceIndex:
     arrival = array("d")
     convs: dict[str, int] = {}
     seen_turns: set[tuple[str, int]] = set()
+    conv_kinds: dict[str, tuple[str, Any]] = {}  # id -> (its JSON type, its first value)
     first_tz: dict[str | None, int] = {}  # azure: each UTC offset's first line
     kind, why = sniff(path)
     n = 0
@@ -374,6 +375,14 @@ def scan_trace(path: Path, fmt: str = "auto") -> TraceIndex:
             fmt = detect(rec, path, why)
         try:
             row = PARSERS[fmt](rec, n, line)
+            if row.conversation is not None:
+                # 1 and "1" read as one id (issue #55: their turns were merged).
+                raw = rec.get("conversation_id")
+                first = conv_kinds.setdefault(row.conversation, (type(raw).__name__, raw))
+                if first[0] != type(raw).__name__:
+                    raise _Bad(f"conversation_id {raw!r} and {first[1]!r} (line before) read "
+                               "as one id: give every conversation_id as text, or every "
+                               "one as a number")
             if row.conversation is not None and row.turn is not None:
                 key = (row.conversation, row.turn)
                 if key in seen_turns:
