@@ -17,6 +17,19 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+case "${1:-}" in
+    -h|--help)  # (issue #55: --help built a 1.4 GB venv and ran mkdir -p --help)
+        sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+        exit 0 ;;
+    -*)  # an option where the output folder goes: it is the first argument
+        if [ "${1:-}" != "--lengths" ] && [ "${1:-}" != "--samples" ] \
+                && [ "${1:-}" != "--ratios" ]; then
+            echo "peer_kvpress.sh: unknown option $1 (usage: scripts/peer_kvpress.sh" \
+                "[OUT_DIR] [--lengths ...] [--samples N] [--ratios ...]; --help)" >&2
+            exit 2
+        fi
+        set -- "results/peer_kvpress/$(date +%Y%m%d)" "$@" ;;
+esac
 out="${1:-results/peer_kvpress/$(date +%Y%m%d)}"
 [ $# -gt 0 ] && shift
 py="$root/.venv/bin/python"

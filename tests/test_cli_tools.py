@@ -37,3 +37,15 @@ def test_trace_synth_writes_what_it_was_asked(tmp_path: Path) -> None:
                            "--rows", "5"], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert len(out.read_text().splitlines()) == 5
+
+
+@pytest.mark.parametrize("arg,code", [("--help", 0), ("-h", 0), ("--bogus", 2)])
+def test_peer_kvpress_answers_help_without_installing_anything(arg: str, code: int,
+                                                               tmp_path: Path) -> None:
+    """Issue #55: --help built a 1.4 GB venv and ran `mkdir -p --help`."""
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "peer_kvpress.sh"), arg],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=30)
+    assert done.returncode == code, done.stderr
+    text = done.stdout + done.stderr
+    assert ("usage" in text.lower() or "scripts/peer_kvpress.sh [OUT_DIR]" in text)
+    assert "mkdir" not in text and not (tmp_path / arg).exists()
