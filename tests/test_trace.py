@@ -476,3 +476,14 @@ def test_conversation_ids_that_read_as_one_are_refused(tmp_path: Path) -> None:
     ok = write(tmp_path, "d.jsonl", p.read_text().replace('"conversation_id": "1"',
                                                             '"conversation_id": 1'))
     assert trace(ok).num_initial == 1  # one conversation: its turn 1 follows turn 0
+
+
+def test_an_azure_trace_across_a_daylight_saving_change_is_exact(tmp_path: Path) -> None:
+    """Issue #55: explicit UTC offsets that change mid-trace (EDT -> EST) were refused as
+    mixed time zones, though every stamp is an exact instant."""
+    p = tmp_path / "dst.csv"
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                 "2023-11-05 01:59:59.500-04:00,8,2\n"   # EDT, 05:59:59.5 UTC
+                 "2023-11-05 01:00:00.250-05:00,8,2\n")  # EST, 06:00:00.25 UTC
+    _, rows, _ = read_trace(p)
+    assert [r.arrival_s for r in rows] == [0.0, 0.75]

@@ -412,12 +412,17 @@ def scan_trace(path: Path, fmt: str = "auto") -> TraceIndex:
                         + (f"\n  ... and {more} more" if more > 0 else ""))
     if not n:
         raise UserError(f"workload.path={path} holds no requests")
-    if len(first_tz) > 1:
+    # Stamps that each carry a UTC offset are exact instants, whatever the offsets (a
+    # trace crossing a daylight-saving change: issue #55 refused it); what cannot be told
+    # apart is a stamp without an offset, or seconds, beside stamps of another kind.
+    kinds = {"seconds" if tz is None else "naive" if tz == "none" else "offset"
+             for tz in first_tz}
+    if len(kinds) > 1:
         seen = "; ".join(f"line {ln}: {'no UTC offset' if tz == 'none' else tz or 'seconds'}"
                          for tz, ln in first_tz.items())
         raise UserError(f"workload.path={path}: its TIMESTAMPs mix time zones ({seen}); "
-                        "arrivals between them would be off by the offsets (hours): write "
-                        "every stamp with the same UTC offset, or none")
+                        "arrivals between them would be off by the offsets (hours): give "
+                        "every stamp a UTC offset, or none")
     t = np.frombuffer(arrival, dtype=np.float64).copy()
     scale = 1e-6 if fmt == "azure" else 1.0  # azure: microseconds since the epoch
     t0 = float(t.min())
