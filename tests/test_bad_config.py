@@ -96,6 +96,8 @@ ROWS = [
      "cluster.kv_weight=3.0: ignored, as cluster.router=prefix_aware with "
      "prefix_scorer=dynamo does not read it"),
     (["cluster.replicas=2", "cluster.seed=4"], "cluster.seed=4: ignored"),
+    (["slo.ttft_ms=500", "slo.e2e_ms=200"],
+     "slo.e2e_ms=200.0 is below slo.ttft_ms=500.0: end to end includes the first token"),
 ]
 
 

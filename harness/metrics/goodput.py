@@ -42,6 +42,13 @@ class SLOConfig:
             v = getattr(self, key)
             if v is not None and not v > 0:
                 raise UserError(f"slo.{key}={v} must be > 0 (milliseconds), or null for none")
+        if self.e2e_ms is not None and self.ttft_ms is not None \
+                and self.e2e_ms < self.ttft_ms:
+            # A request's end-to-end time includes its first token's: no request could
+            # meet both (issue #55: accepted, and every request then missed).
+            raise UserError(f"slo.e2e_ms={self.e2e_ms} is below slo.ttft_ms={self.ttft_ms}: "
+                            "end to end includes the first token; raise slo.e2e_ms or lower "
+                            "slo.ttft_ms")
         if self.min_agreement is not None and not 0 <= self.min_agreement <= 1:
             raise UserError(f"slo.min_agreement={self.min_agreement} is a share of a "
                             "request's output: it must be in [0, 1]")
