@@ -217,6 +217,12 @@ def check_overrides(overrides: list[str], backends: list[str], key: str) -> None
             cfg = compose_config([*overrides, f"backend={b}"])
         except (HydraException, OmegaConfBaseException) as e:
             raise UserError(f"the overrides do not compose with backend={b}: {e}") from None
+        try:  # the searched key itself (issue #55: a typo failed only after a probe ran)
+            compose_config([*overrides, f"backend={b}", f"{key}=1"])
+        except (HydraException, OmegaConfBaseException) as e:
+            raise UserError(f"--key {key}: not an option these runs have ({e}); the "
+                            "search varies an existing numeric option, e.g. "
+                            "workload.rate") from None
         rc = run_config(cfg)
         if not rc.slo.any:
             raise UserError("no SLO target: add slo.ttft_ms=..., slo.tpot_ms=... or "

@@ -127,6 +127,12 @@ def test_the_command_runs_real_probes_and_refuses_bad_searches(
     assert main(["--out", str(out), "--", *run, "backend=contiguous", "slo.ttft_ms=1"]) == 2
     assert "sets backend= and workload.rate= itself" in capsys.readouterr().err
     assert main(["--lo", "4", "--hi", "2", "--", *run, "slo.ttft_ms=1"]) == 2
+    # A typo in --key: refused before any probe runs (issue #55: exit 1 after one).
+    typo = tmp_path / "typo"
+    assert main(["--key", "workload.rat", "--out", str(typo), "--", *run,
+                 "slo.ttft_ms=1"]) == 2
+    assert "--key workload.rat: not an option these runs have" in capsys.readouterr().err
+    assert not (typo / "paged").exists()
 
 
 def test_ctrl_c_during_a_probe_is_one_line_and_130(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
