@@ -54,16 +54,21 @@ class PagedStorageBackend(KVBackend):
     storage = "paged"
     default_block_size = 16
 
+    def tensor_blocks(self, sizing: CacheSizing) -> int:
+        """Blocks the cache tensors hold: the pool's, and for a graph-safe backend one more
+        past them (never in a table: where the padded rows of a replayed decode batch
+        store and read, harness.engine.graphs; not charged), which sets :attr:`pad_block`
+        and :attr:`pad_slot`."""
+        if self.graph_unsafe_reason() is not None:
+            return sizing.num_blocks
+        self.pad_block = sizing.num_blocks
+        self.pad_slot = sizing.num_blocks * sizing.block_size
+        return sizing.num_blocks + 1
+
     def allocate(self, sizing: CacheSizing) -> None:
         lay = self.layout
-        # A graph-safe backend gets one block past the pool's (never in a table): where
-        # the padded rows of a replayed decode batch store and read (harness.engine.
-        # graphs); not charged.
-        pad = self.graph_unsafe_reason() is None
-        shape = (sizing.num_blocks + pad, sizing.block_size, lay.num_kv_heads, lay.head_dim)
-        if pad:
-            self.pad_block = sizing.num_blocks
-            self.pad_slot = sizing.num_blocks * sizing.block_size
+        shape = (self.tensor_blocks(sizing), sizing.block_size, lay.num_kv_heads,
+                 lay.head_dim)
         self.block_size = sizing.block_size
         # One tensor per storage layer: every layer, or under KV cache groups one per group
         # position, each block owned by whichever group took it (LayerSlot).

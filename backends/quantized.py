@@ -103,12 +103,8 @@ class QuantizedBackend(PagedBackend):
                              f"backend.block_size={sizing.block_size}")
         lay = self.layout
         self.block_size = sizing.block_size
-        # (the pad block of a replayed decode batch, as PagedStorageBackend's)
-        pad = self.graph_unsafe_reason() is None
-        shape = (sizing.num_blocks + pad, sizing.block_size, lay.num_kv_heads, lay.head_dim)
-        if pad:
-            self.pad_block = sizing.num_blocks
-            self.pad_slot = sizing.num_blocks * sizing.block_size
+        nb = self.tensor_blocks(sizing)  # (with the pad block of a replayed decode batch)
+        shape = (nb, sizing.block_size, lay.num_kv_heads, lay.head_dim)
         dev, n = self.device, self.storage_layers  # per layer, or per group position
         self.k_cache = [torch.zeros(shape, dtype=self.cache_dtype, device=dev)
                         for _ in range(n)]
@@ -116,8 +112,7 @@ class QuantizedBackend(PagedBackend):
         self.k_scale = [torch.zeros(shape[:3], dtype=torch.float32, device=dev)
                         for _ in range(n)]
         self.v_scale = [torch.zeros_like(t) for t in self.k_scale]
-        sink_shape = (sizing.num_blocks + pad, self.sink_tokens, lay.num_kv_heads,
-                      lay.head_dim)
+        sink_shape = (nb, self.sink_tokens, lay.num_kv_heads, lay.head_dim)
         self.k_sink = [torch.zeros(sink_shape, dtype=lay.dtype, device=dev)
                        for _ in range(n if self.sink_tokens else 0)]
         self.v_sink = [torch.zeros_like(t) for t in self.k_sink]

@@ -65,12 +65,11 @@ def has_kernel_option(backend: str) -> bool:
 
 
 def overrides(backend: str, kernel: str, a: argparse.Namespace) -> list[str]:
-    o = [f"backend={backend}", "model=tiny", f"model.source={a.model}", "workload=random",
-         f"workload.num_requests={a.batch}", "workload.distribution=uniform",
-         f"workload.input_min={a.prompt}", f"workload.input_max={a.prompt}",
-         f"workload.output_min={a.output}", f"workload.output_max={a.output}",
-         "device=cpu", "cache.kv_budget=64MiB", f"scheduler.max_num_seqs={a.batch}",
-         "scheduler.max_model_len=2048"]
+    from harness.gpucheck.profile import fixed_lengths  # (the GPU check's engine workload)
+
+    o = [f"backend={backend}", "model=tiny", f"model.source={a.model}",
+         *fixed_lengths(a.batch, a.prompt, a.output), "device=cpu", "cache.kv_budget=64MiB",
+         f"scheduler.max_num_seqs={a.batch}", "scheduler.max_model_len=2048"]
     if kernel != "default" and has_kernel_option(backend):
         o.append(f"backend.kernel={kernel}")
     return o

@@ -26,15 +26,6 @@ def tiny(*overrides: str, out_dir: Path | None = None) -> DictConfig:
     return compose_cfg([*base, *overrides], out_dir)
 
 
-def random_lengths(requests: int, prompt: tuple[int, int], output: tuple[int, int]) -> list[str]:
-    """Overrides for the `random` workload: ``requests`` at once, prompt and output
-    lengths uniform in the given (min, max)."""
-    return ["workload=random", f"workload.num_requests={requests}",
-            "workload.distribution=uniform", f"workload.input_min={prompt[0]}",
-            f"workload.input_max={prompt[1]}", f"workload.output_min={output[0]}",
-            f"workload.output_max={output[1]}"]
-
-
 def model_stack(overrides: list[str]) -> tuple[Any, Any, Any]:
     """(the model target, the workload, the built stack) of a composed run, without
     running it: for tests that drive or watch the engine themselves."""

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import harness.engine.executor as ex
-from tests.compose import model_stack, random_lengths
+from harness.gpucheck.profile import fixed_lengths
+from tests.compose import model_stack
 
 GRAPH_SAFE = ["paged", "contiguous", "fp8", "int8", "sliding_window", "streaming_llm",
               "h2o", "tova", "snapkv", "knorm", "quest", "kivi"]
@@ -22,7 +23,7 @@ def explain_decode_steps(backend: str, kernel: str | None, steps: int = 2) -> li
     """``torch._dynamo.explain`` of the model's forward on the first ``steps`` decode
     steps of a small run (the inputs and backend state as the engine made them)."""
     ov = ["model=tiny", "device=cpu", f"backend={backend}", "cache.kv_budget=8MiB",
-          *random_lengths(3, (20, 20), (6, 6))]
+          *fixed_lengths(3, 20, 6)]
     if kernel is not None:
         ov.append(f"backend.kernel={kernel}")
     _, wl, st = model_stack(ov)

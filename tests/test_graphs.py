@@ -23,8 +23,9 @@ from harness.engine.graphs import (
     setup_graphs,
 )
 from harness.errors import UserError
+from harness.gpucheck.profile import uniform_lengths
 from harness.kv.groups import GroupedKVManager
-from tests.compose import model_stack, random_lengths
+from tests.compose import model_stack
 
 CPU = torch.device("cpu")
 
@@ -64,7 +65,7 @@ def _run(backend: str, kernel: str | None, graphs: bool,
     (on the CPU the traced stand-in replays, on CUDA a CUDA graph)."""
     ov = ["model=tiny", f"device={device}", f"backend={backend}", "cache.kv_budget=8MiB",
           "scheduler.max_num_seqs=8", "scheduler.max_model_len=256",
-          *random_lengths(6, (9, 40), (3, 14))]
+          *uniform_lengths(6, (9, 40), (3, 14))]
     if kernel is not None:
         ov.append(f"backend.kernel={kernel}")
     target, wl, st = model_stack(ov)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from harness.backends.staging import Staging
+from harness.engine.streams import stream_seed
 from harness.sched.sequence import Sequence, SequenceGroup
 
 _M32 = 0xFFFF_FFFF
@@ -96,13 +97,9 @@ class DeviceSampler:
         self._ids_host: torch.Tensor | None = None  # pinned, on CUDA
 
     def key(self, seq: Sequence, sample: int | None) -> int:
-        """The 31-bit key of a (request, sample index): what the host sampler seeds its
-        generator with, so the same identity drives both."""
-        group = seq.group
-        idx = group.seqs.index(seq) if sample is None else sample
-        p = group.params
-        base = p.seed if p.seed is not None else self.seed
-        return hash((base, group.request_id, idx)) & 0x7FFF_FFFF
+        """The 31-bit key of a (request, sample index): the host sampler's seed for it
+        (harness.engine.streams.stream_seed), so the same identity drives both."""
+        return stream_seed(seq, sample, self.seed)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence],
                samples: list[int | None] | None = None) -> list[int]:

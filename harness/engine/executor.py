@@ -134,7 +134,7 @@ class ModelExecutor:
         self.kv: KVManager | None = None
         self.inputs = InputBuilder(device)  # the step's metadata, in persistent buffers
         # Decode steps replayed per batch bucket (harness.engine.graphs), when the run has
-        # them (harness.engine.graph_setup); None: every step eager.
+        # them (harness.engine.graphs.setup_graphs); None: every step eager.
         self.graphs: DecodeGraphs | None = None
 
     def bind(self, kv: KVManager) -> None:

@@ -8,6 +8,7 @@ from typing import Protocol
 
 import torch
 
+from harness.engine.streams import stream_of, stream_seed
 from harness.sched.sequence import Sequence, SequenceGroup
 
 
@@ -40,14 +41,11 @@ class Sampler:
         self._gens: dict[tuple[int, int], torch.Generator] = {}  # (request, sample index)
 
     def _gen(self, seq: Sequence, sample: int | None) -> torch.Generator:
-        group = seq.group
-        idx = group.seqs.index(seq) if sample is None else sample
-        g = self._gens.get((group.request_id, idx))
+        stream = stream_of(seq, sample)
+        g = self._gens.get(stream)
         if g is None:
-            p = group.params
-            base = p.seed if p.seed is not None else self.seed
-            g = torch.Generator().manual_seed(hash((base, group.request_id, idx)) & 0x7FFF_FFFF)
-            self._gens[(group.request_id, idx)] = g
+            g = torch.Generator().manual_seed(stream_seed(seq, sample, self.seed))
+            self._gens[stream] = g
         return g
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence],

@@ -54,10 +54,17 @@ ENGINE_BACKENDS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 def fixed_lengths(requests: int, prompt: int, output: int) -> tuple[str, ...]:
     """Overrides for the `random` workload with every request the same size, all at once."""
+    return uniform_lengths(requests, (prompt, prompt), (output, output))
+
+
+def uniform_lengths(requests: int, prompt: tuple[int, int],
+                    output: tuple[int, int]) -> tuple[str, ...]:
+    """Overrides for the `random` workload: every request at once, prompt and output
+    lengths uniform in the given (min, max)."""
     return ("workload=random", f"workload.num_requests={requests}",
-            "workload.distribution=uniform", f"workload.input_min={prompt}",
-            f"workload.input_max={prompt}", f"workload.output_min={output}",
-            f"workload.output_max={output}", "workload.rate=0")
+            "workload.distribution=uniform", f"workload.input_min={prompt[0]}",
+            f"workload.input_max={prompt[1]}", f"workload.output_min={output[0]}",
+            f"workload.output_max={output[1]}", "workload.rate=0")
 
 
 @dataclass(frozen=True, slots=True)
