@@ -1,354 +1,40 @@
-"""``python -m harness``: a thin Hydra entry point around :func:`harness.runner.run`.
+"""``python -m harness``: Hydra's entry point. What a run, a sweep and their exit codes
+are is harness/app/cli.py (its docstring) and docs/errors.md.
 
-Every run folder ends complete (metrics.json) or marked: ``FAILED`` (the error),
-``INTERRUPTED`` (Ctrl-C or SIGTERM, with what was done); with ``logger=wandb`` a finished
-run is then logged to W&B, and ``WANDB_FAILED`` joins the results if that fails. In a
-multirun each job runs in a process of its own (harness/supervisor.py), so a job that
-fails, or whose process is killed, never stops the sweep (it is marked ``FAILED``). A run
-exits with (the full list, and what each marker holds: docs/errors.md):
-
-- 0: the run finished (and was logged, if a logger was chosen);
-- 1: the run crashed (a bug or an environment problem; the traceback is printed);
-- 2: a configuration or capacity error, or a results folder that holds another run (the
-  message says what to change);
-- 3: the run finished and its results are on disk, but logging to W&B failed;
-- 4: the run finished but its results could not be written (the summary is printed, and
-  the message names the file and the error);
-- 130 / 143: interrupted by SIGINT (Ctrl-C) / SIGTERM.
-
-A sweep exits 0 once every job ran (whatever each one's outcome), 2 for a configuration
-error before it starts, 130 / 143 when it was interrupted (jobs not started yet are listed
-by ``python -m harness.report <sweep>``).
-"""
+Only the decorated ``main`` lives here: Hydra finds conf/ relative to the file that
+defines it, and a launcher's worker (joblib) imports it by this name."""
 
 from __future__ import annotations
 
-import os
 import sys
-import traceback
-from pathlib import Path
-from typing import TYPE_CHECKING
 
-from harness.checkout_path import unshadow
+# The project's packages, missing outside its environment (issue #54): say how to run it.
+_DEPENDENCIES = {"hydra", "omegaconf", "torch", "numpy", "transformers", "gguf", "yaml"}
 
-unshadow()  # before anything imports transformers (harness/checkout_path.py)
-
-try:  # Ctrl-C while the imports run (seconds: Hydra, torch): one line, exit 130
+try:
     import hydra
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-    from omegaconf import DictConfig, OmegaConf, open_dict
+    from omegaconf import DictConfig
 
-    from harness.config import register_configs
-
-    register_configs()
-
-    def _find_our_plugins() -> None:
-        # Hydra loads plugins (our sweeper) only from the hydra_plugins namespace, which
-        # an editable install does not list from another working directory.
-        import hydra_plugins
-
-        ours = str(Path(__file__).resolve().parents[1] / "hydra_plugins")
-        if Path(ours).is_dir() and ours not in list(hydra_plugins.__path__):
-            hydra_plugins.__path__.append(ours)
-
-    _find_our_plugins()
+    from harness.app import cli as app
+except ModuleNotFoundError as e:
+    if (e.name or "").split(".")[0] not in _DEPENDENCIES:
+        raise
+    print(f"kvbench: this Python ({sys.executable}) lacks the project's packages "
+          f"({e.name} is not installed). Run it as\n"
+          "  scripts/run.sh backend=paged workload=multiturn   (sets up .venv on first use)\n"
+          "or, once set up:\n"
+          "  .venv/bin/python -m harness backend=paged workload=multiturn", file=sys.stderr)
+    sys.exit(2)
 except KeyboardInterrupt:
     print("\nkvbench: stopped by SIGINT (Ctrl-C) while starting; nothing was run",
           file=sys.stderr)
     sys.exit(130)
 
-if TYPE_CHECKING:
-    from harness.results import ResultsWriteError
-    from harness.runner import RunResult
-    from harness.supervisor import Interrupted
-
-EXIT_CRASH, EXIT_USER, EXIT_WANDB, EXIT_WRITE = 1, 2, 3, 4
-
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from harness.supervisor import run_supervised
-
-    hc = HydraConfig.get()
-    out = Path(hc.runtime.output_dir)
-    with open_dict(cfg):
-        cfg.out_dir = str(out)
-    if hc.mode != RunMode.MULTIRUN:
-        if code := run_job(cfg, out, multirun=False):
-            sys.exit(code)
-        return
-    end = run_supervised(lambda: run_job(cfg, out, multirun=True), out)
-    # Asked to stop, the process that launches the jobs (the basic launcher's) stops the
-    # sweep; a launcher's worker (joblib) leaves that to its launcher.
-    if end.stop is not None and _launches(Path(hc.sweep.dir)):
-        print(f"kvbench: sweep stopped by {end.stop} in job {out.name}; the jobs not started "
-              f"are listed by: python -m harness.report {out.parent}", file=sys.stderr)
-        sys.exit(end.stop.exit_code)
-
-
-def _launches(sweep: Path) -> bool:
-    from harness.results import SWEEP_CLAIM, read_claim
-
-    return (read_claim(sweep, SWEEP_CLAIM) or {}).get("pid") == os.getpid()
-
-
-def run_job(cfg: DictConfig, out: Path, multirun: bool) -> int:
-    """One job into ``out``: a run, or with ``repeats=N`` its N repeats (harness/repeats.py).
-    Returns the exit code (module docstring)."""
-    if cfg.get("repeat_of") is not None:  # one repeat of a sweep's configuration
-        from harness.errors import UserError
-        from harness.repeats import repeat_index
-
-        if not multirun or repeat_index(out) is None:
-            # Set by hand, it marked the run's parent (results/) as a group of repeats
-            # (issue #55): only kvbench's sweeper sets it, on a job folder repeat-<k>.
-            e = UserError("repeat_of (and repeat) are set by kvbench's sweeper for the jobs "
-                          "of a sweep with repeats=N; drop them, and give repeats=N")
-            print(f"\nkvbench: run failed: {e}\n  ({_mark_failed(out, e)})", file=sys.stderr)
-            return EXIT_USER
-        return _sweep_repeat(cfg, out, multirun)
-    if int(cfg.get("repeats", 1)) > 1:
-        return _repeats(cfg, out, multirun)
-    return _run_one(cfg, out, multirun)
-
-
-def _repeats(cfg: DictConfig, out: Path, multirun: bool) -> int:
-    """``repeats=N`` in one folder: ``out`` becomes the group of ``repeat-0/`` ..
-    ``repeat-<N-1>/``, run one after the other, and their summary ``repeats.json``. A
-    repeat that fails or is interrupted ends the group; what finished is summarized."""
-    import copy
-
-    from harness.config import run_config
-    from harness.errors import UserError
-    from harness.repeats import mark_group, repeat_dir
-
-    try:
-        run_config(cfg)  # a refused config fails here, as a run, before any repeat exists
-    except UserError as e:
-        print(f"\nkvbench: run failed: {e}\n  ({_mark_failed(out, e)})", file=sys.stderr)
-        return EXIT_USER
-    n = int(cfg.repeats)
-    mark_group(out, n)
-    code = 0
-    for k in range(n):
-        sub = repeat_dir(out, k)
-        one = copy.deepcopy(cfg)
-        with open_dict(one):
-            one.repeat, one.out_dir = k, str(sub)
-        print(f"kvbench: repeat {k + 1} of {n} into {sub}", file=sys.stderr)
-        code = _run_one(one, sub, multirun, quiet=True)
-        if code not in (0, EXIT_WANDB):
-            break
-    _summarize_group(out, show=True)
-    return code
-
-
-def _sweep_repeat(cfg: DictConfig, out: Path, multirun: bool) -> int:
-    """Repeat ``cfg.repeat`` of the sweep's configuration ``cfg.repeat_of``: a run into
-    ``out`` (``<c>-<backend>-<workload>/repeat-<k>``), then its group's summary."""
-    from harness.repeats import mark_group
-
-    mark_group(out.parent, int(cfg.repeats))
-    code = _run_one(cfg, out, multirun)
-    _summarize_group(out.parent, show=False)
-    return code
-
-
-def _summarize_group(group: Path, show: bool) -> None:
-    from harness.repeats import SUMMARY, write_summary
-    from harness.runner import print_summary
-
-    try:
-        s = write_summary(group)
-    except OSError as e:
-        print(f"kvbench: could not write {group / SUMMARY}: {e.strerror or e}", file=sys.stderr)
-        return
-    if s is None:
-        return
-    if s.varied:
-        print(f"kvbench: warning: the repeats disagree on {', '.join(s.varied)}: with every "
-              "arrival at t=0 a run is deterministic and this is a bug to report; with "
-              "arrivals on the clock (workload.rate) batching follows the machine's speed",
-              file=sys.stderr)
-    if show:
-        print(f"\n  {len(s.repeats)} repeat(s): medians, [95% interval] of speed metrics")
-        print_summary(s.metrics, group)
-
-
-def _run_one(cfg: DictConfig, out: Path, multirun: bool, quiet: bool = False) -> int:
-    """One run into ``out``: claim the folder, run, write results or a marker, log to W&B.
-    Returns the exit code (module docstring) and prints what went wrong; once the results
-    are complete, a signal simply stops it (nothing more needs a marker). ``quiet``: no
-    summary table (a repeat's; the group's is printed)."""
-    from harness import progress
-    from harness.errors import UserError
-    from harness.hydra_callbacks import refuse_schema_choices
-    from harness.results import FolderTaken, ResultsWriteError, claim_folder, write_config
-    from harness.runner import print_summary, run
-    from harness.supervisor import as_interrupted
-
-    try:
-        refuse_schema_choices(HydraConfig.get().runtime.choices)
-        claim_folder(out)  # done already by the FolderGuard callback for a single run
-    except UserError as e:  # never mark a folder that is not ours
-        print(f"kvbench: {e}", file=sys.stderr)
-        return EXIT_USER
-    except OSError as e:
-        print(f"kvbench: cannot claim the results folder {out}: {e.strerror or e}",
-              file=sys.stderr)
-        return EXIT_USER
-    progress.configure(out.name if multirun else "")
-    try:
-        try:
-            write_config(out, OmegaConf.to_yaml(cfg, resolve=True))
-        except OSError as e:
-            raise ResultsWriteError(out / "config.yaml", e, None, []) from e
-        result = run(cfg)
-    except KeyboardInterrupt as e:
-        return _interrupted(out, as_interrupted(e))
-    except ResultsWriteError as e:
-        return _write_failed(out, e)
-    except FolderTaken as e:
-        print(f"\nkvbench: {e}", file=sys.stderr)
-        return EXIT_USER
-    except Exception as e:  # recorded in the run's folder, then reported
-        user_error = isinstance(e, ValueError)  # UserError, and library ValueErrors
-        if not user_error:
-            traceback.print_exc()
-        print(f"\nkvbench: run failed: {e}\n  ({_mark_failed(out, e)})", file=sys.stderr)
-        return EXIT_USER if user_error else EXIT_CRASH
-    if not quiet:
-        print_summary(result.metrics, result.out_dir)
-    return _log_to_wandb(cfg, result, out, multirun)
-
-
-def _mark_failed(out: Path, error: BaseException | str) -> str:
-    from harness.results import write_failure
-
-    try:
-        return f"recorded in {write_failure(out, error)}"
-    except OSError as e:
-        return f"even the FAILED marker could not be written into {out}: {e.strerror or e}"
-
-
-def _interrupted(out: Path, e: Interrupted) -> int:
-    from harness import progress
-    from harness.results import write_interrupted
-    from harness.supervisor import parent_died
-
-    done = progress.describe(snap.snapshot() if (snap := progress.current()) else None)
-    if parent_died():  # PR_SET_PDEATHSIG: the process that launched this job is gone
-        done += "; the process that launched this job had died"
-    text = (f"interrupted by {e}: {done}\nits results are incomplete (metrics.json, "
-            "written last, is not there); rerun it into a new folder")
-    try:
-        where = f"recorded in {write_interrupted(out, text)}"
-    except OSError as err:
-        where = f"even the INTERRUPTED marker could not be written: {err.strerror or err}"
-    print(f"\nkvbench: interrupted by {e}: {done}; {where}", file=sys.stderr)
-    return e.exit_code
-
-
-def _write_failed(out: Path, e: ResultsWriteError) -> int:
-    from harness.runner import print_summary
-
-    if e.metrics is not None:  # the run finished: its summary is not lost with the files
-        print_summary(e.metrics, None)
-    written = f" ({', '.join(e.written)} had been written)" if e.written else ""
-    print(f"\nkvbench: the run's results could not be written: {e}{written}\n"
-          f"  {_mark_failed(out, f'ResultsWriteError: {e}{written}')}", file=sys.stderr)
-    return EXIT_WRITE
-
-
-def _log_to_wandb(cfg: DictConfig, result: RunResult, out: Path, multirun: bool) -> int:
-    if cfg.logger.name != "wandb":
-        return 0
-    from harness.sinks import log_run_to_wandb, record_wandb_failure
-
-    sweep = Path(HydraConfig.get().sweep.dir).name if multirun else None
-    try:
-        log_run_to_wandb(cfg, result, cfg.logger, default_group=sweep)
-    except Exception as e:  # local results are complete: report, record, exit 3
-        print(f"\n{record_wandb_failure(out, e)}", file=sys.stderr)
-        return EXIT_WANDB
-    return 0
-
-
-def _is_config_error(e: BaseException) -> bool:
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    # Hydra's composition and override errors, OmegaConf's type checks, the CLI's own
-    # ValueErrors ("Only one of --run, --multirun..."): all the user's to fix.
-    return isinstance(e, HydraException | OmegaConfBaseException | ValueError)
-
-
-def _end_sweep(why: str, interrupted: bool) -> None:
-    """The sweep this process launches ends abnormally: stop its running jobs (each writes
-    INTERRUPTED) and mark those already gone without a word."""
-    import signal
-
-    from harness.supervisor import mark_abandoned, stop_jobs, sweep_in_progress
-
-    if (sweep := sweep_in_progress()) is None:
-        return
-    stop_jobs(sweep, signal.SIGTERM)  # a no-op once a stop signal has done it
-    if n := mark_abandoned(sweep, why, interrupted):
-        print(f"kvbench: {n} job(s) of {sweep} ended with the sweep: marked "
-              f"{'INTERRUPTED' if interrupted else 'FAILED'}", file=sys.stderr)
-
-
-def cli() -> None:
-    """``python -m harness``: Hydra's main, with kvbench's exit codes and signals."""
-    from harness.hydra_callbacks import hide_schemas
-    from harness.supervisor import as_interrupted, install_handlers
-
-    install_handlers(top_level=True)
-    hide_schemas()
-    full_error = bool(os.environ.get("HYDRA_FULL_ERROR"))
-    # Hydra prints its errors and exits 1; asked for full errors it raises them instead,
-    # and they are sorted here: configuration errors exit 2, as documented.
-    os.environ["HYDRA_FULL_ERROR"] = "1"
-    try:
-        main()
-    except KeyboardInterrupt as e:
-        stop = as_interrupted(e)
-        _end_sweep(str(stop), interrupted=True)
-        print(f"\nkvbench: stopped by {stop}", file=sys.stderr)
-        sys.exit(stop.exit_code)
-    except Exception as e:
-        _fail(e, full_error)
-
-
-# Options that moved: an old override names its new key in the error.
-MOVED = {"roofline.kv_groups": "cache.kv_groups (it applies to both executors)"}
-
-
-def _fail(e: Exception, full_error: bool) -> None:
-    """Report an error that reached the top (Hydra's, or a launcher's) and exit."""
-    from omegaconf.errors import OmegaConfBaseException
-
-    # A launcher that failed (a joblib worker killed outright: TerminatedWorkerError) took
-    # its running jobs with it: they are marked, so that no folder is left unexplained.
-    dead_worker = type(e).__name__ == "TerminatedWorkerError"
-    _end_sweep("a worker process of its launcher was killed (TerminatedWorkerError)"
-               if dead_worker else type(e).__name__, interrupted=False)
-    if dead_worker and not full_error:
-        print(f"kvbench: the sweep stopped: {str(e).splitlines()[0]}\n  (a worker process "
-              "of the launcher was killed; every job folder is complete or marked)",
-              file=sys.stderr)
-        sys.exit(EXIT_CRASH)
-    if full_error or not _is_config_error(e):
-        traceback.print_exc()
-        sys.exit(EXIT_USER if _is_config_error(e) else EXIT_CRASH)
-    cause = e.__cause__
-    extra = f"\n{cause}" if isinstance(cause, OmegaConfBaseException) else ""
-    moved = [f"\n{old} is now {new}" for old, new in MOVED.items() if old in f"{e}{extra}"]
-    print(f"{e}{extra}{''.join(moved)}\n\nkvbench: configuration error (python -m harness "
-          "--help lists the options)", file=sys.stderr)
-    sys.exit(EXIT_USER)
+    app.main(cfg)
 
 
 if __name__ == "__main__":
-    cli()
+    app.cli(main)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CI smoke gate: run the ci_smoke sweep (conf/experiment/ci_smoke.yaml: tiny model,
 # CPU, paged/contiguous x multiturn/shared_prefix, ~10 s) into a temporary folder and gate
-# it against the committed baseline results/baselines/cpu-tiny.json (harness/gate.py).
+# it against the committed baseline results/baselines/cpu-tiny.json (harness/app/gate.py).
 #
 #   scripts/ci_smoke.sh                    # gate; exit 0 pass, 1 regression, 2 usage error
 #   scripts/ci_smoke.sh --write-baseline   # refresh the baseline after an intended change

@@ -1,4 +1,4 @@
-"""docs/whatif_validation.md's tables from the rows ``python -m harness.roofline.validate
+"""docs/whatif_validation.md's tables from the rows ``python -m harness.roofline_tools.validate
 --out rows.json`` wrote: the summary by set, source, engine and metric kind, the
 TensorRT-LLM online table's light / saturated split, and every figure.
 
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from harness.roofline.validate import figure_table
+from harness.roofline_tools.validate import figure_table
 
 
 def summary(rows: list[dict[str, Any]]) -> list[str]:

@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from harness.app.gate import main as gate
+from harness.app.report import main as report
 from harness.errors import UserError
-from harness.gate import main as gate
 from harness.model import load_model, save_hf
-from harness.report import main as report
 from tests.test_report import write_run
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 import yaml
 
-from harness.__main__ import _write_failed
-from harness.report import main as report
+from harness.app.cli import _write_failed
+from harness.app.report import main as report
 from harness.results import CLAIM, ResultsWriteError, atomic_write
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from harness.gate import DEFAULT_SPEC, judge, main
+from harness.app.gate import DEFAULT_SPEC, judge, main
 from harness.reporting.baseline import Baseline, MetricSpec
 from harness.reporting.runs import flatten, fmt_value
 from tests.compose import compose_cfg
@@ -247,7 +247,7 @@ def test_a_quality_regression_inside_its_bootstrap_interval_still_fails() -> Non
     a speed metric of repeats still by its interval."""
     from pathlib import Path
 
-    from harness.gate import check
+    from harness.app.gate import check
     from harness.reporting.baseline import Baseline, make_spec
     from harness.reporting.runs import Run
 

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import yaml
 
+from harness.app.gate import judge_interval
 from harness.config import run_config
 from harness.errors import UserError
-from harness.gate import judge_interval
 from harness.metrics.repeats import median_ci, paired_ratio, summarize_repeats
 from harness.repeats import expand_repeats
 from harness.reporting.baseline import MetricSpec

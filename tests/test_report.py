@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from harness.report import build_report, main
+from harness.app.report import build_report, main
 from harness.reporting.runs import find_runs, label, run_key, variant_keys
 from harness.reporting.table import RATIO, compare
 from harness.runner import run

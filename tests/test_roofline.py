@@ -241,7 +241,7 @@ def test_the_backends_declared_reads_are_used_and_no_cache_is_allocated(
 
 
 def test_experiments_at_tiny_scale() -> None:
-    from harness.roofline.experiments import mla, waste
+    from harness.roofline_tools.experiments import mla, waste
 
     t = mla(1.0)
     assert "| DeepSeek-V3 | 8x h200 | fp8 | bf16 | 68.6 |" in t  # 61 x 576 x 2 bytes

@@ -15,7 +15,6 @@ import pytest
 from harness.backends import costs
 from harness.backends.costs import KVCosts, LaneSums, QuantCosts
 from harness.errors import UserError
-from harness.roofline.calibrate import Measured, bounded_lsq, fit, predict
 from harness.roofline.hardware import (
     CALIBRATION,
     CPU_PRIOR,
@@ -27,6 +26,7 @@ from harness.roofline.hardware import (
 from harness.roofline.models import MODEL_SPECS
 from harness.roofline.shape import StepShape, step_shape
 from harness.roofline.steptime import StepModel, profile_tau
+from harness.roofline_tools.calibrate import Measured, bounded_lsq, fit, predict
 from harness.sched.sequence import SamplingParams, Sequence, SequenceGroup
 from harness.sched.step import ScheduledSeq, StepRecord
 
@@ -209,7 +209,7 @@ def test_the_committed_calibration_loads_and_a_broken_one_says_what_to_do(
     assert report["summary"]["held_out_step_mdape_pct"] > 0  # measured, not a placeholder
     bad = tmp_path / "cal.json"
     bad.write_text(json.dumps({"profile": PROFILE}))
-    with pytest.raises(UserError, match=r"rerun python -m harness\.roofline\.calibrate"):
+    with pytest.raises(UserError, match=r"rerun python -m harness\.roofline_tools\.calibrate"):
         load_cpu(bad)
     assert load_cpu(tmp_path / "absent.json") == CPU_PRIOR
     with pytest.raises(UserError, match="attention must be one of"):
@@ -273,9 +273,9 @@ def test_fit_recovers_a_gpu_spec_where_each_attention_term_is_a_max() -> None:
 def test_the_gpu_calibration_runs_end_to_end_on_the_cpu_as_the_dry_target(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import harness.roofline.hardware as hardware
-    from harness.roofline.calibrate import calibrate
     from harness.roofline.hardware import calibration_path, get_hardware
-    from harness.roofline.targets import TARGETS
+    from harness.roofline_tools.calibrate import calibrate
+    from harness.roofline_tools.targets import TARGETS
 
     # The spec's own file (so the held-out replay under executor=roofline reads it), here.
     monkeypatch.setattr(hardware, "CALIBRATION", tmp_path / "cpu_calibration.json")
@@ -296,8 +296,8 @@ def test_the_gpu_calibration_runs_end_to_end_on_the_cpu_as_the_dry_target(
 
 def test_every_calibration_run_of_every_target_composes_and_validates() -> None:
     from harness.config import run_config
-    from harness.roofline.calibrate import compose
-    from harness.roofline.targets import TARGETS
+    from harness.roofline_tools.calibrate import compose
+    from harness.roofline_tools.targets import TARGETS
 
     for t in TARGETS.values():
         assert t.train and t.held_out and not set(t.train) & set(t.held_out)
@@ -323,7 +323,7 @@ def test_roofline_attention_can_be_forced_and_gather_costs_more_on_a_gpu_spec() 
 
 
 def test_repeats_that_disagree_on_the_schedule_are_left_out() -> None:
-    from harness.roofline.calibrate import agreeing
+    from harness.roofline_tools.calibrate import agreeing
 
     def r(steps: int, tokens: int, tag: float) -> tuple:  # type: ignore[type-arg]
         return ([], [tag] * steps, tokens, tag, 0, "", "")

@@ -199,7 +199,7 @@ def test_requests_that_never_ran_are_not_scored(tmp_path: Path) -> None:
 
 
 def test_report_draws_heatmaps_frontier_and_table(tmp_path: Path) -> None:
-    from harness.report import build_report
+    from harness.app.report import build_report
 
     base = ["model=tiny", "+experiment=ruler", "cache.kv_budget=8MiB",
             "workload.tasks=[niah_single_1,niah_multikey]", "workload.lengths=[1024]",

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from harness.app.report import build_report
+from harness.app.sla import Searcher, bisect_rate, main, write_outputs
 from harness.errors import UserError
-from harness.report import build_report
 from harness.reporting.rate import rate_series
 from harness.reporting.runs import find_runs
-from harness.sla import Searcher, bisect_rate, main, write_outputs
 
 
 def test_bisection_brackets_the_threshold_geometrically() -> None:

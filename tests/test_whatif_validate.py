@@ -1,6 +1,6 @@
 """The what-if's published sets, its engine-profile fit and its kernel fit (issue: the
 what-if against real GPUs). Nothing here runs the published points (that is
-``python -m harness.roofline.validate``, minutes); every point is composed, the fits are
+``python -m harness.roofline_tools.validate``, minutes); every point is composed, the fits are
 checked on inputs with a known answer, and the committed kernel constants are checked to
 be the optimum of Vidur's tables."""
 
@@ -14,10 +14,11 @@ import pytest
 from omegaconf import DictConfig, OmegaConf
 
 from harness.config import compose_config, run_config
-from harness.roofline import bands, kernel_fit, validate
+from harness.roofline import bands
 from harness.roofline.hardware import A100_KERNELS, H100_KERNELS, get_hardware
 from harness.roofline.models import get_model_spec
 from harness.roofline.trtllm_bench import batch_limits
+from harness.roofline_tools import kernel_fit, validate
 
 
 def test_every_published_run_composes_and_the_sets_are_apart() -> None:

@@ -1,5 +1,5 @@
 """Section ``roofline-h200``: fit the roofline executor's ``h200`` spec on the device, as
-``python -m harness.roofline.calibrate --target h200`` does (a GEMM profile of
+``python -m harness.roofline_tools.calibrate --target h200`` does (a GEMM profile of
 Llama-3.1-8B's shape in bf16, short real engine runs with the Triton kernels, the bounded
 fit, held-out runs predicted and replayed under executor=roofline).
 
@@ -16,9 +16,9 @@ from harness.gpucheck.context import SectionContext, time_limit
 
 
 def roofline_section(ctx: SectionContext) -> dict[str, Any]:
-    from harness.roofline.calibrate import calibrate
     from harness.roofline.hardware import calibration_path
-    from harness.roofline.targets import TARGETS
+    from harness.roofline_tools.calibrate import calibrate
+    from harness.roofline_tools.targets import TARGETS
 
     gpu = ctx.profile.device == "cuda"
     # On the device the spec's own file (this tree is the device's copy), so the held-out

@@ -1,4 +1,4 @@
-"""Every what-if result's error band: what ``python -m harness.roofline.validate``
+"""Every what-if result's error band: what ``python -m harness.roofline_tools.validate``
 measured against published points it was not fitted to, for the run's engine profile and
 GPU class (harness/roofline/published/validation_result.json), or "unvalidated"."""
 

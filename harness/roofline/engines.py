@@ -7,11 +7,11 @@ scheduled anew (multi-step scheduling makes the others not fresh) and ``step_s +
 step_per_seq_s x seqs`` on every step (launch, sampling, output processing); its
 all-reduce kernels' small-message latency (``allreduce_latency_s``); plus the
 ``scheduler.*`` settings that mirror how that engine batches (``scheduler``: what
-``python -m harness.roofline.validate`` runs each published point with; a user's run
+``python -m harness.roofline_tools.validate`` runs each published point with; a user's run
 takes them only as given on the command line, see the README).
 
 A profile is ``calibrated`` only when fitted to published points of its own engine
-(harness/roofline/published/fit.yaml, by ``python -m harness.roofline.validate --fit``);
+(harness/roofline/published/fit.yaml, by ``python -m harness.roofline_tools.validate --fit``);
 otherwise it is a prior: labelled so in every record, outside the accuracy claim.
 ``kvbench`` is this engine itself: the hardware spec's own overheads (the ``cpu`` spec's
 are measured here).
@@ -47,7 +47,7 @@ class EngineProfile:
     note: str = ""
 
 
-# Priors; where fit_result.json (`python -m harness.roofline.validate --fit`) has an
+# Priors; where fit_result.json (`python -m harness.roofline_tools.validate --fit`) has an
 # engine's fit, its constants replace these below (_with_fit) and the profile is calibrated.
 PROFILES: dict[str, EngineProfile] = {p.name: p for p in (
     EngineProfile(
@@ -86,14 +86,14 @@ PROFILES: dict[str, EngineProfile] = {p.name: p for p in (
 
 
 FIT_RESULT = Path(__file__).resolve().parent / "published" / "fit_result.json"
-# What `--fit` fits (harness.roofline.validate): the CPU time's four terms and the
+# What `--fit` fits (harness.roofline_tools.validate): the CPU time's four terms and the
 # all-reduce latency (fitted only for an engine with points at tp > 1).
 CONSTANTS = ("schedule_s", "schedule_per_seq_s", "step_s", "step_per_seq_s",
              "allreduce_latency_s")
 
 
 def _with_fit(profiles: dict[str, EngineProfile], path: Path) -> dict[str, EngineProfile]:
-    """The profiles with the constants ``python -m harness.roofline.validate --fit``
+    """The profiles with the constants ``python -m harness.roofline_tools.validate --fit``
     fitted to their engines' published points: those become calibrated."""
     if not path.is_file():
         return profiles

@@ -150,7 +150,7 @@ class RooflineExecutor:
         self.needs_scores = False
         self._written: list[ScheduledSeq] = []
         self._ops_s = 0.0  # cache operations' time, charged to the next forward
-        # The fit's record (harness.roofline.validate): per step (forward s, seqs, fresh,
+        # The fit's record (harness.roofline_tools.validate): per step (forward s, seqs, fresh,
         # the clock at its end), when set to a list.
         self.trace: list[tuple[float, int, bool, float]] | None = None
         self.fast_path = "off"  # the run's decode lanes: "lanes", or "off: why" (run.py)

@@ -5,7 +5,7 @@ share of a peak a kernel reaches: priors for the GPUs (typical of large GEMMs an
 streaming kernels on them), Vidur-fitted for ``h100-sxm`` and the A100s (the ``h200``,
 the same GH100 die with more memory, takes the H100's with a measured copy share of
 ~4.3 TB/s of 4.8), and measured and fitted for ``cpu``:
-``python -m harness.roofline.calibrate`` writes harness/roofline/cpu_calibration.json,
+``python -m harness.roofline_tools.calibrate`` writes harness/roofline/cpu_calibration.json,
 read here. A CPU's GEMM speed depends on the row count in ways no roofline captures (one
 row is a GEMV that streams the weights; a row count off the kernel's 4-row tiles costs a
 partial pass), so the cpu spec carries a GEMM profile as Vidur carries its profiling
@@ -57,7 +57,7 @@ class HardwareSpec:
     # Measured seconds per element to widen a stored 1-byte dtype ("int8", "fp8") to the
     # compute dtype on the gather path: its compute, beyond the bytes it moves.
     widen_s_per_elem: dict[str, float] = field(default_factory=dict)
-    # Kernel-level terms fitted to Vidur's profiled kernels (harness.roofline.kernel_fit;
+    # Kernel-level terms fitted to Vidur's profiled kernels (harness.roofline_tools.kernel_fit;
     # 0 = off, as on the calibrated cpu spec, whose eff_profile absorbs them):
     gemm_corner_p: float = 0.0  # GEMM time (c^p + m^p)^(1/p): the roofline's rounded corner
     gemm_kernel_s: float = 0.0  # fixed cost per GEMM kernel (4 a layer + the lm_head)
@@ -113,11 +113,12 @@ CPU_PRIOR = HardwareSpec("cpu", {"fp32": 80e9, "bf16": 10e9}, 20e9, 24 * GiB,
                          step_overhead_s=1e-3, per_seq_overhead_s=10e-6,
                          activation_reserve_bytes=1 * GiB, attention="gather")
 
-# Kernel constants fitted by `python -m harness.roofline.kernel_fit` to Vidur's profiled
-# kernels (harness/roofline/data/vidur; tests/test_whatif_validate.py checks they are the fit's
-# optimum): the GEMMs' shares of peak FLOP/s and of bandwidth, the rounded roofline corner,
-# the fixed cost per GEMM and per non-GEMM kernel, the non-GEMM kernels' bandwidth share,
-# and NCCL's all-reduce (small-message time per degree; bus bandwidth of 8-64 MiB ones).
+# Kernel constants fitted by `python -m harness.roofline_tools.kernel_fit` to Vidur's
+# profiled kernels (harness/roofline_tools/data/vidur; tests/test_whatif_validate.py checks
+# they are the fit's optimum): the GEMMs' shares of peak FLOP/s and of bandwidth, the
+# rounded roofline corner, the fixed cost per GEMM and per non-GEMM kernel, the non-GEMM
+# kernels' bandwidth share, and NCCL's all-reduce (small-message time per degree; bus
+# bandwidth of 8-64 MiB ones).
 H100_KERNELS: dict[str, Any] = dict(
     eff_gemm=0.70, eff_bw=0.90, gemm_corner_p=1.5, gemm_kernel_s=6e-6,
     nongemm_kernel_s=1.9e-6, eff_elem=0.60, allreduce_latency_s={2: 39e-6, 4: 42e-6, 8: 32e-6})
@@ -144,7 +145,7 @@ HARDWARE: dict[str, HardwareSpec] = {h.name: h for h in (
 
 
 def calibration_path(name: str) -> Path:
-    """Where ``python -m harness.roofline.calibrate --target <name>`` writes, and
+    """Where ``python -m harness.roofline_tools.calibrate --target <name>`` writes, and
     :func:`get_hardware` reads, a spec's calibration."""
     return CALIBRATION.with_name(f"{name}_calibration.json")
 
@@ -158,7 +159,7 @@ def load_calibrated(prior: HardwareSpec, path: Path | None = None) -> HardwareSp
         return spec_from_calibration(json.loads(path.read_text()), prior)
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"{path}: not a calibration file ({e}); rerun "
-                        f"python -m harness.roofline.calibrate --target {prior.name}") from e
+                        f"python -m harness.roofline_tools.calibrate --target {prior.name}") from e
 
 
 def load_cpu(path: Path = CALIBRATION) -> HardwareSpec:
@@ -188,7 +189,7 @@ def spec_from_calibration(report: dict[str, Any],
                                        prof["lm_head_s_per_param"], strict=True))
         kw["profile_dtype"] = str(prof["dtype"])
         # Measured GEMMs replace the fitted kernel terms; the real steps' norms, RoPE and
-        # activations ride along in eff_profile (harness.roofline.calibrate).
+        # activations ride along in eff_profile (harness.roofline_tools.calibrate).
         kw.update(gemm_kernel_s=0.0, eff_elem=0.0, nongemm_kernel_s=0.0)
     return dataclasses.replace(prior, source="calibrated", **kw)
 

@@ -20,7 +20,7 @@ less the terms are max + (1 - overlap) x min: one CPU core, ``overlap=0``, adds 
                + step_s + step_per_seq_s x seqs
     step     = gemm + lm_head + prefill + decode + allreduce + nongemm + engine
 
-On a spec fitted to profiled kernels (harness.roofline.kernel_fit: the GPU specs) the GEMM
+On a spec fitted to profiled kernels (harness.roofline_tools.kernel_fit: the GPU specs) the GEMM
 rooflines' corner is rounded and each GEMM kernel has a fixed cost: with c and m the
 compute and memory sides above, ``gemm = (c^p + m^p)^(1/p) + (4 L + 1) t_gemm`` (``p =
 gemm_corner_p``; 0 keeps max(c, m)), so a step near the ridge (~256 tokens) is neither

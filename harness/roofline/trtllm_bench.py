@@ -1,7 +1,7 @@
 """The batch limits ``trtllm-bench throughput`` derives from a dataset, when the user gives
 none: its ``max_batch_size`` and ``max_num_tokens``, as the TensorRT-LLM profile's
 ``scheduler.max_num_seqs`` / ``max_num_batched_tokens`` (harness.roofline.engines's
-``"trtllm-bench"`` rule, resolved by harness.roofline.validate for each published point).
+``"trtllm-bench"`` rule, resolved by harness.roofline_tools.validate for each published point).
 
 What TensorRT-LLM does (tensorrt_llm/bench/build/tuning.py ``calc_engine_setting`` and
 ``finetune_setting``, tensorrt_llm/bench/benchmark/utils/general.py ``get_settings``; read

@@ -1,4 +1,4 @@
-"""What ``python -m harness.roofline.calibrate`` measures, per target: the spec it fits,
+"""What ``python -m harness.roofline_tools.calibrate`` measures, per target: the spec it fits,
 the model and device of the real runs, and the training and held-out runs (Hydra
 overrides). The held-out runs differ from the training ones in workload, batch mix or
 backend, so their error is the model's, not the fit's."""

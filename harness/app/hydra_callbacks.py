@@ -19,9 +19,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from harness.app.supervisor import coordinate
 from harness.errors import UserError
 from harness.results import claim_folder, claim_sweep
-from harness.supervisor import coordinate
 
 # harness/config.py registers the schemas as <group>/<name>_schema, or as schema/<group>/<name>
 SCHEMA_SUFFIX, SCHEMA_GROUP = "_schema", "schema"

@@ -1,8 +1,8 @@
 """Fit a GPU spec's kernel constants to Vidur's profiled kernel times.
 
-    python -m harness.roofline.kernel_fit [--gpu h100|a100]
+    python -m harness.roofline_tools.kernel_fit [--gpu h100|a100]
 
-The tables (harness/roofline/data/vidur, from microsoft/vidur) time each decoder layer's
+The tables (harness/roofline_tools/data/vidur, from microsoft/vidur) time each decoder layer's
 GEMMs and other kernels per tensor-parallel rank at 1..8192 tokens, and NCCL all-reduces
 by size. Three models come out of them, each a few constants of ``HardwareSpec``:
 

@@ -1,0 +1,517 @@
+"""The what-if against published measurements: re-run every published point, fit the
+engine profiles to the fit set, and report predicted / published on the held-out set.
+
+    python -m harness.roofline_tools.validate [--set fit|validation|both] [--fit] [--only ID,...]
+                                        [--jobs 2] [--out F]
+
+Three files (harness/roofline/published): ``fit.yaml`` (../shared/WHATIF_DATA.md's
+points), ``calibration.yaml`` (further published points found later, kept apart from it:
+the only other end-to-end points any constant is fitted to) and ``validation.yaml``
+(frozen before the fit, never fitted to). Each run is one published configuration,
+composed as kvbench overrides (:func:`overrides`): its engine's profile and scheduler
+settings (harness.roofline.engines), then its source's, then its own (``concurrency: c``,
+a closed-loop client, as ``scheduler.max_num_seqs=c`` over a queue). ``--fit`` fits each
+engine profile's CPU constants to that engine's all-at-once points of the fit and
+calibration sets: their schedules do not depend on time, so the step shapes are recorded
+once and every fitted figure (a run's length for its throughput, a request's end-to-end
+time, its mean TPOT) is affine in the constants (:func:`_figure_rows`), solved by
+non-negative least squares on the relative error; it writes ``fit_result.json``, which
+harness.roofline.engines reads. ``validation_result.json``
+(what every roofline run's ``roofline.expected_error_pct`` is read from) is written after
+a validation run.
+
+Throughput (``requests_per_s``, ``output_tokens_per_s``, ``total_tokens_per_s``) and TPOT
+(``tpot_ms_mean`` / ``_median``) are the claimed metrics; TTFT, E2E and ITL figures are
+reported beside them, outside the claim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from harness.errors import UserError
+from harness.roofline.bands import GPU_CLASS
+from harness.roofline.engines import CONSTANTS, FIT_RESULT
+
+HERE = Path(__file__).resolve().parents[1] / "roofline" / "published"
+VALIDATION_RESULT = HERE / "validation_result.json"  # read by harness.roofline.bands
+SETS = {"fit": HERE / "fit.yaml", "calibration": HERE / "calibration.yaml",
+        "validation": HERE / "validation.yaml"}
+FITTED_SETS = ("fit", "calibration")  # what --fit fits to; validation never
+CLAIMED = {"requests_per_s": "throughput", "output_tokens_per_s": "throughput",
+           "total_tokens_per_s": "throughput", "tpot_ms_mean": "tpot",
+           "tpot_ms_median": "tpot"}
+METRICS = (*CLAIMED, "ttft_ms_mean", "ttft_ms_median", "e2e_ms_median", "itl_ms_median")
+# ShareGPT-like lengths (../shared/WHATIF_DATA.md): lognormal, clipped to [4, 1024].
+SHAREGPT = ["workload.distribution=lognormal", "workload.input_mean=220",
+            "workload.input_std=230", "workload.input_min=4", "workload.input_max=1024",
+            "workload.output_mean=200", "workload.output_std=210", "workload.output_min=4",
+            "workload.output_max=1024"]
+
+
+def load(name: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A published set's sources and runs."""
+    d = yaml.safe_load(SETS[name].read_text())
+    for r in d["runs"]:
+        r["set"] = name
+        unknown = set(r["figures"]) - set(METRICS)
+        if unknown:
+            raise UserError(f"{SETS[name]}: run {r['id']} has unknown metrics {unknown}")
+    return d["sources"], d["runs"]
+
+
+def _scheduler(run: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
+    from harness.roofline.engines import PROFILES
+
+    s = dict(PROFILES[run["engine"]].scheduler)
+    s.update(source.get("scheduler", {}).get(run["engine"], {}))
+    s.update(run.get("scheduler", {}))
+    s["max_model_len"] = run["max_model_len"]
+    # Budgets an engine derives from the run (harness.roofline.engines names them).
+    budget = s.get("max_num_batched_tokens")
+    if budget == "max(max_model_len, 2048)":  # vLLM V0 without chunked prefill
+        s["max_num_batched_tokens"] = max(run["max_model_len"], 2048)
+    if "trtllm-bench" in (s.get("max_num_seqs"), budget):
+        s.update(_trtllm_bench(run, s))
+    if "concurrency" in run:  # a closed loop of c clients: at most c in flight
+        s["max_num_seqs"] = min(int(run["concurrency"]), int(s.get("max_num_seqs", 256)))
+    return s
+
+
+def _trtllm_bench(run: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
+    """The ``"trtllm-bench"`` rule: the batch limits trtllm-bench derives from the run's
+    dataset (harness.roofline.trtllm_bench), for the limits the profile leaves to it."""
+    from harness.roofline.config import WEIGHT_BYTES
+    from harness.roofline.engines import PROFILES
+    from harness.roofline.hardware import get_hardware
+    from harness.roofline.models import get_model_spec
+    from harness.roofline.trtllm_bench import batch_limits
+
+    wl = run["workload"]
+    if wl == "sharegpt":  # the lognormal stand-in's means; its prompts stop at 1024
+        isl, osl, longest = 220, 200, 1024
+    else:
+        isl, osl = int(wl["input"]), int(wl["output"])
+        longest = isl
+    kv_bytes = 1.0 if run["backend"] in ("fp8", "int8") else 2.0
+    bs, tokens = batch_limits(
+        get_model_spec(run["model"]), get_hardware(run["hardware"]).mem_bytes, int(run["tp"]),
+        WEIGHT_BYTES[run["weight_dtype"]], kv_bytes, isl, osl, longest,
+        PROFILES[run["engine"]].memory_utilization, bool(s.get("chunked_prefill")))
+    out: dict[str, Any] = {}
+    if s.get("max_num_seqs") == "trtllm-bench":
+        out["max_num_seqs"] = bs
+    if s.get("max_num_batched_tokens") == "trtllm-bench":
+        out["max_num_batched_tokens"] = tokens
+    return out
+
+
+def overrides(run: dict[str, Any], source: dict[str, Any]) -> list[str]:
+    """The kvbench overrides that stand for one published run."""
+    from harness.roofline.engines import PROFILES
+
+    prof = PROFILES[run["engine"]]
+    ov = ["executor=roofline", f"roofline.model={run['model']}",
+          f"roofline.hardware={run['hardware']}", f"roofline.tp={run['tp']}",
+          f"roofline.weight_dtype={run['weight_dtype']}", f"roofline.engine={run['engine']}",
+          f"roofline.compute_dtype={run.get('compute_dtype', 'auto')}",
+          f"roofline.gpu_memory_utilization={prof.memory_utilization}",
+          f"roofline.memory_utilization_of={prof.memory_utilization_of}",
+          f"backend={run['backend']}", "cache.kv_budget=auto",
+          "cache.enable_prefix_caching=false", "workload=random",
+          f"workload.num_requests={run['num_prompts']}", f"workload.rate={run['rate']}",
+          "progress=false", f"seed={run.get('seed', 0)}"]
+    wl = run["workload"]
+    if wl == "sharegpt":
+        ov += SHAREGPT
+    else:
+        i, o = int(wl["input"]), int(wl["output"])
+        ov += ["workload.distribution=uniform", f"workload.input_min={i}",
+               f"workload.input_max={i}", f"workload.output_min={o}",
+               f"workload.output_max={o}"]
+    ov += [f"scheduler.{k}={str(v).lower() if isinstance(v, bool) else v}"
+           for k, v in _scheduler(run, source).items()]
+    return ov
+
+
+def predicted(result: Any) -> dict[str, float]:
+    """Every metric of :data:`METRICS` from a run's result (``harness.runner.RunResult``)."""
+    m = result.metrics
+    rows = [r for r in result.requests if r["status"] == "finished"]
+    tpot = [float(r["tpot_ms"]) for r in rows if r["output_tokens"] > 1]
+    ttft = [float(r["ttft_ms"]) for r in rows]
+    e2e = [float(r["e2e_ms"]) for r in rows]
+    return {"requests_per_s": m["throughput.requests_per_s"],
+            "output_tokens_per_s": m["throughput.output_tokens_per_s"],
+            "total_tokens_per_s": m["throughput.total_tokens_per_s"],
+            "tpot_ms_mean": statistics.fmean(tpot), "tpot_ms_median": statistics.median(tpot),
+            "ttft_ms_mean": statistics.fmean(ttft), "ttft_ms_median": statistics.median(ttft),
+            "e2e_ms_median": statistics.median(e2e),
+            "itl_ms_median": m["latency.itl_ms.p50"]}
+
+
+def run_point(args: tuple[dict[str, Any], dict[str, Any], bool]) -> dict[str, Any]:
+    """One published run under executor=roofline: its predicted metrics, and with
+    ``trace`` each step's (forward s, seqs, fresh, clock at its end), the run's output
+    and prompt tokens and each finished request's (arrival, first token, finish) times and
+    output tokens; a point the what-if refuses comes back with its ``error``."""
+    point, source, trace = args
+    try:
+        return _run_point(point, source, trace)
+    except UserError as e:  # a point that cannot run is reported, never dropped
+        return {"id": point["id"], "error": str(e)}
+
+
+def _run_point(point: dict[str, Any], source: dict[str, Any], trace: bool) -> dict[str, Any]:
+    from harness.config import compose_config
+    from harness.roofline.run import RooflineTarget
+    from harness.runner import run
+
+    cfg = compose_config(overrides(point, source))
+    t0 = time.perf_counter()
+    traced: list[tuple[float, int, bool, float]] = []
+    allreduce: list[float] = []  # the step model's all-reduces a step and their latency
+    if trace:  # record the steps: RooflineTarget.build hands the executor over
+        orig = RooflineTarget.build
+
+        def build(self: RooflineTarget, workload: Any, quiet: bool = False) -> Any:
+            st = orig(self, workload, quiet)
+            assert self.executor is not None
+            self.executor.trace = traced
+            m = self.executor.model
+            allreduce[:] = [m.allreduces, m.allreduce_latency,
+                            m.hw.allreduce_latency(m.tp)]
+            return st
+
+        RooflineTarget.build = build  # type: ignore[method-assign]
+        try:
+            res = run(cfg)
+        finally:
+            RooflineTarget.build = orig  # type: ignore[method-assign]
+    else:
+        res = run(cfg)
+    out = {"id": point["id"], "pred": predicted(res), "sim_s": time.perf_counter() - t0,
+           "preemptions": res.metrics["sched.preemptions_recompute"],
+           "max_running_seqs": res.metrics["memory.max_running_seqs"],
+           "duration_s": res.metrics["engine.wall_s"]}
+    if trace:
+        out["trace"] = traced
+        out["allreduces"], out["allreduce_latency"], out["spec_allreduce_latency"] = allreduce
+        out["output_tokens"] = sum(r["output_tokens"] for r in res.requests)
+        out["prompt_tokens"] = sum(r["prompt_tokens"] for r in res.requests)
+        out["requests"] = [(r["arrival_s"], r["arrival_s"] + r["ttft_ms"] / 1e3,
+                            r["arrival_s"] + r["e2e_ms"] / 1e3, r["output_tokens"])
+                           for r in res.requests if r["status"] == "finished"]
+    return out
+
+
+def run_all(points: list[dict[str, Any]], sources: dict[str, Any], jobs: int,
+            trace: bool = False, partial: Path | None = None) -> list[dict[str, Any]]:
+    """Every point's result, in order; with ``partial``, the rows of the points done so
+    far are rewritten there after each one (a long run killed keeps what it did)."""
+    args = [(p, sources[p["source"]], trace) for p in points]
+    out: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
+
+    def done(r: dict[str, Any]) -> None:
+        out.append(r)
+        if partial is not None:  # the new point's rows added to those before it
+            rows.extend(compare([points[len(out) - 1]], [r]))
+            partial.write_text(json.dumps(rows, indent=1))
+
+    if jobs <= 1:
+        for a in args:
+            done(run_point(a))
+        return out
+    with ProcessPoolExecutor(jobs) as ex:
+        for r in ex.map(run_point, args):
+            done(r)
+    return out
+
+
+# -- the fit --------------------------------------------------------------------------
+def _steps(r: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A traced run's per-step seconds apart from the fitted terms, its per-step linear
+    terms in the profile's constants (:data:`CONSTANTS`: fresh, fresh x seqs, 1, seqs, the
+    all-reduces) and each step's end time."""
+    tr = r["trace"]
+    n_ar = float(r.get("allreduces", 0))
+    fwd = np.array([s[0] for s in tr], dtype=np.float64) \
+        - n_ar * float(r.get("allreduce_latency", 0.0))
+    seqs = np.array([s[1] for s in tr], dtype=np.float64)
+    fresh = np.array([1.0 if s[2] else 0.0 for s in tr])
+    x = np.stack([fresh, fresh * seqs, np.ones_like(seqs), seqs,
+                  np.full_like(seqs, n_ar)], axis=1)
+    return fwd, x, np.array([s[3] for s in tr], dtype=np.float64)
+
+
+def _figure_rows(point: dict[str, Any], r: dict[str, Any]
+                 ) -> list[tuple[str, float, np.ndarray, float]]:
+    """Each fitted figure of a traced all-at-once run as ``(metric, base, a, published)``:
+    predicted = base + a . constants, exactly, while the schedule stays the one traced (it
+    does not depend on time when every request is there at t=0). A run's length for a
+    throughput figure (its tokens or requests over the figure); a request's end-to-end
+    time, the sum of the steps up to the one that finished it; a mean TPOT, each request's
+    steps after its first token over its output tokens - 1. A median is the median
+    request's (two middle ones averaged)."""
+    fwd, x, t_end = _steps(r)
+    cf = np.concatenate([[0.0], np.cumsum(fwd)])
+    cx = np.vstack([np.zeros((1, x.shape[1])), np.cumsum(x, axis=0)])
+    # The steps that ended by time t (a token's time is the clock at the end of the step
+    # that made it; the requests' times come back through milliseconds: a tolerance).
+    at = lambda t: int(np.searchsorted(t_end, t + 1e-9 * max(1.0, t), side="right"))  # noqa: E731
+    reqs = r["requests"]
+    fig = point["figures"]
+    now = _current(point, r)
+    out: list[tuple[str, float, np.ndarray, float]] = []
+    for metric, pub in fig.items():
+        kind = CLAIMED.get(metric)
+        if kind == "throughput":
+            work = {"output_tokens_per_s": r["output_tokens"], "requests_per_s":
+                    point["num_prompts"],
+                    "total_tokens_per_s": r["output_tokens"] + r["prompt_tokens"]}[metric]
+            out.append((metric, float(cf[-1]), cx[-1], work / pub))
+            continue
+        if metric.startswith("e2e_ms"):
+            per = [(cf[at(fin)] - cf[at(arr)], cx[at(fin)] - cx[at(arr)])
+                   for arr, _, fin, _ in reqs]
+        elif metric.startswith("tpot_ms"):
+            per = [((cf[at(fin)] - cf[at(first)]) / (n - 1),
+                    (cx[at(fin)] - cx[at(first)]) / (n - 1))
+                   for _, first, fin, n in reqs if n > 1]
+        else:
+            continue  # TTFT and ITL are not fitted
+        if metric.endswith("_median"):
+            per = sorted(per, key=lambda p: float(p[0] + p[1] @ now))
+            mid = per[(len(per) - 1) // 2: len(per) // 2 + 1]
+        else:
+            mid = per
+        out.append((metric, float(np.mean([m[0] for m in mid])),
+                    np.mean([m[1] for m in mid], axis=0), pub / 1e3))
+    return out
+
+
+def _current(point: dict[str, Any], r: dict[str, Any]) -> np.ndarray:
+    """The constants the traced run ran with (its engine profile's, the latency its step
+    model used)."""
+    from harness.roofline.engines import PROFILES
+
+    prof = PROFILES[point["engine"]]
+    c = [float(getattr(prof, k) or 0.0) for k in CONSTANTS]
+    c[CONSTANTS.index("allreduce_latency_s")] = float(r.get("allreduce_latency", 0.0))
+    return np.array(c)
+
+
+def fit_engine(runs: list[tuple[dict[str, Any], dict[str, Any]]],
+               keys: tuple[int, ...]) -> dict[str, float]:
+    """Non-negative least squares on the relative error of every fitted figure of each
+    run (:func:`_figure_rows`), over the constants ``keys`` (indices into
+    :data:`CONSTANTS`); each run weighs the same whatever its number of figures."""
+    rows, target = [], []
+    ar = CONSTANTS.index("allreduce_latency_s")
+    for point, r in runs:
+        figs = _figure_rows(point, r)
+        for _, base, a, pub in figs:
+            if ar not in keys:  # not fitted: the spec's latency (the profile's None)
+                base += a[ar] * r.get("spec_allreduce_latency", 0.0)
+            w = 1.0 / np.sqrt(len(figs))
+            rows.append(w * a[list(keys)] / pub)
+            target.append(w * (1.0 - base / pub))
+    A, b = np.array(rows), np.array(target)
+    best: tuple[float, np.ndarray] | None = None
+    for k in range(len(keys), 0, -1):  # every subset: the NNLS optimum is one of them
+        for sub in itertools.combinations(range(len(keys)), k):
+            coef, *_ = np.linalg.lstsq(A[:, sub], b, rcond=None)
+            if (coef < 0).any():
+                continue
+            full = np.zeros(len(keys))
+            full[list(sub)] = coef
+            err = float(np.sum((A @ full - b) ** 2))
+            if best is None or err < best[0]:
+                best = (err, full)
+    out = dict.fromkeys(CONSTANTS, 0.0)
+    if best is not None:
+        for i, v in zip(keys, best[1]):
+            out[CONSTANTS[i]] = float(v)
+    return out
+
+
+def do_fit(jobs: int) -> dict[str, Any]:
+    """Fit every engine profile with all-at-once points in :data:`FITTED_SETS`."""
+    sources: dict[str, Any] = {}
+    at_once: list[dict[str, Any]] = []
+    for name in FITTED_SETS:
+        s, runs = load(name)
+        sources.update(s)
+        at_once += [p for p in runs if p["rate"] == 0 and s[p["source"]].get("fit", True)]
+    res = {r["id"]: r for r in run_all(at_once, sources, jobs, trace=True)}
+    result: dict[str, Any] = {"fitted_at": time.strftime("%Y-%m-%d"), "engines": {}}
+    for eng in sorted({p["engine"] for p in at_once}):
+        pts = [(p, res[p["id"]]) for p in at_once
+               if p["engine"] == eng and "error" not in res[p["id"]]]
+        # An engine whose points all schedule every step cannot tell scheduling from
+        # per-step time: fit the per-step pair only. Its all-reduce latency only from
+        # per-token latencies (TPOT, end-to-end) at tp > 1: a throughput at full batch
+        # cannot tell it from the per-step time (fitted to vLLM 0.6's throughput points
+        # alone it went to 0); else the spec's stays (None).
+        multi = any(not s[2] for _, r in pts for s in r["trace"])
+        ar = any(r["allreduces"] and any(CLAIMED.get(m) != "throughput"
+                                         for m in p["figures"]) for p, r in pts)
+        keys = ((0, 1) if multi else ()) + (2, 3) + ((4,) if ar else ())
+        fitted: dict[str, Any] = fit_engine(pts, keys)
+        if not ar:
+            fitted["allreduce_latency_s"] = None
+        result["engines"][eng] = {**fitted,
+                                  "points": [p["id"] for p, _ in pts],
+                                  "sources": sorted({p["source"] for p, _ in pts})}
+    FIT_RESULT.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+# -- the report -----------------------------------------------------------------------
+def compare(points: list[dict[str, Any]], results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    from harness.roofline.engines import PROFILES
+
+    by = {r["id"]: r for r in results}
+    rows = []
+    for p in points:
+        r = by[p["id"]]
+        run = {"set": p["set"], "id": p["id"], "source": p["source"], "engine": p["engine"],
+               "calibrated": PROFILES[p["engine"]].calibrated,
+               "gpu": GPU_CLASS.get(p["hardware"], p["hardware"])}
+        for metric, pub in p["figures"].items():
+            row = {**run, "metric": metric, "kind": CLAIMED.get(metric, "other"),
+                   "published": pub}
+            if "error" in r:  # counted as a 100% miss, with its reason
+                row.update(predicted=float("nan"), error_pct=100.0, failed=r["error"])
+            else:
+                pred = r["pred"][metric]
+                row.update(predicted=pred, error_pct=100.0 * (pred / pub - 1.0))
+            rows.append(row)
+    return rows
+
+
+def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Median and worst |error| per (set, calibrated profile or prior, metric kind)."""
+    out = []
+    keyf = lambda r: (r["set"], r["calibrated"], r["kind"])  # noqa: E731
+    for key, grp in itertools.groupby(sorted(rows, key=keyf), key=keyf):
+        errs = [abs(r["error_pct"]) for r in grp]
+        out.append({"set": key[0], "profile": "calibrated" if key[1] else "prior",
+                    "kind": key[2], "n": len(errs), "median_abs_pct": statistics.median(errs),
+                    "worst_abs_pct": max(errs)})
+    return out
+
+
+def bands(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Validated error per engine profile and GPU class (claimed metrics only)."""
+    out: dict[str, Any] = {}
+    keyf = lambda r: (r["engine"], r["gpu"], r["kind"])  # noqa: E731
+    claimed = [r for r in rows if r["set"] == "validation" and r["kind"] != "other"]
+    for (eng, gpu, kind), grp in itertools.groupby(sorted(claimed, key=keyf), key=keyf):
+        errs = [abs(r["error_pct"]) for r in grp]
+        out.setdefault(eng, {}).setdefault(gpu, {})[kind] = {
+            "median_abs_pct": round(statistics.median(errs), 1),
+            "worst_abs_pct": round(max(errs), 1), "n": len(errs)}
+    return out
+
+
+def figure_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Every figure as a markdown table: predicted against published."""
+    head = ["| set | run | engine | metric | published | predicted | error % |",
+            "|---|---|---|---|---|---|---|"]
+    return head + [
+        f"| {r['set']} | {r['id']} | {r['engine']}{'' if r['calibrated'] else ' (prior)'}"
+        f" | {r['metric']} | {r['published']:.4g} | {r['predicted']:.4g} | "
+        f"{r['error_pct']:+.1f} |" for r in rows]
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    summ = ["", "| set | profile | metric kind | n | median abs. error % | worst % |",
+            "|---|---|---|---|---|---|"]
+    summ += [f"| {s['set']} | {s['profile']} | {s['kind']} | {s['n']} | "
+             f"{s['median_abs_pct']:.1f} | {s['worst_abs_pct']:.1f} |" for s in summary(rows)]
+    return "\n".join([*figure_table(rows), *summ])
+
+
+def measured_specs() -> str:
+    """The specs calibrated on their own hardware (``<spec>_calibration.json``: the cpu
+    here, the h200 once the GPU check has run): their held-out errors, for the same table
+    (those runs are this engine's, ``roofline.engine=kvbench``)."""
+    from harness.roofline.hardware import calibration_path
+
+    out = ["", "| calibrated spec | held-out step error (median) | throughput error "
+           "(median / worst) |", "|---|---|---|"]
+    for name in ("cpu", "h200"):
+        path = calibration_path(name)
+        if path.is_file():
+            s = json.loads(path.read_text())["summary"]
+            out.append(f"| {name} | {s['held_out_step_mdape_pct']:.1f}% | "
+                       f"{s['held_out_throughput_mdape_pct']:.1f}% / "
+                       f"{s['held_out_throughput_max_ape_pct']:.1f}% |")
+    return "\n".join(out) if len(out) > 3 else ""
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--set", default="all",
+                    choices=("fit", "calibration", "validation", "both", "all"),
+                    help="both: fit and validation; all: the three sets")
+    ap.add_argument("--fit", action="store_true", help="fit the engine profiles first")
+    ap.add_argument("--only", default="", help="comma-separated run ids")
+    ap.add_argument("--source", default="", help="only the runs of these sources (comma-separated)")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--out", default="", help="also write the rows as JSON here (and, as "
+                    "the run goes, those done so far to OUT.partial)")
+    args = ap.parse_args(argv)
+    if args.fit:
+        print(json.dumps(do_fit(args.jobs), indent=1))
+        import importlib
+
+        import harness.roofline.engines as engines
+
+        importlib.reload(engines)  # the profiles now read the new fit
+    names = {"both": ("fit", "validation"), "all": tuple(SETS)}.get(args.set, (args.set,))
+    points: list[dict[str, Any]] = []
+    sources: dict[str, Any] = {}
+    for n in names:
+        s, r = load(n)
+        sources.update(s)
+        points += r
+    if args.only:
+        keep = set(args.only.split(","))
+        points = [p for p in points if p["id"] in keep]
+    if args.source:
+        srcs = set(args.source.split(","))
+        points = [p for p in points if p["source"] in srcs]
+    t0 = time.perf_counter()
+    partial = Path(f"{args.out}.partial") if args.out else None
+    rows = compare(points, run_all(points, sources, args.jobs, partial=partial))
+    if partial is not None:
+        partial.unlink(missing_ok=True)
+    print(markdown(rows))
+    print(measured_specs())
+    print(f"\n({len(points)} runs, {time.perf_counter() - t0:.0f} s)")
+    if "validation" in names and not args.only:
+        # Every run of the sources it ran (all of them without --source): the bands say
+        # which, so that a band from part of the set reads as such.
+        ran = sorted({p["source"] for p in points if p["set"] == "validation"})
+        VALIDATION_RESULT.write_text(json.dumps(
+            {"validated_at": time.strftime("%Y-%m-%d"), "sources": ran,
+             "all_sources": not args.source, "bands": bands(rows)}, indent=1) + "\n")
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
