@@ -40,7 +40,7 @@ from harness.sched.step import CHECKS
 _MAGIC = b"KVBTIER1"
 _HEADER = struct.Struct("<8sqqI")  # magic, slot, payload bytes, crc32
 # Tests: a path; a write then stops halfway through its temporary file, creates this
-# path and waits to be killed (tests/test_tier_storage.py kills it with SIGKILL there).
+# path and waits to be killed (tests/backends/test_tier_storage.py kills it with SIGKILL there).
 PAUSE_ENV = "KVBENCH_TEST_DISK_PAUSE"
 
 

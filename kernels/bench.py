@@ -6,7 +6,7 @@ scripts/gpu_check.sh no longer runs this: it runs :mod:`harness.gpucheck` (whose
 Run on a CUDA machine (``python -m harness.kernels.bench --out report.json``); needs only
 torch and triton, no network. Steps, all recorded in one JSON report:
 
-1. ``pytest -m gpu`` over tests/test_kernels_*.py, compiled (TRITON_INTERPRET=0).
+1. ``pytest -m gpu`` over tests/**/test_kernels_*.py, compiled (TRITON_INTERPRET=0).
 2. Device copy bandwidth: a 2 GiB device-to-device copy, (read + write bytes) / time.
 3. Decode attention at Llama-3-8B head geometry (32 query heads, 8 KV heads, head dim 128,
    bf16, block size 16) for every batch x context of :func:`decode_sizes`, timed with
@@ -115,9 +115,9 @@ def default_out() -> Path:
 
 def run_gpu_tests(root: Path, timeout_s: float) -> dict[str, Any]:
     """``pytest -m gpu`` on the kernel tests, compiled. Returns rc and the output's tail."""
-    files = sorted(str(p) for p in (root / "tests").glob("test_kernels_*.py"))
+    files = sorted(str(p) for p in (root / "tests").rglob("test_kernels_*.py"))
     if not files:
-        return {"returncode": None, "error": f"no tests/test_kernels_*.py under {root}"}
+        return {"returncode": None, "error": f"no tests/**/test_kernels_*.py under {root}"}
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
            "-o", "addopts=", *files]

@@ -13,7 +13,7 @@
 # torch, triton, pytest...) with the bundled wheels (scripts/gpu_bundle.sh, carried in
 # gpu_wheels/) installed offline and kvbench installed editable from this tree.
 # --dry-run: the same sections on the CPU at tiny sizes (Triton interpreted); the tests
-# run it (tests/test_gpu_check.py).
+# run it (tests/e2e/test_gpu_check.py).
 set -uo pipefail  # no -e: a failing step is recorded and the check goes on
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${OUT:-$PWD/gpu_check}"

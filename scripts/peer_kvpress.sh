@@ -13,7 +13,7 @@
 # 4. runs kvbench's backends at the same kept counts through its engine and writes
 #    OUT_DIR/table.md and results.json (scripts/peer/compare.py).
 # Default OUT_DIR: results/peer_kvpress/<date>. Not part of CI (the install is large);
-# tests/test_peer_kvpress.py checks the committed fixture (tests/fixtures/kvpress_scores.pt).
+# tests/backends/test_peer_kvpress.py checks the committed fixture (tests/fixtures/kvpress_scores.pt).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"

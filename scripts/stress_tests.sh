@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The fault tests under load: tests/test_faults.py three times in a row while two busy
+# The fault tests under load: tests/e2e/test_faults.py three times in a row while two busy
 # processes (pure-Python spin loops, one per core of our 2-core machines) compete for the
 # CPU. A test that waits for a fixed time instead of an event fails here.
 #   scripts/stress_tests.sh            # exit 0 when all three rounds pass
@@ -16,7 +16,7 @@ for _ in 1 2; do
 done
 trap 'kill "${busy[@]}" 2>/dev/null || true' EXIT
 for round in 1 2 3; do
-    echo "stress: round $round of 3 (tests/test_faults.py beside ${#busy[@]} busy processes)"
-    "$py" -m pytest -q -p no:cacheprovider tests/test_faults.py "$@"
+    echo "stress: round $round of 3 (tests/e2e/test_faults.py beside ${#busy[@]} busy processes)"
+    "$py" -m pytest -q -p no:cacheprovider tests/e2e/test_faults.py "$@"
 done
 echo "stress: all 3 rounds passed"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -56,3 +57,15 @@ def smollm2_transformers() -> torch.nn.Module:
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     )
     return model.eval()
+
+
+CORE = Path(__file__).resolve().parent / "core"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """tests/core/ is the core's unit tests (the allocator, pool, ledger, scheduler, waiting
+    queue, evicting manager, tiers): marked ``core``, so that ``pytest -m core`` runs them
+    alone, in seconds."""
+    for item in items:
+        if CORE in item.path.parents:
+            item.add_marker(pytest.mark.core)

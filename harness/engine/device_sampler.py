@@ -9,7 +9,7 @@ the tokens top-p keeps, where G is standard Gumbel noise made by a counter-based
 request's draws depend only on its seed, its identity and its sample index, never on what
 else shares the batch or on the order of rows (the property the host sampler's
 per-sequence generators give). Streams differ from the host sampler's: a run on CUDA does
-not sample the CPU run's tokens (the README says so).
+not sample the CPU run's tokens (docs/results/2026-12-04-engine-host-work.md says so).
 
 The hash: ``lowbias32`` (Chris Wellons' 32-bit integer finalizer, bias ~0.17) applied in
 int64 arithmetic masked to 32 bits, so it runs as plain elementwise ops on any device;

@@ -6,7 +6,7 @@ roofline's 100,000-request benchmark, ~90,000 waiting requests' groups, sequence
 token lists. Those passes cost 7.5% of a decode-lane run (5.4 of 72.9 s, measured with
 ``gc.callbacks``) and find nothing: the engine loop makes no reference cycles (a
 finished group's sequences, which point back at it, are dropped by the engine;
-tests/test_gc_quiet.py checks that the garbage a run leaves does not grow with its
+tests/engine/test_gc_quiet.py checks that the garbage a run leaves does not grow with its
 requests). So the loop runs with a young generation of ``LOOP_GEN0`` allocations:
 collections still happen, ~140 times less often.
 """

@@ -9,7 +9,7 @@ shared by the buckets, the largest captured first, as vLLM does); on the CPU,
 :class:`TraceCapture` stands in for it: ``make_fx`` traces the forward once per bucket,
 baking every Python value into the trace and keeping every tensor by reference, as a CUDA
 graph keeps addresses, so a replay whose only change is its refreshed buffers must give
-the eager logits (tests/test_graphs.py holds it, step after step).
+the eager logits (tests/engine/test_graphs.py holds it, step after step).
 
 Padded rows: token 0 at position 0, length 1, their K/V stored into the backend's pad
 block (one block past the pool, never in a table) and their tables pointing at it; their

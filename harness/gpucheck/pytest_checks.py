@@ -22,9 +22,10 @@ GPU_MARK = "pytest.mark.gpu"
 
 
 def gpu_test_files(root: Path) -> list[str]:
-    """The test files holding ``gpu``-marked tests (collecting only these is quicker)."""
-    return sorted(str(p.relative_to(root)) for p in (root / "tests").glob("test_*.py")
-                  if GPU_MARK in p.read_text(errors="replace"))
+    """The test files holding ``gpu``-marked tests (collecting only these is quicker);
+    tests/benchmarks is the benchmarks section's own."""
+    return sorted(str(p.relative_to(root)) for p in (root / "tests").glob("*/test_*.py")
+                  if p.parent.name != "benchmarks" and GPU_MARK in p.read_text(errors="replace"))
 
 
 def run_pytest(ctx: SectionContext, args: list[str], log_name: str) -> dict[str, Any]:

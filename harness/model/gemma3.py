@@ -3,7 +3,7 @@
 :class:`~harness.model.llama.LlamaModel`.
 
 What differs from Llama, each matched to transformers' arithmetic (logits to 1e-4 in fp32,
-tests/test_gemma3.py):
+tests/engine/test_gemma3.py):
 
 - RMSNorm scales by ``1 + w`` in float32, then casts (Llama: ``w x`` after the cast);
 - the embedding is scaled by ``sqrt(hidden)`` (a float32 scalar cast to the weights' dtype);

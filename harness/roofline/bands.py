@@ -34,7 +34,8 @@ def describe(engine: str, hardware: str, calibrated: bool,
     b = band(engine, hardware)
     prior = "" if calibrated else f"engine profile {engine} is a prior (not fitted); "
     if hardware == "cpu":
-        return ("cpu spec: calibrated on this machine (README: held-out error)", None)
+        return ("cpu spec: calibrated on this machine (held-out error: "
+                "docs/results/2026-12-01-whatif-cpu-calibration.md)", None)
     if unvalidated_model is not None:
         return (f"{prior}unvalidated: the published points validate dense models only, "
                 f"not {unvalidated_model}", None)

@@ -42,7 +42,7 @@ class RooflineConfig:
     compute_dtype: str = "auto"
     # Decode lanes (harness.sched.lane): running decodes advanced as sums, touched only
     # when they take or fill a block, finish or are preempted; every number equals
-    # stepping one by one (tests/test_lane.py). false: step every sequence one by one.
+    # stepping one by one (tests/roofline/test_lane.py). false: step every sequence one by one.
     fast_path: bool = True
 
     def __post_init__(self) -> None:

@@ -8,7 +8,7 @@ step_per_seq_s x seqs`` on every step (launch, sampling, output processing); its
 all-reduce kernels' small-message latency (``allreduce_latency_s``); plus the
 ``scheduler.*`` settings that mirror how that engine batches (``scheduler``: what
 ``python -m harness.roofline_tools.validate`` runs each published point with; a user's run
-takes them only as given on the command line, see the README).
+takes them only as given on the command line, see docs/whatif.md).
 
 A profile is ``calibrated`` only when fitted to published points of its own engine
 (harness/roofline/published/fit.yaml, by ``python -m harness.roofline_tools.validate --fit``);

@@ -114,7 +114,7 @@ CPU_PRIOR = HardwareSpec("cpu", {"fp32": 80e9, "bf16": 10e9}, 20e9, 24 * GiB,
                          activation_reserve_bytes=1 * GiB, attention="gather")
 
 # Kernel constants fitted by `python -m harness.roofline_tools.kernel_fit` to Vidur's
-# profiled kernels (harness/roofline_tools/data/vidur; tests/test_whatif_validate.py checks
+# profiled kernels (harness/roofline_tools/data/vidur; tests/roofline/test_whatif_validate.py checks
 # they are the fit's optimum): the GEMMs' shares of peak FLOP/s and of bandwidth, the
 # rounded roofline corner, the fixed cost per GEMM and per non-GEMM kernel, the non-GEMM
 # kernels' bandwidth share, and NCCL's all-reduce (small-message time per degree; bus

@@ -24,7 +24,7 @@ and the remainders modulo the block of their contexts, and the same apart past t
 declaration's ``lane_split()`` (the step's shape: :class:`LaneSums`), the slots they
 fill in place (the pool's used slots) and a count of consecutive tokens (the inter-token
 latencies). Every number a run
-reports equals stepping one by one (tests/test_lane.py: a hypothesis property test over
+reports equals stepping one by one (tests/roofline/test_lane.py: a hypothesis property test over
 random workloads, preemption by recompute and swap, prefix hits and arrivals).
 
 Lane steps are counted as the scheduler's non-empty steps (``L``): while a request is a

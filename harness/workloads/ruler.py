@@ -31,7 +31,7 @@ MAX_LENGTH = 8192  # the default model's context
 def _default_tasks() -> list[str]:
     # The tasks the exact backend solves (>= 90% per task) on SmolLM2-135M at the default
     # lengths; multi-key (70/40/10% at 1k/2k/4k), multi-value, multi-query, vt, cwe and fwe
-    # do not (README, "Long context") and stay available by name.
+    # do not (docs/results/2026-12-01-long-context.md) and stay available by name.
     return ["niah_single_1", "niah_single_2"]
 
 

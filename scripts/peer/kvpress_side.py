@@ -15,7 +15,7 @@ the prompt's length (kvpress's pipeline does the same). Two selections:
   top ``n_kept`` once, the same tokens kept in every layer and head.
 
 ``--fixture``: the inputs and outputs of every press's ``score`` on the first two layers
-of a short prompt (its first 64 tokens), for tests/test_peer_kvpress.py.
+of a short prompt (its first 64 tokens), for tests/backends/test_peer_kvpress.py.
 """
 
 from __future__ import annotations

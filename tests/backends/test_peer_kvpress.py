@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "kvpress_scores.pt"
 sys.path.insert(0, str(ROOT / "scripts" / "peer"))
 from score_check import check_scores  # noqa: E402

@@ -137,7 +137,7 @@ def test_what_groups_refuse(tmp_path: Path) -> None:
     p.write_text(json.dumps(CONFIG))
     with pytest.raises(UserError, match="backend quest as configured is not one: use "):
         what_if(p, "backend=quest")
-    # Swap is built (every group's blocks to one CPU pool; tests/test_gemma3.py checks
+    # Swap is built (every group's blocks to one CPU pool; tests/engine/test_gemma3.py checks
     # the tokens): a what-if swaps too.
     m = what_if(p, "scheduler.preemption_mode=swap", "cache.swap_space=1GiB").metrics
     assert m["requests.finished"] == 40 and m["sched.preemptions_swap"] > 0

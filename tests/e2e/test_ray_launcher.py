@@ -26,7 +26,7 @@ def test_roofline_sweep_through_local_ray(tmp_path: Path) -> None:
          "+hydra.launcher.ray.init.num_cpus=2", "executor=roofline", "cache.kv_budget=auto",
          "workload=random", "workload.num_requests=8", "backend=paged,fp8",
          f"hydra.sweep.dir={tmp_path}"],
-        capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], env=env,
+        capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2], env=env,
         timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     runs = sorted(m.parent.name for m in tmp_path.rglob("metrics.json"))
@@ -45,7 +45,7 @@ def test_cluster_sweep_through_local_ray(tmp_path: Path) -> None:
          "workload=multiturn", "workload.conversations=6", "workload.turns=3",
          "cluster.replicas=3", "cluster.router=round_robin,prefix_aware",
          f"hydra.sweep.dir={tmp_path}"],
-        capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], env=env,
+        capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2], env=env,
         timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     found = {}

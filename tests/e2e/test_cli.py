@@ -12,7 +12,7 @@ SMALL = ["model=tiny", "workload.conversations=2", "workload.turns=2",
 
 def harness(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True,
-                          text=True, cwd=Path(__file__).resolve().parents[1], timeout=300)
+                          text=True, cwd=Path(__file__).resolve().parents[2], timeout=300)
 
 
 def test_single_run_prints_summary_and_writes_folder(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from harness.engine.host_syncs import HostSyncCounter
 from harness.kernels.reference import store_kv_quant_ref
 from harness.model.rope import RotaryEmbedding
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
 
 # Syncs a decode step may take: the sampled tokens; the scored methods also send their

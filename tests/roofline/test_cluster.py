@@ -329,8 +329,8 @@ def test_cached_prefix_tokens_counts_the_lower_tiers_and_changes_nothing() -> No
     tier: the router counts both, as the scheduler's lookup would, and the probe leaves
     the pool's LRU, the tier's LRU and the manager's counters as they were."""
     from harness.kv.tiers import CPU
+    from tests.core.test_tiers import BS, admit, lru, mgr
     from tests.helpers import make_seq
-    from tests.test_tiers import BS, admit, lru, mgr
 
     m = mgr()
     a = make_seq(list(range(9)))

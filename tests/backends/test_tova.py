@@ -1,6 +1,6 @@
 """tova: each step's victim is the held token the current query attends to least,
 averaged over layers and heads (a brute-force softmax over the held keys says which).
-Exact under a covering budget and never over its budget: tests/test_h2o.py."""
+Exact under a covering budget and never over its budget: tests/backends/test_h2o.py."""
 
 from __future__ import annotations
 

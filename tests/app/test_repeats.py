@@ -23,7 +23,7 @@ from harness.reporting.baseline import MetricSpec
 from harness.reporting.runs import check_sweeps, find_runs
 from tests.compose import compose_cfg
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["model=tiny", "workload=random", "workload.num_requests=4", "workload.input_max=24",
          "workload.output_max=6", "progress=false"]
 

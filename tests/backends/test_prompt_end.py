@@ -37,7 +37,7 @@ OPTIONS = {
 }
 PLANS = {"whole": [P], "n-1+1": [P - 1, 1], "1+n-1": [1, P - 1],
          "one_at_window_start": [P - WINDOW, 1, WINDOW - 1]}
-NAMES = [n for n in BACKENDS if n != "flash_attn"]  # its CPU stand-in: tests/test_costs.py
+NAMES = [n for n in BACKENDS if n != "flash_attn"]  # its CPU stand-in: tests/backends/test_costs.py
 
 
 def _run(name: str, plan: list[int],

@@ -22,9 +22,9 @@ from harness.app.gate import main as gate
 from harness.app.report import main as report
 from harness.errors import UserError
 from harness.model import load_model, save_hf
-from tests.test_report import write_run
+from tests.app.test_report import write_run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _gguf(path: Path) -> Path:

@@ -16,10 +16,10 @@ from omegaconf import OmegaConf
 from harness.app.gate import DEFAULT_SPEC, judge, main
 from harness.reporting.baseline import Baseline, MetricSpec
 from harness.reporting.runs import flatten, fmt_value
+from tests.app.test_report import make_sweep
 from tests.compose import compose_cfg
-from tests.test_report import make_sweep
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import torch
 from harness.kv.groups import GroupedKVManager
 from harness.model import LoadedModel, load_model
 from harness.model.gemma3_package import chunk_paths, gemma3_270m_path
-from tests.test_gemma3 import assert_matches, engine_run
+from tests.engine.test_gemma3 import assert_matches, engine_run
 
 pytestmark = pytest.mark.slow
 

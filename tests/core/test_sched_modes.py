@@ -10,8 +10,8 @@ import pytest
 from harness.errors import UserError
 from harness.sched.scheduler import Scheduler, SchedulerConfig
 from harness.sched.step import StepRecord
+from tests.core.test_scheduler import expected_output, paged, prompts, run, step
 from tests.helpers import make_group
-from tests.test_scheduler import expected_output, paged, prompts, run, step
 
 
 def run_exact(s: Scheduler, ps: list[list[int]], max_tokens: int) -> list[StepRecord]:

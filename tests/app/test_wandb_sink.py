@@ -17,7 +17,7 @@ import wandb
 from harness.runner import RunResult, run
 from harness.sinks import FAILED_FILE, WandbLogError, log_run_to_wandb, record_wandb_failure
 from tests.compose import tiny
-from tests.test_cli import SMALL, harness
+from tests.e2e.test_cli import SMALL, harness
 from tests.wandb_reader import read_run
 
 

@@ -1,6 +1,6 @@
 """Gemma 3 (a hybrid-attention model) through the whole engine against transformers'
 ``Gemma3ForCausalLM``: the tiny preset here (seeded weights, a 24-token window on 4 of 6
-layers), the real 270M in tests/test_gemma3_270m.py. Prompts longer than the window,
+layers), the real 270M in tests/engine/test_gemma3_270m.py. Prompts longer than the window,
 prefill chunks straddling its edge, decodes past it; with KV cache groups (a sliding
 group gives blocks back) and without (every layer holds every token, the sliding layers
 masked), on the torch path and the Triton kernels (interpreted on CPU)."""
@@ -27,8 +27,8 @@ from harness.sched.sequence import SamplingParams
 from harness.stack import Stack, build_stack
 from harness.workloads.base import Request
 from tests.compose import compose_cfg
-from tests.test_engine_transformers import FixedRequests, RecordingSampler
-from tests.test_workloads import DESIGN_KEYS, SMALL
+from tests.engine.test_engine_transformers import FixedRequests, RecordingSampler
+from tests.workloads.test_workloads import DESIGN_KEYS, SMALL
 
 CPU = torch.device("cpu")
 
@@ -287,7 +287,7 @@ def test_groups_take_the_prefix_cache_tiers_with_the_same_tokens(
     hits = sum(r["tier_hit_blocks_cpu"] + r["tier_hit_blocks_disk"] for r in on.requests)
     assert 0 < hits < up
     # The control: loads that read nothing (the target keeps a huge value) change tokens.
-    from tests.test_tiers_engine import break_loads
+    from tests.backends.test_tiers_engine import break_loads
 
     break_loads(monkeypatch)
     broken = run(tiny_cfg(*common, "cache.tiers.cpu=160KiB", "cache.tiers.disk=4MiB"))

@@ -17,7 +17,7 @@ import torch
 from harness.backends.tier_storage import PAUSE_ENV, CorruptBlock, DiskTier, TierStorage
 from harness.kv.tiers import CPU, DISK, GPU, TierOp
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def blocks(n: int = 6) -> list[torch.Tensor]:

@@ -1,7 +1,7 @@
 """The kvpress-style presses (knorm, keydiff, observed_attention, expected_attention)
 through the real engine: the trigger is recorded, the prompt's memory is freed, attention
 then reads well under paged's bytes per decode token, every request finishes. Their rules
-against brute force: tests/test_knorm.py, test_keydiff.py, test_observed_attention.py,
+against brute force: tests/backends/test_knorm.py, test_keydiff.py, test_observed_attention.py,
 test_expected_attention.py."""
 
 from __future__ import annotations

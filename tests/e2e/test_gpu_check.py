@@ -25,7 +25,7 @@ from harness.gpucheck.profile import DRY, ENGINE_BACKENDS, GPU, EngineShape
 from harness.gpucheck.sections import section_names
 from harness.gpucheck.summary import render
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,7 @@ def test_roofline_section_fits_the_h200_spec_code_path(dry_run: Path) -> None:
 def test_pytest_sections_record_skips_and_benchmarks(dry_run: Path) -> None:
     gpu = load(dry_run, "gpu-tests")
     assert gpu["returncode"] == 0 and gpu["failed"] == 0 and gpu["passed"] == 0
-    assert gpu["skipped"] >= 10 and "tests/test_kernels_decode.py" in gpu["files"]
+    assert gpu["skipped"] >= 10 and "tests/backends/test_kernels_decode.py" in gpu["files"]
     assert any("CUDA" in why for why in gpu["skip_reasons"])
     bench = load(dry_run, "benchmarks")
     assert bench["returncode"] == 0

@@ -25,7 +25,7 @@ from harness.engine.engine import Engine
 from harness.runner import run
 from tests.compose import compose_cfg
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"harness": "harness", "backends": "harness.backends", "kernels": "harness.kernels"}
 
 

@@ -27,7 +27,7 @@ from harness.app.cli import _write_failed
 from harness.app.report import main as report
 from harness.results import CLAIM, ResultsWriteError, atomic_write
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUICK = ["model=tiny", "device=cpu", "workload=shared_prefix", "workload.prefix_tokens=32",
          "workload.suffix_tokens=8", "workload.output_tokens=8"]
 SLOW = ["workload.num_requests=20", "workload.rate=4"]  # arrivals over ~5 s

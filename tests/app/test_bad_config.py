@@ -1,6 +1,6 @@
 """Bad values, table-driven and in-process: each row is a set of overrides and a phrase
 the UserError must contain (the valid range, or what to change). The CLI maps UserError
-to exit 2 (tests/test_bad_inputs.py runs the CLI itself); these rows fail before any
+to exit 2 (tests/e2e/test_bad_inputs.py runs the CLI itself); these rows fail before any
 model work, except the ones about what a run did (all requests rejected)."""
 
 from __future__ import annotations

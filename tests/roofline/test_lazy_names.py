@@ -1,6 +1,6 @@
 """Lazy names (harness.kv.lazy_names): a decode lane's filled blocks, named when first read,
 leave the pool's index as stepping one by one leaves it. The lane's property tests
-(tests/test_lane.py) cover random workloads; these cases are built to need each rule."""
+(tests/roofline/test_lane.py) cover random workloads; these cases are built to need each rule."""
 
 from __future__ import annotations
 
