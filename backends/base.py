@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -143,6 +144,10 @@ class KVBackend(ABC):
     # LayerSlot (its group's tables, its storage tensor, its window).
     supports_groups: ClassVar[bool] = False
     Options: ClassVar[type[BackendOptions]] = BackendOptions
+    # Options of ``Options`` this backend never reads, {key: why}: set away from their
+    # defaults (by the user or a preset), the run is refused when its config is typed
+    # (harness.config.refuse_ignored), never run as if they had been honoured.
+    ignored_options: ClassVar[Mapping[str, str]] = {}
 
     def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:
         """``options``: the fields of :attr:`Options` (keywords; defaults there)."""

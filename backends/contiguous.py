@@ -10,8 +10,9 @@ one call each over a view of their range, as the paged path does.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -43,6 +44,9 @@ class ContiguousBackend(KVBackend):
     name = "contiguous"
     storage = "contiguous"
     Options = ContiguousOptions
+    ignored_options: ClassVar[Mapping[str, str]] = {
+        "block_size": "contiguous storage reserves one range of single slots per sequence, "
+                      "it has no blocks"}
 
     def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:
         super().__init__(layout, device, **options)

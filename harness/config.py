@@ -15,6 +15,8 @@ anything is loaded.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -277,6 +279,7 @@ def run_config(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunConfig:
     if isinstance(cfg, dict):
         merged = OmegaConf.merge(OmegaConf.structured(RunConfig), _typed_groups(cfg))
         return run_config(merged)  # type: ignore[arg-type]
+    refuse_unknown_keys(cfg)
     try:
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
@@ -289,7 +292,111 @@ def run_config(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunConfig:
     if not isinstance(obj.workload, WorkloadOptions):
         obj.workload = _workload_options(obj.workload)
     finite_floats(obj)
+    refuse_ignored(obj)
     return obj
+
+
+# --- keys no run reads (issue #54) ----------------------------------------------------------
+# A key the schema does not know (``+backend.blocksize=32``, the fix Hydra suggests for a
+# typo, or ``++backend.budget_ratio=0.2`` on paged) used to be carried along and never read,
+# and the run went on with the default. A schema key the chosen backend or workload declares
+# it ignores (``ignored_options`` on its class: contiguous storage has no blocks), set away
+# from its default, was the same silent no-op. Both are refused where the config is typed,
+# so a sweep's job check (harness/app/hydra_callbacks.py) refuses them before any job runs.
+
+def _option_owner(group: str, node: Any) -> str:
+    """How a message names the option a key belongs to: ``backend=paged``, ``cache.tiers``,
+    ``the run config``."""
+    name = node.get("name") if isinstance(node, Mapping | DictConfig) else None
+    if group in ("backend", "workload", "logger") and name:
+        return f"{group}={name}"
+    return group or "the run config"
+
+
+def unknown_key_message(group: str, owner: str, key: str, known: list[str]) -> str:
+    """``<group>.<key> is not an option of <owner>; did you mean <group>.<close>? Known:
+    ...``, and for a backend or workload key, which others take it."""
+    prefix = f"{group}." if group else ""
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f"; did you mean {prefix}{close[0]}?" if close else "."
+    takers: list[str] = []
+    if group == "backend":
+        takers = [n for n, b in BACKENDS.items()
+                  if key in {f.name for f in dataclasses.fields(b.Options)}]
+    elif group == "workload":
+        takers = [n for n, (c, _) in WORKLOADS.items()
+                  if key in {f.name for f in dataclasses.fields(c)}]
+    elsewhere = f" ({group}={', '.join(takers)} take it)" if takers else ""
+    return (f"{prefix}{key} is not an option of {owner}{hint} Known: {', '.join(known)}"
+            f"{elsewhere}. kvbench refuses a key no run would read (it would run with the "
+            "default): fix or drop it")
+
+
+def _schema_fields(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls) if f.name != "name"]
+
+
+def _unknown_keys(node: DictConfig, path: str) -> Iterator[str]:
+    """Messages for the keys of ``node`` (and of the nodes below it) that its schema (a
+    dataclass) lacks; a node without a schema (a dict field) is only descended."""
+    cls = OmegaConf.get_type(node)
+    known = set(_schema_fields(cls)) | {"name"} if dataclasses.is_dataclass(cls) else None
+    for key in node:
+        k = str(key)
+        if not path and k == "hydra":  # Hydra's own, when composed with it
+            continue
+        if known is not None and k not in known:
+            assert isinstance(cls, type)
+            yield unknown_key_message(path, _option_owner(path, node), k, _schema_fields(cls))
+            continue
+        child = node._get_node(k)
+        if (isinstance(child, DictConfig) and not child._is_missing() and not child._is_none()
+                and not child._is_interpolation()):
+            yield from _unknown_keys(child, f"{path}.{k}" if path else k)
+
+
+def refuse_unknown_keys(cfg: DictConfig) -> None:
+    """UserError naming every key of the composed config that no schema has (set with
+    ``+`` / ``++``), with the known keys and the closest one."""
+    found = list(_unknown_keys(cfg, ""))
+    if found:
+        raise UserError("\n".join(found))
+
+
+def _default(cls: type, key: str) -> Any:
+    f = {f.name: f for f in dataclasses.fields(cls)}[key]
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else MISSING
+
+
+def ignored_message(group: str, opts: Any, ignored: Mapping[str, str]) -> str | None:
+    """The refusal of ``opts``'s keys in ``ignored`` ({key: why}) set away from their
+    defaults (None: none is)."""
+    cls = type(opts)
+    keys = {f.name for f in dataclasses.fields(cls)}
+    set_ = [k for k in ignored if k in keys and getattr(opts, k) != _default(cls, k)]
+    if not set_:
+        return None
+    what = ", ".join(f"{group}.{k}={getattr(opts, k)}" for k in set_)
+    why = ignored[set_[0]] if len(set_) == 1 else "; ".join(f"{k}: {ignored[k]}" for k in set_)
+    return (f"{what}: ignored by {group}={opts.name} ({why}); kvbench refuses an option the "
+            f"run would not read: drop {'it' if len(set_) == 1 else 'them'}")
+
+
+def refuse_ignored(rc: RunConfig) -> None:
+    """UserError for a backend or workload option its class declares it ignores
+    (``ignored_options``), set away from its default by the user or a preset."""
+    from harness.backends import BACKENDS as backends
+
+    found = []
+    if (b := backends.get(rc.backend.name)) is not None:
+        found.append(ignored_message("backend", rc.backend, b.ignored_options))
+    if (w := WORKLOADS.get(rc.workload.name)) is not None:
+        found.append(ignored_message("workload", rc.workload,
+                                     getattr(w[1], "ignored_options", {})))
+    if msgs := [m for m in found if m]:
+        raise UserError("\n".join(msgs))
 
 
 def _typed_groups(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -304,7 +411,11 @@ def _backend_options(values: Any) -> BackendOptions:
     from harness.backends import get_backend
 
     values = dict(values)
-    cls = get_backend(str(values.get("name", ""))).Options
+    name = str(values.get("name", ""))
+    cls = get_backend(name).Options
+    if unknown := [unknown_key_message("backend", f"backend={name}", k, _schema_fields(cls))
+                   for k in values if k not in {f.name for f in dataclasses.fields(cls)}]:
+        raise UserError("\n".join(unknown))
     opts: BackendOptions = cls(**values)
     return opts
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import ClassVar
 
 from harness.model.tokenizer import Tokenizer
 from harness.sched.sequence import SamplingParams, SequenceGroup
@@ -41,6 +42,9 @@ class SamplingWorkloadConfig(ArrivalOptions):
 class _NPerPrompt:
     name = ""
     beam = False
+    # Options this workload never reads, {key: why}: set away from their defaults, the run
+    # is refused (harness.config.refuse_ignored).
+    ignored_options: ClassVar[dict[str, str]] = {}
 
     def __init__(self, cfg: SamplingWorkloadConfig, tok: Tokenizer) -> None:
         if cfg.n < 1:
@@ -63,8 +67,13 @@ class _NPerPrompt:
 
 class ParallelSamplingWorkload(_NPerPrompt):
     name = "parallel_sampling"
+    ignored_options: ClassVar[dict[str, str]] = {
+        "length_penalty": "only beam search ranks hypotheses by length"}
 
 
 class BeamSearchWorkload(_NPerPrompt):
     name = "beam_search"
     beam = True
+    ignored_options: ClassVar[dict[str, str]] = {
+        "temperature": "beams are the most likely continuations, never sampled",
+        "top_p": "beams are the most likely continuations, never sampled"}

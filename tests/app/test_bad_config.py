@@ -5,6 +5,10 @@ model work, except the ones about what a run did (all requests rejected)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from harness.errors import UserError
@@ -98,6 +102,31 @@ ROWS = [
     (["cluster.replicas=2", "cluster.seed=4"], "cluster.seed=4: ignored"),
     (["slo.ttft_ms=500", "slo.e2e_ms=200"],
      "slo.e2e_ms=200.0 is below slo.ttft_ms=500.0: end to end includes the first token"),
+    # Issue #54: a key no schema has (Hydra's "+key" hint for a typo) or a key the chosen
+    # backend or workload ignores ran with the default, exit 0.
+    (["+backend.blocksize=32"], "backend.blocksize is not an option of backend=paged; did "
+                                "you mean backend.block_size? Known: block_size, kernel"),
+    (["++backend.budget_ratio=0.2"], "backend.budget_ratio is not an option of backend=paged. "
+                                     "Known: block_size, kernel (backend=h2o, tova"),
+    (["backend=h2o", "+backend.budget_ration=0.3"], "did you mean backend.budget_ratio?"),
+    (["+workload.conversation=2"], "workload.conversation is not an option of "
+                                   "workload=multiturn; did you mean workload.conversations?"),
+    (["++workload.num_requests=2"], "workload.num_requests is not an option of "
+                                    "workload=multiturn. Known: seed, rate"),
+    (["+scheduler.max_num_seq=4"], "scheduler.max_num_seq is not an option of scheduler; did "
+                                   "you mean scheduler.max_num_seqs?"),
+    (["+cache.tiers.cpux=1MiB"], "cache.tiers.cpux is not an option of cache.tiers; did you "
+                                 "mean cache.tiers.cpu?"),
+    (["+model.dtpye=float16"], "model.dtpye is not an option of model; did you mean "
+                               "model.dtype?"),
+    (["+seeds=3"], "seeds is not an option of the run config; did you mean seed?"),
+    (["backend=contiguous", "backend.block_size=32"],
+     "backend.block_size=32: ignored by backend=contiguous (contiguous storage reserves one "
+     "range of single slots per sequence, it has no blocks)"),
+    (["workload=beam_search", "workload.temperature=0.5", "workload.top_p=0.5"],
+     "workload.temperature=0.5, workload.top_p=0.5: ignored by workload=beam_search"),
+    (["workload=parallel_sampling", "workload.length_penalty=2"],
+     "workload.length_penalty=2.0: ignored by workload=parallel_sampling"),
 ]
 
 
@@ -170,3 +199,63 @@ def test_metrics_json_is_standard_json(tmp_path) -> None:  # type: ignore[no-unt
     assert "NaN" not in text and "Infinity" not in text
     assert json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard {c}")) == {
         "a": None, "b": [1.0, None], "c": {"d": None}, "e": 2.5, "f": "x"}
+
+
+def test_every_shipped_preset_and_experiment_job_is_accepted() -> None:
+    """No conf/backend, conf/workload preset, nor any job of a conf/experiment sweep (every
+    value of each swept key, the others at their first value: the full products cost
+    ~0.1 s a job to compose) sets a key its backend or workload ignores, or one no schema
+    has."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from harness.config import CONF_DIR, register_configs, run_config
+
+    register_configs()
+    parser = OverridesParser.create()
+    jobs = [[f"{group}={f.stem}"] for group in ("backend", "workload")
+            for f in sorted((CONF_DIR / group).glob("*.yaml"))]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for exp in sorted((CONF_DIR / "experiment").glob("*.yaml")):
+            base = [f"+experiment={exp.stem}"]
+            full = compose(config_name="config", overrides=base, return_hydra_config=True)
+            swept = [(str(k), parser.parse_override(f"{k}={v}"))
+                     for k, v in (full.hydra.sweeper.get("params") or {}).items()]
+            axes = [(k, list(o.sweep_string_iterator()) if o.is_sweep_override()
+                     else [o.get_value_element_as_str()]) for k, o in swept]
+            first = [f"{k}={vs[0]}" for k, vs in axes]
+            jobs += [[*base, *first[:i], f"{k}={v}", *first[i + 1:]]
+                     for i, (k, vs) in enumerate(axes) for v in vs] or [base]
+        seen, refused = set(), []
+        for job in jobs:
+            if tuple(job) in seen:
+                continue
+            seen.add(tuple(job))
+            try:
+                run_config(compose(config_name="config", overrides=job))
+            except UserError as e:
+                refused.append(f"{' '.join(job)}: {e}")
+    assert not refused, "\n".join(refused)
+    assert len(seen) > 100
+
+
+def _harness(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True,
+                          text=True, cwd=Path(__file__).resolve().parents[2], timeout=300)
+
+
+def test_cli_refuses_the_append_hint_and_a_sweep_before_any_job(tmp_path: Path) -> None:
+    # Hydra's hint for a typo (+backend.blocksize=32) used to run with block size 16, exit 0.
+    p = _harness("model=tiny", "+backend.blocksize=32", f"hydra.run.dir={tmp_path}/run")
+    assert p.returncode == 2, p.stderr
+    assert "backend.blocksize is not an option of backend=paged; did you mean " \
+           "backend.block_size?" in p.stderr
+    assert not (tmp_path / "run" / "metrics.json").exists()
+    # A sweep with one such job starts none.
+    sweep = tmp_path / "sweep"
+    p = _harness("-m", "model=tiny", "backend=paged,contiguous", "backend.block_size=32",
+                 f"hydra.sweep.dir={sweep}")
+    assert p.returncode == 2, p.stderr
+    assert "sweep job #1 (backend=contiguous): backend.block_size=32: ignored by " \
+           "backend=contiguous" in p.stderr and "no job was started" in p.stderr
+    assert not sweep.exists() or not [d for d in sweep.iterdir() if d.is_dir()]
