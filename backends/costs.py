@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from harness.sched.step import LaneSums
+
 if TYPE_CHECKING:
     from harness.layer_types import LayerAttention
     from harness.sched.sequence import Sequence
@@ -32,23 +34,6 @@ if TYPE_CHECKING:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-@dataclass(frozen=True, slots=True)
-class LaneSums:
-    """The decode-lane members of one step (harness.sched.lane: the roofline's fast path),
-    as sums over their contexts instead of each: ``n`` members, their contexts' sum and
-    max, ``by_mod[r]`` members whose context is r modulo the KV block size; and of those
-    whose context exceeds the declaration's :meth:`KVCosts.lane_split` (if it has one),
-    the count, the contexts' sum and the same histogram."""
-
-    n: int
-    ctx_sum: int
-    ctx_max: int
-    by_mod: tuple[int, ...] = ()
-    over_n: int = 0
-    over_sum: int = 0
-    over_by_mod: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +76,7 @@ class KVCosts:
 
     def summed_decode_read(self, s: LaneSums) -> Read:
         """:meth:`decode_read` summed over decodes that hold their whole contexts, given
-        as sums (the roofline's decode lanes, harness.sched.lane; only for the
+        as sums (the roofline's decode lanes, harness/roofline/fastpath; only for the
         declarations it lists in LANE_COSTS)."""
         return Read(s.ctx_sum, s.ctx_sum * self.slot_bytes)
 

@@ -42,7 +42,7 @@ from harness.kv.tiers import LowerTiers
 from harness.layer_types import LayerAttention
 from harness.metrics.collector import MetricsCollector
 from harness.model import LoadedModel
-from harness.sched.scheduler import Scheduler, SchedulerConfig
+from harness.sched.scheduler import Scheduler, SchedulerConfig, SchedulerFactory
 from harness.sizing import min_budget_for, size_cache
 from harness.units import format_bytes, parse_bytes
 from harness.workloads.base import RequestShape
@@ -192,12 +192,15 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
                    executor: Executor | None = None,
                    shapes: Iterable[RequestShape] | None = None,
                    quiet: bool = False, kv_budget: str | int | None = None,
-                   groups: list[KVGroup] | None = None) -> Stack:
+                   groups: list[KVGroup] | None = None,
+                   make_scheduler: SchedulerFactory = Scheduler) -> Stack:
     """The stack around ``backend``: the model's forward (``model``), or ``executor``
     (the roofline's), which needs no cache tensors, so none are allocated; the KV
     manager, the scheduler and the backend's sizing are the same either way. ``groups``:
     KV cache groups of a hybrid-attention model (harness.kv.groups), its backend's costs
-    and layer slots set already (:func:`kv_plan`)."""
+    and layer slots set already (:func:`kv_plan`). ``make_scheduler``: builds the
+    scheduler from its config, the KV manager, the EOS ids and the swap manager (the
+    roofline's fast path passes its choice, harness/roofline/fastpath)."""
     budget = cache.kv_budget if kv_budget is None else kv_budget
     if budget == "auto":
         raise UserError("cache.kv_budget=auto sizes the cache from a hardware spec: it needs "
@@ -240,8 +243,8 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
             num_slots=max(sizing.block_size, sizing.num_slots)), **kv_opts)
     swap = kv if sched.preemption_mode == "swap" and \
         isinstance(kv, PagedKVManager | GroupedKVManager) and kv.supports_swap else None
-    scheduler = Scheduler(dataclasses.replace(sched, max_model_len=max_model_len),
-                          kv, eos_ids, swap=swap)
+    scheduler = make_scheduler(dataclasses.replace(sched, max_model_len=max_model_len),
+                               kv, eos_ids, swap)
     if sched.preemption_mode == "swap" and not (swap is not None and sizing.num_cpu_blocks):
         raise UserError(
             "scheduler.preemption_mode=swap needs CPU swap blocks and a backend that swaps: "

@@ -1,6 +1,7 @@
 """Hold this checkout's records equal to another commit's, run for run.
 
     .venv/bin/python scripts/records_equal.py e82b94d              # the engine matrix
+    .venv/bin/python scripts/records_equal.py e82b94d --matrix whatif   # scripts/records_equal.sh
     .venv/bin/python scripts/records_equal.py e82b94d --only paged,fp8 --keep /tmp/eq
 
 Runs every configuration of the matrix twice, from a snapshot of REV (``git archive``,
@@ -14,6 +15,10 @@ where a backend has the option): every backend, the sampling, forking and beam p
 swap preemption, chunked prefill, tiers, KV cache groups and quality scoring, each under
 memory pressure so that admission, preemption and eviction act. Arrivals are at t = 0 or
 follow an answer at once, so no wall-clock time can change a schedule.
+
+The what-if matrix (``executor=roofline``: modelled time, so every column is compared but
+the engine's own CPU seconds): the 13 runs of docs/whatif_scale.md, the fast path on and
+the paths it leaves to stepping one by one.
 """
 
 from __future__ import annotations
@@ -77,7 +82,37 @@ ENGINE: dict[str, list[str]] = {
     "gemma3_paged": [*_MT, "backend=paged", *_T, "model=tiny_gemma3", "cache.kv_budget=2MiB"],
     "gemma3_h2o": [*_MT, "backend=h2o", "model=tiny_gemma3", "cache.kv_budget=2MiB"],
 }
-MATRICES = {"engine": ENGINE}
+# The what-if matrix (``executor=roofline``, Llama-3.1-8B on one H100; the 13 runs of
+# docs/whatif_scale.md): the fast path (decode lanes) on every backend it takes, and the
+# paths it leaves to stepping one by one, each under memory pressure.
+_W = ["executor=roofline", "roofline.model=Llama-3.1-8B", "roofline.hardware=h100-sxm",
+      "scheduler.max_num_seqs=64", "scheduler.max_num_batched_tokens=2048",
+      "scheduler.max_model_len=4096", "cache.kv_budget=1GiB"]
+_RND = ["workload=random", "workload.num_requests=500", "workload.rate=40",
+        "workload.input_mean=400", "workload.input_std=300", "workload.input_max=2048",
+        "workload.output_mean=200", "workload.output_std=150", "workload.output_max=1024"]
+_WMT = ["workload=multiturn", "workload.conversations=24", "workload.turns=3",
+        "workload.answer_tokens=96"]
+
+WHATIF: dict[str, list[str]] = {
+    "paged": [*_W, *_RND, "backend=paged"],
+    "fp8_preempting": [*_W, *_RND, "backend=fp8", "cache.kv_budget=512MiB"],
+    "swap": [*_W, *_RND, "backend=paged", "scheduler.preemption_mode=swap",
+             "cache.swap_space=2GiB"],
+    "contiguous_shared_prefix": [*_W, "workload=shared_prefix", "backend=contiguous"],
+    "sliding_window": [*_W, *_WMT, "backend=sliding_window", "backend.window=256"],
+    "h2o": [*_W, *_WMT, "backend=h2o"],
+    "snapkv": [*_W, *_WMT, "backend=snapkv"],
+    "kivi": [*_W, *_WMT, "backend=kivi"],
+    "quest": [*_W, *_WMT, "backend=quest"],
+    "parallel_sampling": [*_W, "workload=parallel_sampling", "backend=paged"],
+    "beam_search": [*_W, "workload=beam_search", "backend=paged"],
+    "temperature": [*_W, *_WMT, "backend=paged", "workload.temperature=0.7"],
+    "tiers": [*_W, *_WMT, "backend=paged", "cache.kv_budget=512MiB", "cache.tiers.cpu=1GiB",
+              "cache.tiers.disk=4GiB"],
+}
+MATRICES = {"engine": ENGINE, "whatif": WHATIF}
+BASES = {"engine": _BASE, "whatif": []}
 
 
 def run_side(matrix: str, names: list[str], out: Path) -> None:
@@ -91,7 +126,7 @@ def run_side(matrix: str, names: list[str], out: Path) -> None:
 
     torch.set_num_threads(1)
     for name in names:
-        cfg = compose_config([*_BASE, *MATRICES[matrix][name]])
+        cfg = compose_config([*BASES[matrix], *MATRICES[matrix][name]])
         with open_dict(cfg):
             cfg.out_dir = str(out / name)
             cfg.progress = False

@@ -14,6 +14,7 @@ from harness.engine.beam import advance_beams
 from harness.engine.executor import (
     Executor,
     LaneExecutor,
+    LaneScheduling,
     ModelExecutor,
     StepOutput,
     WallClock,
@@ -79,14 +80,20 @@ class Engine:
         times brought up to date (the lane is empty when every request finished).
         ``stopped`` (Ctrl-C, a failure): for the partial records, if they can be; the
         original error is what is raised, not one from here."""
-        lane = self.scheduler.lane
-        if lane is None:
+        sch = self.scheduler
+        if not isinstance(sch, LaneScheduling):
             return
         if stopped:
             with contextlib.suppress(Exception):
-                lane.leave_all()
+                self._left_lane(sch.leave_lane())
         else:
-            lane.leave_all()
+            self._left_lane(sch.leave_lane())
+
+    def _left_lane(self, rids: list[int]) -> None:
+        """Requests that left the roofline's decode lane: the collector brings their
+        token times up to date."""
+        for rid in rids:
+            self.metrics.lane_leave(rid)
 
     @classmethod
     def finisher(cls, workload: Workload, pending: list[tuple[float, int, Request]],
@@ -104,10 +111,11 @@ class Engine:
         sch, clock = self.scheduler, self.executor.clock
         counts = Counts(arrivals.total)
         finished = self.finisher(workload, pending, counts)
-        # The roofline's lane steps (Scheduler.lane_step_ready): whole steps of decode-lane
+        # The roofline's lane steps (LaneScheduling.lane_step_ready): whole steps of decode-lane
         # members only, without the per-step records (issue #24).
         lane_ex = self.executor if isinstance(self.executor, LaneExecutor) else None
-        lanes = lane_ex is not None and sch.lane is not None
+        lane_sch = sch if isinstance(sch, LaneScheduling) else None
+        lanes = lane_ex is not None and lane_sch is not None
         idle = 0
         while arrivals or sch.has_unfinished:
             now = clock.now() - start
@@ -117,9 +125,9 @@ class Engine:
                 if arrivals:
                     clock.sleep(arrivals.next_time() - (clock.now() - start))
                 continue
-            if lanes and sch.lane_step_ready():
+            if lanes and lane_sch is not None and lane_sch.lane_step_ready():
                 assert lane_ex is not None
-                self.lane_step(lane_ex, start, counts, finished)
+                self.lane_step(lane_ex, lane_sch, start, counts, finished)
                 ran = True
             else:
                 ran = self.step(start, workload, pending, counts, finished)
@@ -150,6 +158,8 @@ class Engine:
         sch, col, clock = self.scheduler, self.metrics, self.executor.clock
         t0 = clock.now()
         rec = sch.schedule()
+        if rec.lane_left:  # preempted out of the roofline's decode lane
+            self._left_lane(rec.lane_left)
         self.executor.apply_cache_ops(rec)
         if rec.is_empty:
             for stuck in rec.rejected:  # can never be admitted: the run goes on
@@ -182,18 +192,18 @@ class Engine:
         self._carry_s = clock.now() - t_end
         return True
 
-    def lane_step(self, ex: LaneExecutor, start: float, counts: Counts,
+    def lane_step(self, ex: LaneExecutor, sch: LaneScheduling, start: float, counts: Counts,
                   finished: Callable[[SequenceGroup, float], None]) -> None:
-        """:meth:`step` of a step :meth:`Scheduler.lane_step_ready` found: the same
+        """:meth:`step` of a step ``LaneScheduling.lane_step_ready`` found: the same
         scheduling, clock, tokens, finishes and row, without a StepRecord, an output to
         sample or tokens to apply (the lane's are summed). ``ex``: this engine's executor
         (a protocol's isinstance check costs 40 us: it is made once a run)."""
-        sch, col = self.scheduler, self.metrics
+        col = self.metrics
         clock = ex.clock
         t0 = clock.now()
         step, sums, usage = sch.schedule_lane()
         forward_s, reads = ex.forward_lane(sums.n, sums)
-        sch.end_forward()
+        self.scheduler.end_forward()
         done = sch.finish_lane()
         t_tok = clock.now()
         col.on_lane_tokens(sums.n, done, t_tok - start)

@@ -17,13 +17,14 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from harness.backends.base import KVBackend
-from harness.backends.costs import LaneSums, StepReads, step_reads
+from harness.backends.costs import StepReads, step_reads
 from harness.engine.batch import InputBuilder, group_batch
 from harness.engine.graphs import DecodeGraphs
-from harness.kv.base import KVManager, StepScores
+from harness.kv.base import KVManager, KVUsage, StepScores
 from harness.kv.groups import GroupedKVManager
 from harness.model.llama import LlamaModel
-from harness.sched.step import CHECKS, ScheduledSeq, StepRecord
+from harness.sched.sequence import SequenceGroup
+from harness.sched.step import CHECKS, LaneSums, ScheduledSeq, StepRecord
 
 
 class Clock(Protocol):
@@ -116,10 +117,33 @@ class Executor(Protocol):
 @runtime_checkable
 class LaneExecutor(Executor, Protocol):
     """An executor that can run a step of decode-lane members given as their sums (the
-    roofline's: harness.sched.lane, Engine.lane_step)."""
+    roofline's: harness/roofline/fastpath, Engine.lane_step)."""
 
     def forward_lane(self, n: int, sums: LaneSums) -> tuple[float, StepReads]:
         """The forward of ``n`` members, all the step runs: its seconds and reads."""
+        ...
+
+
+@runtime_checkable
+class LaneScheduling(Protocol):
+    """A scheduler that also steps decodes in bulk (the roofline's ``LaneScheduler``,
+    harness/roofline/fastpath/scheduler.py): whole *lane steps* of bulk decodes only
+    (Engine.lane_step), and the bulk decodes' leaving at the end of a run."""
+
+    def lane_step_ready(self) -> bool:
+        """Whether the next step is a lane step."""
+        ...
+
+    def schedule_lane(self) -> tuple[int, LaneSums, KVUsage]:
+        """The lane step's number, its decodes' sums, what the KV manager holds."""
+        ...
+
+    def finish_lane(self) -> list[SequenceGroup]:
+        """After the lane step's forward: the groups it finished, retired."""
+        ...
+
+    def leave_lane(self) -> list[int]:
+        """Every bulk decode leaves (the run ended or stopped): their request ids."""
         ...
 
 

@@ -11,6 +11,7 @@ only tokens, the computed count and a status. Managers never touch tensors.
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -221,4 +222,32 @@ class SwapManager(Protocol):
 
     def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
         """(cpu block, device block) copies."""
+        ...
+
+
+class DeferredNames(Protocol):
+    """Names of full blocks made only when something could read them (prefix caching): a
+    block may carry a *pending name* (any object not an int, given by
+    ``PagedKVManager.name_pending``) until the names under one of its ancestors' hashes
+    are made. The pool asks this hook before it reads names (a lookup, a naming, a
+    swap-in) and tells it of each pending block it evicts. The roofline's fast path is
+    the one user (harness/roofline/fastpath); installed by
+    ``PagedKVManager.set_deferred_names``."""
+
+    @property
+    def pending(self) -> Container[int]:
+        """The named hashes that have pending names under them."""
+        ...
+
+    def materialize(self, roots: list[int]) -> None:
+        """Make the names under each of ``roots`` now (entered with
+        ``PagedKVManager.enter_deferred``)."""
+        ...
+
+    def materialize_all(self) -> None:
+        """Make every pending name (tests and debugging read the whole index)."""
+        ...
+
+    def evicted(self, name: object) -> None:
+        """A block carrying pending name ``name`` was evicted (its name is gone)."""
         ...

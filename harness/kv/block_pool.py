@@ -26,8 +26,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from harness.kv.base import KVUsage
-from harness.kv.lazy_names import LazyNames, PendingChain
+from harness.kv.base import DeferredNames, KVUsage
 from harness.kv.ledger import ReservationLedger
 
 # Called with (block, hash, owner) as a named block is evicted from the LRU of cached-free
@@ -51,9 +50,9 @@ class BlockPool:
         self.block_size = block_size
         self.ref = [0] * num_blocks
         self.fill = [0] * num_blocks  # slots of the block holding a token's K/V
-        # A block's name: its hash, a decode lane's pending chain (named when first read:
-        # harness.kv.lazy_names), or None.
-        self.block_hash: list[int | PendingChain | None] = [None] * num_blocks
+        # A block's name: its hash, a pending name (made when first read: DeferredNames,
+        # harness.kv.base), or None.
+        self.block_hash: list[int | object | None] = [None] * num_blocks
         self.owner: list[int] = [-1] * num_blocks  # request that computed a named block
         # hash -> the block carrying it, or (two or more copies) every block carrying it in
         # insertion order, the oldest copy served first. Nearly every hash names one block:
@@ -70,7 +69,8 @@ class BlockPool:
         self.num_evictions = 0  # cached blocks whose hash was dropped to reuse them
         self.ledger = ledger
         self.on_evict: EvictHook | None = None
-        self.lazy: LazyNames | None = None  # set by a decode lane (harness.sched.lane)
+        # Pending names' hook (PagedKVManager.set_deferred_names), or None.
+        self.deferred: DeferredNames | None = None
 
     # -- queries ---------------------------------------------------------------------
     @property
@@ -113,9 +113,9 @@ class BlockPool:
     def lookup(self, block_hash: int) -> int | None:
         """A block holding this content: a held copy if any (taking it shares memory), else
         the oldest cached one."""
-        lazy = self.lazy
-        if lazy is not None and block_hash in lazy.pending:  # chains under it: named now
-            lazy.materialize([block_hash])
+        deferred = self.deferred
+        if deferred is not None and block_hash in deferred.pending:  # named now
+            deferred.materialize([block_hash])
         copies = self._by_hash.get(block_hash)
         if copies is None or isinstance(copies, int):
             return copies
@@ -132,16 +132,16 @@ class BlockPool:
     def copies(self, block_hash: int) -> list[int]:
         """Every block named ``block_hash``, oldest first (tests and debugging: pending
         names are made first)."""
-        if self.lazy is not None:
-            self.lazy.materialize_all()
+        if self.deferred is not None:
+            self.deferred.materialize_all()
         c = self._by_hash.get(block_hash)
         return [] if c is None else [c] if isinstance(c, int) else list(c)
 
     def hash_index(self) -> dict[int, list[int]]:
         """Every name and its blocks, oldest first (tests and debugging: pending names
         are made first)."""
-        if self.lazy is not None:
-            self.lazy.materialize_all()
+        if self.deferred is not None:
+            self.deferred.materialize_all()
         return {h: self.copies(h) for h in self._by_hash}
 
     # -- state changes ---------------------------------------------------------------
@@ -157,9 +157,9 @@ class BlockPool:
         """:meth:`allocate` ``n`` times (the caller checked ``num_free >= n``): the same
         blocks in the same order, evictions included, in one call. ``ramp``: each block
         also takes one more slot at each of the next ``ramp`` steps, recorded now in its
-        fill and the ledger (a decode lane's: harness.sched.lane, which counts those writes'
-        used slots as they happen and trims what did not happen,
-        ``PagedKVManager.trim_fill``, before anything else reads the block)."""
+        fill and the ledger (the roofline's fast path, which counts those writes' used
+        slots as they happen and trims what did not happen, ``PagedKVManager.trim_fill``,
+        before anything else reads the block)."""
         assert self.num_free >= n, (self.num_free, n)
         if n == 0:  # (a decode opening a block asks for no full ones first)
             return []
@@ -178,14 +178,10 @@ class BlockPool:
                     voids[b] -= 1
                     b = lru.popleft()
                 h = names[b]
-                if not isinstance(h, int):  # a pending name (lazy_names): no index entry
-                    assert h is not None and self.lazy is not None, f"cached block {b}"
-                    # Counted on its chain here (every decode block of a lane's run),
-                    # which is dropped once all its blocks are gone:
-                    h.gone += 1
-                    if h.gone == h.n and not h.closed:
-                        self.lazy.dropped(h)
-                    names[b] = None  # (its owner was never set: named by its chain)
+                if not isinstance(h, int):  # a pending name: no index entry
+                    assert h is not None and self.deferred is not None, f"cached block {b}"
+                    self.deferred.evicted(h)
+                    names[b] = None  # (its owner was never set: named when made)
                     out.append(b)
                     continue
                 if on_evict is not None:
@@ -291,19 +287,19 @@ class BlockPool:
         return self.name(b, block_hash, owner)
 
     def name(self, b: int, block_hash: int, owner: int = -1) -> bool:
-        """:meth:`register` of a block known to be full whose fill is recorded later (a
-        decode lane's: harness.sched.lane)."""
+        """:meth:`register` of a block known to be full whose fill is recorded later (the
+        roofline's fast path)."""
         if self.block_hash[b] is not None:
             return False
-        lazy = self.lazy
-        if lazy is not None and block_hash in lazy.pending:  # chains under it: named now
-            lazy.materialize([block_hash])
+        deferred = self.deferred
+        if deferred is not None and block_hash in deferred.pending:  # named now
+            deferred.materialize([block_hash])
         self.enter_name(b, block_hash, owner)
         return True
 
     def enter_name(self, b: int, block_hash: int, owner: int) -> None:
-        """Name block ``b`` (not named, or named by a pending chain being materialized:
-        harness.kv.lazy_names) in the index."""
+        """Name block ``b`` (not named, or carrying a pending name being made:
+        DeferredNames) in the index."""
         by_hash = self._by_hash
         c = by_hash.setdefault(block_hash, b)
         if c is not b:  # (setdefault returns ``b`` itself when it inserted it) a new copy

@@ -220,7 +220,7 @@ class ContiguousKVManager:
     def max_chunk(self, seq: Sequence) -> int | None:
         return None
 
-    # -- the roofline's decode lane (harness.sched.lane): in-place writes in bulk --------
+    # -- the roofline's fast path (harness/roofline/fastpath): in-place writes in bulk ---
     def ramp_fill(self, start: int, k: int) -> None:
         """The range at ``start`` took one more token at each of the last ``k`` steps
         (its used slots were counted as they happened: :meth:`add_used`)."""

@@ -57,8 +57,8 @@ class ReservationLedger:
                  tag: int | None = None, ramp: int = 0) -> None:
         """:meth:`open` of each of ``units`` (not open) at the same capacity, fill and tag
         (a block pool's allocations: every block of every request). ``ramp``: each
-        unit's :meth:`ramp` by ``ramp`` recorded now, ahead of its ticks (a decode lane's
-        block, whose writes to its last slot are known when it is taken: harness.sched.lane;
+        unit's :meth:`ramp` by ``ramp`` recorded now, ahead of its ticks (the roofline's
+        fast path's blocks, whose writes to their last slot are known when taken;
         :meth:`trim` takes back what did not happen)."""
         now, epochs = self.now, self._open
         tag = self.tag if tag is None else tag
@@ -80,7 +80,7 @@ class ReservationLedger:
     def ramp(self, unit: int, k: int) -> None:
         """``unit``'s fill grew by one at each of the ``k`` clock ticks after its last
         change (the last of them now or the tick before): one call for what ``fill`` would
-        have recorded tick by tick (the roofline's decode lanes, harness.sched.lane)."""
+        have recorded tick by tick (the roofline's fast path, harness/roofline/fastpath)."""
         ep = self._open[unit]
         f = ep[_FILL]
         assert f + k <= ep[_CAP] and self.now - 1 <= ep[_LAST] + k <= self.now, \

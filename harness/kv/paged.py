@@ -15,7 +15,16 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import TYPE_CHECKING
 
-from harness.kv.base import CacheOps, CopyOp, Demand, KVStats, KVUsage, PrefixHit, StepScores
+from harness.kv.base import (
+    CacheOps,
+    CopyOp,
+    DeferredNames,
+    Demand,
+    KVStats,
+    KVUsage,
+    PrefixHit,
+    StepScores,
+)
 from harness.kv.block_pool import BlockPool
 from harness.kv.ledger import ReservationLedger
 from harness.kv.tiers import LowerTiers
@@ -397,7 +406,37 @@ class PagedKVManager:
         self._extend(seq, pos, 1)
         return self.slot(seq, pos)  # (the block _extend took, or its copy-on-write copy)
 
-    # -- the roofline's decode lane (harness.sched.lane): in-place writes in bulk --------
+    # -- the roofline's fast path (harness/roofline/fastpath): writes and names in bulk --
+    def set_deferred_names(self, names: DeferredNames) -> None:
+        """Blocks may carry pending names from now on (:meth:`name_pending`), made when
+        ``names`` is asked (see :class:`~harness.kv.base.DeferredNames`)."""
+        self.pool.deferred = names
+
+    def name_pending(self, block: int, name: object) -> None:
+        """Block ``block``, full (its fill recorded later), carries pending name
+        ``name`` (not an int): a release caches it, an eviction tells the hook."""
+        self.pool.block_hash[block] = name
+
+    def enter_deferred(self, st: SeqBlocks, block: int, name: object, h: int,
+                       owner: int) -> None:
+        """The pending name ``name`` of ``st``'s next unnamed block ``block`` is made:
+        ``h``, computed by ``owner``. The block is entered in the index unless it was
+        evicted since (it no longer carries ``name``); ``st``'s hashes go on either way."""
+        pool = self.pool
+        if pool.block_hash[block] is name:
+            pool.enter_name(block, h, owner)
+        st.hashes.append(h)
+
+    def take_ramped(self, tables: list[SeqBlocks], ramp: int) -> list[int]:
+        """A new block at the end of each of ``tables`` (the pool has one free for
+        each), each with one slot written now and ``ramp`` more recorded ahead
+        (``BlockPool.allocate_all``); returns the blocks."""
+        blocks = self.pool.allocate_all(len(tables), 1, ramp=ramp)
+        for st, b in zip(tables, blocks):
+            st.table.append(b)
+        self.logical_blocks += len(tables)
+        return blocks
+
     def ramp_fill(self, block: int, k: int) -> None:
         """Block ``block`` took one more token at each of the last ``k`` steps (its
         used slots were counted as they happened: :meth:`add_used`)."""
@@ -431,9 +470,9 @@ class PagedKVManager:
                          keys: list[object], owners: list[int],
                          settled: bool = True) -> None:
         """:meth:`name_next_block` of each block table in turn, with its block's tokens,
-        its sequence's :meth:`key_of` and request id (a decode lane, harness.sched.lane,
-        keeps all three per member and names its members' blocks in one call).
-        ``settled=False``: the lane's blocks, full though their fills are brought up to
+        its sequence's :meth:`key_of` and request id (the roofline's fast path keeps all
+        three per sequence and names their blocks in one call).
+        ``settled=False``: the fast path's blocks, full though their fills are brought up to
         date later."""
         pool = self.pool
         register = pool.register if settled else pool.name
@@ -584,13 +623,13 @@ class PagedKVManager:
                     cpu.free.append(c)
         self.stats.swapped_in_blocks += len(mapping)
         self.logical_blocks += sum(st.num_held for st in held)
-        lazy = self.pool.lazy
-        if lazy is not None and lazy.pending:
-            # Back with its names: a decode lane's chains under them are named first, as
-            # any sequence passing their roots has them named (harness.kv.lazy_names).
-            roots = [h for st in held for h in st.hashes if h in lazy.pending]
+        deferred = self.pool.deferred
+        if deferred is not None and deferred.pending:
+            # Back with its names: the pending names under them are made first, as any
+            # sequence passing those hashes has them made (DeferredNames).
+            roots = [h for st in held for h in st.hashes if h in deferred.pending]
             if roots:
-                lazy.materialize(roots)
+                deferred.materialize(roots)
         return list(mapping.items())
 
     # -- accounting ----------------------------------------------------------------------

@@ -33,7 +33,7 @@ class RequestTimes:
     token_times: array[float] = field(default_factory=lambda: array("d"))
     finished: float | None = None
     last_token_step: int = -1  # index into MetricsCollector.token_t of its last token
-    # A decode-lane member (harness.sched.lane) since this index of token_t: its tokens
+    # A decode-lane member (harness/roofline/fastpath) since this index of token_t: its tokens
     # come every step from there and are added to token_times when it leaves; -1: not one.
     lane_from: int = -1
     row: int = -1  # its place in MetricsCollector.rows (reserved on arrival)

@@ -40,7 +40,7 @@ class RooflineConfig:
     # The weight GEMMs' dtype: auto (the activations') or fp8 (W8A8 on the fp8 units;
     # needs weight_dtype=fp8, as TensorRT-LLM's FP8 checkpoints are).
     compute_dtype: str = "auto"
-    # Decode lanes (harness.sched.lane): running decodes advanced as sums, touched only
+    # Decode lanes (harness/roofline/fastpath): running decodes advanced as sums, touched only
     # when they take or fill a block, finish or are preempted; every number equals
     # stepping one by one (tests/roofline/test_lane.py). false: step every sequence one by one.
     fast_path: bool = True

@@ -58,7 +58,7 @@ SYNTHETIC_IDS = range(TOKEN_BASE, TOKEN_BASE + TOKEN_SPAN)
 SYNTHETIC_PERIOD = TOKEN_SPAN
 # Sample 0's ids depend on the request only through (request_id * 7919) % TOKEN_SPAN: per
 # residue, its ids at positions 0 .. 2 TOKEN_SPAN - 1, so that any run of up to a period
-# is one slice (a decode lane reads its members' ids here, harness.sched.lane: 5 million
+# is one slice (a decode lane reads its members' ids here, harness/roofline/fastpath: 5 million
 # calls of synthetic_token at 100,000 requests). Request ids 0 .. TOKEN_SPAN - 1 give
 # every residue once (7919 is prime to TOKEN_SPAN).
 _CYCLES = {r * 7919 % TOKEN_SPAN: [synthetic_token(r, 0, p) for p in range(2 * TOKEN_SPAN)]
@@ -68,7 +68,7 @@ assert len(_CYCLES) == TOKEN_SPAN
 
 def synthetic_tokens(request_id: int, start: int, count: int) -> list[int]:
     """Sample 0's tokens at positions ``start .. start + count - 1`` (a decode lane's,
-    harness.sched.lane, made when read): ``synthetic_token(request_id, 0, p)`` for each."""
+    harness/roofline/fastpath, made when read): ``synthetic_token(request_id, 0, p)`` for each."""
     cyc = _CYCLES[request_id * 7919 % TOKEN_SPAN]
     s = start % TOKEN_SPAN
     if count <= TOKEN_SPAN:

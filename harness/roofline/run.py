@@ -19,8 +19,6 @@ import torch
 from harness import layer_types
 from harness.backends.base import KVLayout
 from harness.engine.sampler import Sampler
-from harness.kv.contiguous import ContiguousKVManager
-from harness.kv.paged import PagedKVManager
 from harness.metrics.groups import group_metrics
 from harness.metrics.requestlog import RequestLog
 from harness.model import ByteTokenizer, parse_dtype
@@ -35,11 +33,11 @@ from harness.roofline.executor import (
     TierLinks,
     synthetic_tokens,
 )
+from harness.roofline.fastpath.scheduler import LaneChoice
 from harness.roofline.hardware import get_hardware
 from harness.roofline.models import get_model_spec
 from harness.roofline.profile import kv_dtype_of
 from harness.roofline.steptime import StepModel
-from harness.sched.lane import DecodeLane, lane_blocker
 from harness.stack import Stack, assemble_stack, kv_plan, kv_plan_label, make_backend
 from harness.target import ExecutorRecord
 from harness.workloads.base import Workload, request_shapes
@@ -76,20 +74,12 @@ def build_roofline(rc: RunConfig, workload: Workload, quiet: bool = False,
                       t.overlap) if t.enabled else None
     ex = RooflineExecutor(step, backend, links)
     eos = tuple(ByteTokenizer().eos_ids)
+    lanes = LaneChoice(backend.costs(), r.fast_path, synthetic_tokens, SYNTHETIC_IDS)
     st = assemble_stack(backend, device, rc.cache, rc.scheduler, Sampler(rc.seed),
                         arch.max_position_embeddings, eos, executor=ex,
                         shapes=request_shapes(workload), quiet=quiet, kv_budget=budget,
-                        groups=plan)
-    sch = st.scheduler
-    why = ("roofline.fast_path=false" if not r.fast_path else
-           sch.lane_blocker() or lane_blocker(st.kv, backend.costs()))
-    if why is None:
-        assert isinstance(st.kv, PagedKVManager | ContiguousKVManager)
-        sch.lane = DecodeLane(st.kv, backend.costs(), synthetic_tokens,
-                              SYNTHETIC_IDS,
-                              sch.eos_token_ids, sch.cfg.max_model_len)
-        sch.lane.on_leave = st.collector.lane_leave
-    ex.fast_path = "lanes" if why is None else f"off: {why}"
+                        groups=plan, make_scheduler=lanes)
+    ex.fast_path = "lanes" if lanes.why is None else f"off: {lanes.why}"
     return st, ex
 
 

@@ -33,7 +33,7 @@ class StepShape:
     dec_bytes: float | None = None  # bytes the decodes read, declared (fused kernels)
     pre_bytes: float | None = None  # bytes the prefill chunks read, declared
     reads: StepReads = field(default_factory=StepReads)  # the engine's per-step counts
-    lane_rows: int = 0  # decode-lane members (harness.sched.lane): sampled, not listed
+    lane_rows: int = 0  # decode-lane members (harness/roofline/fastpath): sampled, not listed
 
     @property
     def rows(self) -> int:
@@ -78,7 +78,7 @@ def step_shape(rec: StepRecord, costs: KVCosts, kv: HeldSource) -> StepShape:
             ctx_pre += s.start + n
             if s.sample:
                 prefills.append(s)
-    if rec.lane_n:  # decode-lane members: their reads as sums (harness.sched.lane)
+    if rec.lane_n:  # decode-lane members: their reads as sums (harness/roofline/fastpath)
         assert rec.lane_sums is not None
         ctx_max = rec.lane_sums.ctx_max
         r = costs.summed_decode_read(rec.lane_sums)

@@ -27,15 +27,12 @@ anew, which is what the roofline's engine profile charges scheduling time to).
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from harness.errors import UserError
-from harness.kv.base import Demand, KVManager, KVUsage, SwapManager
-from harness.sched.lane import RUN_ORDER, DecodeLane, LaneMember
+from harness.kv.base import Demand, KVManager, StepScores, SwapManager
 from harness.sched.sequence import SeqStatus, Sequence, SequenceGroup
 from harness.sched.step import (
     CHECKS,
@@ -48,9 +45,6 @@ from harness.sched.step import (
 )
 from harness.sched.waiting import WaitingQueue
 from harness.validate import at_least, one_of
-
-if TYPE_CHECKING:  # (harness.backends imports the scheduler's step module)
-    from harness.backends.costs import LaneSums
 
 PREEMPTION_MODES = ("recompute", "swap")
 POLICIES = ("fcfs", "priority")
@@ -96,6 +90,27 @@ class SchedulerConfig:
                             "scheduler.chunked_prefill=false, or use scheduler.mixing=mixed")
 
 
+# What builds a run's scheduler (assemble_stack's ``make_scheduler``): the scheduler
+# class itself, or a choice of a subclass (the roofline's fast path).
+SchedulerFactory = Callable[["SchedulerConfig", KVManager, tuple[int, ...],
+                             "SwapManager | None"], "Scheduler"]
+
+
+@dataclass(slots=True)
+class RunningPass:
+    """One step's pass over the running groups (:meth:`Scheduler._schedule_running`):
+    the record it fills, the token ``budget`` left, the tokens the running decodes not
+    scheduled yet will still need (``pending``: prefills get only what is left of the
+    budget after them), whether each group decodes (by its index in ``running`` when the
+    pass began: preemptions only shrink its tail) and ``i``, the group being scheduled."""
+
+    rec: StepRecord
+    budget: int
+    pending: int
+    decoding: list[bool]
+    i: int = 0
+
+
 class Scheduler:
     """Decides what runs each step; owns the queues, never touches tensors.
 
@@ -128,22 +143,6 @@ class Scheduler:
         self._worst_total = 0
         self._capacity = kv.usage().total_slots if cfg.admission == "no_evict" else 0
         self._run_order = 0  # admissions to ``running`` so far: its order, as a key
-        # The roofline's fast path (harness.sched.lane), set by the stack when the run can
-        # take it; None: every running sequence is stepped one by one.
-        self.lane: DecodeLane | None = None
-
-    def lane_blocker(self) -> str | None:
-        """Why this scheduler's options keep every sequence on the per-step path (None:
-        nothing here does)."""
-        c = self.cfg
-        if c.mixing != "mixed":
-            return f"scheduler.mixing={c.mixing}"
-        if c.num_scheduler_steps != 1:
-            return f"scheduler.num_scheduler_steps={c.num_scheduler_steps}"
-        if c.max_num_seqs > c.max_num_batched_tokens:
-            # Then a decode could be left out of a step for budget, which members never are.
-            return "scheduler.max_num_seqs > scheduler.max_num_batched_tokens"
-        return None
 
     # -- queue management --------------------------------------------------------------
     def add(self, group: SequenceGroup) -> bool:
@@ -229,210 +228,75 @@ class Scheduler:
             self._admit(rec, self.cfg.max_num_batched_tokens)
             if rec.seqs:  # a prompt-only step: the running decodes wait for the next
                 return self._close(rec)
-        budget = self.cfg.max_num_batched_tokens
-        lane = self.lane
-        L1 = lane.L + 1 if lane is not None else 0  # the lane step this one is
-        n_lane = n_touched = 0
+        budget = self._schedule_running(rec, self.cfg.max_num_batched_tokens)
+        return self._after_running(rec, budget, continuing)
+
+    def _schedule_running(self, rec: StepRecord, budget: int) -> int:
+        """The running groups' tokens this step, in running order, preempting from the
+        back when the KV manager is out of room, until the token budget is spent; returns
+        the budget left (a subclass may step some groups in bulk: the roofline's)."""
         running = self.running
-        # Tokens every running decode will need: prefills only get what is left of them.
-        if lane is None:
-            decoding = [self._is_decoding(g) for g in running]
-            pending_decode = sum(self._decode_tokens(g)
-                                 for g, d in zip(running, decoding) if d)
-            visit: list[int] = []
+        decoding = [self._is_decoding(g) for g in running]
+        pending = sum(self._decode_tokens(g) for g, d in zip(running, decoding) if d)
+        run = RunningPass(rec, budget, pending, decoding)
+        while run.i < len(self.running) and self._schedule_group(run):
+            run.i += 1
+        return run.budget
+
+    def _schedule_group(self, run: RunningPass) -> bool:
+        """Schedule running group ``run.i``: its decodes, or the prefill chunks the
+        budget leaves after the decodes. False: the pass ends here (out of budget, or the
+        group was itself preempted for room)."""
+        g = self.running[run.i]
+        decoding = run.decoding[run.i]
+        if decoding and len(g.seqs) == 1:
+            return self._decode_one(run, g)
+        live = g.live_seqs
+        if decoding:
+            n_tokens = [1] * len(live)
+            if len(live) > run.budget:
+                return False  # out of token budget: the rest decode next step
         else:
-            # Lane members (harness.sched.lane) decode one token each, in place, summed:
-            # the loop visits only the other groups and the members whose step takes or
-            # fills a block, and counts the members in between.
-            touching = lane.touching(L1)
-            if (len(running) == lane.n and len(running) <= budget and lane.paged is not None
-                    and lane.paged.pool.num_free >= len(touching)):
-                rec.lane_n = len(running)
-                rec.num_decode_tokens += len(running)
-                rec.lane_sums = self._lane_all(L1, touching)
-                return self._after_running(rec, budget - len(running), continuing,
-                                           len(touching))
-            visit = [k for k, g in enumerate(running)
-                     if g.lane is None or g.lane.touch == L1]
-            decoding = [True] * len(running)
-            pending_decode = len(running)
-            for k in visit:
-                g = running[k]
-                if g.lane is None:
-                    d = decoding[k] = self._is_decoding(g)
-                    pending_decode += self._decode_tokens(g) - 1 if d else -1
+            n_tokens = self._chunks(live, run.budget - run.pending)
+            if not any(n_tokens):
+                return True
+        demands = [Demand(s, n) for s, n in zip(live, n_tokens) if n]
+        if not self._make_room(g, demands, lambda victim: self._preempt_in_pass(run, victim)):
+            return False  # g itself was preempted (it was the last running group)
+        self._commit_all(demands, run.rec)
+        run.budget -= sum(n_tokens)
+        if decoding:
+            run.pending -= len(live)
+        return True
 
-        def preempt(victim: SequenceGroup) -> None:
-            # Victims come off the back of ``running``, whose entries keep their indices
-            # into ``decoding`` (only the tail shrinks): a decoding victim not yet
-            # scheduled this step gives its share of the budget back to the prefills.
-            nonlocal pending_decode
-            j = len(self.running) - 1
-            if victim is not self.running[i] and decoding[j]:
-                pending_decode -= self._decode_tokens(victim)
-            if victim.lane is not None:
-                assert lane is not None
-                lane.leave(victim.lane)
-            self._preempt(victim, rec)
-
-        # Members whose write this step fills their block: named where stepping one by
-        # one would, among the other groups (whose prefill chunks name blocks too).
-        fills = lane.fills(L1) if lane is not None else []
-        f = v = 0
-        i = 0
-        while i < len(self.running):
-            if lane is not None:
-                while v < len(visit) and visit[v] < i:
-                    v += 1
-                skip = min(visit[v] if v < len(visit) else len(self.running),
-                           len(self.running)) - i
-                if skip:
-                    # As one by one: decodes until the budget is spent (n > 1 groups can
-                    # hold more sequences than max_num_seqs counts), then the rest wait.
-                    take = min(skip, budget)
-                    n_lane += take
-                    budget -= take
-                    pending_decode -= take
-                    i += take
-                    if take < skip:
-                        break
-                    continue
-            g = self.running[i]
-            m = g.lane
-            while f < len(fills) and fills[f].ro < g.run_order:
-                assert lane is not None
-                lane.name_filled(fills[f], L1)
-                f += 1
-            if m is not None:
-                # A member whose step takes a new block: the lane's own path.
-                assert lane is not None and m.touch == L1
-                if budget == 0:
-                    break
-                while not lane.touch(m, L1):
-                    victim = self.running[-1]
-                    preempt(victim)
-                    if victim is g:
-                        break
-                if g.lane is None:  # preempted itself
-                    break
-                n_touched += 1
-                n_lane += 1
-                budget -= 1
-                pending_decode -= 1
-                i += 1
-                continue
-            if decoding[i] and len(g.seqs) == 1:
-                # Fast path (the bulk of every step): one sequence, one token.
-                if budget == 0:
-                    break
-                seq = g.seqs[0]
-                slot = self.kv.append_slot(seq)
-                while slot is None:
-                    victim = self.running[-1]
-                    preempt(victim)
-                    if victim is g:
-                        break
-                    slot = self.kv.append_slot(seq)
-                if slot is None:
-                    break
-                rec.seqs.append(ScheduledSeq(seq, seq.num_computed, 1, [slot], True))
-                seq.num_computed += 1
-                rec.num_decode_tokens += 1
-                budget -= 1
-                pending_decode -= 1
-                i += 1
-                continue
-            live = g.live_seqs
-            if decoding[i]:
-                n_tokens = [1] * len(live)
-                if len(live) > budget:
-                    break  # out of token budget: the rest decode next step
-            else:
-                n_tokens = self._chunks(live, budget - pending_decode)
-                if not any(n_tokens):
-                    i += 1
-                    continue
-            demands = [Demand(s, n) for s, n in zip(live, n_tokens) if n]
-            if not self._make_room(g, demands, preempt):
-                break  # g itself was preempted (it was the last running group)
-            self._commit_all(demands, rec)
-            budget -= sum(n_tokens)
-            if decoding[i]:
-                pending_decode -= len(live)
-            i += 1
-
-        if lane is not None:
-            # Members the loop did not reach (out of token budget) wait for the next step,
-            # which the lane cannot express: they leave it, synced, and go one by one.
-            for g in self.running[i:]:
-                if g.lane is not None:
-                    lane.leave(g.lane)
-            for m in fills[f:]:
-                lane.name_filled(m, L1)
-            rec.lane_n = n_lane
-            rec.num_decode_tokens += n_lane
-            if n_lane:
-                rec.lane_sums = lane.context_sums(L1)
-        return self._after_running(rec, budget, continuing, n_touched)
-
-    def _lane_all(self, L1: int, touching: list[LaneMember]) -> LaneSums:
-        """Every running group is a member, and lane step ``L1`` has a token for each and
-        a free block for each of ``touching``: what the loop of :meth:`schedule` would
-        do, the blocks named and taken in running order (naming a held block and taking
-        a free one commute), in two passes; returns the members' sums."""
-        lane = self.lane
-        assert lane is not None
-        lane.name_filled_all(lane.fills(L1), L1)
-        lane.touch_all(touching, L1)
-        return lane.context_sums(L1)
-
-    def lane_step_ready(self) -> bool:
-        """Whether the next step is a *lane step*: every running group a decode-lane
-        member (paged, no window), a free block for each member that needs one, and
-        nothing to swap in or admit (the waiting head is held back by ``max_num_seqs``).
-        Such a step changes nothing but the members' sums and blocks, the clocks and the
-        members it finishes: :meth:`schedule_lane` and :meth:`finish_lane` then do what
-        :meth:`schedule` and :meth:`update` would, without a StepRecord
-        (Engine.lane_step)."""
-        lane = self.lane
-        if lane is None or lane.paged is None or lane.window is not None or self.swapped:
+    def _decode_one(self, run: RunningPass, g: SequenceGroup) -> bool:
+        """The fast path (the bulk of every step): one sequence, one token."""
+        if run.budget == 0:
             return False
-        n = len(self.running)
-        if n == 0 or n != lane.n or n > self.cfg.max_num_batched_tokens:
-            return False
-        if lane.touches_at(lane.L + 1) > lane.paged.pool.num_free:
-            return False
-        return not self.waiting or (self.num_running_seqs + len(self.waiting.head().live_seqs)
-                                    > self.cfg.max_num_seqs)
+        seq = g.seqs[0]
+        slot = self.kv.append_slot(seq)
+        while slot is None:
+            victim = self.running[-1]
+            self._preempt_in_pass(run, victim)
+            if victim is g:
+                return False
+            slot = self.kv.append_slot(seq)
+        run.rec.seqs.append(ScheduledSeq(seq, seq.num_computed, 1, [slot], True))
+        seq.num_computed += 1
+        run.rec.num_decode_tokens += 1
+        run.budget -= 1
+        run.pending -= 1
+        return True
 
-    def schedule_lane(self) -> tuple[int, LaneSums, KVUsage]:
-        """:meth:`schedule` of the step :meth:`lane_step_ready` found; returns its step
-        number, the members' sums and what the KV manager holds for its forward. Its
-        cache operations can only be the slots a finished request's frees invalidated,
-        which nothing modelled reads: they are dropped."""
-        lane = self.lane
-        assert lane is not None and self._window_left == 0
-        step = self._step
-        self._step += 1
-        L1 = lane.L + 1
-        touching = lane.touching(L1)
-        sums = self._lane_all(L1, touching)
-        ops = self.kv.take_cache_ops()
-        assert not ops.copies and not ops.tier_ops, "a lane step has no copies or loads"
-        lane.scheduled(sums.n, len(touching))
-        return step, sums, self.kv.usage()
+    def _preempt_in_pass(self, run: RunningPass, victim: SequenceGroup) -> None:
+        """Preempt ``victim`` (the back of ``running``) during ``run``: a decoding victim
+        not yet scheduled this step gives its share of the budget back to the prefills."""
+        j = len(self.running) - 1
+        if victim is not self.running[run.i] and run.decoding[j]:
+            run.pending -= self._decode_tokens(victim)
+        self._preempt(victim, run.rec)
 
-    def finish_lane(self) -> list[SequenceGroup]:
-        """:meth:`update` of a lane step, after :meth:`end_forward`: the members whose
-        update this is finish, in running order; returns their groups, retired."""
-        lane = self.lane
-        assert lane is not None
-        for m in sorted(lane.finishing(), key=RUN_ORDER):
-            self._finish_seq(m.seq, m.reason)
-        return self._retire_finished()
-
-    def _after_running(self, rec: StepRecord, budget: int, continuing: bool,
-                       n_touched: int) -> StepRecord:
+    def _after_running(self, rec: StepRecord, budget: int, continuing: bool) -> StepRecord:
         """The step after its running groups: swap-ins, admissions, the multi-step window,
         then :meth:`_close`."""
         admits = not continuing and self.cfg.mixing == "mixed"
@@ -446,14 +310,13 @@ class Scheduler:
         elif (not continuing and self.cfg.num_scheduler_steps > 1 and rec.seqs
               and rec.num_prefill_tokens == 0):
             self._window_left = self.cfg.num_scheduler_steps - 1
-        return self._close(rec, n_touched)
+        return self._close(rec)
 
-    def _close(self, rec: StepRecord, n_touched: int = 0) -> StepRecord:
+    def _close(self, rec: StepRecord) -> StepRecord:
         """The step's cache operations, usage and stuck-head rejection."""
         ops = self.kv.take_cache_ops()
         rec.copies, rec.invalidated, rec.tier_ops = ops.copies, ops.invalidated, ops.tier_ops
-        if self.lane is not None and not rec.is_empty:
-            self.lane.scheduled(rec.lane_n, n_touched)
+        self._scheduled(rec)
         if not rec.is_empty:
             rec.usage = self.kv.usage()  # what the forward holds (steps.csv, the ledger)
         elif not rec.preempted:
@@ -463,6 +326,10 @@ class Scheduler:
         if CHECKS:
             check_distinct_slots(rec)
         return rec
+
+    def _scheduled(self, rec: StepRecord) -> None:
+        """``rec`` is scheduled, before its usage is read (a hook: a subclass that steps
+        groups in bulk counts their writes here)."""
 
     @staticmethod
     def _decode_tokens(g: SequenceGroup) -> int:
@@ -678,57 +545,41 @@ class Scheduler:
         sequences), retire finished groups, let the manager's eviction policy act on the
         step's running sequences (with the backend's ``outcome.scores``), and account
         external fragmentation. The only way a step changes sequences."""
-        kv = self.kv
-        appends: list[tuple[Sequence, NewToken]] = []
-        for t in outcome.tokens:  # forks first: a child copies its parent as it is
-            appends.append((self._fork(t.seq) if t.fork else t.seq, t))
+        appends = self._apply_outcome(outcome)
+        self._append_tokens(rec, appends)
+        done = self._retire_finished()
+        self._observe(rec, outcome.scores)
+        upd = StepUpdate(done, self.kv.record_external(self.next_waiting_need()))
+        self._updated(rec, upd)
+        return upd
+
+    def _apply_outcome(self, outcome: StepOutcome) -> list[tuple[Sequence, NewToken]]:
+        """Forks (a child copies its parent as it is, before anything is appended), beam
+        hypotheses and stops; returns the sequences and their tokens to append."""
+        appends = [(self._fork(t.seq) if t.fork else t.seq, t) for t in outcome.tokens]
         for g, score, toks in outcome.hypotheses:
             g.beam_finished.append((score, toks))
         for g in outcome.beams_done:
             g.best_output = max(g.beam_finished, key=lambda f: f[0])[1]
         for seq, reason in outcome.stops:
             self._finish_seq(seq, reason)
-        lane = self.lane
-        # Decode-lane members finishing this step are finished where stepping one by one
-        # would: among the decodes in running order, before the prefills' tokens (their
-        # freed blocks enter the pool's queues in that order).
-        fin = sorted(lane.finishing(), key=RUN_ORDER) \
-            if lane is not None and rec.lane_n else []
-        decodes = {id(s.seq) for s in rec.seqs if s.is_decode} if fin else set()
-        k = 0
+        return appends
+
+    def _append_tokens(self, rec: StepRecord, appends: list[tuple[Sequence, NewToken]]
+                       ) -> None:
+        """Append the step's sampled tokens in order, stopping finished sequences."""
         for seq, t in appends:
-            if k < len(fin):
-                before = (seq.group.run_order if id(t.seq) in decodes and not t.fork
-                          else None)
-                while k < len(fin) and (before is None
-                                        or fin[k].ro < before):
-                    self._finish_seq(fin[k].seq, fin[k].reason)
-                    k += 1
             if t.cum_logprob is not None:
                 seq.cum_logprob = t.cum_logprob
             self._append_token(seq, t.token)
-        for m in fin[k:]:
-            self._finish_seq(m.seq, m.reason)
-        done = self._retire_finished()
-        observed = [s.seq for s in rec.seqs if s.seq.status is SeqStatus.RUNNING]
-        # A window's lane members whose window leaves a block this step: observed where
-        # stepping one by one would (every decode is observed each step; the others' give
-        # nothing back), in running order among the step's sequences.
-        due = lane.drops_due() if lane is not None and lane.window is not None else []
-        if due:  # both in running order; members and the step's groups are distinct
-            observed = list(heapq.merge(observed, [m.seq for m in due],
-                                        key=lambda s: s.group.run_order))
-        kv.observe(observed, outcome.scores)
-        if due:
-            assert lane is not None
-            lane.redrop(due)
-        upd = StepUpdate(done, kv.record_external(self.next_waiting_need()))
-        if lane is not None:
-            for s in rec.seqs:  # who decodes from now on joins
-                g = s.seq.group
-                if g.lane is None and s.sample and lane.try_join(g):
-                    upd.lane_joined.append(g.request_id)
-        return upd
+
+    def _observe(self, rec: StepRecord, scores: StepScores | None) -> None:
+        """The KV manager's eviction policy acts on the step's running sequences."""
+        self.kv.observe([s.seq for s in rec.seqs if s.seq.status is SeqStatus.RUNNING],
+                        scores)
+
+    def _updated(self, rec: StepRecord, upd: StepUpdate) -> None:
+        """The step's update is done (a hook)."""
 
     def _retire_finished(self) -> list[SequenceGroup]:
         """Move groups whose last sequence finished out of ``running``; returns them."""

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from harness.sched.lane import LaneMember
+from typing import Any
 
 
 class SeqStatus(enum.Enum):
@@ -113,10 +110,11 @@ class SequenceGroup:
     # Beam search: finished hypotheses (score, tokens) and the chosen output.
     beam_finished: list[tuple[float, list[int]]] = field(default_factory=list)
     best_output: list[int] | None = None
-    # The scheduler's: the order it entered ``running`` in, and its decode-lane membership
-    # (harness.sched.lane; None: stepped one by one).
+    # The scheduler's: the order it entered ``running`` in; and, while the roofline's fast
+    # path advances the group in bulk, that path's record of it (harness/roofline/fastpath;
+    # None: stepped one by one).
     run_order: int = 0
-    lane: LaneMember | None = None
+    lane: Any = None
 
     @property
     def live_seqs(self) -> list[Sequence]:

@@ -7,14 +7,28 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from harness.kv.base import CopyOp, KVUsage, StepScores
 from harness.kv.tiers import TierOp
 from harness.sched.sequence import Sequence, SequenceGroup
 
-if TYPE_CHECKING:  # harness.backends imports this module
-    from harness.backends.costs import LaneSums
+
+@dataclass(frozen=True, slots=True)
+class LaneSums:
+    """The decodes of one step that the roofline's fast path (harness/roofline/fastpath)
+    advances in bulk, as sums over their contexts instead of each, for the backend's
+    cost declaration (harness/backends/costs.py): ``n`` members, their contexts' sum and
+    max, ``by_mod[r]`` members whose context is r modulo the KV block size; and of those
+    whose context exceeds the declaration's :meth:`KVCosts.lane_split` (if it has one),
+    the count, the contexts' sum and the same histogram."""
+
+    n: int
+    ctx_sum: int
+    ctx_max: int
+    by_mod: tuple[int, ...] = ()
+    over_n: int = 0
+    over_sum: int = 0
+    over_by_mod: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -73,11 +87,14 @@ class StepRecord:
     usage: KVUsage | None = None  # what the KV manager holds for this step's forward
     # Scheduled anew (False: a later step of a multi-step window, num_scheduler_steps).
     fresh: bool = True
-    # Decode-lane members this step also decodes (harness.sched.lane: the roofline's fast
-    # path), one token each, counted in num_decode_tokens but not listed in ``seqs``; and
-    # their contexts as sums (what the step shape needs of them).
+    # Decodes this step also runs in bulk (the roofline's fast path,
+    # harness/roofline/fastpath), one token each, counted in num_decode_tokens but not
+    # listed in ``seqs``; their contexts as sums (what the step shape needs of them); and
+    # the requests that left the bulk path while this step was scheduled (a preemption:
+    # the metrics collector brings their token times up to date).
     lane_n: int = 0
     lane_sums: LaneSums | None = None
+    lane_left: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -1,4 +1,4 @@
-"""pytest-benchmark: the roofline's fast path (decode lanes, harness.sched.lane) against
+"""pytest-benchmark: the roofline's fast path (decode lanes, harness/roofline/fastpath) against
 stepping one by one, measured in the same run.
 
 Run: ``.venv/bin/python -m pytest tests/benchmarks/test_bench_fast_path.py

@@ -189,7 +189,7 @@ def test_one_sequence_split_matches_a_hand_count() -> None:
 @given(cap=st.integers(1, 32), data=st.data())
 def test_a_ramp_recorded_ahead_and_trimmed_equals_filling_tick_by_tick(
         cap: int, data: st.DataObject) -> None:
-    """A decode lane's block (harness.sched.lane) is opened with its writes to its last slot
+    """A decode lane's block (harness/roofline/fastpath) is opened with its writes to its last slot
     recorded ahead (``open_all(..., ramp=)``) and trimmed back (``trim``) when its writer
     stops early: the totals equal a block filled one slot per tick by ``fill``."""
     fill0 = data.draw(st.integers(0, cap - 1))

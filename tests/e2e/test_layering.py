@@ -7,13 +7,18 @@
 * the typed config imports neither the stack nor the engine;
 * the engine knows the roofline only through the Executor protocol;
 * the engine changes the scheduler only through ``add``, ``schedule``, ``end_forward``
-  and ``update`` (forks, beam prunes and finishes travel in the step's outcome).
+  and ``update`` (forks, beam prunes and finishes travel in the step's outcome);
+* the core (harness/kv, harness/sched) imports without torch, the backends or the
+  kernels; harness/kv and harness/sched form no cycle; no module outside harness/kv
+  assigns pool or block-table state; each folder imports only folders at or below its
+  layer (:data:`LAYERS`: the application on top, the core at the bottom).
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -167,10 +172,11 @@ def test_the_engine_does_not_import_the_roofline() -> None:
     assert not {m for m in reachable(graph, engine) if m.startswith("harness.roofline")}
 
 
-# The step's entry points, and the roofline's lane step's (Scheduler.lane_step_ready: a
-# step of decode-lane members only, scheduled and finished without a StepRecord).
+# The step's entry points, and the roofline's lane step's (LaneScheduler.lane_step_ready:
+# a step of decode-lane members only, scheduled and finished without a StepRecord; and its
+# members' leaving at the end of a run).
 ALLOWED = {"add", "schedule", "end_forward", "update",
-           "lane_step_ready", "schedule_lane", "finish_lane"}
+           "lane_step_ready", "schedule_lane", "finish_lane", "leave_lane"}
 
 
 class SchedulerSpy:
@@ -231,3 +237,139 @@ def test_the_engine_calls_only_the_schedulers_entry_points(
     assert r.metrics["requests.finished"] > 0
     assert spied & {"schedule", "update"}  # the spy saw the loop
     assert spied <= ALLOWED, f"the engine called {sorted(spied - ALLOWED)} on the scheduler"
+
+
+# -- the core and the layers (issue #51) ----------------------------------------------------
+
+CORE = ("harness.kv", "harness.sched")
+
+
+def test_the_core_imports_without_torch_backends_or_kernels() -> None:
+    """A fresh interpreter imports every module under harness/kv and harness/sched (found
+    by their files: harness/kv/policies is a namespace package, which
+    ``pkgutil.walk_packages`` does not enter) and then holds no torch, harness.backends*
+    or harness.kernels* module."""
+    core = sorted(m for m in module_files() if m.startswith(CORE))
+    assert len(core) >= 20 and "harness.kv.policies.window" in core
+    code = ("import importlib, sys\n"
+            f"for m in {core!r}:\n"
+            "    importlib.import_module(m)\n"
+            "print(' '.join(sorted(m for m in sys.modules if m == 'torch' or m.startswith(("
+            "'torch.', 'harness.backends', 'harness.kernels')))[:8]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, check=True).stdout.strip()
+    assert out == "", f"importing the core loaded: {out}"
+
+
+def unit_of(module: str) -> str:
+    """A module's folder under harness/ (``harness.kv.paged`` -> ``kv``), or, for a module
+    at harness/'s top level, its own name (``harness.stack`` -> ``stack``)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "harness"
+
+
+def unit_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    units: dict[str, set[str]] = {}
+    for m, deps in graph.items():
+        a = unit_of(m)
+        units.setdefault(a, set())
+        for d in deps:
+            b = unit_of(d)
+            if b not in (a, "harness"):  # (harness/__init__.py: a docstring)
+                units[a].add(b)
+    return units
+
+
+def test_kv_and_sched_form_no_cycle() -> None:
+    """No import between the two packages' modules closes a circle, counting the imports
+    made only for annotations (``if TYPE_CHECKING:``) too; and at run time harness/kv
+    imports nothing from harness/sched (the scheduler builds on the KV manager)."""
+    files = {m: p for m, p in module_files().items() if m.startswith(CORE)}
+    known = set(module_files())
+    full: dict[str, set[str]] = {}
+    for m, p in files.items():
+        tree = ast.parse(p.read_text())
+        names = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        full[m] = {x for x in names if x in known and x.startswith(CORE) and x != m}
+    for m in full:
+        full[m] &= set(full)
+    # A circle through both packages: a kv module and a sched module each reach the other.
+    reach = {m: reachable(full, [m]) for m in full}
+    both = sorted((a, b) for a in full if a.startswith("harness.kv") for b in reach[a]
+                  if b.startswith("harness.sched") and a in reach[b])
+    assert not both, f"kv <-> sched circles (annotations counted): {both[:5]}"
+    runtime = unit_graph(import_graph())
+    assert "sched" not in runtime["kv"], "harness/kv imports harness/sched at run time"
+
+
+# What may write a paged pool's and a block table's state: the pool's own fields
+# (``pool.<anything> = ...``), a table's blocks and hashes and the manager's logical count.
+_POOL_TARGET = re.compile(r"\bpool\.|\.(table|hashes)\b|\.logical_blocks\b|\.block_hash\b")
+_MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "__setitem__"}
+
+
+def pool_writes(path: Path) -> list[str]:
+    """Statements of ``path`` that assign or mutate pool or block-table state."""
+    out: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign) and node.value is not None:
+            targets = [node.target]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in _MUTATORS):
+            targets = [node.func.value]
+        for t in targets:
+            if isinstance(t, ast.Attribute | ast.Subscript) and \
+                    _POOL_TARGET.search(ast.unparse(t)):
+                out.append(f"{path}:{node.lineno}: {ast.unparse(node)[:80]}")
+    return out
+
+
+def test_the_pool_state_guard_finds_a_write(tmp_path: Path) -> None:
+    f = tmp_path / "x.py"
+    f.write_text("def f(kv, st, b):\n    kv.pool.block_hash[b] = 3\n    st.table.append(b)\n"
+                 "    kv.logical_blocks += 1\n    n = kv.pool.num_free\n    q = st.table[0]\n")
+    lines = sorted(int(w.split(":")[1]) for w in pool_writes(f))
+    assert lines == [2, 3, 4], lines  # three writes; the reads are not
+
+
+def test_only_the_kv_package_writes_pool_or_table_state() -> None:
+    bad = [w for m, p in module_files().items() if not m.startswith("harness.kv")
+           for w in pool_writes(p)]
+    assert not bad, "pool or block-table state written outside harness/kv:\n" + "\n".join(bad)
+
+
+# The layers, bottom to top: a folder (or a module at harness/'s top level) imports only
+# from its own layer and the layers below. A new top-level module or folder must be placed.
+LAYERS: list[set[str]] = [
+    {"errors", "units", "validate", "layer_types", "checkout_path"},  # foundation
+    {"kv", "sched"},  # the core: no torch (test above)
+    {"kernels", "model"},
+    {"backends"},
+    {"workloads"},
+    {"metrics"},
+    {"engine"},
+    # a run: its typed config, the stack, the executors' targets (the model's, the
+    # roofline's with its fast path), clusters of replicas, the results it writes
+    {"sizing", "stack", "target", "quality_config", "quality", "config", "model_target",
+     "results", "repeats", "progress", "runner", "roofline", "cluster"},
+    # the application: the CLI, report, gate, SLA search, sweep supervision, sinks, the
+    # GPU check, the what-if's calibration and validation tools
+    {"app", "__main__", "report", "gate", "sla", "reporting", "sinks", "gpucheck",
+     "roofline_tools"},
+]
+
+
+def test_each_folder_imports_only_its_layer_and_below() -> None:
+    units = unit_graph(import_graph())
+    layer = {u: i for i, group in enumerate(LAYERS) for u in group}
+    unplaced = sorted(set(units) - set(layer) - {"harness"})
+    assert not unplaced, f"place these in LAYERS (tests/e2e/test_layering.py): {unplaced}"
+    up = sorted(f"{a} -> {b}" for a, deps in units.items() for b in deps
+                if layer.get(b, 0) > layer.get(a, 0))
+    assert not up, "imports going up a layer: " + ", ".join(up)
+    cycle = find_cycle(units)
+    assert cycle is None, "a cycle between folders: " + " -> ".join(cycle or [])

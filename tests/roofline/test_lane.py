@@ -1,4 +1,4 @@
-"""The roofline's fast path (decode lanes, harness.sched.lane) equals stepping one by one.
+"""The roofline's fast path (decode lanes, harness/roofline/fastpath) equals stepping one by one.
 
 A hypothesis property test over random workloads: arrivals during the run, preemption by
 recompute and by swap (small KV budgets), prefix hits (shared prompts, conversations that
@@ -34,9 +34,10 @@ from harness.roofline.executor import (
     synthetic_token,
     synthetic_tokens,
 )
+from harness.roofline.fastpath.lane import DecodeLane
+from harness.roofline.fastpath.scheduler import LaneScheduler
 from harness.roofline.shape import step_shape
 from harness.runner import RunResult, run
-from harness.sched.lane import DecodeLane
 from harness.sched.scheduler import Scheduler, SchedulerConfig
 from harness.sched.sequence import SamplingParams, SequenceGroup
 from harness.sched.step import NewToken, StepOutcome
@@ -188,9 +189,9 @@ def test_lane_steps_equal_stepping_one_by_one(opts: list[str],
 def _pool_state(kv: PagedKVManager | ContiguousKVManager, names: bool = True
                 ) -> tuple[Any, ...]:
     """The free and LRU orders and (``names``) every name with its copies, oldest first.
-    Reading the names makes a lane's pending ones (harness.kv.lazy_names): the drive reads
-    them every few steps, so that chains stay pending, get evicted and are looked up in
-    between. (The index's own key order is when a name was entered: not compared.)"""
+    Reading the names makes a lane's pending ones (harness/roofline/fastpath/lazy_names.py):
+    the drive reads them every few steps, so that chains stay pending, get evicted and are
+    looked up in between. (The index's own key order is when a name was entered: not compared.)"""
     if isinstance(kv, ContiguousKVManager):
         return (kv.arena.holes(), kv.usage())
     return (kv.pool.free_order(), kv.pool.lru_order(),
@@ -218,16 +219,14 @@ def _drive(case: dict[str, Any], lane_on: bool) -> tuple[Any, ...]:
                           max_model_len=case["mml"], chunked_prefill=case["chunked"],
                           preemption_mode="swap" if case["cpu"] else "recompute",
                           policy=case["policy"], admission=case["adm"])
-    sch = Scheduler(cfg, kv, swap=kv if case["cpu"] else None)
     costs = (KVCosts(3, bs) if case["sinks"] == -1 else KIVICosts(7, 5, bs, 0)
              if case["sinks"] == -2 else QuestCosts(5, 3, bs, 2 * bs)
              if case["sinks"] == -3 else WindowCosts(3, bs, case["window"], case["wsinks"])
              if case["sinks"] == -4 else QuantCosts(1, 4, bs, case["sinks"]))
+    swap = kv if case["cpu"] else None
+    sch = LaneScheduler(cfg, kv, (), swap, costs, synthetic_tokens, SYNTHETIC_IDS) \
+        if lane_on else Scheduler(cfg, kv, swap=swap)
     col = collector.MetricsCollector(kv, sch, 1)
-    if lane_on:
-        sch.lane = DecodeLane(kv, costs, synthetic_tokens, SYNTHETIC_IDS,
-                              frozenset(), cfg.max_model_len)
-        sch.lane.on_leave = col.lane_leave
     prompts = [[r.randrange(97, 123) for _ in range(r.randrange(1, 3 * bs + 2))]
                for _ in range(3)]
     pending: list[tuple[int, SequenceGroup]] = [
@@ -258,6 +257,8 @@ def _drive(case: dict[str, Any], lane_on: bool) -> tuple[Any, ...]:
         if not sch.has_unfinished:
             continue
         rec = sch.schedule()
+        for rid in rec.lane_left:  # as the engine does
+            col.lane_leave(rid)
         if rec.is_empty:
             for stuck in rec.rejected:
                 col.on_rejected(stuck)
@@ -293,11 +294,12 @@ def _drive(case: dict[str, Any], lane_on: bool) -> tuple[Any, ...]:
                     list(rec.invalidated),
                     sh.tokens, sh.ctx_decode, sh.gather_decode, sh.dec_bytes, sh.num_decode,
                     sh.rows, *_pool_state(kv, names=step % 7 == 0)))
-    if sch.lane is not None:
+    if isinstance(sch, LaneScheduler):
         # A window's give-backs are filed only before their member's finish: a finished
         # member is not kept for a step it never reaches.
         assert all(m.drop < m.end for due in sch.lane._drops.values() for m in due)
-        sch.lane.leave_all()
+        for rid in sch.leave_lane():
+            col.lane_leave(rid)
     log.append(_pool_state(kv))
     vals, counts = col.itl_ms()
     return (log, kv.ledger.finish(), list(col.rows), vals.tolist(), counts.tolist(), kv.stats,

@@ -1,6 +1,7 @@
-"""Lazy names (harness.kv.lazy_names): a decode lane's filled blocks, named when first read,
-leave the pool's index as stepping one by one leaves it. The lane's property tests
-(tests/roofline/test_lane.py) cover random workloads; these cases are built to need each rule."""
+"""Lazy names (harness/roofline/fastpath/lazy_names.py): a decode lane's filled blocks,
+named when first read, leave the pool's index as stepping one by one leaves it. The lane's
+property tests (tests/roofline/test_lane.py) cover random workloads; these cases are built
+to need each rule."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from harness.backends.costs import KVCosts
 from harness.kv.paged import PagedKVManager
 from harness.metrics.collector import MetricsCollector
 from harness.roofline.executor import SYNTHETIC_IDS, synthetic_token, synthetic_tokens
+from harness.roofline.fastpath.scheduler import LaneScheduler
 from harness.roofline.shape import step_shape
-from harness.sched.lane import DecodeLane
 from harness.sched.scheduler import Scheduler, SchedulerConfig
 from harness.sched.sequence import SamplingParams, SequenceGroup
 from harness.sched.step import NewToken, StepOutcome
@@ -27,13 +28,10 @@ def _drive(make: Callable[[], list[tuple[int, SequenceGroup]]], lane_on: bool,
     with every step's free and LRU orders and every request's prefix hits."""
     kv = PagedKVManager(64, BS, enable_prefix_caching=True)
     cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
-    sch = Scheduler(cfg, kv)
     costs = KVCosts(3, BS)
+    sch = LaneScheduler(cfg, kv, (), None, costs, synthetic_tokens, SYNTHETIC_IDS) \
+        if lane_on else Scheduler(cfg, kv)
     col = MetricsCollector(kv, sch, 1)
-    if lane_on:
-        sch.lane = DecodeLane(kv, costs, synthetic_tokens, SYNTHETIC_IDS, frozenset(),
-                              cfg.max_model_len)
-        sch.lane.on_leave = col.lane_leave
     pending = sorted(make(), key=lambda a: (a[0], a[1].request_id))
     log: list[Any] = []
     step = 0
@@ -47,6 +45,8 @@ def _drive(make: Callable[[], list[tuple[int, SequenceGroup]]], lane_on: bool,
         if not sch.has_unfinished:
             continue
         rec = sch.schedule()
+        for rid in rec.lane_left:  # as the engine does
+            col.lane_leave(rid)
         sh = step_shape(rec, costs, kv)
         sch.end_forward()
         out = StepOutcome([NewToken(s.seq, synthetic_token(s.seq.group.request_id, 0,
@@ -57,8 +57,9 @@ def _drive(make: Callable[[], list[tuple[int, SequenceGroup]]], lane_on: bool,
         col.on_step(rec, upd, 0.0, float(step), 0.5, 0.0, sh.reads)
         log.append((step, kv.pool.free_order(), kv.pool.lru_order(),
                     sorted(kv.pool.hash_index().items()) if step in read_at else None))
-    if sch.lane is not None:
-        sch.lane.leave_all()
+    if isinstance(sch, LaneScheduler):
+        for rid in sch.leave_lane():
+            col.lane_leave(rid)
     log.append(sorted(kv.pool.hash_index().items()))
     log.append([(r["request_id"], r["prefix_hit_tokens"], r["prefix_source"])
                 for r in col.rows])

@@ -158,7 +158,7 @@ def lane_sums(ctxs: list[int], split: int | None, bs: int = 16) -> LaneSums:
                                   [32, 33, 48, 80, 81, 96, 97]])
 def test_decode_lane_sums_shape_a_step_as_its_listed_decodes(
         costs: KVCosts, ctxs: list[int]) -> None:
-    """Decode-lane members (harness.sched.lane) reach the step shape as a count and
+    """Decode-lane members (harness/roofline/fastpath) reach the step shape as a count and
     their contexts' sum, max and remainders: the same shape as those decodes listed one
     by one."""
     prefill = sched(5, 10, prompt=15)

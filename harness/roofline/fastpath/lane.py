@@ -41,22 +41,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from operator import attrgetter
 
-from harness.backends.costs import (
-    KIVICosts,
-    KVCosts,
-    LaneSums,
-    QuantCosts,
-    QuestCosts,
-    WindowCosts,
-)
+from harness.backends.costs import KIVICosts, KVCosts, QuantCosts, QuestCosts, WindowCosts
 from harness.kv.contiguous import ContiguousKVManager
 from harness.kv.evicting import WindowKVManager
-from harness.kv.lazy_names import LazyNames, PendingChain
 from harness.kv.paged import PagedKVManager, SeqBlocks, block_hash
 from harness.kv.policies.window import WindowPolicy
 from harness.kv.residual import ResidualKVManager
+from harness.roofline.fastpath.lazy_names import LazyNames, PendingChain
 from harness.sched.sequence import SeqStatus, Sequence, SequenceGroup
-from harness.sched.step import CHECKS
+from harness.sched.step import CHECKS, LaneSums
 
 # (request id, first position, count) -> the synthetic token ids at those positions.
 TokenFn = Callable[[int, int, int], list[int]]
@@ -148,11 +141,12 @@ class DecodeLane:
             kv if isinstance(kv, ContiguousKVManager) else None
         self.caching = self.paged is not None and self.paged.enable_prefix_caching
         # With prefix caching, members' filled blocks are named when first read
-        # (harness.kv.lazy_names): the pool asks this for the names it is about to read.
+        # (lazy_names.py): the pool asks this for the names it is about to read.
         self.lazy: LazyNames | None = None
         if self.caching:
             assert self.paged is not None
-            self.lazy = self.paged.pool.lazy = LazyNames(self.paged.pool, tokens, block_hash)
+            self.lazy = LazyNames(self.paged, tokens, block_hash)
+            self.paged.set_deferred_names(self.lazy)
         self.eos_hit = bool(eos_token_ids.intersection(synthetic_ids))
         self.max_model_len = max_model_len
         self.sinks = costs.sinks if isinstance(costs, QuantCosts) else 0
@@ -284,7 +278,7 @@ class DecodeLane:
         return out
 
     def _close_chain(self, m: LaneMember) -> None:
-        """Name ``m``'s pending blocks now (harness.kv.lazy_names: nothing could read the
+        """Name ``m``'s pending blocks now (lazy_names.py: nothing could read the
         names before, so naming them early changes nothing a lookup finds)."""
         c = m.chain
         if c is not None and not c.closed:
@@ -299,7 +293,7 @@ class DecodeLane:
 
     def touches_at(self, L1: int) -> int:
         """At most how many members take a new block at lane step ``L1`` (left or moved
-        members filed there count: Scheduler.lane_step_ready may say no where a step
+        members filed there count: LaneScheduler.lane_step_ready may say no where a step
         could have been a lane step, never the reverse)."""
         return len(self._touches.get(L1, ()))
 
@@ -337,7 +331,7 @@ class DecodeLane:
     def name_filled_all(self, members: list[LaneMember], L1: int) -> None:
         """:meth:`name_filled` of each of ``members`` (in running order), in one pass.
         A block all of whose ids are the lane's joins its member's pending chain, named
-        when first read (harness.kv.lazy_names), where its member is the only holder of
+        when first read (lazy_names.py), where its member is the only holder of
         the name before it; the others are named now. Fills are not settled here: a
         block the lane took was recorded full when taken; the one a member joined with is
         brought up to date at its next touch, sync or finish."""
@@ -345,7 +339,7 @@ class DecodeLane:
             return
         kv, lazy = self.paged, self.lazy
         assert kv is not None and lazy is not None
-        bs, tokens, nxt, names = self.bs, self.tokens, L1 + 1, kv.pool.block_hash
+        bs, tokens, nxt = self.bs, self.tokens, L1 + 1
         for m in members:
             if m.touch != nxt:  # it left (-1), or its block changed since
                 continue
@@ -355,7 +349,7 @@ class DecodeLane:
                 # (a member's ids are made only as it leaves, or by drops_due, which
                 # closes its chain first)
                 c.n += 1
-                names[m.block] = c
+                kv.name_pending(m.block, c)
                 continue
             end = m.c0 + L1 - m.j  # tokens computed after the write
             toks = m.seq.token_ids
@@ -368,7 +362,7 @@ class DecodeLane:
                 if c is not None:
                     assert st.table[c.first] == m.block
                     c.n = 1
-                    names[m.block] = c
+                    kv.name_pending(m.block, c)
                     continue
                 block = tokens(m.rid, end - bs, bs)
             else:
@@ -468,7 +462,11 @@ class DecodeLane:
         # stops before is trimmed back by _settle): a block's fill and ledger epoch are
         # made once, not made and ramped.
         bs = self.bs
-        blocks = kv.pool.allocate_all(len(members), 1, ramp=bs - 1)
+        tables: list[SeqBlocks] = []
+        for m in members:
+            assert m.st is not None
+            tables.append(m.st)
+        blocks = kv.take_ramped(tables, bs - 1)
         nxt = L1 + bs
         # Every member touched now touches next at the same step (members that join can be
         # filed under it too: _unsorted).
@@ -480,18 +478,15 @@ class DecodeLane:
         old: list[int] = []
         ks: list[int] = []
         for m, b in zip(members, blocks):
-            assert m.st is not None
             if m.settled != L1 - 1:
                 old.append(m.block)
                 ks.append(L1 - 1 - m.settled)
-            m.st.table.append(b)
             m.block = b
             m.settled = nxt - 1
             m.touch = nxt
             later.append(m)
         if old:
             kv.ramp_fills(old, ks)
-        kv.logical_blocks += len(members)
 
     def scheduled(self, n_sched: int, n_touched: int) -> None:
         """Lane step ``L + 1`` scheduled ``n_sched`` members, ``n_touched`` of them by the

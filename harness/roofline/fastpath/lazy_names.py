@@ -1,8 +1,9 @@
-"""Lazy names: a decode lane's filled blocks are named when a name could first be read.
+"""Lazy names: a decode lane's filled blocks are named when a name could first be read
+(the pool's :class:`~harness.kv.base.DeferredNames` hook).
 
 With prefix caching, every block a decode fills is named by its chained hash
 (``PagedKVManager.name_next_block``) so that a later prompt holding the same tokens can
-hit it. Under the roofline's decode lanes (harness.sched.lane) nearly none of those names
+hit it. Under the roofline's decode lanes (lane.py) nearly none of those names
 is ever looked up, yet computing them (the block's synthetic ids, a hash, the pool's
 index) was the lane's largest per-block cost (issue #24). Here a member's filled blocks
 form a :class:`PendingChain` instead: each block carries the chain as its name (so a
@@ -29,8 +30,9 @@ Materializing registers each chain's blocks in the order they were filled (the l
 then running order), chains hanging under the hashes it names included: what stepping one
 by one had registered, copies of one content in the same order. A block evicted while
 pending is skipped (one by one, its name had come and gone); a chain whose blocks are all
-evicted is dropped. The property test of harness.sched.lane covers it (identical prompts
-whose requests decode identical ids, conversations that re-send their answers).
+evicted is dropped. The property test of the lane (tests/roofline/test_lane.py) covers it
+(identical prompts whose requests decode identical ids, conversations that re-send their
+answers).
 """
 
 from __future__ import annotations
@@ -41,8 +43,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from harness.kv.block_pool import BlockPool
-    from harness.kv.paged import SeqBlocks
+    from harness.kv.paged import PagedKVManager, SeqBlocks
 
 # (request id, first position, count) -> that request's ids at those positions.
 TokenFn = Callable[[int, int, int], list[int]]
@@ -77,10 +78,12 @@ class PendingChain:
 
 
 class LazyNames:
-    """The pending chains of one block pool, by root (see the module docstring)."""
+    """The pending chains of one paged KV manager's pool, by root (see the module
+    docstring); the pool's :class:`~harness.kv.base.DeferredNames`, installed by the
+    lane (``PagedKVManager.set_deferred_names``)."""
 
-    def __init__(self, pool: BlockPool, tokens: TokenFn, hash_fn: HashFn) -> None:
-        self.pool, self.tokens, self.hash_fn = pool, tokens, hash_fn
+    def __init__(self, kv: PagedKVManager, tokens: TokenFn, hash_fn: HashFn) -> None:
+        self.kv, self.pool, self.tokens, self.hash_fn = kv, kv.pool, tokens, hash_fn
         self.pending: dict[int, list[PendingChain]] = {}
         self._uid = 0
 
@@ -106,6 +109,14 @@ class LazyNames:
         self.pending.setdefault(c.root, []).append(c)
         return c
 
+    def evicted(self, name: object) -> None:
+        """A block of chain ``name`` was evicted: counted on the chain, which is dropped
+        once all its blocks are gone."""
+        assert isinstance(name, PendingChain), name
+        name.gone += 1
+        if name.gone == name.n and not name.closed:
+            self.dropped(name)
+
     def dropped(self, c: PendingChain) -> None:
         """Every block of open chain ``c`` was evicted, nothing is left to name (the pool
         counts a chain's evicted blocks in ``gone`` as it drops their names. Only released
@@ -120,9 +131,9 @@ class LazyNames:
     def materialize(self, roots: list[int]) -> None:
         """Name the blocks of every chain under ``roots`` and, in turn, under the hashes
         those names make, in the order they were filled (see the module docstring)."""
-        pending, pool = self.pending, self.pool
-        names, tokens, hash_fn = pool.block_hash, self.tokens, self.hash_fn
-        bs = pool.block_size
+        pending, kv = self.pending, self.kv
+        tokens, hash_fn = self.tokens, self.hash_fn
+        bs = kv.block_size
         heap: list[tuple[int, int, int, PendingChain]] = []
 
         def push(root: int) -> None:
@@ -137,10 +148,8 @@ class LazyNames:
             c = heapq.heappop(heap)[3]
             i = c.done
             h = hash_fn(c.prev, tokens(c.owner, c.start + i * bs, bs), c.key)
-            b = c.st.table[c.first + i]
-            if names[b] is c:  # (else evicted while pending)
-                pool.enter_name(b, h, c.owner)
-            c.st.hashes.append(h)
+            # (entered unless evicted while pending; the member's hashes go on)
+            kv.enter_deferred(c.st, c.st.table[c.first + i], c, h, c.owner)
             c.prev, c.done = h, i + 1
             if h in pending:
                 push(h)
