@@ -161,21 +161,91 @@ def claim_folder(folder: Path, empty: bool = False) -> None:
     _create_claim(folder, CLAIM, "run")
 
 
-def claim_sweep(folder: Path) -> None:
-    """Make ``folder`` this sweep's. Refuses a folder that already holds runs (a reused
-    sweep folder would mix stale jobs into this sweep's, and reuse their folder names)."""
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host runs (an exited child not yet reaped, a zombie,
+    does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+ALIVE, DEAD, UNKNOWN = "alive", "dead", "unknown"
+
+
+def owner_state(owner: dict[str, Any]) -> str:
+    """Whether the process of a claim runs: ``alive``, ``dead`` (this host, no such
+    process), or ``unknown`` (another host's, or an unreadable claim)."""
+    pid = owner.get("pid")
+    if not isinstance(pid, int) or owner.get("host") != socket.gethostname():
+        return UNKNOWN
+    return ALIVE if pid_alive(pid) else DEAD
+
+
+def claim_sweep(folder: Path, earlier: Callable[[Path], str | None] | None = None) -> bool:
+    """Make ``folder`` this sweep's; True when it resumes an earlier kvbench sweep there.
+
+    A folder that holds runs but no sweep claim (not a kvbench sweep, or from before claims
+    existed) is refused: a reused folder would mix stale jobs into this sweep's. One whose
+    sweep claim names a process that is gone (this host, no such pid) is taken over when
+    ``earlier(folder)`` finds nothing against it (None; else the reason, refused: another
+    sweep's jobs), and the sweep resumes (harness/app/supervisor.py: ``resume_plan``). A
+    live owner, or one this host cannot check (another host's), is refused."""
     folder.mkdir(parents=True, exist_ok=True)
     owner = read_claim(folder, SWEEP_CLAIM)
-    if owner is None or owner.get("token") != _token:
-        runs = sorted({f.parent for n in (*OUTCOMES, CLAIM) for f in folder.rglob(n)})
-        if owner is not None or runs:
-            what = (f"is owned by another sweep{_describe(owner)}" if owner is not None else
-                    f"already holds {len(runs)} run(s) (e.g. {runs[0]})")
+    if owner is not None and owner.get("token") == _token:
+        return False
+    if owner is None:
+        if runs := sorted({f.parent for n in (*OUTCOMES, CLAIM) for f in folder.rglob(n)}):
             raise FolderTaken(
-                f"sweep folder {folder} {what}; kvbench never writes into another run's "
-                "folder: choose a new hydra.sweep.dir (the default is unique per sweep) or "
-                "remove that folder")
+                f"sweep folder {folder} already holds {len(runs)} run(s) (e.g. {runs[0]}) and "
+                "is not a kvbench sweep's (no .kvbench-sweep); kvbench never writes into "
+                "another run's folder: choose a new hydra.sweep.dir (the default is unique "
+                "per sweep) or remove that folder")
+        _create_claim(folder, SWEEP_CLAIM, "sweep")
+        return False
+    state = owner_state(owner)
+    if state != DEAD:
+        how = ("still running" if state == ALIVE else
+               "on another host, or unreadable: kvbench cannot tell whether it still runs "
+               f"(if it does not, remove {folder / SWEEP_CLAIM} to resume it)")
+        raise FolderTaken(
+            f"sweep folder {folder} is owned by another sweep{_describe(owner)}, {how}; "
+            "kvbench never writes into another run's folder: choose a new hydra.sweep.dir "
+            "(the default is unique per sweep)")
+    if earlier is not None and (why := earlier(folder)) is not None:
+        raise FolderTaken(
+            f"sweep folder {folder} holds an earlier sweep (its process{_describe(owner)} is "
+            f"gone) {why}; only the same sweep resumes there: rerun it as it was, or choose "
+            "a new hydra.sweep.dir")
+    # Taken over by a rename, which exactly one of two resuming processes wins.
+    try:
+        os.rename(folder / SWEEP_CLAIM, folder / f"{SWEEP_CLAIM}.{_token}.old")
+    except FileNotFoundError:
+        raise FolderTaken(f"sweep folder {folder} is being resumed by another process; "
+                          "kvbench never writes into another run's folder") from None
     _create_claim(folder, SWEEP_CLAIM, "sweep")
+    with contextlib.suppress(OSError):
+        os.unlink(folder / f"{SWEEP_CLAIM}.{_token}.old")
+    return True
+
+
+ATTEMPTS = ".kvbench-attempts"  # a resumed sweep's earlier attempts of the jobs it reruns
+
+
+def set_aside(folder: Path, sweep: Path) -> Path:
+    """Move a job folder of ``sweep`` that is to be rerun (failed, interrupted, killed) to
+    ``<sweep>/.kvbench-attempts/<stamp>/<its path>``, out of the report's sight, and return
+    where it went."""
+    dest = sweep / ATTEMPTS / time.strftime("%Y%m%d-%H%M%S") / folder.relative_to(sweep)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = dest.with_name(f"{folder.name}.{n}")
+    os.rename(folder, dest)
+    return dest
 
 
 # --- writing a run's files -----------------------------------------------------------------

@@ -17,9 +17,14 @@ exits with (the full list, and what each marker holds: docs/errors.md):
   the message names the file and the error);
 - 130 / 143: interrupted by SIGINT (Ctrl-C) / SIGTERM.
 
-A sweep exits 0 once every job ran (whatever each one's outcome), 2 for a configuration
-error before it starts, 130 / 143 when it was interrupted (jobs not started yet are listed
-by ``python -m harness.report <sweep>``).
+A sweep (``-m``) runs every job, then prints one summary block (how many finished, failed
+and never started, with the failed jobs' folders) and exits 0 when every job finished, 1
+when one did not (failed, interrupted, killed, never started: harness/app/supervisor.py's
+``summarize_sweep``), 3 when all finished but logging one to W&B failed; 2 for a
+configuration error before any job starts (every job's config is checked first), 130 / 143
+when it was interrupted (jobs not started yet are listed by ``python -m harness.report
+<sweep>``), 1 when its launcher failed. Rerun into the same ``hydra.sweep.dir``, a sweep
+whose process is gone resumes: its finished jobs are kept, the others run (docs/errors.md).
 """
 
 from __future__ import annotations
@@ -313,8 +318,12 @@ def cli(main: Callable[[], None]) -> None:
     # Hydra prints its errors and exits 1; asked for full errors it raises them instead,
     # and they are sorted here: configuration errors exit 2, as documented.
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    from harness.app.supervisor import sweep_exit_code
+
     try:
         main()
+        if code := sweep_exit_code():  # a sweep where not every job finished
+            sys.exit(code)
     except KeyboardInterrupt as e:
         stop = as_interrupted(e)
         _end_sweep(str(stop), interrupted=True)

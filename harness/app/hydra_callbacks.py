@@ -81,7 +81,7 @@ class FolderGuard(Callback):
                 refuse_schema_choices(bad)
             check_every_job(config, overrides)
             sweep = Path(str(config.hydra.sweep.dir)).absolute()
-            claim_sweep(sweep)
+            claim_sweep(sweep, earlier=lambda folder: earlier_sweep(folder, overrides))
         except (UserError, OSError) as e:
             _exit(e)
         coordinate(sweep)  # a stop signal reaches the running jobs before the launcher's
@@ -93,7 +93,6 @@ def check_every_job(config: DictConfig, overrides: list[str]) -> None:
     with exit 2 and a message naming the job, instead of failing its job after the others
     ran. The jobs are split as the basic sweeper splits them (a later override of a key
     wins over the sweeper's params)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import open_dict
@@ -101,7 +100,7 @@ def check_every_job(config: DictConfig, overrides: list[str]) -> None:
     from harness.config import run_config
 
     parsed = OverridesParser.create().parse_overrides(overrides)
-    jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    jobs = sweep_jobs(overrides)
     if len(jobs) < 2:
         return  # one job: it is checked where it runs, as a single run is
     loader = GlobalHydra.instance().config_loader()
@@ -116,6 +115,45 @@ def check_every_job(config: DictConfig, overrides: list[str]) -> None:
             which = " ".join(o for o in job if o.split("=", 1)[0].lstrip("+~") in swept)
             raise UserError(f"sweep job #{i} ({which or ' '.join(job)}): {e}; no job was "
                             "started") from None
+
+
+def sweep_jobs(overrides: list[str]) -> list[list[str]]:
+    """The jobs of a sweep given ``overrides`` (the sweeper's params, then the command
+    line's), as the basic sweeper splits them, before repeats are interleaved."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return [list(job) for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+SWEEPER = "RepeatSweeper"  # hydra_plugins/kvbench_sweeper: what a kvbench sweep ran under
+
+
+def earlier_sweep(folder: Path, overrides: list[str]) -> str | None:
+    """Why the earlier sweep in ``folder`` (its claim's process gone) cannot be resumed by
+    a sweep of ``overrides``: None when it is the same sweep (its multirun.yaml, written by
+    kvbench's sweeper, has the same jobs) or never got to write one (and ran no job)."""
+    from omegaconf import OmegaConf
+
+    from harness.app.supervisor import job_folders
+
+    multirun = folder / "multirun.yaml"
+    if not multirun.is_file():
+        return None if not job_folders(folder) else "with jobs but no multirun.yaml"
+    try:
+        saved = OmegaConf.load(multirun)
+        target = str(OmegaConf.select(saved, "hydra.sweeper._target_", default=""))
+        params = OmegaConf.select(saved, "hydra.sweeper.params", default=None) or {}
+        task = OmegaConf.select(saved, "hydra.overrides.task", default=None) or []
+        before = [*(f"{k}={v}" for k, v in params.items()), *map(str, task)]
+        if not target.endswith(SWEEPER):
+            return f"not run by kvbench's sweeper ({target or 'none'})"
+        if sweep_jobs(before) != sweep_jobs(overrides):
+            return f"of other jobs ({' '.join(before) or 'no overrides'})"
+    except Exception as e:  # what Hydra or OmegaConf refuse to read: not resumable
+        return f"whose multirun.yaml cannot be read ({type(e).__name__}: {e})"
+    return None
 
 
 def hide_schemas() -> None:

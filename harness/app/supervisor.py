@@ -44,10 +44,20 @@ from pathlib import Path
 from types import FrameType
 
 from harness.results import (
+    ALIVE,
+    ATTEMPTS,
     CLAIM,
+    FAILED,
+    INTERRUPTED,
+    METRICS,
+    UNKNOWN,
+    FolderTaken,
     new_owner_token,
     outcome,
+    owner_state,
+    pid_alive,
     read_claim,
+    set_aside,
     write_failure,
     write_interrupted,
 )
@@ -130,18 +140,21 @@ def coordinate(sweep: Path) -> None:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")  # an exited child not yet reaped is a zombie
+    return pid_alive(pid)
+
+
+def _claims(sweep: Path) -> list[Path]:
+    """The job claims of ``sweep``, outside hidden folders (a resumed sweep's earlier
+    attempts, set aside in .kvbench-attempts/)."""
+    return [c for c in sweep.rglob(CLAIM)
+            if not any(p.startswith(".") for p in c.parent.relative_to(sweep).parts)]
 
 
 def running_jobs(sweep: Path) -> dict[Path, int]:
     """Job folders of ``sweep`` claimed by a live process of this host, without outcome."""
     me, host = os.getpid(), socket.gethostname()
     jobs = {}
-    for claim in sweep.rglob(CLAIM):
+    for claim in _claims(sweep):
         owner = read_claim(claim.parent) or {}
         pid = owner.get("pid")
         if (isinstance(pid, int) and pid != me and owner.get("host") == host
@@ -159,7 +172,7 @@ def mark_abandoned(sweep: Path, why: str, interrupted: bool) -> int:
     """Mark the job folders of ``sweep`` whose process is gone without a word (killed
     with its launcher's workers); returns how many were marked."""
     me, n = os.getpid(), 0
-    for claim in sweep.rglob(CLAIM):
+    for claim in _claims(sweep):
         folder, owner = claim.parent, read_claim(claim.parent) or {}
         pid = owner.get("pid")
         if outcome(folder) is not None or pid == me or (isinstance(pid, int) and _alive(pid)):
@@ -309,3 +322,144 @@ def run_supervised(job: Callable[[], int], out: Path) -> JobEnd:
         print(mark_killed(out, sig, time.monotonic() - start, pid), file=sys.stderr)
         return JobEnd(128 + sig, stop)
     return JobEnd(os.waitstatus_to_exitcode(status), stop)
+
+
+# --- a sweep's end, and resuming it (issue #54) ------------------------------------------------
+# A sweep whose jobs did not all finish exits 1 after one summary block (finished, failed,
+# not started; the failed jobs' folders). Rerun into the same hydra.sweep.dir, it resumes:
+# the sweep folder's claim is taken over from a process that is gone
+# (harness.results.claim_sweep), the jobs that finished are kept and not launched again, and
+# the others (failed, interrupted, killed: a claim whose process is gone) are set aside in
+# .kvbench-attempts/ and rerun (the sweeper: hydra_plugins/kvbench_sweeper).
+
+WANDB_FAILED = "WANDB_FAILED"  # harness.sinks.wandb_sink.FAILED_FILE (not imported: W&B)
+KEEP, RERUN, NEW = "keep", "rerun", "new"
+
+
+def job_folders(sweep: Path) -> list[Path]:
+    """Job folders of ``sweep`` from an earlier attempt (a claim, an outcome, or Hydra's
+    .hydra/), hidden folders left out."""
+    found = {f.parent for n in (CLAIM, METRICS, FAILED, INTERRUPTED) for f in sweep.rglob(n)}
+    found |= {f.parent.parent for f in sweep.rglob(".hydra/overrides.yaml")}
+    return sorted(d for d in found if d != sweep and
+                  not any(p.startswith(".") for p in d.relative_to(sweep).parts))
+
+
+def _ran(folder: Path) -> list[str] | None:
+    """The overrides Hydra recorded for the job run in ``folder`` (None: none recorded)."""
+    import yaml
+
+    try:
+        got = yaml.safe_load((folder / ".hydra" / "overrides.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    return [str(o) for o in got] if isinstance(got, list) else None
+
+
+def job_state(folder: Path, overrides: list[str]) -> tuple[str, str]:
+    """What a resumed sweep does with its job ``overrides`` whose folder is ``folder``:
+    (KEEP, "") finished (metrics.json, no FAILED / INTERRUPTED marker); (RERUN, why) failed,
+    interrupted, or claimed by a process that is gone; (NEW, "") never started. Raises
+    FolderTaken for a folder another job ran, or one whose process runs (or may: another
+    host's)."""
+    if not folder.is_dir() or not any(folder.iterdir()):
+        return NEW, ""
+    ran = _ran(folder)
+    if ran is not None and ran != list(overrides):
+        raise FolderTaken(f"job folder {folder} holds a run of {' '.join(ran) or 'no overrides'}"
+                          f", not of this sweep's job {' '.join(overrides)}; kvbench never "
+                          "writes into another run's folder: choose a new hydra.sweep.dir")
+    marks = [n for n in (FAILED, INTERRUPTED) if (folder / n).is_file()]
+    if (folder / METRICS).is_file() and not marks:
+        return KEEP, ""
+    if marks:
+        return RERUN, _first_line(folder, marks[0])
+    owner = read_claim(folder)
+    if owner is None:
+        return RERUN, "started, never claimed"
+    state = owner_state(owner)
+    if state in (ALIVE, UNKNOWN):
+        who = ", ".join(f"{k} {owner[k]}" for k in ("pid", "host") if k in owner)
+        how = ("still runs it" if state == ALIVE else "is on another host (or its claim is "
+               "unreadable): kvbench cannot tell whether it still runs; if not, remove the "
+               "folder to rerun it")
+        raise FolderTaken(f"job folder {folder}: its process ({who}) {how}")
+    return RERUN, f"no outcome: its process (pid {owner.get('pid')}) is gone"
+
+
+@dataclass(slots=True)
+class ResumePlan:
+    kept: dict[int, Path]  # job index -> its finished folder
+    rerun: list[tuple[Path, str]]  # (folder, why), set aside
+    new: int
+
+
+def resume_plan(sweep: Path, jobs: list[tuple[list[str], Path]]) -> ResumePlan:
+    """Decide each job of a resumed sweep (:func:`job_state`) and set aside the folders of
+    those to rerun; nothing is moved if any folder is refused (FolderTaken)."""
+    states = [(i, folder, *job_state(folder, overrides))
+              for i, (overrides, folder) in enumerate(jobs)]
+    plan = ResumePlan({i: f for i, f, what, _ in states if what == KEEP}, [],
+                      sum(what == NEW for _, _, what, _ in states))
+    for _, folder, what, why in states:
+        if what == RERUN:
+            set_aside(folder, sweep)
+            plan.rerun.append((folder, why))
+    print(f"kvbench: resuming sweep {sweep}: {len(plan.kept)} finished job(s) kept, "
+          f"{len(plan.rerun)} to rerun, {plan.new} not started before"
+          + "".join(f"\n  rerun: {f} ({why})" for f, why in plan.rerun)
+          + (f"\n  (earlier attempts set aside in {sweep / ATTEMPTS})" if plan.rerun else ""),
+          file=sys.stderr)
+    return plan
+
+
+def _first_line(folder: Path, name: str) -> str:
+    try:
+        text = (folder / name).read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return name
+    line = text[0] if text else ""
+    return f"{name}: {line[:160]}{'...' if len(line) > 160 else ''}" if line else name
+
+
+_sweep_exit = 0
+
+
+def sweep_exit_code() -> int:
+    """The exit code of the sweep this process launched and summarized (0: none, or every
+    job finished)."""
+    return _sweep_exit
+
+
+def summarize_sweep(sweep: Path, folders: list[Path | None], kept: int = 0) -> int:
+    """Print the sweep's end (one block on stderr) and return its exit code, kept for the
+    CLI (:func:`sweep_exit_code`): 0 every job finished; 1 a job failed, was interrupted,
+    ended without an outcome, or never started; 3 every job finished but logging one to
+    W&B failed. ``folders``: each job's folder (None: never started); ``kept``: how many
+    of the finished were kept from an earlier attempt."""
+    global _sweep_exit
+    finished, wandb, failed, never = [], [], [], 0
+    for f in folders:
+        if f is None:
+            never += 1
+            continue
+        marks = [n for n in (FAILED, INTERRUPTED) if (f / n).is_file()]
+        if (f / METRICS).is_file() and not marks:
+            finished.append(f)
+            if (f / WANDB_FAILED).is_file():
+                wandb.append(f)
+        else:
+            failed.append((f, _first_line(f, marks[0]) if marks else
+                           "no outcome: its process ended without results or a marker"))
+    code = 1 if failed or never else (3 if wandb else 0)
+    lines = [f"kvbench: sweep {sweep}: {len(finished)} finished"
+             + (f" ({kept} kept from an earlier attempt)" if kept else "")
+             + f", {len(failed)} failed, {never} not started"]
+    lines += [f"  failed: {f} ({why})" for f, why in failed]
+    lines += [f"  W&B logging failed: {f / WANDB_FAILED}" for f in wandb]
+    if failed or never:
+        lines.append("  rerun the same command (the same hydra.sweep.dir) to run only these "
+                     "again")
+    print("\n" + "\n".join(lines), file=sys.stderr)
+    _sweep_exit = code
+    return code

@@ -32,11 +32,14 @@ def test_bad_budget_exits_2_with_the_fix(tmp_path: Path) -> None:
 def test_sweep_goes_on_past_a_failed_job(tmp_path: Path) -> None:
     p = harness("-m", *SMALL, "cache.kv_budget=1KiB,512KiB", f"hydra.sweep.dir={tmp_path}",
                 cwd=tmp_path)
-    assert p.returncode == 0, p.stderr
+    # Issue #54: it went on, then exited 0; it still goes on, and says so and exits 1.
+    assert p.returncode == 1, p.stderr
     jobs = sorted(d for d in tmp_path.iterdir() if d.is_dir())
     assert len(jobs) == 2
     assert (jobs[0] / "FAILED").is_file() and not (jobs[0] / "metrics.json").exists()
     assert (jobs[1] / "metrics.json").is_file()
+    assert f"kvbench: sweep {tmp_path}: 1 finished, 1 failed, 0 not started\n" \
+           f"  failed: {jobs[0]} (FAILED: UserError: cache.kv_budget=1.00KiB" in p.stderr
 
 
 def test_sweep_through_separate_processes(tmp_path: Path) -> None:
