@@ -180,13 +180,15 @@ class MetricsCollector:
         ``upd``: what the scheduler's update did after it."""
         u = rec.usage
         assert u is not None, "a step that ran records its usage (Scheduler.schedule)"
-        self._row(rec.step, t_start, t_end, forward_s, run_start, rec.num_prefill_tokens,
-                  rec.num_decode_tokens, rec.num_seqs, u, upd.external_slots,
-                  len(rec.preempted), len(upd.finished),
-                  reads if reads is not None else StepReads(), len(rec.tier_ops))
+        self._row(StepFacts(
+            rec.step, t_start, t_end, forward_s, prefill_tokens=rec.num_prefill_tokens,
+            decode_tokens=rec.num_decode_tokens, num_seqs=rec.num_seqs, usage=u,
+            reads=reads if reads is not None else StepReads(),
+            external_slots=upd.external_slots, preempted=len(rec.preempted),
+            finished=len(upd.finished), tier_ops=len(rec.tier_ops)), run_start)
 
     def on_lane_tokens(self, n: int, finished: list[SequenceGroup], now: float) -> None:
-        """:meth:`on_tokens` of a lane step (``Scheduler.schedule_lane``: ``n`` decode-lane
+        """:meth:`on_tokens` of a lane step (``LaneScheduler.schedule_lane``: ``n`` decode-lane
         members decoded, nothing else ran; ``finished``: the members it finished): the
         step clock, the members' inter-token latencies, the finished requests' rows."""
         self.token_t.append(now)
@@ -198,38 +200,58 @@ class MetricsCollector:
                      forward_s: float, run_start: float, reads: StepReads, usage: KVUsage,
                      finished: int) -> None:
         """:meth:`on_step` of a lane step (see :meth:`on_lane_tokens`); ``usage``: what the
-        KV manager held for its forward (Scheduler.schedule_lane)."""
-        self._row(step, t_start, t_end, forward_s, run_start, 0, n, n, usage, 0, 0,
-                  finished, reads, 0)
+        KV manager held for its forward (LaneScheduler.schedule_lane)."""
+        self._row(StepFacts(step, t_start, t_end, forward_s, prefill_tokens=0,
+                            decode_tokens=n, num_seqs=n, usage=usage, reads=reads,
+                            finished=finished), run_start)
 
-    def _row(self, step: int, t_start: float, t_end: float, forward_s: float,
-             run_start: float, prefill_tokens: int, decode_tokens: int, num_seqs: int,
-             u: KVUsage, external_slots: int, preempted: int, finished: int,
-             r: StepReads, tier_ops: int) -> None:
+    def _row(self, f: StepFacts, run_start: float) -> None:
         """Append one step's row (StepRow's fields, in order, as a tuple:
-        StepLog.append_values)."""
+        StepLog.append_values), from ``f`` and the scheduler's queues now."""
         sch, bps = self.scheduler, self.bytes_per_slot
-        step_ms = (t_end - t_start) * 1e3
+        step_ms = (f.t_end - f.t_start) * 1e3
+        u, r = f.usage, f.reads
         tb = u.tier_blocks
         self.steps.append_values((
-            step, t_end - run_start, step_ms,  # step, time_s, step_ms
-            forward_s * 1e3, step_ms - forward_s * 1e3,  # forward_ms, overhead_ms
-            prefill_tokens + decode_tokens, prefill_tokens,  # batch_tokens, prefill_tokens
-            decode_tokens, num_seqs,  # decode_tokens, num_seqs
+            f.step, f.t_end - run_start, step_ms,  # step, time_s, step_ms
+            f.forward_s * 1e3, step_ms - f.forward_s * 1e3,  # forward_ms, overhead_ms
+            f.prefill_tokens + f.decode_tokens,  # batch_tokens
+            f.prefill_tokens, f.decode_tokens, f.num_seqs,  # prefill_tokens .. num_seqs
             sch.num_running_seqs, len(sch.waiting), len(sch.swapped),  # running .. swapped
             u.reserved_slots * bps, u.used_slots * bps,  # reserved_bytes, used_bytes
             u.free_blocks, u.cached_free_blocks,  # free_blocks, cached_free_blocks
             u.shared_blocks, u.logical_blocks,  # shared_blocks, logical_blocks
             u.held_blocks,  # held_blocks
-            external_slots * bps, preempted,  # external_frag_bytes, preempted
-            finished,  # finished
+            f.external_slots * bps, f.preempted,  # external_frag_bytes, preempted
+            f.finished,  # finished
             r.decode_tokens, r.decode_bytes,  # kv_read_tokens, kv_read_bytes
             r.prefill_pairs,  # prefill_pairs
             tb[0] if tb else 0,  # cpu_tier_blocks
             tb[1] if len(tb) > 1 else 0,  # disk_tier_blocks
-            tier_ops,  # tier_ops
+            f.tier_ops,  # tier_ops
             "|".join(map(str, u.group_blocks)) if u.group_blocks else "",  # group_blocks
         ))
+
+
+@dataclass(slots=True)
+class StepFacts:
+    """What one step's steps.csv row is made of, named (the scheduler's queue lengths are
+    read as the row is made): the step, its clock times and forward seconds, its tokens
+    and sequences, the KV usage its forward held, its reads, and what its update did."""
+
+    step: int
+    t_start: float
+    t_end: float
+    forward_s: float
+    prefill_tokens: int
+    decode_tokens: int
+    num_seqs: int
+    usage: KVUsage
+    reads: StepReads
+    external_slots: int = 0
+    preempted: int = 0
+    finished: int = 0
+    tier_ops: int = 0
 
 
 def request_row(rid: int, g: SequenceGroup, t: RequestTimes, block_size: int,

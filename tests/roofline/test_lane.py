@@ -297,7 +297,7 @@ def _drive(case: dict[str, Any], lane_on: bool) -> tuple[Any, ...]:
     if isinstance(sch, LaneScheduler):
         # A window's give-backs are filed only before their member's finish: a finished
         # member is not kept for a step it never reaches.
-        assert all(m.drop < m.end for due in sch.lane._drops.values() for m in due)
+        assert all(m.gives_back_at < m.finish_at for due in sch.lane._drops.values() for m in due)
         for rid in sch.leave_lane():
             col.lane_leave(rid)
     log.append(_pool_state(kv))

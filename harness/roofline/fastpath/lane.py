@@ -6,7 +6,7 @@ A :class:`DecodeLane` holds such requests (its *members*) and advances them all 
 step: a member's sequence, its block's fill and its token times are brought up to date
 (:meth:`DecodeLane.sync`) only when something needs them:
 
-- a *touch*: the step whose slot needs a new block (:meth:`DecodeLane.touch`, in the
+- the step whose slot needs a new block (:meth:`DecodeLane.take_block`, in the
   scheduler's loop where the per-sequence path would allocate it);
 - the step that fills its block, with prefix caching: the block is named
   (:meth:`DecodeLane.name_filled`) where the per-sequence path would name it, among the
@@ -56,7 +56,7 @@ TokenFn = Callable[[int, int, int], list[int]]
 
 # A member's place in the scheduler's running list (the order of every per-member event):
 # its group's run_order, held on the member (it does not change while the group runs).
-RUN_ORDER = attrgetter("ro")
+RUN_ORDER = attrgetter("run_order")
 
 # Declarations whose decode read is a fixed function of the context alone (what the
 # member sums cover); any other method steps one by one.
@@ -95,28 +95,29 @@ def lane_blocker(kv: object, costs: KVCosts) -> str | None:
 @dataclass(slots=True, eq=False)
 class LaneMember:
     """One member: at lane step ``L`` (steps done) its sequence holds
-    ``n0 + (L - j)`` tokens and ``c0 + (L - j)`` computed. ``block``: its last block,
-    whose fill is recorded through lane step ``settled`` (ahead of ``L`` for a block the
-    lane took: through its last slot's step); ``touch``: the next
-    lane step that needs its per-sequence path; ``reason``: why it finishes (the lane
-    files it under the step whose update finishes it). ``rid``, ``st``: its request id
-    and (paged) its block table's record, read at every block it takes or names."""
+    ``tokens_at_join + (L - joined)`` tokens and ``computed_at_join + (L - joined)``
+    computed. ``block``: its last block, whose fill is recorded through lane step
+    ``settled`` (ahead of ``L`` for a block the lane took: through its last slot's step);
+    ``takes_block_at``: the next lane step whose write takes a new block (its
+    per-sequence path; -1 once it left); ``reason``: why it finishes (the lane files it
+    under the step whose update finishes it). ``rid``, ``seq_blocks``: its request id and
+    (paged) its block table's record, read at every block it takes or names."""
 
     uid: int
     seq: Sequence
     rid: int
-    st: SeqBlocks | None
-    j: int
-    c0: int
-    n0: int
+    seq_blocks: SeqBlocks | None
+    joined: int
+    computed_at_join: int
+    tokens_at_join: int
     block: int
     settled: int
-    touch: int
+    takes_block_at: int
     reason: str
-    ro: int = 0  # its group's run_order
+    run_order: int = 0  # its group's run_order
     over: bool = False  # its context is past the declaration's lane_split()
-    end: int = 0  # the lane step whose update finishes it
-    drop: int = -1  # a window's: the lane step whose update gives back its next block
+    finish_at: int = 0  # the lane step whose update finishes it
+    gives_back_at: int = -1  # a window's: the lane step whose update gives back a block
     key: object = None  # (paged, prefix caching) its block hashes' extra key (key_of)
     chain: PendingChain | None = None  # its filled blocks not named yet (lazy_names)
 
@@ -152,15 +153,17 @@ class DecodeLane:
         self.sinks = costs.sinks if isinstance(costs, QuantCosts) else 0
         self.L = 0  # non-empty steps scheduled
         self.n = 0  # members
-        self.off_sum = 0  # sum of (c0 - j): member contexts at lane step L1 sum to off_sum + n L1
-        self._max: list[tuple[int, int]] = []  # (-(c0 - j), uid), lazily pruned
-        # Members by (c0 - j) mod block size: their contexts' remainders at any step.
+        # A member's offset: computed_at_join - joined (its context at lane step L1 is
+        # offset + L1). off_sum: the members' offsets summed (contexts sum to off_sum + n L1).
+        self.off_sum = 0
+        self._max: list[tuple[int, int]] = []  # (-offset, uid), lazily pruned
+        # Members by offset mod block size: their contexts' remainders at any step.
         self._res = [0] * self.bs
         # With a split (quest: past its top blocks a read changes form), the members past
-        # it apart: as the res/off_sum above; the others in a heap by (c0 - j), each moved
+        # it apart: as the res/off_sum above; the others in a heap by offset, each moved
         # over when its context passes the split (contexts only grow).
         self.split = costs.lane_split()
-        self._under: list[tuple[int, int]] = []  # (-(c0 - j), uid), lazily pruned
+        self._under: list[tuple[int, int]] = []  # (-offset, uid), lazily pruned
         self.over_n = self.over_off = 0
         self._over_res = [0] * self.bs
         # A window's manager: members by the lane step whose update's observe gives back
@@ -171,12 +174,12 @@ class DecodeLane:
         self._drops: dict[int, list[LaneMember]] = {}
         self._live: dict[int, LaneMember] = {}
         self._finish: dict[int, list[LaneMember]] = {}
-        # Members whose write of lane step k takes a new block (their touch): the scheduler
+        # Members whose write of lane step k takes a new block: the scheduler
         # visits them without a pass over every running group. With prefix caching, the
         # write of step k - 1 fills their block, which is then named (fills(k - 1)).
-        self._touches: dict[int, list[LaneMember]] = {}
+        self._takes: dict[int, list[LaneMember]] = {}
         # The steps whose list above may be out of running order: a list is appended to by
-        # touch_all (members in running order, before any join files a member under that
+        # take_blocks (members in running order, before any join files a member under that
         # step) and by joins, in the order they happen; a member that joins after one with
         # a later run order (its prompt took more steps) puts its step here.
         self._unsorted: set[int] = set()
@@ -202,7 +205,7 @@ class DecodeLane:
         st: SeqBlocks | None = None
         if self.ranges is not None:
             block, cap = self.ranges.range_of(seq)
-            touch = L + 1 + max(0, cap - c0)  # the step whose write finds the range full
+            takes_at = L + 1 + max(0, cap - c0)  # the step whose write finds the range full
         else:
             assert self.paged is not None
             bs, pool = self.bs, self.paged.pool
@@ -214,7 +217,7 @@ class DecodeLane:
                     return False
             else:
                 block = table[c0 // bs - 1]
-            touch = self._next_touch(c0, L + 1)
+            takes_at = self._next_take(c0, L + 1)
         n_out = n0 - seq.num_prompt_tokens
         r_stop = p.stop_after - n_out if p.stop_after is not None else 0
         r_len = max(1, min(p.max_tokens - n_out, self.max_model_len - n0))
@@ -223,18 +226,18 @@ class DecodeLane:
         else:
             r, reason = r_len, "length"
         self._uid += 1
-        m = LaneMember(self._uid, seq, g.request_id, st, L, c0, n0, block, L, touch, reason,
+        m = LaneMember(self._uid, seq, g.request_id, st, L, c0, n0, block, L, takes_at, reason,
                        g.run_order)
         if self.caching:
             assert self.paged is not None
             m.key = self.paged.key_of(seq)
-        filed = self._touches.setdefault(touch, [])
-        if filed and filed[-1].ro > m.ro:
-            self._unsorted.add(touch)
+        filed = self._takes.setdefault(takes_at, [])
+        if filed and filed[-1].run_order > m.run_order:
+            self._unsorted.add(takes_at)
         filed.append(m)
         g.lane = m
         self._live[m.uid] = m
-        m.end = L + r
+        m.finish_at = L + r
         self._track_drop(m, L + 1)
         self._finish.setdefault(L + r, []).append(m)
         self.n += 1
@@ -245,7 +248,7 @@ class DecodeLane:
             heapq.heappush(self._under, (L - c0, m.uid))
         return True
 
-    def _next_touch(self, pos: int, L1: int) -> int:
+    def _next_take(self, pos: int, L1: int) -> int:
         """The first lane step from ``L1`` (which writes slot ``pos``) that writes a
         block's first slot."""
         return L1 + -pos % self.bs
@@ -253,23 +256,23 @@ class DecodeLane:
     def _track_drop(self, m: LaneMember, earliest: int) -> None:
         """A window's: file ``m`` under the first lane step from ``earliest`` whose update
         gives back a block (WindowPolicy.gives_back_at; after the update of lane step L1
-        the sequence has computed ``c0 + L1 - j`` tokens); none at or after its finish
-        (it leaves before that update observes anyone)."""
+        the sequence has computed ``computed_at_join + L1 - joined`` tokens); none at or
+        after its finish (it leaves before that update observes anyone)."""
         w = self.window
         if w is None:
             return
         assert self.paged is not None
         at = w.gives_back_at(self.paged.blocks_of(m.seq).cursor, self.bs)
-        m.drop = max(earliest, at - (m.c0 - m.j))
-        if m.drop < m.end:
-            self._drops.setdefault(m.drop, []).append(m)
+        m.gives_back_at = max(earliest, at - (m.computed_at_join - m.joined))
+        if m.gives_back_at < m.finish_at:
+            self._drops.setdefault(m.gives_back_at, []).append(m)
 
     def drops_due(self) -> list[LaneMember]:
         """A window's: the members whose update of lane step ``L`` gives back a block,
         synced to it and in running order (the scheduler has the manager observe them
         among the step's other sequences, then calls :meth:`redrop`)."""
         out = [m for m in self._drops.pop(self.L, ())
-               if m.uid in self._live and m.drop == self.L]
+               if m.uid in self._live and m.gives_back_at == self.L]
         if len(out) > 1:
             out.sort(key=RUN_ORDER)
         for m in out:
@@ -291,32 +294,32 @@ class DecodeLane:
             if m.uid in self._live:
                 self._track_drop(m, self.L + 1)
 
-    def touches_at(self, L1: int) -> int:
+    def blocks_taken_at(self, L1: int) -> int:
         """At most how many members take a new block at lane step ``L1`` (left or moved
         members filed there count: LaneScheduler.lane_step_ready may say no where a step
         could have been a lane step, never the reverse)."""
-        return len(self._touches.get(L1, ()))
+        return len(self._takes.get(L1, ()))
 
-    def touching(self, L1: int) -> list[LaneMember]:
+    def taking(self, L1: int) -> list[LaneMember]:
         """The members whose write of lane step ``L1`` takes a new block (or, in a
         contiguous range, finds it full), in running order."""
-        out = [m for m in self._touches.pop(L1, ()) if m.touch == L1]
+        out = [m for m in self._takes.pop(L1, ()) if m.takes_block_at == L1]
         if L1 in self._unsorted:
             self._unsorted.discard(L1)
             out.sort(key=RUN_ORDER)
         elif CHECKS:
-            assert out == sorted(out, key=RUN_ORDER), f"lane step {L1}: touches out of order"
+            assert out == sorted(out, key=RUN_ORDER), f"lane step {L1}: blocks taken out of order"
         return out
 
     def fills(self, L1: int) -> list[LaneMember]:
         """The members whose write of lane step ``L1`` fills their block, in running
-        order (prefix caching: :meth:`name_filled` names each): those whose next touch is
+        order (prefix caching: :meth:`name_filled` names each): those whose next block is taken
         the step after, but for one that joined at ``L1`` or later (its block was named
         by the per-sequence path, or it joined after this step's schedule)."""
         if not self.caching:
             return []
         nxt = L1 + 1
-        out = [m for m in self._touches.get(nxt, ()) if m.touch == nxt and m.j < L1]
+        out = [m for m in self._takes.get(nxt, ()) if m.takes_block_at == nxt and m.joined < L1]
         if nxt in self._unsorted:
             out.sort(key=RUN_ORDER)
         elif CHECKS:
@@ -334,14 +337,14 @@ class DecodeLane:
         when first read (lazy_names.py), where its member is the only holder of
         the name before it; the others are named now. Fills are not settled here: a
         block the lane took was recorded full when taken; the one a member joined with is
-        brought up to date at its next touch, sync or finish."""
+        brought up to date at its next block, sync or finish."""
         if not members:
             return
         kv, lazy = self.paged, self.lazy
         assert kv is not None and lazy is not None
         bs, tokens, nxt = self.bs, self.tokens, L1 + 1
         for m in members:
-            if m.touch != nxt:  # it left (-1), or its block changed since
+            if m.takes_block_at != nxt:  # it left (-1), or its block changed since
                 continue
             c = m.chain
             if c is not None and not c.closed:
@@ -351,13 +354,13 @@ class DecodeLane:
                 c.n += 1
                 kv.name_pending(m.block, c)
                 continue
-            end = m.c0 + L1 - m.j  # tokens computed after the write
+            end = m.computed_at_join + L1 - m.joined  # tokens computed after the write
             toks = m.seq.token_ids
             have = len(toks)
-            st = m.st
+            st = m.seq_blocks
             assert st is not None
             if have <= end - bs:  # none of the block's ids made yet
-                c = m.chain = (lazy.open(st, m.key, m.rid, end - bs, m.ro, L1)
+                c = m.chain = (lazy.open(st, m.key, m.rid, end - bs, m.run_order, L1)
                                if lazy.may_open(st) else None)
                 if c is not None:
                     assert st.table[c.first] == m.block
@@ -372,20 +375,20 @@ class DecodeLane:
 
     def _drop(self, m: LaneMember) -> None:
         del self._live[m.uid]
-        m.touch = -1  # its entries under later touches and fills are void
+        m.takes_block_at = -1  # its entries under later takes and fills are void
         m.seq.group.lane = None
         self.n -= 1
-        self.off_sum -= m.c0 - m.j
-        self._res[(m.c0 - m.j) % self.bs] -= 1
+        self.off_sum -= m.computed_at_join - m.joined
+        self._res[(m.computed_at_join - m.joined) % self.bs] -= 1
         if m.over:
             self.over_n -= 1
-            self.over_off -= m.c0 - m.j
-            self._over_res[(m.c0 - m.j) % self.bs] -= 1
+            self.over_off -= m.computed_at_join - m.joined
+            self._over_res[(m.computed_at_join - m.joined) % self.bs] -= 1
         if len(self._max) > 4 * self.n + 64:  # the heaps keep left members until the top
-            self._max = [(m.j - m.c0, m.uid) for m in self._live.values()]
+            self._max = [(m.joined - m.computed_at_join, m.uid) for m in self._live.values()]
             heapq.heapify(self._max)
             if self.split is not None:
-                self._under = [(m.j - m.c0, m.uid) for m in self._live.values()
+                self._under = [(m.joined - m.computed_at_join, m.uid) for m in self._live.values()
                                if not m.over]
                 heapq.heapify(self._under)
 
@@ -415,13 +418,13 @@ class DecodeLane:
     def sync(self, m: LaneMember, L: int) -> None:
         """Bring ``m``'s sequence and its last block's fill to lane step ``L`` (done)."""
         self._sync_tokens(m, L)
-        m.seq.num_computed = m.c0 + L - m.j
+        m.seq.num_computed = m.computed_at_join + L - m.joined
         self._settle(m, L)
 
     def _sync_tokens(self, m: LaneMember, L: int) -> None:
         seq = m.seq
         toks = seq.token_ids
-        have, want = len(toks), m.n0 + L - m.j
+        have, want = len(toks), m.tokens_at_join + L - m.joined
         if want > have:
             toks += self.tokens(m.rid, have, want - have)
 
@@ -429,49 +432,49 @@ class DecodeLane:
         """The in-place writes of lane steps ``settled + 1 .. L`` into ``m``'s block, one
         slot each: the pool's used slots were counted as they happened
         (:meth:`scheduled`); the block's fill and the ledger's integral now. A block the
-        lane took was recorded full when taken (:meth:`touch_all`): ``settled`` is then
+        lane took was recorded full when taken (:meth:`take_blocks`): ``settled`` is then
         its last slot's step, and the writes after ``L`` are taken back."""
         k = L - m.settled
         if k > 0:
             self.kv.ramp_fill(m.block, k)
         elif k < 0:
-            assert self.paged is not None  # (only touch_all records ahead)
+            assert self.paged is not None  # (only take_blocks records ahead)
             self.paged.trim_fill(m.block, -k)
         m.settled = L
 
-    def touch(self, m: LaneMember, L1: int) -> bool:
+    def take_block(self, m: LaneMember, L1: int) -> bool:
         """Write ``m``'s slot of lane step ``L1``, a block's first, into a new block as
         ``PagedKVManager.append_slot`` would (False, nothing done: no block is free, the
         caller preempts; for a contiguous range, always: it is full)."""
         kv = self.paged
         if kv is None or kv.pool.num_free == 0:
             return False
-        self.touch_all([m], L1)
+        self.take_blocks([m], L1)
         return True
 
-    def touch_all(self, members: list[LaneMember], L1: int) -> None:
-        """:meth:`touch` of each of ``members`` (in running order), when the pool has a
+    def take_blocks(self, members: list[LaneMember], L1: int) -> None:
+        """:meth:`take_block` of each of ``members`` (in running order), when the pool has a
         free block for each: the same blocks in the same order, in one pass (every
         member takes a block every ``block size`` steps)."""
         kv = self.paged
         assert kv is not None and kv.pool.num_free >= len(members)
-        if not members:  # (most steps: a member touches once every block size steps)
+        if not members:  # (most steps: a member takes a block every block size steps)
             return
         # Each block with this step's write and, recorded ahead, its writes to its last
-        # slot at lane step L1 + bs - 1 (the member touches next at L1 + bs; one that
+        # slot at lane step L1 + bs - 1 (the member takes its next at L1 + bs; one that
         # stops before is trimmed back by _settle): a block's fill and ledger epoch are
         # made once, not made and ramped.
         bs = self.bs
         tables: list[SeqBlocks] = []
         for m in members:
-            assert m.st is not None
-            tables.append(m.st)
+            assert m.seq_blocks is not None
+            tables.append(m.seq_blocks)
         blocks = kv.take_ramped(tables, bs - 1)
         nxt = L1 + bs
-        # Every member touched now touches next at the same step (members that join can be
+        # Every member that took one now takes its next at the same step (members that join can be
         # filed under it too: _unsorted).
-        later = self._touches.setdefault(nxt, [])
-        if later and later[-1].ro > members[0].ro:
+        later = self._takes.setdefault(nxt, [])
+        if later and later[-1].run_order > members[0].run_order:
             self._unsorted.add(nxt)
         # _settle to L1 - 1 of each old block not recorded ahead (the block a member held
         # when it joined: its writes since), in one call.
@@ -483,15 +486,15 @@ class DecodeLane:
                 ks.append(L1 - 1 - m.settled)
             m.block = b
             m.settled = nxt - 1
-            m.touch = nxt
+            m.takes_block_at = nxt
             later.append(m)
         if old:
             kv.ramp_fills(old, ks)
 
-    def scheduled(self, n_sched: int, n_touched: int) -> None:
-        """Lane step ``L + 1`` scheduled ``n_sched`` members, ``n_touched`` of them by the
+    def scheduled(self, n_sched: int, n_took: int) -> None:
+        """Lane step ``L + 1`` scheduled ``n_sched`` members, ``n_took`` of them by the
         per-sequence path: the rest each filled one slot in place."""
-        self.kv.add_used(n_sched - n_touched)
+        self.kv.add_used(n_sched - n_took)
         self.L += 1
 
     def context_sums(self, L1: int) -> LaneSums:
@@ -512,8 +515,8 @@ class DecodeLane:
             if m is not None:
                 m.over = True
                 self.over_n += 1
-                self.over_off += m.c0 - m.j
-                self._over_res[(m.c0 - m.j) % bs] += 1
+                self.over_off += m.computed_at_join - m.joined
+                self._over_res[(m.computed_at_join - m.joined) % bs] += 1
         over = self._over_res[k:] + self._over_res[:k]
         return LaneSums(self.n, self.off_sum + self.n * L1, L1 - h[0][0] if h else 0,
                         tuple(by_mod), self.over_n, self.over_off + self.over_n * L1,

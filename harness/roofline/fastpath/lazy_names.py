@@ -62,11 +62,11 @@ class PendingChain:
     materialized."""
 
     root: int
-    st: SeqBlocks
+    seq_blocks: SeqBlocks
     key: object
     owner: int  # the request: its ids, and who computed the blocks
     start: int
-    ro: int  # its group's run order: fills of one step are named in running order
+    run_order: int  # its group's run order: fills of one step are named in running order
     uid: int
     first: int
     s0: int
@@ -140,7 +140,7 @@ class LazyNames:
             for c in pending.pop(root, ()):
                 c.closed = True
                 c.done, c.prev = 0, c.root
-                heapq.heappush(heap, (c.s0, c.ro, c.uid, c))
+                heapq.heappush(heap, (c.s0, c.run_order, c.uid, c))
 
         for r in roots:
             push(r)
@@ -149,12 +149,12 @@ class LazyNames:
             i = c.done
             h = hash_fn(c.prev, tokens(c.owner, c.start + i * bs, bs), c.key)
             # (entered unless evicted while pending; the member's hashes go on)
-            kv.enter_deferred(c.st, c.st.table[c.first + i], c, h, c.owner)
+            kv.enter_deferred(c.seq_blocks, c.seq_blocks.table[c.first + i], c, h, c.owner)
             c.prev, c.done = h, i + 1
             if h in pending:
                 push(h)
             if c.done < c.n:
-                heapq.heappush(heap, (c.s0 + c.done * bs, c.ro, c.uid, c))
+                heapq.heappush(heap, (c.s0 + c.done * bs, c.run_order, c.uid, c))
 
     def materialize_all(self) -> None:
         """Name every pending block (tests and debugging read the whole index)."""

@@ -56,25 +56,25 @@ class LaneScheduler(Scheduler):
                                cfg.max_model_len)
         self._left: list[int] = []  # requests that left since the last record took them
         self.lane.on_leave = self._left.append
-        self._n_touched = 0  # members of this step that took a block one by one
+        self._n_took = 0  # members of this step that took a block one by one
 
     # -- the running pass ---------------------------------------------------------------
     def _schedule_running(self, rec: StepRecord, budget: int) -> int:
         lane, running = self.lane, self.running
         L1 = lane.L + 1  # the lane step this one is
-        touching = lane.touching(L1)
+        taking = lane.taking(L1)
         if (len(running) == lane.n and len(running) <= budget and lane.paged is not None
-                and lane.paged.pool.num_free >= len(touching)):
+                and lane.paged.pool.num_free >= len(taking)):
             # Every running group is a member with a token and its blocks: no loop.
             rec.lane_n = len(running)
             rec.num_decode_tokens += len(running)
-            rec.lane_sums = self._lane_all(L1, touching)
-            self._n_touched = len(touching)
+            rec.lane_sums = self._lane_all(L1, taking)
+            self._n_took = len(taking)
             return budget - len(running)
         # Members decode one token each, in place, summed: the loop visits only the other
         # groups and the members whose step takes or fills a block, and counts the members
         # in between.
-        visit = [k for k, g in enumerate(running) if g.lane is None or g.lane.touch == L1]
+        visit = [k for k, g in enumerate(running) if g.lane is None or g.lane.takes_block_at == L1]
         decoding = [True] * len(running)
         pending = len(running)
         for k in visit:
@@ -105,11 +105,11 @@ class LaneScheduler(Scheduler):
                     break
                 continue
             g = self.running[i]
-            while f < len(fills) and fills[f].ro < g.run_order:
+            while f < len(fills) and fills[f].run_order < g.run_order:
                 lane.name_filled(fills[f], L1)
                 f += 1
             if g.lane is not None:
-                if not self._touch(run, g, g.lane, L1):
+                if not self._take_block(run, g, g.lane, L1):
                     break
                 n_lane += 1
             elif not self._schedule_group(run):
@@ -128,33 +128,33 @@ class LaneScheduler(Scheduler):
             rec.lane_sums = lane.context_sums(L1)
         return run.budget
 
-    def _touch(self, run: RunningPass, g: SequenceGroup, m: LaneMember, L1: int) -> bool:
+    def _take_block(self, run: RunningPass, g: SequenceGroup, m: LaneMember, L1: int) -> bool:
         """A member whose step takes a new block: the lane's own path, preempting from the
         back of ``running`` for a free block. False: the pass ends (out of budget, or
         ``g`` was itself preempted)."""
-        assert m.touch == L1
+        assert m.takes_block_at == L1
         if run.budget == 0:
             return False
-        while not self.lane.touch(m, L1):
+        while not self.lane.take_block(m, L1):
             victim = self.running[-1]
             self._preempt_in_pass(run, victim)
             if victim is g:
                 break
         if g.lane is None:  # preempted itself
             return False
-        self._n_touched += 1
+        self._n_took += 1
         run.budget -= 1
         run.pending -= 1
         return True
 
-    def _lane_all(self, L1: int, touching: list[LaneMember]) -> LaneSums:
+    def _lane_all(self, L1: int, taking: list[LaneMember]) -> LaneSums:
         """Every running group is a member, and lane step ``L1`` has a token for each and
-        a free block for each of ``touching``: what the loop of :meth:`_schedule_running`
+        a free block for each of ``taking``: what the loop of :meth:`_schedule_running`
         would do, the blocks named and taken in running order (naming a held block and
         taking a free one commute), in two passes; returns the members' sums."""
         lane = self.lane
         lane.name_filled_all(lane.fills(L1), L1)
-        lane.touch_all(touching, L1)
+        lane.take_blocks(taking, L1)
         return lane.context_sums(L1)
 
     def _preempt(self, g: SequenceGroup, rec: StepRecord) -> None:
@@ -167,8 +167,8 @@ class LaneScheduler(Scheduler):
             rec.lane_left = self._left.copy()
             self._left.clear()
         if not rec.is_empty:
-            self.lane.scheduled(rec.lane_n, self._n_touched)
-        self._n_touched = 0
+            self.lane.scheduled(rec.lane_n, self._n_took)
+        self._n_took = 0
 
     # -- lane steps ----------------------------------------------------------------------
     def lane_step_ready(self) -> bool:
@@ -185,7 +185,7 @@ class LaneScheduler(Scheduler):
         n = len(self.running)
         if n == 0 or n != lane.n or n > self.cfg.max_num_batched_tokens:
             return False
-        if lane.touches_at(lane.L + 1) > lane.paged.pool.num_free:
+        if lane.blocks_taken_at(lane.L + 1) > lane.paged.pool.num_free:
             return False
         return not self.waiting or (self.num_running_seqs + len(self.waiting.head().live_seqs)
                                     > self.cfg.max_num_seqs)
@@ -200,11 +200,11 @@ class LaneScheduler(Scheduler):
         step = self._step
         self._step += 1
         L1 = lane.L + 1
-        touching = lane.touching(L1)
-        sums = self._lane_all(L1, touching)
+        taking = lane.taking(L1)
+        sums = self._lane_all(L1, taking)
         ops = self.kv.take_cache_ops()
         assert not ops.copies and not ops.tier_ops, "a lane step has no copies or loads"
-        lane.scheduled(sums.n, len(touching))
+        lane.scheduled(sums.n, len(taking))
         return step, sums, self.kv.usage()
 
     def finish_lane(self) -> list[SequenceGroup]:
@@ -238,7 +238,7 @@ class LaneScheduler(Scheduler):
             if k < len(fin):
                 before = (seq.group.run_order if id(t.seq) in decodes and not t.fork
                           else None)
-                while k < len(fin) and (before is None or fin[k].ro < before):
+                while k < len(fin) and (before is None or fin[k].run_order < before):
                     self._finish_seq(fin[k].seq, fin[k].reason)
                     k += 1
             if t.cum_logprob is not None:
