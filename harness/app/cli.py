@@ -34,7 +34,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from harness.checkout_path import unshadow
 
@@ -357,7 +357,60 @@ def _fail(e: Exception, full_error: bool) -> None:
     cause = e.__cause__
     extra = f"\n{cause}" if isinstance(cause, OmegaConfBaseException) else ""
     moved = [f"\n{old} is now {new}" for old, new in MOVED.items() if old in f"{e}{extra}"]
-    print(f"{e}{extra}{''.join(moved)}\n\nkvbench: configuration error (python -m harness "
+    text = _instead_of_append_hint(f"{e}{extra}", sys.argv[1:])
+    print(f"{text}{''.join(moved)}\n\nkvbench: configuration error (python -m harness "
           "--help lists the options)", file=sys.stderr)
     sys.exit(EXIT_USER)
+
+
+def _instead_of_append_hint(text: str, argv: list[str]) -> str:
+    """Hydra's answer to a key its schema lacks (``Could not override 'backend.blocksize'.
+    To append to your config use +backend.blocksize=32``) with its hint replaced: kvbench
+    refuses such a key (harness.config.refuse_unknown_keys), so say what the option's keys
+    are, and the closest, instead (issue #54)."""
+    import dataclasses
+    import re
+
+    from harness.backends import BACKENDS
+    from harness.config import RunConfig, unknown_key_message
+    from harness.workloads import WORKLOADS
+
+    found = re.search(r"Could not override '([\w.]+)'\.\n(To append to your config use \+\S+)",
+                      text)
+    if found is None:
+        return text
+    *path, key = found.group(1).split(".")
+    choice = {"backend": "paged", "workload": "multiturn"}  # conf/config.yaml's defaults
+    for a in argv:
+        k, sep, v = a.lstrip("~+").partition("=")
+        if sep and k in choice and "," not in v:
+            choice[k] = v
+    cls: Any = RunConfig
+    for i, part in enumerate(path):
+        if i == 0 and part == "backend" and choice["backend"] in BACKENDS:
+            cls = BACKENDS[choice["backend"]].Options
+            continue
+        if i == 0 and part == "workload" and choice["workload"] in WORKLOADS:
+            cls = WORKLOADS[choice["workload"]][0]
+            continue
+        types = {f.name: f.type for f in dataclasses.fields(cls)} \
+            if dataclasses.is_dataclass(cls) else {}
+        cls = _field_class(cls, types.get(part))
+        if cls is None:
+            return text
+    if not dataclasses.is_dataclass(cls):
+        return text
+    group = ".".join(path)
+    owner = f"{group}={choice[group]}" if group in choice else group or "the run config"
+    known = [f.name for f in dataclasses.fields(cls) if f.name != "name"]
+    return text.replace(found.group(2), unknown_key_message(group, owner, key, known))
+
+
+def _field_class(owner: Any, annotation: Any) -> Any:
+    """The dataclass a field's annotation (a string, under ``from __future__ import
+    annotations``) names, in the module of ``owner``; None if it names none."""
+    if not isinstance(annotation, str):
+        return annotation if isinstance(annotation, type) else None
+    module = sys.modules.get(getattr(owner, "__module__", ""))
+    return getattr(module, annotation, None)
 

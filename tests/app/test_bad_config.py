@@ -251,6 +251,12 @@ def test_cli_refuses_the_append_hint_and_a_sweep_before_any_job(tmp_path: Path) 
     assert "backend.blocksize is not an option of backend=paged; did you mean " \
            "backend.block_size?" in p.stderr
     assert not (tmp_path / "run" / "metrics.json").exists()
+    # Without the +, Hydra's own refusal no longer suggests adding it.
+    p = _harness("model=tiny", "backend=h2o", "backend.budget_ration=0.3",
+                 f"hydra.run.dir={tmp_path}/run2")
+    assert p.returncode == 2, p.stderr
+    assert "backend.budget_ration is not an option of backend=h2o; did you mean " \
+           "backend.budget_ratio?" in p.stderr and "To append" not in p.stderr
     # A sweep with one such job starts none.
     sweep = tmp_path / "sweep"
     p = _harness("-m", "model=tiny", "backend=paged,contiguous", "backend.block_size=32",
