@@ -38,3 +38,12 @@ def model_stack(overrides: list[str]) -> tuple[Any, Any, Any]:
     target = ModelTarget(rc)
     wl = make_workload(rc.workload, target.tokenizer)
     return target, wl, target.build(wl, quiet=True)
+
+
+def block_size(backend: str, size: int) -> list[str]:
+    """``backend.block_size=<size>`` for a backend that reads it; none for one that
+    declares it ignores it (contiguous: a run refuses it there, issue #54)."""
+    from harness.backends import BACKENDS
+
+    ignored = getattr(BACKENDS.get(backend), "ignored_options", {})
+    return [] if "block_size" in ignored else [f"backend.block_size={size}"]

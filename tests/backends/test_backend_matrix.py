@@ -8,7 +8,7 @@ import pytest
 
 from harness.backends import BACKENDS as REGISTRY
 from harness.runner import RunResult, run
-from tests.compose import compose_cfg
+from tests.compose import block_size, compose_cfg
 
 # Every registered backend, in the registry's order (easy to hard); a few get options
 # that make their method act on these tiny workloads. Adding a backend to the registry
@@ -44,7 +44,7 @@ _paged: dict[str, RunResult] = {}
 def _run(backend: str, extra: list[str], workload: str) -> RunResult:
     return run(compose_cfg(["model=tiny", f"backend={backend}", *extra,
                             f"workload={workload}", *WORKLOADS[workload],
-                            "cache.kv_budget=512KiB", "backend.block_size=8"]))
+                            "cache.kv_budget=512KiB", *block_size(backend, 8)]))
 
 
 @pytest.mark.parametrize("workload", list(WORKLOADS))

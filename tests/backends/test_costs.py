@@ -24,7 +24,7 @@ from harness.metrics.collector import StepRow
 from harness.model.tiny import TINY_PRESETS
 from harness.roofline.models import hf_config_of
 from harness.runner import RunResult, run
-from tests.compose import compose_cfg
+from tests.compose import block_size, compose_cfg
 from tests.flash_attn_standin import FlashAttnStandin
 
 BS = 8
@@ -70,7 +70,7 @@ def _budget(name: str, tokens: int, dtype: torch.dtype) -> int:
 
 def _overrides(name: str, workload: str) -> list[str]:
     dtype = torch.bfloat16 if name == "flash_attn" else torch.float32
-    return ["model=tiny", f"backend={name}", *OPTIONS.get(name, []), f"backend.block_size={BS}",
+    return ["model=tiny", f"backend={name}", *OPTIONS.get(name, []), *block_size(name, BS),
             *WORKLOADS[workload], f"cache.kv_budget={_budget(name, TOKENS[workload], dtype)}"]
 
 

@@ -20,7 +20,7 @@ from harness.kv.policies.base import Eviction
 from harness.runner import run
 from harness.sched.scheduler import Scheduler
 from harness.sched.sequence import Sequence
-from tests.compose import compose_cfg
+from tests.compose import block_size, compose_cfg
 
 P = 60  # prompt tokens
 WINDOW = 8  # snapkv's observation window here: its first position is P - WINDOW
@@ -71,7 +71,7 @@ def _run(name: str, plan: list[int],
     monkeypatch.setattr(Scheduler, "_chunk_len", chunk_len)
     for cls in (EvictingKVManager, WindowKVManager):
         monkeypatch.setattr(cls, "evict", recording(cls))
-    r = run(compose_cfg(["model=tiny", f"backend={name}", "backend.block_size=8",
+    r = run(compose_cfg(["model=tiny", f"backend={name}", *block_size(name, 8),
                          "workload=shared_prefix", "workload.num_requests=1",
                          f"workload.prefix_tokens={P}", "workload.suffix_tokens=0",
                          "workload.output_tokens=12", *OPTIONS.get(name, []),
