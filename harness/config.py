@@ -30,6 +30,7 @@ from harness.backends import BACKENDS
 from harness.backends.base import BackendOptions
 from harness.cluster.config import ClusterConfig
 from harness.errors import UserError
+from harness.kv.eviction import ADMISSIONS, EVICTIONS
 from harness.metrics.goodput import SLOConfig, check_slo
 from harness.quality_config import QualityConfig
 from harness.roofline.config import RooflineConfig
@@ -126,6 +127,10 @@ class CacheSpec:
     # (the sliding layers still attend only to their window): what a cache without groups
     # reserves. Ignored for a model whose layers all attend alike.
     kv_groups: str = "grouped"
+    # Which cached block (ref 0, named) goes first when the pool needs room, and whether a
+    # finished block is cached at all (harness/kv/eviction.py): prefix caching only.
+    eviction: str = "lru"  # lru | fifo | lfu | slru | arc | cost
+    admission: str = "always"  # always | second_hit | tinylfu
 
     def without_tiers(self) -> CacheSpec:
         """This cache with no lower tiers (the quality evaluation's stacks: their streamed
@@ -137,6 +142,13 @@ class CacheSpec:
             raise UserError(f"cache.watermark is a share of the cache in [0, 1), got "
                             f"{self.watermark}")
         one_of(self, "cache", "kv_groups", ("grouped", "uniform"))
+        one_of(self, "cache", "eviction", EVICTIONS)
+        one_of(self, "cache", "admission", ADMISSIONS)
+        if not self.enable_prefix_caching and (self.eviction, self.admission) != (
+                "lru", "always"):
+            raise UserError(f"cache.eviction={self.eviction} / cache.admission="
+                            f"{self.admission} choose among cached prefix blocks: they need "
+                            "cache.enable_prefix_caching=true (or leave them at lru / always)")
         check_sizes(self, "cache", ("swap_space",) if self.kv_budget == "auto" else
                     ("kv_budget", "swap_space"), "64MiB, 1GiB, 1000000")
 

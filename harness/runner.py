@@ -101,6 +101,9 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
         "backend": rc.backend.name, "workload": rc.workload.name, "seed": rc.seed,
         "git_sha": sha, "started_at": started, "block_size": st.sizing.block_size,
         "prefix_caching": st.prefix_caching, "tiers": tiers_label(rc, st), **own.run,
+        # the prefix cache's eviction order and admission rule (harness/kv/eviction.py)
+        **({"eviction": rc.cache.eviction, "admission": rc.cache.admission}
+           if st.prefix_caching else {}),
         **({"prefill": st.backend.trigger} if st.backend.trigger else {}),
         **({"replicas": n, "router": rc.cluster.router} if cluster is not None else {}),
         **({"prefix_scorer": rc.cluster.prefix_scorer}

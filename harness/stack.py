@@ -241,6 +241,14 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
         kv = backend.make_manager(dataclasses.replace(
             sizing, num_blocks=max(1, sizing.num_blocks),
             num_slots=max(sizing.block_size, sizing.num_slots)), **kv_opts)
+    if (cache.eviction, cache.admission) != ("lru", "always"):
+        if not prefix_caching or not isinstance(kv, PagedKVManager | GroupedKVManager):
+            raise UserError(
+                f"cache.eviction={cache.eviction} / cache.admission={cache.admission} choose "
+                f"among cached prefix blocks, and backend {backend.name} runs without prefix "
+                "caching (it rewrites or reserves its blocks): leave them at lru / always, "
+                "or use a paged backend (paged, fp8, int8, quest, kivi, sliding_window)")
+        kv.set_cache_policy(cache.eviction, cache.admission)
     swap = kv if sched.preemption_mode == "swap" and \
         isinstance(kv, PagedKVManager | GroupedKVManager) and kv.supports_swap else None
     scheduler = make_scheduler(dataclasses.replace(sched, max_model_len=max_model_len),

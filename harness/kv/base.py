@@ -99,6 +99,10 @@ class KVStats:
     evicted_tokens: int = 0  # tokens an eviction policy gave back
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
+    # Prompt blocks computed again because their content was evicted from the device
+    # within the run (harness.kv.paged: the run of them right after a prompt's hits).
+    regret_blocks: int = 0
+    regret_tokens: int = 0
 
 
 @dataclass(slots=True)

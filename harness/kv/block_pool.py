@@ -3,16 +3,14 @@
 Free blocks live in one of two queues:
 
 * ``_free``: blocks with no hash (never full, or evicted). Reused first, FIFO.
-* ``_lru``: blocks with ref count 0 that still hold a name (*cached*), least recently
-  freed first. A prefix hit on one revives it; a new allocation evicts the oldest only
-  when ``_free`` is empty.
-
-Both are deques, O(1) for every operation. A revived block stays in the LRU's deque as a
-*void* entry, counted in ``_voids[block]`` and skipped when it comes to the front (a
-block's void entries all come before its live one, which is its latest): every block of
-every request enters and leaves the LRU, and an insertion-ordered dict spent a node and a
-hash-table entry on each (the roofline's decode lanes, issue #24). No per-step scan of
-the pool.
+* the *cached* blocks: ref count 0, still holding a name. A prefix hit on one revives it;
+  a new allocation evicts cached blocks only when ``_free`` is empty, in the order its
+  :class:`~harness.kv.eviction.EvictionOrder` gives (``cache.eviction``; ``lru``, the
+  default: least recently freed first, a deque with *void* entries for revived blocks,
+  O(1) for every operation: every block of every request enters and leaves it, the
+  roofline's decode lanes, issue #24). Blocks its :class:`~harness.kv.eviction.Admission`
+  rule does not admit (``cache.admission``) are evicted before any of them. No per-step
+  scan of the pool.
 
 The same content can be computed twice (two identical prompts admitted in one step,
 overlapping chunked prefills, a group readmitted after recompute): every copy stays
@@ -23,10 +21,11 @@ earlier work (a recompute after preemption) is told apart from a hit on another 
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from harness.kv.base import DeferredNames, KVUsage
+from harness.kv.eviction import ADMITS, ORDERS, Admission, EvictionOrder, LRUOrder
 from harness.kv.ledger import ReservationLedger
 
 # Called with (block, hash, owner) as a named block is evicted from the LRU of cached-free
@@ -36,10 +35,6 @@ EvictHook = Callable[[int, int, int], None]
 
 class BlockPool:
     """``num_blocks`` blocks of ``block_size`` slots, shared by every sequence of a run."""
-
-    # The LRU's deque is rebuilt without its void entries once they outnumber the live
-    # ones by this many (a run of prefix hits on a pool that never fills would grow it).
-    compact_min = 1024
 
     def __init__(self, num_blocks: int, block_size: int,
                  ledger: ReservationLedger | None = None) -> None:
@@ -60,9 +55,18 @@ class BlockPool:
         # every request is named once and unnamed once: the roofline's decode lanes).
         self._by_hash: dict[int, int | dict[int, None]] = {}
         self._free: deque[int] = deque(range(num_blocks))
-        self._lru: deque[int] = deque()  # cached blocks, oldest first, and void entries
-        self._voids = [0] * num_blocks  # a block's void entries in _lru (revived since)
-        self.num_cached_free = 0  # live entries of _lru
+        self.num_cached_free = 0  # cached blocks: ref 0, named
+        # A named block's position in its prefix chain (0: a prompt's first block): the
+        # ``cost`` eviction order's weight.
+        self.depth = [0] * num_blocks
+        self._order: EvictionOrder = LRUOrder(self)
+        self._admission = Admission(self)
+        self._counts = self._admits = False  # (whether they need every use reported)
+        # Cached blocks the admission rule left out, evicted first (oldest first).
+        self._unadmitted: OrderedDict[int, None] = OrderedDict()
+        # The names of the last ``8 x num_blocks`` blocks evicted and not named again (a
+        # prompt that finds one of them missing is the eviction's regret).
+        self.recently_evicted: OrderedDict[int, None] = OrderedDict()
         self.num_used = 0  # blocks with ref > 0
         self.num_shared = 0  # blocks with ref > 1
         self.used_slots = 0  # sum of fill over blocks with ref > 0
@@ -78,16 +82,41 @@ class BlockPool:
         """Blocks an allocation can take now (plain free + evictable cached)."""
         return len(self._free) + self.num_cached_free
 
+    def set_policy(self, eviction: str, admission: str) -> None:
+        """Use eviction order ``eviction`` and admission rule ``admission`` (module
+        docstring; before any block is cached)."""
+        assert self.num_cached_free == 0, "the policy is chosen before anything is cached"
+        self._order = ORDERS[eviction](self)
+        self._admission = ADMITS[admission](self)
+        self._counts = self._order.counts_uses
+        self._admits = self._admission.counts_uses
+
+    @property
+    def policy(self) -> tuple[str, str]:
+        """The eviction order's and the admission rule's names."""
+        return self._order.name, self._admission.name
+
+    @property
+    def compact_min(self) -> int:
+        """(``lru``) void entries past twice the live ones that rebuild its deque."""
+        return self._order.compact_min if isinstance(self._order, LRUOrder) \
+            else LRUOrder.compact_min
+
+    @compact_min.setter
+    def compact_min(self, value: int) -> None:
+        if isinstance(self._order, LRUOrder):
+            self._order.compact_min = value
+
     def lru_order(self) -> list[int]:
-        """Evictable cached blocks, next to be evicted first (for tests and debugging)."""
-        voids = self._voids[:]
-        out = []
-        for b in self._lru:
-            if voids[b]:
-                voids[b] -= 1
-            else:
-                out.append(b)
-        return out
+        """Evictable cached blocks, next to be evicted first, under any eviction order
+        (for tests and debugging)."""
+        return [*self._unadmitted, *self._order.order()]
+
+    def next_victim(self) -> int | None:
+        """The cached block the next eviction takes (None: none is cached)."""
+        if self._unadmitted:
+            return next(iter(self._unadmitted))
+        return self._order.peek() if self.num_cached_free else None
 
     def free_order(self) -> list[int]:
         return list(self._free)
@@ -117,7 +146,11 @@ class BlockPool:
         if deferred is not None and block_hash in deferred.pending:  # named now
             deferred.materialize([block_hash])
         copies = self._by_hash.get(block_hash)
-        if copies is None or isinstance(copies, int):
+        if copies is None:
+            if self._counts:
+                self._order.missed(block_hash)
+            return None
+        if isinstance(copies, int):
             return copies
         for b in copies:
             if self.ref[b] > 0:
@@ -168,15 +201,17 @@ class BlockPool:
         k = min(n, len(free))
         out = [free.popleft() for _ in range(k)]
         if k < n:
-            lru, voids = self._lru, self._voids
             on_evict, by_hash = self.on_evict, self._by_hash
             names, owner = self.block_hash, self.owner
+            evicted = self.recently_evicted
             self.num_cached_free -= n - k
-            for _ in range(n - k):
-                b = lru.popleft()
-                while voids[b]:  # revived since it entered: its live entry is later
-                    voids[b] -= 1
-                    b = lru.popleft()
+            victims: list[int] = []
+            ua = self._unadmitted
+            while ua and len(victims) < n - k:
+                victims.append(ua.popitem(last=False)[0])
+            if len(victims) < n - k:
+                victims += self._order.victims(n - k - len(victims))
+            for b in victims:
                 h = names[b]
                 if not isinstance(h, int):  # a pending name: no index entry
                     assert h is not None and self.deferred is not None, f"cached block {b}"
@@ -197,7 +232,12 @@ class BlockPool:
                 names[b] = None
                 owner[b] = -1
                 out.append(b)
+                evicted[h] = None
+            while len(evicted) > 8 * self.num_blocks:
+                evicted.popitem(last=False)
             self.num_evictions += n - k
+        if self._counts:
+            self._order.allocated(out)
         f = fill + ramp
         for b in out:
             ref[b] = 1
@@ -213,11 +253,11 @@ class BlockPool:
         if self.ref[b] == 0:
             # Only a cached block can be revived: a plain free block has no content.
             assert self.block_hash[b] is not None, f"touch of free block {b}"
-            self._voids[b] += 1  # its LRU entry is void now
             self.num_cached_free -= 1
-            if len(self._lru) > 2 * self.num_cached_free + self.compact_min:  # compact
-                self._lru = deque(self.lru_order())
-                self._voids = [0] * self.num_blocks
+            if self._unadmitted and b in self._unadmitted:
+                del self._unadmitted[b]
+            else:
+                self._order.remove(b)
             self.num_used += 1
             self.used_slots += self.fill[b]
             if self.ledger is not None:
@@ -225,6 +265,12 @@ class BlockPool:
         self.ref[b] += 1
         if self.ref[b] == 2:
             self.num_shared += 1
+        if self._counts:
+            self._order.referenced(b)
+        if self._admits:
+            h = self.block_hash[b]
+            if isinstance(h, int):
+                self._admission.used(h)
 
     def release(self, b: int) -> None:
         """Drop one reference; at zero the block becomes cached-free or plain free."""
@@ -234,7 +280,8 @@ class BlockPool:
         """:meth:`release` of each of ``blocks`` in turn (a sequence's table as it is freed:
         every block of every request passes here, in one call)."""
         ref, fill, names, led = self.ref, self.fill, self.block_hash, self.ledger
-        lru, free = self._lru, self._free
+        insert, free = self._order.insert, self._free
+        admission = self._admission if self._admits else None
         closed: list[int] = []
         unshared = slots = cached = 0
         for b in blocks:
@@ -247,7 +294,10 @@ class BlockPool:
                 slots += fill[b]
                 closed.append(b)
                 if names[b] is not None:
-                    lru.append(b)  # most recently freed: evicted last
+                    if admission is None or admission.admit(b):
+                        insert(b)  # (lru: most recently freed, evicted last)
+                    else:
+                        self._unadmitted[b] = None
                     cached += 1
                 else:
                     free.append(b)
@@ -278,15 +328,15 @@ class BlockPool:
             tag = self.ledger.close(b)
             self.ledger.open(b, self.block_size, self.fill[b], tag)
 
-    def register(self, b: int, block_hash: int, owner: int = -1) -> bool:
+    def register(self, b: int, block_hash: int, owner: int = -1, depth: int = 0) -> bool:
         """Name full block ``b`` by its chained hash so later prompts can hit it;
         ``owner`` is the request that computed it. Returns False if ``b`` is named already.
         A hash may name several blocks (the same content computed twice): all stay
         findable until each is evicted."""
         assert self.fill[b] == self.block_size, "only full blocks are cacheable"
-        return self.name(b, block_hash, owner)
+        return self.name(b, block_hash, owner, depth)
 
-    def name(self, b: int, block_hash: int, owner: int = -1) -> bool:
+    def name(self, b: int, block_hash: int, owner: int = -1, depth: int = 0) -> bool:
         """:meth:`register` of a block known to be full whose fill is recorded later (the
         roofline's fast path)."""
         if self.block_hash[b] is not None:
@@ -294,10 +344,10 @@ class BlockPool:
         deferred = self.deferred
         if deferred is not None and block_hash in deferred.pending:  # named now
             deferred.materialize([block_hash])
-        self.enter_name(b, block_hash, owner)
+        self.enter_name(b, block_hash, owner, depth)
         return True
 
-    def enter_name(self, b: int, block_hash: int, owner: int) -> None:
+    def enter_name(self, b: int, block_hash: int, owner: int, depth: int = 0) -> None:
         """Name block ``b`` (not named, or carrying a pending name being made:
         DeferredNames) in the index."""
         by_hash = self._by_hash
@@ -309,3 +359,8 @@ class BlockPool:
                 c[b] = None
         self.block_hash[b] = block_hash
         self.owner[b] = owner
+        self.depth[b] = depth
+        if self.recently_evicted:
+            self.recently_evicted.pop(block_hash, None)  # computed again: no regret
+        if self._admits:
+            self._admission.used(block_hash)

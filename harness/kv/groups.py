@@ -150,6 +150,10 @@ class GroupedKVManager:
         self.watermark_blocks = max(1, int(watermark * num_blocks)) if watermark > 0 else 0
         self.stats = KVStats()
 
+
+    def set_cache_policy(self, eviction: str, admission: str) -> None:
+        """The shared pool's eviction order and admission rule (harness/kv/eviction.py)."""
+        self.pool.set_policy(eviction, admission)
     def _member(self, a: LayerAttention, num_blocks: int, index: int) -> PagedKVManager:
         # Each group names its blocks with its own salt: the same tokens' pages of two
         # groups hold different layers.
@@ -168,12 +172,13 @@ class GroupedKVManager:
 
     def _sum_stats(self) -> None:
         """The groups' counters into :attr:`stats`: copies and given-back tokens summed;
-        prefix lookups and hits as the first group counted them (a hit is a hit of every
-        group: counted once)."""
+        prefix lookups, hits and regrets as the first group counted them (a hit is a hit
+        of every group: counted once)."""
         for f in ("cow_copies", "evicted_tokens", "swapped_out_blocks", "swapped_in_blocks"):
             setattr(self.stats, f, sum(getattr(m.stats, f) for m in self.members))
         first = self.members[0].stats
-        for f in ("prefix_query_tokens", "prefix_hit_tokens", "self_hit_tokens"):
+        for f in ("prefix_query_tokens", "prefix_hit_tokens", "self_hit_tokens",
+                  "regret_blocks", "regret_tokens"):
             setattr(self.stats, f, getattr(first, f))
 
     # -- admission -------------------------------------------------------------------

@@ -255,6 +255,8 @@ class PagedKVManager:
         for d in demands:
             if self.enable_prefix_caching and not self.holds(d.seq):
                 self.stats.prefix_query_tokens += d.seq.num_tokens
+                if self.pool.recently_evicted:
+                    self._count_regret(d)
             if d.hit_blocks or d.loads:
                 self._take_hits(d)
         if loads:
@@ -326,13 +328,38 @@ class PagedKVManager:
                 assert self.tiers is not None
                 self.tiers.load(hit, b, count_hit=self.count_group_hits)
                 pool.set_fill(b, self.block_size)
-                pool.register(b, h, hit.owner)
+                pool.register(b, h, hit.owner, len(st.table))
                 if self.count_group_hits:
                     seq.group.tier_hit_blocks[hit.tier - 1] += 1
             self._count_hit(seq, hit.owner)
             st.table.append(b)
             st.hashes.append(h)
         self.logical_blocks += d.num_hit_blocks - d.hit_blocks.count(GIVEN_BACK)
+
+    def _count_regret(self, d: Demand) -> None:
+        """The prompt's full blocks after its hits whose content was evicted from the
+        device within the run (the pool's ``recently_evicted``): they are computed again
+        because of the evictions (``cache.regret_blocks``; the run of them right after
+        the hits, where the lookup stopped)."""
+        evicted = self.pool.recently_evicted
+        seq = d.seq
+        n_hit = d.num_hit_blocks
+        parent = _ROOT_HASH
+        if n_hit:
+            parent = self.chain_hashes(seq, n_hit)[-1]
+        full = (len(seq.token_ids) - 1) // self.block_size
+        k = 0
+        for h in islice(self._hash_chain(seq, n_hit, parent), full - n_hit):
+            if h not in evicted:
+                break
+            k += 1
+        self.stats.regret_blocks += k
+        self.stats.regret_tokens += k * self.block_size
+
+    def set_cache_policy(self, eviction: str, admission: str) -> None:
+        """The pool's eviction order and admission rule (``cache.eviction``,
+        ``cache.admission``: harness/kv/eviction.py), before anything is cached."""
+        self.pool.set_policy(eviction, admission)
 
     def _count_hit(self, seq: Sequence, owner: int) -> None:
         """One hit block of ``seq``: a self hit when its own request computed it (a
@@ -424,7 +451,7 @@ class PagedKVManager:
         evicted since (it no longer carries ``name``); ``st``'s hashes go on either way."""
         pool = self.pool
         if pool.block_hash[block] is name:
-            pool.enter_name(block, h, owner)
+            pool.enter_name(block, h, owner, len(st.hashes))
         st.hashes.append(h)
 
     def take_ramped(self, tables: list[SeqBlocks], ramp: int) -> list[int]:
@@ -479,7 +506,7 @@ class PagedKVManager:
         for st, tokens, key, owner in zip(tables, blocks, keys, owners):
             hashes = st.hashes
             h = block_hash(hashes[-1] if hashes else _ROOT_HASH, tokens, key)
-            register(st.table[len(hashes)], h, owner)
+            register(st.table[len(hashes)], h, owner, len(hashes))
             hashes.append(h)
 
     def _register_full_blocks(self, seq: Sequence, st: SeqBlocks, end: int) -> None:
@@ -497,7 +524,7 @@ class PagedKVManager:
         chain = self._hash_chain(seq, first, hashes[-1] if hashes else _ROOT_HASH)
         for i, h in zip(range(first, last), chain):
             hashes.append(h)
-            if self.pool.register(st.table[i], h, rid) and self.tiers is not None \
+            if self.pool.register(st.table[i], h, rid, i) and self.tiers is not None \
                     and self.tiers.write == "through":
                 self._named_now.append((st.table[i], h))
 

@@ -180,6 +180,10 @@ def summarize(r: Records, run_info: dict[str, Any], kv_budget_bytes: int,
         "cache.sharing_saved_pct": (100.0 * total(saved) / logical_total
                                     if logical_total else 0.0),
         "cache.evicted_tokens": st.evicted_tokens,
+        # Prompt blocks computed again because the pool evicted their content within the
+        # run (harness/kv/eviction.py): the cost of the eviction order's choices.
+        "cache.regret_blocks": st.regret_blocks,
+        "cache.regret_tokens": st.regret_tokens,
         "sched.steps": len(steps),
         "sched.preemptions_recompute": r.preemptions_recompute,
         "sched.preemptions_swap": r.preemptions_swap,

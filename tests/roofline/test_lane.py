@@ -78,7 +78,10 @@ def workloads() -> st.SearchStrategy[list[str]]:
 def options() -> st.SearchStrategy[list[str]]:
     return st.builds(
         lambda backend, bs, budget, swap, caching, seqs, tokens, mml: [
-            f"backend={backend}", f"backend.block_size={bs}", f"cache.kv_budget={budget}",
+            f"backend={backend}",
+            # (contiguous storage has no blocks: it refuses the option)
+            *([f"backend.block_size={bs}"] if backend != "contiguous" else []),
+            f"cache.kv_budget={budget}",
             f"cache.enable_prefix_caching={caching}", f"scheduler.max_num_seqs={seqs}",
             f"scheduler.max_num_batched_tokens={tokens}", f"scheduler.max_model_len={mml}",
             *(["scheduler.preemption_mode=swap", "cache.swap_space=256MiB"] if swap else [])],
