@@ -35,6 +35,7 @@ from harness.metrics.goodput import SLOConfig, check_slo
 from harness.quality_config import QualityConfig
 from harness.roofline.config import RooflineConfig
 from harness.sched.scheduler import SchedulerConfig
+from harness.sched.spec import SchedulerSpec
 from harness.units import parse_bytes
 from harness.validate import finite_floats, one_of
 from harness.workloads import WORKLOADS, WorkloadOptions
@@ -208,7 +209,15 @@ class RecordsSpec:
     # Keep each request's output ids (RunResult.outputs, requests' output_ids column).
     # false: not kept, and the column is left out: a million requests' outputs are GBs
     # (under executor=roofline they are synthetic ids anyway). Quality scoring needs them.
-    output_ids: bool = True
+    # None (the default): true under executor=model, false under executor=roofline
+    # (RunConfig resolves it; a 1M-row trace kept 7 GB of synthetic ids, issue #54).
+    output_ids: bool | None = None
+
+    @property
+    def keep_output_ids(self) -> bool:
+        """``output_ids`` as the run resolved it (:class:`RunConfig`)."""
+        assert self.output_ids is not None, "resolved by RunConfig.__post_init__"
+        return self.output_ids
 
     def __post_init__(self) -> None:
         one_of(self, "records", "format", RECORD_FORMATS)
@@ -220,7 +229,10 @@ class RunConfig:
     backend: Any = MISSING
     workload: Any = MISSING
     model: ModelSpec = field(default_factory=ModelSpec)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # A SchedulerSpec until its unset sizes are resolved: at once under executor=model (here),
+    # by the roofline target under executor=roofline (the engine's sizes need the model,
+    # the backend's bytes per token and the workload's lengths).
+    scheduler: SchedulerConfig = field(default_factory=SchedulerSpec)
     cache: CacheSpec = field(default_factory=CacheSpec)
     logger: LoggerSpec = field(default_factory=LoggerSpec)
     quality: QualityConfig = field(default_factory=QualityConfig)
@@ -263,6 +275,10 @@ class RunConfig:
         if not 0 <= self.repeat < self.repeats:
             raise UserError(f"repeat={self.repeat} is set by kvbench (0 .. repeats-1); "
                             "leave it out and give repeats=N")
+        if self.records.output_ids is None:
+            self.records.output_ids = self.executor == "model"
+        if isinstance(self.scheduler, SchedulerSpec) and self.executor == "model":
+            self.scheduler = self.scheduler.resolved()
         if not self.records.output_ids and self.executor != "roofline":
             raise UserError("records.output_ids=false drops the outputs a model made, which "
                             "its quality and task scores read: it is for executor=roofline "
@@ -462,7 +478,7 @@ def register_configs() -> None:
     for name, (config_cls, _) in WORKLOADS.items():
         cs.store(group="schema/workload", name=name, node=config_cls(name=name))
     cs.store(group="schema/model", name="model", node=ModelSpec)
-    cs.store(group="schema/scheduler", name="scheduler", node=SchedulerConfig)
+    cs.store(group="schema/scheduler", name="scheduler", node=SchedulerSpec)
     cs.store(group="schema/cache", name="cache", node=CacheSpec)
     cs.store(group="schema/slo", name="slo", node=SLOConfig)
     cs.store(group="schema/logger", name="none", node=LoggerSpec)

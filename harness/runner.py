@@ -29,6 +29,7 @@ from harness.model_target import ModelTarget
 from harness.progress import Progress, make_progress
 from harness.results import write_results
 from harness.roofline.run import RooflineTarget
+from harness.sched.spec import SCHEDULER_SIZES
 from harness.stack import Stack
 from harness.target import RunTarget
 from harness.workloads import make_workload
@@ -81,8 +82,9 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
     n = rc.cluster.replicas
     stacks = build_replicas(target, workload, n)
     st = stacks[0]
+    config_yaml = with_resolved(config_yaml, st, rc)
     for s in stacks:
-        s.collector.keep_outputs = rc.records.output_ids
+        s.collector.keep_outputs = rc.records.keep_output_ids
     cluster = make_cluster(rc.cluster, stacks, rc.seed) if n > 1 else None
     progress = _progress(rc.progress)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -121,7 +123,7 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
     else:
         metrics, rows, steps, which = summarize_cluster(
             cluster, run_info, st.sizing.kv_budget_bytes, st.sizing.num_slots, clock_s,
-            rc.records.output_ids)
+            rc.records.keep_output_ids)
         step_extra = {"replica": which}
         outputs = {k: v for s in stacks for k, v in s.collector.outputs().items()}
     metrics.update(own.metrics)
@@ -142,6 +144,24 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
                       step_extra)
     check_rejections(rows, out_dir)
     return RunResult(metrics, rows, out_dir, outputs, steps)
+
+
+def with_resolved(config_yaml: str, st: Stack, rc: RunConfig) -> str:
+    """config.yaml with the values the run resolved where the config left them unset
+    (null): the scheduler's sizes (kvbench's, or the modelled engine's under
+    executor=roofline) and ``records.output_ids``."""
+    cfg = OmegaConf.create(config_yaml)
+    assert isinstance(cfg, DictConfig)
+    sched, records = cfg.get("scheduler"), cfg.get("records")
+    unset = [k for k in SCHEDULER_SIZES if sched is not None and sched.get(k, 0) is None]
+    if not unset and (records is None or records.get("output_ids", False) is not None):
+        return config_yaml
+    for k in unset:  # the config's value (resolved), else the stack's (the engine's)
+        v = getattr(rc.scheduler, k)
+        sched[k] = v if v is not None else getattr(st.scheduler.cfg, k)
+    if records is not None and records.get("output_ids", False) is None:
+        records.output_ids = rc.records.keep_output_ids
+    return OmegaConf.to_yaml(cfg)
 
 
 def build_replicas(target: RunTarget, workload: Any, n: int) -> list[Stack]:

@@ -87,7 +87,7 @@ ENGINE: dict[str, list[str]] = {
 # paths it leaves to stepping one by one, each under memory pressure.
 _W = ["executor=roofline", "roofline.model=Llama-3.1-8B", "roofline.hardware=h100-sxm",
       "scheduler.max_num_seqs=64", "scheduler.max_num_batched_tokens=2048",
-      "scheduler.max_model_len=4096", "cache.kv_budget=1GiB"]
+      "scheduler.max_model_len=4096", "cache.kv_budget=1GiB", "records.output_ids=true"]
 _RND = ["workload=random", "workload.num_requests=500", "workload.rate=40",
         "workload.input_mean=400", "workload.input_std=300", "workload.input_max=2048",
         "workload.output_mean=200", "workload.output_std=150", "workload.output_max=1024"]

@@ -7,8 +7,15 @@ scheduled anew (multi-step scheduling makes the others not fresh) and ``step_s +
 step_per_seq_s x seqs`` on every step (launch, sampling, output processing); its
 all-reduce kernels' small-message latency (``allreduce_latency_s``); plus the
 ``scheduler.*`` settings that mirror how that engine batches (``scheduler``: what
-``python -m harness.roofline_tools.validate`` runs each published point with; a user's run
-takes them only as given on the command line, see docs/whatif.md).
+``python -m harness.roofline_tools.validate`` runs each published point with).
+
+A user's what-if takes the profile's batch sizes where it sets none: ``max_num_seqs`` and
+``max_num_batched_tokens`` from ``scheduler`` (its rules resolved: ``"max(max_model_len,
+2048)"``, ``"trtllm-bench"`` from the workload), ``max_model_len`` the model's context or
+what one sequence can hold in the KV budget (harness.roofline.sizes; recorded as
+``run.max_num_seqs`` ... and ``run.scheduler_sizes``). Its mixing, chunked prefill and
+admission are taken only as given on the command line (kvbench's defaults keep the fast
+path on); see docs/whatif.md.
 
 A profile is ``calibrated`` only when fitted to published points of its own engine
 (harness/roofline/published/fit.yaml, by ``python -m harness.roofline_tools.validate --fit``);

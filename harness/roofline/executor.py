@@ -154,6 +154,7 @@ class RooflineExecutor:
         # the clock at its end), when set to a list.
         self.trace: list[tuple[float, int, bool, float]] | None = None
         self.fast_path = "off"  # the run's decode lanes: "lanes", or "off: why" (run.py)
+        self.sizes = ""  # run.scheduler_sizes: the scheduler's sizes and their sources (run.py)
 
     def bind(self, kv: KVManager) -> None:
         self.kv = kv

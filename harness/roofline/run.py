@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from harness import layer_types
-from harness.backends.base import KVLayout
+from harness.backends.base import KVBackend, KVLayout
 from harness.engine.sampler import Sampler
 from harness.metrics.groups import group_metrics
 from harness.metrics.requestlog import RequestLog
@@ -34,10 +34,12 @@ from harness.roofline.executor import (
     synthetic_tokens,
 )
 from harness.roofline.fastpath.scheduler import LaneChoice
-from harness.roofline.hardware import get_hardware
+from harness.roofline.hardware import HardwareSpec, get_hardware
 from harness.roofline.models import get_model_spec
 from harness.roofline.profile import kv_dtype_of
+from harness.roofline.sizes import model_len, resolve_sizes
 from harness.roofline.steptime import StepModel
+from harness.sched.spec import scheduler_unset
 from harness.stack import Stack, assemble_stack, kv_plan, kv_plan_label, make_backend
 from harness.target import ExecutorRecord
 from harness.workloads.base import Workload, request_shapes
@@ -48,23 +50,39 @@ if TYPE_CHECKING:
 QUALITY_ABSENT = "absent: executor=roofline computes no logits to score"
 
 
-def build_roofline(rc: RunConfig, workload: Workload, quiet: bool = False,
-                   arch: ArchSpec | None = None) -> tuple[Stack, RooflineExecutor]:
-    """The stack of ``rc`` with a :class:`RooflineExecutor` in place of the model
-    (``arch``: ``roofline.model``'s spec, when the caller has read it already)."""
+def _sized_backend(rc: RunConfig, arch: ArchSpec) -> tuple[HardwareSpec, KVBackend, str | int]:
+    """The hardware spec, the backend (built for its sizing only: no tensors) and the KV
+    budget of ``rc`` on ``arch``."""
     r = rc.roofline
-    arch = arch if arch is not None else get_model_spec(r.model)
     hw = get_hardware(r.hardware)
     if r.attention != "spec":
         hw = dataclasses.replace(hw, attention=r.attention)
     layout = KVLayout(arch.num_layers, arch.num_kv_heads, arch.head_dim, parse_dtype(r.dtype))
-    device = torch.device("cpu")  # backends are built for their sizing only: no tensors
-    backend = make_backend(rc.backend, layout, device)
+    backend = make_backend(rc.backend, layout, torch.device("cpu"))
+    budget = auto_kv_budget(arch, hw, r) if rc.cache.kv_budget == "auto" else \
+        rc.cache.kv_budget
+    return hw, backend, budget
+
+
+def build_roofline(rc: RunConfig, workload: Workload, quiet: bool = False,
+                   arch: ArchSpec | None = None,
+                   len_source: str | None = None) -> tuple[Stack, RooflineExecutor]:
+    """The stack of ``rc`` with a :class:`RooflineExecutor` in place of the model
+    (``arch``: ``roofline.model``'s spec, when the caller has read it already). The
+    scheduler's unset sizes take the modelled engine's (harness.roofline.sizes;
+    ``len_source``: where max_model_len came from, when the target resolved it early)."""
+    r = rc.roofline
+    arch = arch if arch is not None else get_model_spec(r.model)
+    hw, backend, budget = _sized_backend(rc, arch)
+    device = torch.device("cpu")
     layers = arch.layer_attention
     plan = kv_plan(arch.name, layers, backend, rc.cache.kv_groups) \
         if layers and not layer_types.own_window(layers, rc.backend) else None
-    budget = auto_kv_budget(arch, hw, r) if rc.cache.kv_budget == "auto" else \
-        rc.cache.kv_budget
+    sizes = resolve_sizes(rc.scheduler, get_engine(r.engine, r.hardware),
+                          engine_name(r.engine, r.hardware), arch, hw, r, backend, budget,
+                          lambda: request_shapes(workload))
+    if len_source is not None:
+        sizes.source["max_model_len"] = len_source
     step = StepModel(arch, hw, backend.bytes_per_slot(), COMPUTE[r.dtype],
                      WEIGHT_BYTES[r.weight_dtype], r.tp, kv_dtype_of(backend),
                      gemm_dtype=r.gemm_dtype(), engine=get_engine(r.engine, r.hardware))
@@ -75,11 +93,12 @@ def build_roofline(rc: RunConfig, workload: Workload, quiet: bool = False,
     ex = RooflineExecutor(step, backend, links)
     eos = tuple(ByteTokenizer().eos_ids)
     lanes = LaneChoice(backend.costs(), r.fast_path, synthetic_tokens, SYNTHETIC_IDS)
-    st = assemble_stack(backend, device, rc.cache, rc.scheduler, Sampler(rc.seed),
+    st = assemble_stack(backend, device, rc.cache, sizes.sched, Sampler(rc.seed),
                         arch.max_position_embeddings, eos, executor=ex,
                         shapes=request_shapes(workload), quiet=quiet, kv_budget=budget,
                         groups=plan, make_scheduler=lanes)
     ex.fast_path = "lanes" if lanes.why is None else f"off: {lanes.why}"
+    ex.sizes = sizes.label()
     return st, ex
 
 
@@ -92,6 +111,12 @@ class RooflineTarget:
         if rc.cpu_threads > 0:  # the synthetic logits are tiny: threads only fight (12 ms/step)
             torch.set_num_threads(rc.cpu_threads)
         self.arch = get_model_spec(rc.roofline.model)  # a bad spec fails before the workload
+        # max_model_len before the workload is made (a trace truncates its rows to it).
+        self.len_source: str | None = None
+        if "max_model_len" in scheduler_unset(rc.scheduler):
+            _, backend, budget = _sized_backend(rc, self.arch)
+            mml, self.len_source = model_len(self.arch, backend, budget)
+            rc.scheduler = dataclasses.replace(rc.scheduler, max_model_len=mml)
         self.executor: RooflineExecutor | None = None
         self.kv_label = ""
         self._tokenizer = ByteTokenizer()
@@ -105,7 +130,8 @@ class RooflineTarget:
         return self.arch.max_position_embeddings
 
     def build(self, workload: Workload, quiet: bool = False) -> Stack:
-        st, self.executor = build_roofline(self.rc, workload, quiet=quiet, arch=self.arch)
+        st, self.executor = build_roofline(self.rc, workload, quiet=quiet, arch=self.arch,
+                                           len_source=self.len_source)
         if self.arch.layer_attention:
             self.kv_label = kv_plan_label(self.arch.layer_attention, st.kv)
         return st
@@ -123,6 +149,11 @@ class RooflineTarget:
         run.update({"engine": eng, "engine_source": "calibrated" if prof.calibrated
                     else "prior", "compute_dtype": r.gemm_dtype(),
                     "fast_path": ex.fast_path})
+        # The scheduler's sizes it ran with (the engine's where unset: harness.roofline.sizes)
+        cfg = st.scheduler.cfg
+        run.update({"max_num_seqs": cfg.max_num_seqs,
+                    "max_num_batched_tokens": cfg.max_num_batched_tokens,
+                    "max_model_len": cfg.max_model_len, "scheduler_sizes": ex.sizes})
         if self.arch.layer_attention:
             run["kv_groups"] = self.kv_label
         # The band is measured on dense models: an MoE or hybrid run has none (issue #55).

@@ -76,7 +76,7 @@ def test_a_finished_request_is_let_go(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(collector.MetricsCollector, "on_tokens", spy)
     monkeypatch.setattr(collector.MetricsCollector, "on_lane_tokens", spy_lane)
-    r = run(compose_cfg(ROOFLINE))
+    r = run(compose_cfg([*ROOFLINE, "records.output_ids=true"]))  # roofline's default: none
     # Never more groups held than requests in flight (12 running plus the queue), and
     # none at the end; every finished request's outputs and row are still there.
     assert max(live) < 40 and live[-1] == 0
