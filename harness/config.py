@@ -35,7 +35,7 @@ from harness.metrics.goodput import SLOConfig, check_slo
 from harness.quality_config import QualityConfig
 from harness.roofline.config import RooflineConfig
 from harness.sched.scheduler import SchedulerConfig
-from harness.sched.spec import SchedulerSpec
+from harness.sched.spec import SCHEDULER_SIZES, SchedulerSpec
 from harness.units import parse_bytes
 from harness.validate import finite_floats, one_of
 from harness.workloads import WORKLOADS, WorkloadOptions
@@ -295,6 +295,29 @@ class RunConfig:
         if not 0 <= self.seed < 2**63:
             raise UserError(f"seed must be in [0, 2^63), got {self.seed}")
         check_slo(self.slo, self.quality.enabled, self.quality.generation_agreement)
+
+
+# Keys a run resolves when the config leaves them unset (null), and config.yaml holds
+# resolved: the scheduler's sizes (kvbench's under executor=model, the modelled engine's
+# under executor=roofline) and records.output_ids (true under model, false under roofline).
+RESOLVED_AT_RUN = (*(f"scheduler.{k}" for k in SCHEDULER_SIZES), "records.output_ids")
+
+
+def as_recorded(config: dict[str, Any]) -> dict[str, Any]:
+    """A composed config (a plain container) with the unset values a run resolves from it
+    alone, as its config.yaml will hold them: executor=model's scheduler sizes and
+    records.output_ids. A what-if's sizes stay null: they are the engine's (they need the
+    model, the backend and the workload; harness.roofline.sizes)."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
+    model = out.get("executor", "model") == "model"
+    sched, records = out.get("scheduler"), out.get("records")
+    if isinstance(records, dict) and records.get("output_ids") is None:
+        records["output_ids"] = model
+    if isinstance(sched, dict) and model:
+        for k, v in SCHEDULER_SIZES.items():
+            if sched.get(k) is None:
+                sched[k] = v
+    return out
 
 
 def run_config(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunConfig:

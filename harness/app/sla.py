@@ -109,18 +109,19 @@ class Searcher:
         """The config the probe at ``rate`` runs, resolved (as its config.yaml holds it)."""
         from omegaconf import OmegaConf
 
-        from harness.config import compose_config
+        from harness.config import as_recorded, compose_config
 
         c = OmegaConf.to_container(compose_config(self.overrides_of(backend, rate)),
                                    resolve=True)
         assert isinstance(c, dict)
-        return {str(k): v for k, v in c.items()}
+        return as_recorded({str(k): v for k, v in c.items()})
 
     def check_reuse(self, backend: str, rate: float, folder: Path) -> None:
         """Refuse a finished probe whose config is not what this search would run (another
         SLO, model, workload: its pass or fail is not this search's)."""
         import yaml
 
+        from harness.config import RESOLVED_AT_RUN
         from harness.reporting.runs import comparable, flatten
 
         def flat(d: Any) -> dict[str, str]:  # compared as the gate compares configs
@@ -133,8 +134,10 @@ class Searcher:
             raise ProbeFailed(f"{folder} holds a finished probe whose config.yaml cannot be "
                               f"read ({e}): remove it, or use another --out") from None
         want = flat(self.planned(backend, rate))
+        # A what-if's unset sizes are the engine's, a function of the rest of the config.
         diff = [f"{k}: {had.get(k, '(unset)')} here, {want.get(k, '(unset)')} now"
-                for k in sorted(set(had) | set(want)) if had.get(k) != want.get(k)]
+                for k in sorted(set(had) | set(want)) if had.get(k) != want.get(k)
+                and not (k in RESOLVED_AT_RUN and want.get(k) == "null")]
         if diff:
             raise UserError(f"{folder} holds a probe of another config ("
                             + "; ".join(diff[:4]) + (f"; {len(diff) - 4} more" if len(diff) > 4

@@ -14,6 +14,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from harness.app.gate import DEFAULT_SPEC, judge, main
+from harness.config import as_recorded
 from harness.reporting.baseline import Baseline, MetricSpec
 from harness.reporting.runs import flatten, fmt_value
 from tests.app.test_report import make_sweep
@@ -189,7 +190,9 @@ def test_committed_cpu_baseline_matches_the_ci_smoke_sweep() -> None:
     for key, recorded in b.configs.items():
         backend, workload = key.split("/")
         cfg = compose_cfg(["+experiment=ci_smoke", f"backend={backend}", f"workload={workload}"])
-        now = flatten(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
+        # as its config.yaml holds it: the sizes a run resolves filled in
+        now = flatten(as_recorded(
+            OmegaConf.to_container(cfg, resolve=True)))  # type: ignore[arg-type]
         stale = {k: (v, fmt_value(now[k])) for k, v in recorded.items()
                  if k in now and fmt_value(now[k]) != v}
         assert not stale, (f"{key}: ci_smoke changed since the baseline (baseline, now): "

@@ -142,3 +142,18 @@ def test_an_unset_size_is_checked_when_given() -> None:
 
     with pytest.raises(UserError, match="max_num_seqs"):
         run_config(compose_cfg(["executor=roofline", "scheduler.max_num_seqs=0"]))
+
+
+def test_as_recorded_fills_what_a_run_resolves_from_the_config_alone() -> None:
+    from harness.config import as_recorded
+
+    model = as_recorded({"executor": "model", "scheduler": {"max_num_seqs": 4,
+                         "max_num_batched_tokens": None, "max_model_len": None},
+                         "records": {"output_ids": None}})
+    assert model["scheduler"] == {"max_num_seqs": 4, "max_num_batched_tokens": 1024,
+                                  "max_model_len": 2048}
+    assert model["records"] == {"output_ids": True}
+    roof = as_recorded({"executor": "roofline", "scheduler": {"max_num_seqs": None},
+                        "records": {"output_ids": None}})
+    assert roof == {"executor": "roofline", "scheduler": {"max_num_seqs": None},
+                    "records": {"output_ids": False}}  # the engine's sizes: at the run
