@@ -247,6 +247,8 @@ def print_summary(m: dict[str, Any], out_dir: Path | None) -> None:
                          f"({f('cluster.load_imbalance', '{:.2f}')})"))
     if m.get("run.executor") == "roofline":  # modelled times: with their validated error
         lines.insert(1, ("what-if (modelled) error band", str(m.get("run.expected_error"))))
+    if "quality.task_accuracy" in m:  # a task workload (ruler): its score, with its interval
+        lines[-1:-1] = [("task accuracy [95% CI]", f("quality.task_accuracy", "{:.3f}"))]
     if "quality.ppl" in m:
         lines[-1:-1] = [
             ("quality: ppl / ref (delta %)",

@@ -10,7 +10,10 @@ Finds every run at or below the folders given and writes into ``--out`` (default
   the config keys that differ between runs, such as backend.reserve, workload.n or
   cache.kv_budget), each value with its ratio to the baseline backend's run on the same
   workload with the same config outside ``backend.*``; a run with no such baseline run is
-  shown without ratios and named, with what differs, never compared with an unlike run;
+  shown without ratios and named, with what differs, never compared with an unlike run.
+  A parameter sweep of one backend is compared with its reference run (the swept keys at
+  their defaults, else their first values: harness/reporting/table.py), not each run with
+  itself; speeds of single runs (no ``repeats``) carry a notice on their noise;
 - ``comparison.csv``: the same rows, every ratio in a ``<metric>.vs_baseline`` column;
 - ``runs.csv``: every metric and variant of every run, with its status (for pandas);
 - PNG figures: throughput vs memory waste, quality vs memory held per sequence (when
@@ -40,7 +43,13 @@ from harness.errors import interruptible
 from harness.reporting.plots import write_plots
 from harness.reporting.rate import write_rate_plots
 from harness.reporting.runs import SweepCheck, check_sweeps, find_runs, one_line, variant
-from harness.reporting.table import Comparison, compare, status_counts, to_markdown
+from harness.reporting.table import (
+    Comparison,
+    compare,
+    noise_notice,
+    status_counts,
+    to_markdown,
+)
 
 
 @dataclass(slots=True)
@@ -134,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     stale = len(check.stale) if files.stale_left_out else 0
     print(f"kvbench report: {status_counts(cmp, len(check.never_started), stale)}"
           + (f"; ratios to {cmp.baseline_backend}" if len(cmp.frame) else "; nothing finished"))
+    for wl, key in cmp.references.items():
+        print(f"  {wl}: a parameter sweep of one backend: ratios to {key}")
+    if (notice := noise_notice(cmp)) is not None:
+        print(f"  note: {notice.replace('`', '')}")
     for r in cmp.failed:
         print(f"  {r.status}: {r.path}: {one_line(r.failure)}")
     for sweep, job in check.never_started:

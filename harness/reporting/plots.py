@@ -23,6 +23,7 @@ from harness.reporting.task_plots import write_task_report
 
 MIB = 2**20
 QUALITY = [("quality.ppl_delta_pct", "perplexity delta %"), ("quality.kl_mean", "mean KL")]
+MARKERS = "osD^vP*Xhp<>d"  # one per run in quality_vs_memory's legend
 
 
 def _colors(backends: list[str]) -> dict[str, Any]:
@@ -30,12 +31,15 @@ def _colors(backends: list[str]) -> dict[str, Any]:
     return {b: palette[i % 10] for i, b in enumerate(sorted(set(backends)))}
 
 
-def _grid(n: int, ncols: int, w: float, h: float) -> tuple[Figure, list[Axes]]:
+def _grid(n: int, ncols: int, w: float, h: float,
+          sharey: bool = False) -> tuple[Figure, list[Axes]]:
+    """``n`` panels, ``ncols`` a row; ``sharey``: one y axis for all (panels that read
+    against each other)."""
     ncols = max(1, min(ncols, n))
     nrows = math.ceil(n / ncols)
     fig = Figure(figsize=(w * ncols, h * nrows), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(nrows, ncols, squeeze=False).ravel().tolist()
+    axes = fig.subplots(nrows, ncols, squeeze=False, sharey=sharey).ravel().tolist()
     for ax in axes[n:]:
         ax.set_visible(False)
     return fig, axes[:n]
@@ -100,35 +104,41 @@ def held_per_seq_bytes(run: Run) -> float | None:
 
 
 def quality_vs_memory(cmp: Comparison, runs: list[Run], path: Path) -> Path | None:
-    """Quality loss against KV bytes held per sequence: the lossy backends' trade-off."""
+    """Quality loss against KV bytes held per sequence: the lossy backends' trade-off.
+    Points are named in a legend beside the panels (one entry per run: its backend's
+    colour, a marker of its own), never by labels on the plot, which overlapped where
+    runs held about the same memory."""
     present = [(k, t) for k, t in QUALITY if k in cmp.frame and cmp.frame[k].notna().any()]
     if not present:
         return None
     by_path = {str(r.path): r for r in runs}
     colors = _colors(cmp.frame["backend"].tolist())
-    markers = dict(zip(dict.fromkeys(cmp.frame["workload"]), "osD^vP*X"))
+    several = cmp.frame["workload"].nunique() > 1
+    held = {row["path"]: held_per_seq_bytes(by_path[row["path"]])
+            for _, row in cmp.frame.iterrows()}
     fig, axes = _grid(len(present), 2, 4.8, 3.8)
+    entries: dict[str, Any] = {}  # legend text -> a handle
     for ax, (key, title) in zip(axes, present):
-        for _, row in cmp.frame.iterrows():
-            held = held_per_seq_bytes(by_path[row["path"]])
-            if held is None or row[key] is None or np.isnan(row[key]):
+        for i, (_, row) in enumerate(cmp.frame.iterrows()):
+            h = held[row["path"]]
+            if h is None or row[key] is None or np.isnan(row[key]):
                 continue
-            ax.scatter([held / 1024], [row[key]], color=colors[row["backend"]],
-                       marker=markers.get(row["workload"], "o"), s=40, zorder=3)
-            ax.annotate(row["label"], (held / 1024, row[key]), fontsize=7, xytext=(4, 3),
-                        textcoords="offset points")
+            name = row["label"] + (f" ({row['workload']})" if several else "")
+            entries[name] = ax.scatter([h / 1024], [row[key]], color=colors[row["backend"]],
+                                       marker=MARKERS[i % len(MARKERS)], s=40, zorder=3)
         ax.set(title=title, xlabel="KV KiB held per sequence (mean over steps)",
                ylabel=f"{title} (lower is better)")
         ax.grid(alpha=0.3)
-        for wl, mk in markers.items() if len(markers) > 1 else ():
-            ax.scatter([], [], color="grey", marker=mk, label=wl)
-        _backend_legend(ax, colors)
+    if entries:
+        fig.legend(list(entries.values()), list(entries), loc="outside right upper",
+                   fontsize=7, title="run", title_fontsize=8)
     fig.suptitle("Quality vs memory held per sequence")
     return _save(fig, path)
 
 
 def kv_over_time(runs: list[Run], keys: list[str], path: Path) -> Path | None:
-    """Reserved and used KV bytes over each run's time, one small panel per run."""
+    """Reserved and used KV bytes over each run's time, one small panel per run, on one
+    y axis (the panels read against each other: the same budget looks the same)."""
     every = [(r, r.steps()) for r in runs if r.metrics is not None]
     series = [(r, s) for r, s in every if not s.empty and "reserved_bytes" in s]
     _say_left_out(path, "steps", [r for r, s in every if not any(r is x for x, _ in series)])
@@ -137,7 +147,7 @@ def kv_over_time(runs: list[Run], keys: list[str], path: Path) -> Path | None:
     if not series:
         return None
     colors = _colors([r.backend for r, _ in series])
-    fig, axes = _grid(len(series), 4, 3.6, 2.7)
+    fig, axes = _grid(len(series), 4, 3.6, 2.7, sharey=True)
     for ax, (r, s) in zip(axes, series):
         t, res, used = s["time_s"], s["reserved_bytes"] / MIB, s["used_bytes"] / MIB
         c = colors[r.backend]

@@ -6,10 +6,21 @@ the same values of every variant key outside ``backend.*`` (the same budget, the
 When several qualify (a sweep over the baseline's own block sizes), the one that agrees
 with the run on the most config values wins, ties to the first in path order; ``--where``
 pins it (``backend.block_size=16``). The table names the baseline it used.
+
+A parameter sweep of one backend (every run on a workload is the baseline backend's, and
+they differ in some config key) would compare each run with itself, all 1.00x: there, every
+run is compared with the *reference run*, whose swept keys hold their default values (what
+the run would get without the override) where a run has them, else their first values in
+path order (a sweep's first job). ``--where`` still pins the baseline instead.
+
+Speeds are measured on the wall clock (executor=model): a single run of each configuration
+can be off by tens of percent, so the report says so and how to get intervals
+(``repeats=3``) whenever it shows speeds of runs without repeats.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +30,8 @@ import pandas as pd
 from harness.metrics.repeats import CI_HIGH, CI_LOW, is_speed, paired_ratio
 from harness.reporting.runs import (
     Run,
+    comparable,
+    flatten,
     fmt_value,
     label,
     one_line,
@@ -30,7 +43,7 @@ from harness.reporting.runs import (
 
 # (metrics.json key, table header, format). "bytes" prints MiB. Order = column order.
 KEY_METRICS: list[tuple[str, str, str]] = [
-    ("throughput.output_tokens_per_s", "out tok/s", "{:.1f}"),
+    ("throughput.output_tokens_per_s", "output tok/s", "{:.1f}"),
     ("latency.ttft_ms.p50", "TTFT p50 ms", "{:.1f}"),
     ("latency.ttft_ms.p99", "TTFT p99 ms", "{:.1f}"),
     ("latency.itl_ms.p50", "ITL p50 ms", "{:.2f}"),
@@ -54,6 +67,10 @@ KEY_METRICS: list[tuple[str, str, str]] = [
 # baseline's ~0 would read 10^6x. Shown as values only.
 NO_RATIO = {"quality.ppl_delta_pct", "quality.kl_mean", "roofline.expected_error_pct"}
 RATIO = ".vs_baseline"  # suffix of a ratio column in the CSV
+# The notice on speeds of single runs (issue #54: block size 48 read 2.13x once, 1.08x
+# [0.96, 1.22] with repeats=3).
+NOISE_HINT = ("rerun with `repeats=3` for medians with 95% intervals and paired ratios "
+              "(docs/sweeps.md)")
 
 
 @dataclass(slots=True)
@@ -66,6 +83,12 @@ class Comparison:
     # Finished runs with no baseline run of the same config outside backend.*, and how
     # they differ from the baseline backend's runs there ("workload.n=4 (paged: 2)").
     unmatched: list[tuple[Run, list[str]]] = field(default_factory=list)
+    # A parameter sweep of one backend: workload -> the key of the run every run on it is
+    # compared with (module docstring).
+    references: dict[str, str] = field(default_factory=dict)
+    # Finished runs whose speeds are one wall-clock measurement each (executor=model, no
+    # repeats): their labels.
+    single_runs: list[str] = field(default_factory=list)
 
 
 def resolve_baseline(runs: list[Run], requested: str | None) -> str:
@@ -103,6 +126,39 @@ def _differences(run: Run, candidates: list[Run], keys: list[str]) -> list[str]:
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def default_config(backend: str, workload: str) -> dict[str, str]:
+    """The config ``backend=<backend> workload=<workload>`` composes to with no other
+    override, flattened and spelled as runs are compared; empty when it cannot be composed
+    (a backend or workload this checkout does not have)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from harness.config import compose_config
+
+    try:
+        c = OmegaConf.to_container(compose_config([f"backend={backend}",
+                                                   f"workload={workload}"]), resolve=True)
+    except (OmegaConfBaseException, ValueError, LookupError, ImportError):
+        return {}  # hydra's MissingConfigException is a LookupError (IOError's kin: ValueError)
+    return comparable(flatten({str(k): v for k, v in c.items()})) if isinstance(c, dict) else {}
+
+
+def sweep_reference(members: list[Run], keys: list[str]) -> Run | None:
+    """The run a parameter sweep of one backend (``members``: its finished runs on one
+    workload, in path order) is compared with: the one holding the most swept keys at
+    their reference values (the default when a run has it, else the first value), the
+    first such in path order. None when they differ in no key."""
+    values = {k: list(dict.fromkeys(variant(r, [k]).get(k) for r in members)) for k in keys}
+    swept = {k: v for k, v in values.items() if len(v) > 1}
+    if len(members) < 2 or not swept:
+        return None
+    defaults = default_config(members[0].backend, members[0].workload)
+    want = {k: defaults[k] if defaults.get(k) in v else v[0] for k, v in swept.items()}
+    return max(members, key=lambda r: sum(variant(r, [k]).get(k) == x
+                                          for k, x in want.items()))
+
+
 def _ratio(value: Any, base: Any) -> float:
     if value is None or base is None or _nan(value) or _nan(base):
         return math.nan
@@ -137,11 +193,18 @@ def compare(runs: list[Run], baseline: str | None = None,
     base_runs = [r for r in done if r.backend == backend
                  and all(fmt_value(r.config.get(k)) == v for k, v in where.items())]
     metrics = [m for m, _, _ in KEY_METRICS if any(m in (r.metrics or {}) for r in done)]
+    references: dict[str, Run] = {}
+    for wl in dict.fromkeys(r.workload for r in done):
+        members = [r for r in done if r.workload == wl]
+        if not where and all(r.backend == backend for r in members):
+            ref = sweep_reference(members, keys)
+            if ref is not None:
+                references[wl] = ref
     rows, unmatched = [], []
     for r in done:
         m = r.metrics or {}
         candidates = [c for c in base_runs if c.workload == r.workload]
-        b = _pick(r, candidates, keys)
+        b = references.get(r.workload) or _pick(r, candidates, keys)
         if b is None and candidates:  # compared with nothing rather than with unlike runs
             unmatched.append((r, _differences(r, candidates, keys)))
         bm = (b.metrics or {}) if b else {}
@@ -164,7 +227,22 @@ def compare(runs: list[Run], baseline: str | None = None,
     for k in keys:  # a key only some backends have (backend.reserve) is blank elsewhere
         if k not in frame:
             frame[k] = None
-    return Comparison(frame, keys, metrics, backend, failed, unmatched)
+    single = [label(r, keys) for r in done if not r.repeats
+              and (r.metrics or {}).get("run.executor", "model") != "roofline"
+              and any(is_speed(k) and k in (r.metrics or {}) for k in metrics)]
+    return Comparison(frame, keys, metrics, backend, failed, unmatched,
+                      {wl: run_key(ref, keys) for wl, ref in references.items()}, single)
+
+
+def noise_notice(cmp: Comparison) -> str | None:
+    """The report's line on speeds of single runs (None when it shows none)."""
+    n = len(cmp.single_runs)
+    if not n:
+        return None
+    return (f"Speeds (tok/s, TTFT, ITL, e2e) of {n} run(s) here are single wall-clock "
+            "measurements: on a shared CPU one run can be off by tens of percent (a ratio "
+            "of 2.13x once read 1.08x [0.96, 1.22] with repeats), so small differences are "
+            f"noise; {NOISE_HINT}.")
 
 
 def status_counts(cmp: Comparison, never_started: int = 0, stale: int = 0) -> str:
@@ -211,6 +289,8 @@ def to_markdown(cmp: Comparison, sources: list[str], images: list[str],
                 "`backend.*`). Lower is better for latency, waste, preemptions and quality "
                 "deltas (ppl delta and KL are already relative to the exact reference: no "
                 "ratio).", ""]
+        if (notice := noise_notice(cmp)) is not None:
+            out += [f"**Noise:** {notice}", ""]
         if any(c.endswith(CI_LOW) for c in f.columns):
             out += ["A run repeated (`repeats=N`) shows the median over its repeats; its "
                     "speed values carry a 95% bootstrap interval in brackets, and a ratio "
@@ -225,6 +305,11 @@ def to_markdown(cmp: Comparison, sources: list[str], images: list[str],
         mets = [m for m in cmp.metrics if part[m].notna().any()]
         head = ["run", *vkeys, *(["baseline"] if show_base else []), *(headers[m] for m in mets)]
         out += [f"## workload: {wl}", ""]
+        if wl in cmp.references:
+            out += [f"A parameter sweep of `{cmp.baseline_backend}`: every ratio here is to "
+                    f"`{cmp.references[wl]}` (each swept key at its default value where a "
+                    "run has it, else at its first value; `--where KEY=VALUE` picks "
+                    "another).", ""]
         if part["baseline"].isna().all():
             out += [f"No `{cmp.baseline_backend}` run on this workload: no ratios.", ""]
         for r, diffs in cmp.unmatched:

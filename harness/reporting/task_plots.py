@@ -124,7 +124,9 @@ def _ci(m: dict[str, object], key: str) -> str:
 
 
 def table(runs: list[Run], keys: list[str]) -> str:
-    """Markdown: per run, accuracy with its interval, per task, per length, memory, speed."""
+    """Markdown: per run, accuracy with its interval, per task, per length, memory, speed
+    (total tok/s: prompt and output tokens per second, as RULER's runs are mostly prompt;
+    the report's table and the run summary show output tok/s)."""
     done = _task_runs(runs)
     if not done:
         return ""
@@ -135,7 +137,7 @@ def table(runs: list[Run], keys: list[str]) -> str:
     lengths = sorted({int(k.split(".")[3]) for m in ms for k in m
                       if k.startswith(ACC + ".all.") and "_ci95" not in k})
     head = (["run", "accuracy [95% CI]", *tasks, *[f"all @{n}" for n in lengths],
-             "KV MiB / seq", "tok/s", "wall s"])
+             "KV MiB / seq", "total tok/s", "wall s"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r, m in zip(done, ms):
         held = held_logical_bytes(r)
