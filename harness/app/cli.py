@@ -273,13 +273,32 @@ def _log_to_wandb(cfg: DictConfig, result: RunResult, out: Path, multirun: bool)
         return 0
     from harness.sinks import log_run_to_wandb, record_wandb_failure
 
-    sweep = Path(HydraConfig.get().sweep.dir).name if multirun else None
     try:
-        log_run_to_wandb(cfg, result, cfg.logger, default_group=sweep)
+        name, group = wandb_names(cfg, multirun)
+        log_run_to_wandb(cfg, result, cfg.logger, default_group=group, name=name)
     except Exception as e:  # local results are complete: report, record, exit 3
         print(f"\n{record_wandb_failure(out, e)}", file=sys.stderr)
         return EXIT_WANDB
     return 0
+
+
+def wandb_names(cfg: DictConfig, multirun: bool) -> tuple[str, str | None]:
+    """The W&B run's name and, in a sweep, its group (harness/sinks/names.py): the swept
+    keys are read from the sweep's multirun.yaml."""
+    from harness.reporting.runs import sweep_jobs
+    from harness.sinks.names import run_name, sweep_group, swept_keys, variant
+
+    hc = HydraConfig.get()
+    choices = {str(k): v for k, v in hc.runtime.choices.items()}
+    tree = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(tree, dict)
+    config = {str(k): v for k, v in tree.items()}
+    swept, group = None, None
+    if multirun:
+        folder = Path(hc.sweep.dir)
+        swept = swept_keys(sweep_jobs(folder / "multirun.yaml") or [])
+        group = sweep_group(folder, config, choices, swept)
+    return run_name(config, variant(list(hc.overrides.task), choices, swept)), group
 
 
 def _is_config_error(e: BaseException) -> bool:

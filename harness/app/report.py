@@ -26,8 +26,13 @@ outcome: killed or still running, unreadable) and why; so are a sweep's jobs tha
 started, and stale runs of an earlier sweep into the same folder, which are left out of
 the comparison unless ``--include-stale``.
 
+With ``--wandb offline|online`` the report is also logged to W&B: its figures as images,
+the comparison as a table and report.md as a file, in a run of job type ``report`` in the
+sweep's group (the one its runs were logged in: harness/sinks/names.py).
+
 Exit status: 0; 1 when the report cannot be written (the message names the file); 2 when
-no run is found or an option is wrong (the message says why).
+no run is found or an option is wrong (the message says why); 3 when the report is
+written but logging it to W&B failed.
 """
 
 from __future__ import annotations
@@ -127,6 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--include-stale", action="store_true",
                     help="also compare stale runs (a sweep folder's runs that are not jobs "
                          "of its multirun.yaml: an earlier sweep into the same folder)")
+    ap.add_argument("--wandb", choices=("offline", "online"), default=None,
+                    help="also log the report (figures, comparison table, report.md) to a "
+                         "W&B run of job type report, in the sweep's group; offline: files "
+                         "under --out/wandb, `wandb sync` uploads them")
+    ap.add_argument("--wandb-project", default="kvbench", help="W&B project (kvbench)")
+    ap.add_argument("--wandb-entity", default=None, help="W&B entity (the account's default)")
+    ap.add_argument("--wandb-group", default=None,
+                    help="W&B group (default: the sweep's, as its runs were grouped)")
     args = ap.parse_args(argv)
     try:
         files = build_report(args.folders, args.baseline_backend, _parse_where(args.where),
@@ -160,6 +173,51 @@ def main(argv: list[str] | None = None) -> int:
     print(f"written to {files.out}/:")
     for p in files.all():
         print(f"  {p.name}")
+    if args.wandb:
+        return _log_to_wandb(files, args)
+    return 0
+
+
+def report_group(folders: list[Path]) -> str | None:
+    """The W&B group of a report on a sweep: the one its runs were logged in
+    (harness.sinks.names.sweep_group, from the sweep's multirun.yaml and its first job's
+    config and Hydra choices); None for anything else."""
+    import yaml
+
+    from harness.reporting.runs import sweep_jobs
+    from harness.sinks.names import sweep_group, swept_keys
+
+    sweep = folders[0]
+    if not (sweep / "multirun.yaml").is_file():
+        return None
+    jobs = sweep_jobs(sweep / "multirun.yaml") or []
+    first = next((f.parent for f in sorted(sweep.rglob("config.yaml"))
+                  if f.parent.name != ".hydra"), None)
+    try:
+        cfg = yaml.safe_load((first / "config.yaml").read_text()) if first else {}
+        hydra = first / ".hydra" / "hydra.yaml" if first else None
+        choices = (yaml.safe_load(hydra.read_text()) or {}).get("hydra", {}).get(
+            "runtime", {}).get("choices", {}) if hydra and hydra.is_file() else {}
+    except (OSError, yaml.YAMLError):
+        cfg, choices = {}, {}
+    return sweep_group(sweep, cfg or {}, choices or {}, swept_keys(jobs))
+
+
+def _log_to_wandb(files: ReportFiles, args: argparse.Namespace) -> int:
+    """Log the written report to W&B: 0, or 3 (the report is on disk) with why."""
+    from harness.sinks import WandbLogError, log_report_to_wandb
+
+    group = args.wandb_group or report_group(args.folders)
+    try:
+        log_report_to_wandb(files.out, files.plots,
+                            files.comparison.frame if files.comparison else None,
+                            files.markdown, args.wandb, args.wandb_project,
+                            args.wandb_entity, group)
+    except WandbLogError as e:
+        where = f"; W&B's files: `wandb sync {e.run_dir}`" if e.run_dir else ""
+        print(f"kvbench report: the report is written, but logging it to W&B failed: "
+              f"{e}{where}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -3,8 +3,10 @@
 from harness.sinks.wandb_sink import (
     FAILED_FILE,
     WandbLogError,
+    log_report_to_wandb,
     log_run_to_wandb,
     record_wandb_failure,
 )
 
-__all__ = ["FAILED_FILE", "WandbLogError", "log_run_to_wandb", "record_wandb_failure"]
+__all__ = ["FAILED_FILE", "WandbLogError", "log_report_to_wandb", "log_run_to_wandb",
+           "record_wandb_failure"]

@@ -5,12 +5,18 @@ failure can never lose a run: the caller reports it and writes ``WANDB_FAILED`` 
 :func:`record_wandb_failure`). What the W&B run holds:
 
 - config: the composed run config, flattened to dotted keys (``backend.name``, ...);
+- its name (``run_name``, else ``<model> / <backend> / <workload>[ / <variant>]``) and group
+  (``logger.group``, else in a sweep what the sweep is: harness/sinks/names.py);
 - tags ``backend:<name>``, ``workload:``, ``model:``, ``kernel:``, ``device:`` plus
-  ``logger.tags``; the group (``logger.group``, else the sweep's folder name); the job type;
+  ``logger.tags``; the job type;
 - history: one row per engine step (StepRow's columns) on the ``step`` axis;
 - ``requests_table``: the per-request rows (requests.csv) as a wandb.Table; ``kv_bytes``:
   a native line chart of reserved vs used KV bytes over steps (its data: ``kv_bytes_table``);
 - summary: metrics.json, key for key (step columns are kept out of it).
+
+:func:`log_report_to_wandb` logs a report (``python -m harness.report --wandb``): its
+figures as images, its comparison as a table and report.md as a file, in a run of job type
+``report`` in the sweep's group.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness.metrics.collector import StepRow
 from harness.results import atomic_write
+from harness.sinks.names import run_name
 
 if TYPE_CHECKING:
     from harness.runner import RunResult
@@ -88,13 +95,16 @@ def _writable_dir(path: Path) -> Path:
 
 
 def log_run_to_wandb(cfg: DictConfig, result: RunResult, logger_cfg: DictConfig,
-                     default_group: str | None = None) -> str | None:
+                     default_group: str | None = None, name: str | None = None) -> str | None:
     """Log one finished run to W&B; return the W&B run's local folder (None: disabled).
 
     ``logger_cfg`` is a WandbLoggerSpec node; its ``mode`` is passed to ``wandb.init``
     explicitly, so it wins over a WANDB_MODE in the environment. ``default_group`` names
-    the group when ``logger_cfg.group`` is unset (the CLI passes the sweep folder's name).
-    Raises :class:`WandbLogError` on any failure, after closing the W&B run.
+    the group when ``logger_cfg.group`` is unset (the CLI passes the sweep's:
+    harness.sinks.names.sweep_group). ``name``: the run's name when ``run_name`` is unset
+    (the CLI's carries the variant), else ``<model> / <backend> / <workload>``
+    (harness.sinks.names.run_name). Raises :class:`WandbLogError` on any failure, after
+    closing the W&B run.
     """
     mode = getattr(logger_cfg.mode, "value", logger_cfg.mode)
     if mode == "disabled":
@@ -114,7 +124,7 @@ def log_run_to_wandb(cfg: DictConfig, result: RunResult, logger_cfg: DictConfig,
         with wandb.init(
             mode=mode, project=logger_cfg.project, entity=logger_cfg.entity,
             group=logger_cfg.group or default_group, job_type=logger_cfg.job_type,
-            name=cfg.get("run_name") or (result.out_dir.name if result.out_dir else None),
+            name=cfg.get("run_name") or name or run_name({str(k): v for k, v in tree.items()}),
             tags=run_tags(cfg, result.metrics, list(logger_cfg.tags)), config=config,
             dir=str(_writable_dir(Path(base))) if base else None,
             # quiet: no sparklines per run (a sweep prints one block per job); the line
@@ -178,3 +188,40 @@ def record_wandb_failure(out: Path, error: BaseException) -> str:
     except OSError as e:  # the terminal still gets the whole story
         msg += f"\n  ({FAILED_FILE} could not be written into {out}: {e.strerror or e})"
     return msg
+
+
+def log_report_to_wandb(out: Path, plots: list[Path], comparison: Any, markdown: Path,
+                        mode: str = "offline", project: str = "kvbench",
+                        entity: str | None = None, group: str | None = None,
+                        name: str | None = None) -> str | None:
+    """Log a report's files to one W&B run (job type ``report``): each figure as an image
+    (``report/<file stem>``), ``comparison`` (a DataFrame: comparison.csv's rows) as the
+    table ``report/comparison``, report.md as a file; the W&B files go under ``out``.
+    Returns the W&B run's local folder (None: ``mode=disabled``); raises
+    :class:`WandbLogError`."""
+    if mode == "disabled":
+        return None
+    run_dir: Path | None = None
+    try:
+        import wandb
+
+        wmode: Any = mode  # offline | online (checked by argparse)
+        with wandb.init(mode=wmode, project=project, entity=entity, group=group,
+                        job_type="report", name=name or f"report: {group or out.parent.name}",
+                        dir=str(_writable_dir(out)),
+                        settings=wandb.Settings(quiet=True, init_timeout=init_timeout()),
+                        ) as run:
+            run_dir = Path(run.settings.sync_dir)
+            url = run.url if mode == "online" else None
+            logged: dict[str, Any] = {f"report/{p.stem}": wandb.Image(str(p))
+                                      for p in plots if p.suffix == ".png"}
+            if comparison is not None and len(comparison):
+                frame = comparison.astype(object).where(comparison.notna(), None)
+                logged["report/comparison"] = wandb.Table(dataframe=frame)
+            run.log(logged)
+            run.save(str(markdown), base_path=str(markdown.parent), policy="now")
+    except Exception as e:  # wandb raises many types (UsageError, CommError, OSError...)
+        raise WandbLogError(f"{type(e).__name__}: {e}", run_dir, mode) from e
+    print(f"  W&B report run: {url}" if url else
+          f"  W&B report run (offline): {run_dir}\n  upload it with: wandb sync {run_dir}")
+    return str(run_dir)

@@ -63,7 +63,7 @@ def test_config_tags_group_and_job_type(logged: tuple[RunResult, Path]) -> None:
     rec = read_run(run_dir)
     assert rec.project == "kvbench" and rec.job_type == "benchmark"
     assert rec.group == "sweep-x"  # logger.group unset: the caller's default
-    assert rec.name == result.out_dir.name  # type: ignore[union-attr]
+    assert rec.name == "tiny / paged / multiturn"  # model / backend / workload (names.py)
     # Flattened with dotted keys: one W&B config key per leaf of the composed config.
     assert rec.config["backend.name"] == "paged"
     assert rec.config["workload.conversations"] == 3
@@ -166,7 +166,7 @@ def test_cli_exit_3_when_wandb_fails_and_results_stay(tmp_path: Path) -> None:
 
 def test_cli_sweep_records_a_wandb_failure_and_goes_on(tmp_path: Path) -> None:
     # Job 0 cannot create its W&B folder; job 1 logs offline into its run folder, grouped
-    # under the sweep folder's name.
+    # under the sweep folder's name (one the user chose: not a timestamp).
     sweep = tmp_path / "sweep-7"
     p = harness("-m", *SMALL, "logger=wandb", "logger.dir=/proc/nope,null",
                 f"hydra.sweep.dir={sweep}", cwd=tmp_path)
@@ -179,7 +179,7 @@ def test_cli_sweep_records_a_wandb_failure_and_goes_on(tmp_path: Path) -> None:
     assert not (jobs[1] / FAILED_FILE).exists()
     (run_dir,) = (jobs[1] / "wandb").glob("offline-run-*")
     rec = read_run(run_dir)
-    assert rec.group == "sweep-7" and rec.name == jobs[1].name
+    assert rec.group == "sweep-7" and rec.name == "tiny / paged / multiturn"
     assert len(rec.history) == json.loads((jobs[1] / "metrics.json").read_text())["sched.steps"]
 
 
