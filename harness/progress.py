@@ -12,8 +12,11 @@ The tracker also remembers what was done (steps, requests), which is what an int
 run's ``INTERRUPTED`` marker reports (:func:`current`). ``progress=false`` turns the
 display off; the counting stays.
 
-The request total is the requests known so far: a multi-turn workload adds each next turn
-when the previous answer is done, so the total (and the ETA) grows as it runs.
+The requests known grow in a multi-turn workload (each next turn when the previous answer is
+done): the total shown is the workload's ``expected_requests`` when it has one (multiturn:
+conversations x turns; a trace: its rows), and the ETA counts to it; a workload whose
+requests grow without one shows ``ETA n/a`` once its total has grown (the known total
+would make the ETA too short).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -85,6 +89,11 @@ class Progress:
         self.interval_s = _interval() if interval_s is None else interval_s
         self.start = time.monotonic()
         self.steps = self.done = self.total = 0
+        # The requests the workload will make in all, when it knows (expected_requests,
+        # read at each draw: a rejection can end a conversation); whether the known total
+        # grew during the run (follow-ups).
+        self._expected: Callable[[], int] | None = None
+        self.grew = False
         self.tps = 0.0
         self.finished = False
         self._last_draw = -1e9
@@ -93,6 +102,7 @@ class Progress:
 
     def __call__(self, done: int, total: int, tokens_per_s: float) -> None:
         self.steps += 1
+        self.grew = self.grew or (self.steps > 1 and total > self.total)
         self.done, self.total, self.tps = done, total, tokens_per_s
         if not self.show:
             return
@@ -115,29 +125,51 @@ class Progress:
             self._draw(time.monotonic())
             self.stream.write("\n")
         else:
-            self.stream.write(f"{self._prefix()}done: {self.done}/{self.total} requests in "
+            total = self.shown_total
+            self.stream.write(f"{self._prefix()}done: {self.done}/{total} requests in "
                               f"{time.monotonic() - self.start:.1f} s ({self.tps:.1f} tok/s)\n")
         self.stream.flush()
 
     def _prefix(self) -> str:
         return f"kvbench [{self.label}]: " if self.label else "kvbench: "
 
+    def expect(self, expected: Callable[[], int]) -> None:
+        """The workload's count of the requests it will make in all (its
+        ``expected_requests``): the total shown and counted to."""
+        self._expected = expected
+
+    @property
+    def expected(self) -> int | None:
+        return self._expected() if self._expected is not None else None
+
+    @property
+    def shown_total(self) -> int:
+        """The total the bar and the status lines show: the workload's expected requests
+        when it has them, else those known so far."""
+        return max(self.total, self.expected or 0, self.done)
+
     def _eta(self, elapsed: float) -> str:
-        if self.done <= 0 or self.done >= self.total:
-            return "?" if self.done < self.total else clock(0)
-        return clock(elapsed * (self.total - self.done) / self.done)
+        total = self.shown_total
+        if self.grew and self.expected is None and self.done < total:
+            return "n/a"  # the total grows as the run goes: an ETA would be too short
+        if self.done <= 0 or self.done >= total:
+            return "?" if self.done < total else clock(0)
+        return clock(elapsed * (total - self.done) / self.done)
 
     def _draw(self, now: float) -> None:
         elapsed = now - self.start
-        stats = (f"{self.done}/{self.total} requests  {self.tps:7.1f} tok/s  "
-                 f"{clock(elapsed)} elapsed  ETA {self._eta(elapsed)}")
+        eta = self._eta(elapsed)
+        total = self.shown_total
+        stats = (f"{self.done}/{total} requests  {self.tps:7.1f} tok/s  "
+                 f"{clock(elapsed)} elapsed  ETA {eta}")
         if self.tty:
             from tqdm import tqdm  # the bar: tqdm's meter, our clock (an engine step is a tick)
 
             cols = shutil.get_terminal_size((80, 24)).columns
             line = "  " + tqdm.format_meter(
-                self.done, max(self.total, self.done), elapsed, ncols=cols - 3,
-                postfix=f"{self.tps:.1f} tok/s", bar_format=BAR_FORMAT) + " "
+                self.done, total, elapsed, ncols=cols - 3, postfix=f"{self.tps:.1f} tok/s",
+                bar_format=BAR_FORMAT if eta != "n/a" else BAR_FORMAT.replace(
+                    "{remaining}", eta)) + " "
             # Pad over a longer previous line ("\r" only moves the cursor back).
             self.stream.write(f"\r{line}{' ' * max(0, self._width - len(line))}")
             self._width = len(line)

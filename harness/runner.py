@@ -87,6 +87,9 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
         s.collector.keep_outputs = rc.records.keep_output_ids
     cluster = make_cluster(rc.cluster, stacks, rc.seed) if n > 1 else None
     progress = _progress(rc.progress)
+    # The total a multi-turn workload will reach (its known requests grow by the turn).
+    if hasattr(workload, "expected_requests"):
+        progress.expect(lambda: int(workload.expected_requests))
     t0, c0 = time.perf_counter(), time.process_time()
     with rare_collections():  # the loop makes no cycles for the collector to find
         # On the executor's clock (a cluster's: its latest replica's).

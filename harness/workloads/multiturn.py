@@ -81,6 +81,13 @@ class MultiturnWorkload:
         self._next_conv = len(self._first)  # the next conversation waiting for a slot
         self.turns_not_sent = 0  # later turns of conversations a rejection ended
 
+    @property
+    def expected_requests(self) -> int:
+        """Every turn of every conversation (less those a rejection ended): what the
+        progress bar's total and ETA count to, while the known requests grow by a turn
+        as each answer is done."""
+        return self.cfg.conversations * self.cfg.turns - self.turns_not_sent
+
     def request_id(self, conv: int, turn: int) -> int:
         """A request's identity is its place in the workload, never the order in which
         turns happen to finish: the same seed gives the same ids on any backend, so a

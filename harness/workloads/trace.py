@@ -307,6 +307,12 @@ class TraceWorkload:
     def initial_requests(self) -> list[Request]:
         return list(self.stream_requests())
 
+    @property
+    def expected_requests(self) -> int:
+        """Every kept row, the later turns of a session included (they become known only
+        as the turn before them ends): the progress bar's total and ETA count to it."""
+        return len(self.kept)
+
     def on_finished(self, group: SequenceGroup) -> list[Request]:
         k = self._next.pop(group.request_id, None)
         if k is None:

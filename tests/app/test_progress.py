@@ -68,3 +68,50 @@ def test_disabled_draws_nothing_but_counts_for_the_marker() -> None:
 
 def test_clock() -> None:
     assert prog.clock(73.4) == "1:13" and prog.clock(3725) == "1:02:05"
+
+
+def test_a_growing_total_counts_to_the_workloads_expected_requests(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #54: a multi-turn run's known total grows by a turn per answer, so an ETA
+    from it was too short; it counts to conversations x turns instead."""
+    now = [0.0]
+    monkeypatch.setattr(prog.time, "monotonic", lambda: now[0])
+    out = io.StringIO()
+    p = prog.Progress(True, stream=out, interval_s=0.0)
+    p.expect(lambda: 12)  # 4 conversations x 3 turns; 4 first turns known at the start
+    p(0, 4, 0.0)
+    now[0] += 10.0
+    p(3, 7, 5.0)  # 3 answers in 10 s, 3 next turns known: 9 of 12 to go -> 30 s
+    assert out.getvalue().splitlines()[-1].endswith("3/12 requests 5.0 tok/s 0:10 elapsed "
+                                                    "ETA 0:30")
+    # Without the expected count, a total that grew gives no ETA.
+    out = io.StringIO()
+    q = prog.Progress(True, stream=out, interval_s=0.0)
+    q(0, 4, 0.0)
+    now[0] += 10.0
+    q(3, 7, 5.0)
+    assert out.getvalue().splitlines()[-1].endswith("3/7 requests 5.0 tok/s 0:10 elapsed "
+                                                    "ETA n/a")
+    tty = FakeTTY()
+    r = prog.Progress(True, stream=tty)
+    r(0, 4, 0.0)
+    now[0] += 10.0
+    r(3, 7, 5.0)
+    assert "ETA n/a]" in tty.getvalue().split("\r")[-1]
+
+
+def test_a_multiturn_run_counts_to_its_conversations_times_turns(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from harness.runner import run
+    from tests.compose import tiny
+
+    seen: list[int] = []
+    real = prog.Progress.__call__
+
+    def spy(self: prog.Progress, done: int, total: int, tps: float) -> None:
+        real(self, done, total, tps)
+        seen.append(self.shown_total)
+
+    monkeypatch.setattr(prog.Progress, "__call__", spy)
+    run(tiny("device=cpu"))  # 3 conversations x 2 turns
+    assert seen and set(seen) == {6}
