@@ -64,9 +64,11 @@ class BlockPool:
         self._counts = self._admits = False  # (whether they need every use reported)
         # Cached blocks the admission rule left out, evicted first (oldest first).
         self._unadmitted: OrderedDict[int, None] = OrderedDict()
-        # The names of the last ``8 x num_blocks`` blocks evicted and not named again (a
-        # prompt that finds one of them missing is the eviction's regret).
-        self.recently_evicted: OrderedDict[int, None] = OrderedDict()
+        # Every name a block lost to an eviction in the run (a prompt that finds one of
+        # them missing recomputes it: the eviction's regret, PagedKVManager). One entry
+        # per distinct content evicted (~70 bytes each); a set, so that when a name
+        # enters it does not matter (the roofline's lazy names add theirs when made).
+        self.evicted_names: set[int] = set()
         self.num_used = 0  # blocks with ref > 0
         self.num_shared = 0  # blocks with ref > 1
         self.used_slots = 0  # sum of fill over blocks with ref > 0
@@ -92,6 +94,12 @@ class BlockPool:
         self._admits = self._admission.counts_uses
 
     @property
+    def reads_names(self) -> bool:
+        """Whether the eviction order or the admission rule reads a block's name as it is
+        released or evicted (then no block may carry a pending name: DeferredNames)."""
+        return self._order.reads_names or self._admits
+
+    @property
     def policy(self) -> tuple[str, str]:
         """The eviction order's and the admission rule's names."""
         return self._order.name, self._admission.name
@@ -111,6 +119,17 @@ class BlockPool:
         """Evictable cached blocks, next to be evicted first, under any eviction order
         (for tests and debugging)."""
         return [*self._unadmitted, *self._order.order()]
+
+    def has_name(self, block_hash: int) -> bool:
+        """Whether a block is named ``block_hash`` now (no side effect: no eviction order
+        hears of it; pending names under it are not made: :meth:`name_under`)."""
+        return block_hash in self._by_hash
+
+    def name_under(self, block_hash: int) -> None:
+        """Make the pending names whose chains hang under ``block_hash`` (DeferredNames)."""
+        deferred = self.deferred
+        if deferred is not None and block_hash in deferred.pending:
+            deferred.materialize([block_hash])
 
     def next_victim(self) -> int | None:
         """The cached block the next eviction takes (None: none is cached)."""
@@ -203,7 +222,7 @@ class BlockPool:
         if k < n:
             on_evict, by_hash = self.on_evict, self._by_hash
             names, owner = self.block_hash, self.owner
-            evicted = self.recently_evicted
+            evicted = self.evicted_names
             self.num_cached_free -= n - k
             victims: list[int] = []
             ua = self._unadmitted
@@ -232,9 +251,7 @@ class BlockPool:
                 names[b] = None
                 owner[b] = -1
                 out.append(b)
-                evicted[h] = None
-            while len(evicted) > 8 * self.num_blocks:
-                evicted.popitem(last=False)
+                evicted.add(h)
             self.num_evictions += n - k
         if self._counts:
             self._order.allocated(out)
@@ -360,7 +377,5 @@ class BlockPool:
         self.block_hash[b] = block_hash
         self.owner[b] = owner
         self.depth[b] = depth
-        if self.recently_evicted:
-            self.recently_evicted.pop(block_hash, None)  # computed again: no regret
         if self._admits:
             self._admission.used(block_hash)

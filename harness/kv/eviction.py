@@ -68,6 +68,8 @@ class EvictionOrder(ABC):
     # Whether the order needs ``referenced`` / ``allocated`` calls (the pool skips them
     # for the orders that ignore reuse: every block's allocation and hit is a call).
     counts_uses: ClassVar[bool] = False
+    # Whether it reads a block's name (its hash) as the block is cached or evicted.
+    reads_names: ClassVar[bool] = False
 
     def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
@@ -363,6 +365,7 @@ class ARCOrder(EvictionOrder):
 
     name = "arc"
     counts_uses = True
+    reads_names = True  # (its ghost lists remember evicted blocks' names)
 
     def __init__(self, pool: BlockPool) -> None:
         super().__init__(pool)

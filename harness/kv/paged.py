@@ -255,7 +255,7 @@ class PagedKVManager:
         for d in demands:
             if self.enable_prefix_caching and not self.holds(d.seq):
                 self.stats.prefix_query_tokens += d.seq.num_tokens
-                if self.pool.recently_evicted:
+                if self.pool.evicted_names:
                     self._count_regret(d)
             if d.hit_blocks or d.loads:
                 self._take_hits(d)
@@ -337,22 +337,23 @@ class PagedKVManager:
         self.logical_blocks += d.num_hit_blocks - d.hit_blocks.count(GIVEN_BACK)
 
     def _count_regret(self, d: Demand) -> None:
-        """The prompt's full blocks after its hits whose content was evicted from the
-        device within the run (the pool's ``recently_evicted``): they are computed again
-        because of the evictions (``cache.regret_blocks``; the run of them right after
-        the hits, where the lookup stopped)."""
-        evicted = self.pool.recently_evicted
-        seq = d.seq
+        """The prompt's full blocks right after its hits (and loads) whose content was
+        computed earlier in the run and evicted (the pool's ``evicted_names``), up to the
+        first that is named now or was never evicted: computed again because of the
+        evictions (``cache.regret_blocks``). Pending names under each block passed are
+        made first, so that the roofline's lazy names count as stepping one by one."""
+        pool, seq = self.pool, d.seq
+        evicted = pool.evicted_names
         n_hit = d.num_hit_blocks
-        parent = _ROOT_HASH
-        if n_hit:
-            parent = self.chain_hashes(seq, n_hit)[-1]
+        parent = self.chain_hashes(seq, n_hit)[-1] if n_hit else _ROOT_HASH
         full = (len(seq.token_ids) - 1) // self.block_size
         k = 0
         for h in islice(self._hash_chain(seq, n_hit, parent), full - n_hit):
-            if h not in evicted:
+            pool.name_under(parent)
+            if h not in evicted or pool.has_name(h):
                 break
             k += 1
+            parent = h
         self.stats.regret_blocks += k
         self.stats.regret_tokens += k * self.block_size
 
@@ -439,10 +440,12 @@ class PagedKVManager:
         ``names`` is asked (see :class:`~harness.kv.base.DeferredNames`)."""
         self.pool.deferred = names
 
-    def name_pending(self, block: int, name: object) -> None:
-        """Block ``block``, full (its fill recorded later), carries pending name
-        ``name`` (not an int): a release caches it, an eviction tells the hook."""
+    def name_pending(self, block: int, name: object, depth: int) -> None:
+        """Block ``block``, full (its fill recorded later), at position ``depth`` of its
+        table, carries pending name ``name`` (not an int): a release caches it, an
+        eviction tells the hook."""
         self.pool.block_hash[block] = name
+        self.pool.depth[block] = depth
 
     def enter_deferred(self, st: SeqBlocks, block: int, name: object, h: int,
                        owner: int) -> None:
@@ -452,7 +455,14 @@ class PagedKVManager:
         pool = self.pool
         if pool.block_hash[block] is name:
             pool.enter_name(block, h, owner, len(st.hashes))
+        else:  # evicted while pending: as if named, then evicted
+            pool.evicted_names.add(h)
         st.hashes.append(h)
+
+    def note_evicted(self, hashes: list[int]) -> None:
+        """``hashes`` were names evicted while pending (the roofline's lazy names, made
+        now): the pool's evicted names, as if named and evicted one by one."""
+        self.pool.evicted_names.update(hashes)
 
     def take_ramped(self, tables: list[SeqBlocks], ramp: int) -> list[int]:
         """A new block at the end of each of ``tables`` (the pool has one free for

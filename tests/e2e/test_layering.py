@@ -306,7 +306,8 @@ def test_kv_and_sched_form_no_cycle() -> None:
 # What may write a paged pool's and a block table's state: the pool's own fields
 # (``pool.<anything> = ...``), a table's blocks and hashes and the manager's logical count.
 _POOL_TARGET = re.compile(r"\bpool\.|\.(table|hashes)\b|\.logical_blocks\b|\.block_hash\b")
-_MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "__setitem__"}
+_MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "__setitem__", "add",
+             "update", "discard"}
 
 
 def pool_writes(path: Path) -> list[str]:

@@ -24,6 +24,7 @@ from harness.backends.costs import KIVICosts, KVCosts, QuantCosts, QuestCosts, W
 from harness.engine.engine import Engine
 from harness.kv.contiguous import ContiguousKVManager
 from harness.kv.evicting import WindowKVManager
+from harness.kv.eviction import EVICTIONS
 from harness.kv.paged import PagedKVManager
 from harness.kv.policies.window import WindowPolicy
 from harness.kv.residual import ResidualKVManager
@@ -47,7 +48,7 @@ from tests.compose import compose_cfg
 NOT_COMPARED = ("engine.sim_wall_s", "engine.sim_cpu_s", "run.fast_path", "run.started_at")
 
 BASE = ["executor=roofline", "roofline.model=Llama-3.1-8B", "roofline.hardware=a100-80gb",
-        "logger=none"]
+        "logger=none", "records.output_ids=true"]  # (outputs compared: kept)
 
 
 def workloads() -> st.SearchStrategy[list[str]]:
@@ -77,19 +78,22 @@ def workloads() -> st.SearchStrategy[list[str]]:
 
 def options() -> st.SearchStrategy[list[str]]:
     return st.builds(
-        lambda backend, bs, budget, swap, caching, seqs, tokens, mml: [
+        lambda backend, bs, budget, swap, caching, seqs, tokens, mml, evict: [
             f"backend={backend}",
             # (contiguous storage has no blocks: it refuses the option)
             *([f"backend.block_size={bs}"] if backend != "contiguous" else []),
             f"cache.kv_budget={budget}",
             f"cache.enable_prefix_caching={caching}", f"scheduler.max_num_seqs={seqs}",
+            # any eviction order among cached prefixes (harness/kv/eviction.py)
+            *([f"cache.eviction={evict}"] if caching and backend != "contiguous" else []),
             f"scheduler.max_num_batched_tokens={tokens}", f"scheduler.max_model_len={mml}",
             *(["scheduler.preemption_mode=swap", "cache.swap_space=256MiB"] if swap else [])],
         st.sampled_from(["paged", "paged", "fp8", "int8", "kivi", "quest", "contiguous",
                          "sliding_window"]),
         st.sampled_from([4, 8, 16]), st.sampled_from(["48MiB", "128MiB", "512MiB"]),
         st.booleans(), st.booleans(), st.sampled_from([4, 16, 64]),
-        st.sampled_from([64, 256]), st.sampled_from([256, 2048]))
+        st.sampled_from([64, 256]), st.sampled_from([256, 2048]),
+        st.sampled_from(["lru", "lru", *EVICTIONS]))
 
 
 def _run(overrides: list[str], fast: bool, monkeypatch: pytest.MonkeyPatch,
@@ -218,6 +222,8 @@ def _drive(case: dict[str, Any], lane_on: bool) -> tuple[Any, ...]:
     else:  # kivi's manager: paged, and it lists the partly filled blocks it frees
         kv = (ResidualKVManager if case["sinks"] == -2 else PagedKVManager)(
             case["blocks"], bs, num_cpu_blocks=case["cpu"], enable_prefix_caching=case["caching"])
+    if case["caching"] and isinstance(kv, PagedKVManager):
+        kv.set_cache_policy(case["evict"], case["admit"])  # (harness/kv/eviction.py)
     cfg = SchedulerConfig(max_num_seqs=case["seqs"], max_num_batched_tokens=case["tokens"],
                           max_model_len=case["mml"], chunked_prefill=case["chunked"],
                           preemption_mode="swap" if case["cpu"] else "recompute",
@@ -318,7 +324,9 @@ def _drive(case: dict[str, Any], lane_on: bool) -> tuple[Any, ...]:
        adm=st.sampled_from(["watermark", "watermark", "no_evict"]), n=st.integers(3, 30),
        sinks=st.sampled_from([-1, -2, -3, -4, -4, 0, 2, 5]), forks=st.booleans(),
        window=st.sampled_from([1, 3, 8, 17]), wsinks=st.sampled_from([0, 1, 4]),
-       contiguous=st.sampled_from([None, None, "exact", "pow2", "max"]))
+       contiguous=st.sampled_from([None, None, "exact", "pow2", "max"]),
+       evict=st.sampled_from(["lru", "lru", *EVICTIONS]),
+       admit=st.sampled_from(["always", "always", "second_hit", "tinylfu"]))
 def test_the_lane_equals_one_by_one_step_for_step(**case: Any) -> None:
     """Every step's record, shape, free and LRU orders and named blocks, the ledger, the
     rows, the ITLs, the KV stats and the outputs, with and without the lane (n > 1

@@ -143,9 +143,11 @@ class DecodeLane:
         self.caching = self.paged is not None and self.paged.enable_prefix_caching
         # With prefix caching, members' filled blocks are named when first read
         # (lazy_names.py): the pool asks this for the names it is about to read.
+        # Not when the pool reads a name as a block is released or evicted (ARC's ghost
+        # lists, an admission rule counting uses: harness/kv/eviction.py): then every
+        # block is named as it fills, as one by one.
         self.lazy: LazyNames | None = None
-        if self.caching:
-            assert self.paged is not None
+        if self.caching and self.paged is not None and not self.paged.pool.reads_names:
             self.lazy = LazyNames(self.paged, tokens, block_hash)
             self.paged.set_deferred_names(self.lazy)
         self.eos_hit = bool(eos_token_ids.intersection(synthetic_ids))
@@ -341,7 +343,7 @@ class DecodeLane:
         if not members:
             return
         kv, lazy = self.paged, self.lazy
-        assert kv is not None and lazy is not None
+        assert kv is not None
         bs, tokens, nxt = self.bs, self.tokens, L1 + 1
         for m in members:
             if m.takes_block_at != nxt:  # it left (-1), or its block changed since
@@ -352,7 +354,7 @@ class DecodeLane:
                 # (a member's ids are made only as it leaves, or by drops_due, which
                 # closes its chain first)
                 c.n += 1
-                kv.name_pending(m.block, c)
+                kv.name_pending(m.block, c, c.first + c.n - 1)
                 continue
             end = m.computed_at_join + L1 - m.joined  # tokens computed after the write
             toks = m.seq.token_ids
@@ -361,11 +363,11 @@ class DecodeLane:
             assert st is not None
             if have <= end - bs:  # none of the block's ids made yet
                 c = m.chain = (lazy.open(st, m.key, m.rid, end - bs, m.run_order, L1)
-                               if lazy.may_open(st) else None)
+                               if lazy is not None and lazy.may_open(st) else None)
                 if c is not None:
                     assert st.table[c.first] == m.block
                     c.n = 1
-                    kv.name_pending(m.block, c)
+                    kv.name_pending(m.block, c, c.first)
                     continue
                 block = tokens(m.rid, end - bs, bs)
             else:

@@ -77,6 +77,20 @@ class PendingChain:
     prev: int = 0  # the hash of the block before block ``done``
 
 
+@dataclass(slots=True, eq=False)
+class DeadChain:
+    """A chain all of whose blocks were evicted while pending (:meth:`LazyNames.dropped`):
+    nothing is left to name, but the names its blocks lost are the run's to know (the
+    pool's evicted names, ``cache.regret_blocks``): made, compactly, when a lookup passes
+    its root, as a live chain's would be."""
+
+    root: int
+    key: object
+    owner: int
+    start: int
+    n: int
+
+
 class LazyNames:
     """The pending chains of one paged KV manager's pool, by root (see the module
     docstring); the pool's :class:`~harness.kv.base.DeferredNames`, installed by the
@@ -84,7 +98,9 @@ class LazyNames:
 
     def __init__(self, kv: PagedKVManager, tokens: TokenFn, hash_fn: HashFn) -> None:
         self.kv, self.pool, self.tokens, self.hash_fn = kv, kv.pool, tokens, hash_fn
-        self.pending: dict[int, list[PendingChain]] = {}
+        # By root: the open chains, and the dead ones (their names made only for the
+        # evicted names' record).
+        self.pending: dict[int, list[PendingChain | DeadChain]] = {}
         self._uid = 0
 
     def may_open(self, st: SeqBlocks) -> bool:
@@ -124,8 +140,7 @@ class LazyNames:
         is added to a chain after one of its blocks was evicted)."""
         chains = self.pending[c.root]
         chains.remove(c)
-        if not chains:
-            del self.pending[c.root]
+        chains.append(DeadChain(c.root, c.key, c.owner, c.start, c.n))
         c.closed = True
 
     def materialize(self, roots: list[int]) -> None:
@@ -138,6 +153,13 @@ class LazyNames:
 
         def push(root: int) -> None:
             for c in pending.pop(root, ()):
+                if isinstance(c, DeadChain):  # its names, as evicted ones
+                    h, made = c.root, []
+                    for i in range(c.n):
+                        h = hash_fn(h, tokens(c.owner, c.start + i * bs, bs), c.key)
+                        made.append(h)
+                    kv.note_evicted(made)
+                    continue
                 c.closed = True
                 c.done, c.prev = 0, c.root
                 heapq.heappush(heap, (c.s0, c.run_order, c.uid, c))
