@@ -165,90 +165,30 @@ class LRUOrder(EvictionOrder):
         return None
 
 
-class FIFOOrder(EvictionOrder):
-    """The order blocks first became cached since they were computed; a block revived
-    and released again keeps its place (reuse is ignored). A heap by that first time,
-    its stale entries (revived blocks) skipped."""
-
-    name = "fifo"
-    counts_uses = True  # (``allocated``: a block computed anew takes a new place)
-
-    def __init__(self, pool: BlockPool) -> None:
-        super().__init__(pool)
-        n = pool.num_blocks
-        self.first = [0] * n  # when it first became cached (0: not since computed)
-        self.ver = [0] * n
-        self.heap: list[tuple[int, int, int]] = []  # (first, block, ver)
-        self.stamp = 0
-        self.n_live = 0
-
-    def insert(self, b: int) -> None:
-        if not self.first[b]:
-            self.stamp += 1
-            self.first[b] = self.stamp
-        self.ver[b] += 1
-        self.n_live += 1
-        heapq.heappush(self.heap, (self.first[b], b, self.ver[b]))
-
-    def remove(self, b: int) -> None:
-        self.ver[b] += 1
-        self.n_live -= 1
-        if len(self.heap) > 2 * self.n_live + 1024:
-            self.heap = [e for e in self.heap if e[2] == self.ver[e[1]]]
-            heapq.heapify(self.heap)
-
-    def allocated(self, blocks: list[int]) -> None:
-        for b in blocks:
-            self.first[b] = 0
-
-    def victims(self, n: int) -> list[int]:
-        out: list[int] = []
-        heap, ver = self.heap, self.ver
-        while len(out) < n:
-            _, b, v = heapq.heappop(heap)
-            if v == ver[b]:
-                ver[b] += 1
-                out.append(b)
-        self.n_live -= n
-        return out
-
-    def order(self) -> list[int]:
-        return [e[1] for e in sorted(self.heap) if e[2] == self.ver[e[1]]]
-
-    def peek(self) -> int | None:
-        heap, ver = self.heap, self.ver
-        while heap and heap[0][2] != ver[heap[0][1]]:
-            heapq.heappop(heap)
-        return heap[0][1] if heap else None
-
-
-class _PriorityOrder(EvictionOrder):
-    """Evict the lowest priority first (ties: the earliest cached), with the aging of
-    GreedyDual: a block's priority when it becomes cached is ``value(b)`` plus ``floor``,
-    the priority of the last block evicted (LFU-DA, GDSF). ``uses[b]``: references taken
-    to ``b`` since it was computed (1 for its computation)."""
+class _HeapOrder(EvictionOrder):
+    """Cached blocks in a heap by :meth:`key` (the smallest goes first), a revived
+    block's entry left stale (its version moved on) and skipped when it comes up."""
 
     counts_uses = True
 
     def __init__(self, pool: BlockPool) -> None:
         super().__init__(pool)
-        n = pool.num_blocks
-        self.uses = [1] * n
-        self.ver = [0] * n  # bumped when a block's heap entry goes stale
-        self.heap: list[tuple[float, int, int, int]] = []  # (priority, stamp, block, ver)
-        self.floor = 0.0
-        self.stamp = 0
+        self.ver = [0] * pool.num_blocks  # bumped when a block's heap entry goes stale
+        self.heap: list[tuple[float, int, int, int]] = []  # (*key, block, ver)
         self.n_live = 0
 
     @abstractmethod
-    def value(self, b: int) -> float:
-        """What keeping ``b`` is worth (before aging)."""
+    def key(self, b: int) -> tuple[float, int]:
+        """``b``'s place as it becomes cached (smallest evicted first)."""
+
+    def popped(self, key: tuple[float, int]) -> None:
+        """An entry with ``key`` was evicted (a hook: the priority orders' aging)."""
 
     def insert(self, b: int) -> None:
-        self.stamp += 1
+        k0, k1 = self.key(b)
         self.ver[b] += 1
         self.n_live += 1
-        heapq.heappush(self.heap, (self.floor + self.value(b), self.stamp, b, self.ver[b]))
+        heapq.heappush(self.heap, (k0, k1, b, self.ver[b]))
 
     def remove(self, b: int) -> None:
         self.ver[b] += 1
@@ -257,22 +197,15 @@ class _PriorityOrder(EvictionOrder):
             self.heap = [e for e in self.heap if e[3] == self.ver[e[2]]]
             heapq.heapify(self.heap)
 
-    def referenced(self, b: int) -> None:
-        self.uses[b] += 1
-
-    def allocated(self, blocks: list[int]) -> None:
-        for b in blocks:
-            self.uses[b] = 1
-
     def victims(self, n: int) -> list[int]:
         out: list[int] = []
         heap, ver = self.heap, self.ver
         while len(out) < n:
-            p, _, b, v = heapq.heappop(heap)
+            k0, k1, b, v = heapq.heappop(heap)
             if v != ver[b]:
                 continue
             ver[b] += 1
-            self.floor = p
+            self.popped((k0, k1))
             out.append(b)
         self.n_live -= n
         return out
@@ -285,6 +218,59 @@ class _PriorityOrder(EvictionOrder):
         while heap and heap[0][3] != ver[heap[0][2]]:
             heapq.heappop(heap)
         return heap[0][2] if heap else None
+
+
+class FIFOOrder(_HeapOrder):
+    """The order blocks first became cached since they were computed; a block revived
+    and released again keeps its place (reuse is ignored)."""
+
+    name = "fifo"  # (counts_uses: ``allocated`` gives a block computed anew a new place)
+
+    def __init__(self, pool: BlockPool) -> None:
+        super().__init__(pool)
+        self.first = [0] * pool.num_blocks  # when first cached (0: not since computed)
+        self.stamp = 0
+
+    def key(self, b: int) -> tuple[float, int]:
+        if not self.first[b]:
+            self.stamp += 1
+            self.first[b] = self.stamp
+        return float(self.first[b]), 0
+
+    def allocated(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.first[b] = 0
+
+
+class _PriorityOrder(_HeapOrder):
+    """Evict the lowest priority first (ties: the earliest cached), with the aging of
+    GreedyDual: a block's priority when it becomes cached is ``value(b)`` plus ``floor``,
+    the priority of the last block evicted (LFU-DA, GDSF). ``uses[b]``: references taken
+    to ``b`` since it was computed (1 for its computation)."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        super().__init__(pool)
+        self.uses = [1] * pool.num_blocks
+        self.floor = 0.0
+        self.stamp = 0
+
+    @abstractmethod
+    def value(self, b: int) -> float:
+        """What keeping ``b`` is worth (before aging)."""
+
+    def key(self, b: int) -> tuple[float, int]:
+        self.stamp += 1
+        return self.floor + self.value(b), self.stamp
+
+    def popped(self, key: tuple[float, int]) -> None:
+        self.floor = key[0]
+
+    def referenced(self, b: int) -> None:
+        self.uses[b] += 1
+
+    def allocated(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.uses[b] = 1
 
 
 class LFUOrder(_PriorityOrder):

@@ -46,12 +46,7 @@ def write_mooncake_like(path: Path, rows: int, rate: float = 300.0, seed: int = 
     for d in range(docs):
         doc_first[d] = next_id
         next_id += doc_blocks[d]
-    # Zipf(1.1) popularity over the documents, drawn by inverse CDF.
-    weights = [1 / (k + 1) ** 1.1 for k in range(docs)]
-    cum, acc = [], 0.0
-    for w in weights:
-        acc += w
-        cum.append(acc)
+    cum, acc = _zipf_cdf(docs)
     t_ms = 0.0
     with path.open("w") as f:
         for _ in range(rows):
@@ -81,11 +76,7 @@ def write_rag_like(path: Path, rows: int, rate: float = 300.0, seed: int = 0,
     for d in range(docs):
         doc_first[d] = next_id
         next_id += doc_blocks[d]
-    weights = [1 / (k + 1) ** 1.1 for k in range(docs)]
-    cum, acc = [], 0.0
-    for w in weights:
-        acc += w
-        cum.append(acc)
+    cum, acc = _zipf_cdf(docs)
     t_ms = 0.0
     with path.open("w") as f:
         for _ in range(rows):
@@ -104,6 +95,16 @@ def write_rag_like(path: Path, rows: int, rate: float = 300.0, seed: int = 0,
             n_out = min(2048, max(1, int(rng.lognormvariate(math.log(output_median), 0.9))))
             f.write(json.dumps({"timestamp": int(t_ms), "input_length": n_in,
                                 "output_length": n_out, "hash_ids": ids}) + "\n")
+
+
+def _zipf_cdf(n: int, s: float = 1.1) -> tuple[list[float], float]:
+    """Zipf(``s``) popularity over ``n`` items as an unnormalized cumulative sum and its
+    total: item ``_bisect(cum, random() * total)`` is drawn by inverse CDF."""
+    cum, acc = [], 0.0
+    for k in range(n):
+        acc += 1 / (k + 1) ** s
+        cum.append(acc)
+    return cum, acc
 
 
 def _bisect(cum: list[float], x: float) -> int:
