@@ -181,6 +181,7 @@ class TraceWorkload:
                     follows[k] = rows[prev]
                 last[int(conv[k])] = k
         self.kept, self.prompt_len, self.output_len = rows, prompt, output
+        self.longest_prompt = int(prompt.max()) if len(prompt) else 1
         self.arrival = (t[rows] - c.start_s) / c.speedup
         span = float(self.arrival.max()) if len(self.arrival) else 0.0
         if not (math.isfinite(span) and span <= MAX_SPAN_S):
@@ -236,8 +237,11 @@ class TraceWorkload:
     def _block(self, hash_id: int) -> list[int]:
         got = self._blocks.get(hash_id)
         if got is None:
-            got = token_prompt(self.tok, self._rng("block", hash_id),
-                               self.cfg.hash_block_tokens, add_bos=False)
+            # No prompt reads past the trace's longest (kept, cut to max_model_len): a
+            # block longer than that is drawn only that long (workload.hash_block_tokens
+            # =1e9 drew a billion tokens per id, issue #55).
+            n = min(self.cfg.hash_block_tokens, self.longest_prompt)
+            got = token_prompt(self.tok, self._rng("block", hash_id), n, add_bos=False)
             self._blocks[hash_id] = got
             if len(self._blocks) > BLOCK_CACHE:
                 self._blocks.popitem(last=False)

@@ -246,6 +246,29 @@ def expected_hits(rows: list[dict[str, Any]], plans: dict[int, Any], block: int,
     return out
 
 
+def test_a_block_longer_than_every_prompt_is_drawn_only_as_long_as_the_longest() -> None:
+    """Issue #55: workload.hash_block_tokens=1e9 drew a billion tokens per hash id (the
+    run never started). No prompt reads past the trace's longest: a block is drawn that
+    long, and prompts sharing ids still share their tokens."""
+    wl = trace(MOONCAKE, max_model_len=4096, hash_block_tokens=10**9)
+    longest = max(int(n) for n in wl.prompt_len)
+    assert wl.longest_prompt == longest
+    reqs = {r.request_id: r.prompt_ids for r in wl.initial_requests()}
+    assert all(len(blk) == longest for blk in wl._blocks.values())
+    rows = {p.row.index: p.row for p in wl.plans}
+    assert all(len(reqs[i]) == rows[i].prompt_tokens for i in rows)
+    by_first: dict[int, list[int]] = {}
+    for i, r in rows.items():  # equal first ids: equal prompts up to the shorter
+        assert r.hash_ids
+        by_first.setdefault(r.hash_ids[0], []).append(i)
+    shared = [ids for ids in by_first.values() if len(ids) > 1]
+    assert shared
+    for ids in shared:
+        a, b = reqs[ids[0]], reqs[ids[1]]
+        n = min(len(a), len(b))
+        assert a[:n] == b[:n]
+
+
 def test_a_replay_reproduces_the_traces_arrivals_lengths_and_sharing(tmp_path: Path) -> None:
     r = run(compose_cfg(["model=tiny", "workload=trace", f"workload.path={MOONCAKE}",
                          "workload.speedup=2", "cache.kv_budget=16MiB"], tmp_path))
