@@ -165,6 +165,24 @@ class LRUOrder(EvictionOrder):
         return None
 
 
+class _CountsUses(EvictionOrder):
+    """An order that weighs reuse: ``uses[b]``, references taken to ``b`` since it was
+    computed (1 for its computation)."""
+
+    counts_uses = True
+
+    def __init__(self, pool: BlockPool) -> None:
+        super().__init__(pool)
+        self.uses = [1] * pool.num_blocks
+
+    def referenced(self, b: int) -> None:
+        self.uses[b] += 1
+
+    def allocated(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.uses[b] = 1
+
+
 class _HeapOrder(EvictionOrder):
     """Cached blocks in a heap by :meth:`key` (the smallest goes first), a revived
     block's entry left stale (its version moved on) and skipped when it comes up."""
@@ -242,15 +260,13 @@ class FIFOOrder(_HeapOrder):
             self.first[b] = 0
 
 
-class _PriorityOrder(_HeapOrder):
+class _PriorityOrder(_HeapOrder, _CountsUses):
     """Evict the lowest priority first (ties: the earliest cached), with the aging of
     GreedyDual: a block's priority when it becomes cached is ``value(b)`` plus ``floor``,
-    the priority of the last block evicted (LFU-DA, GDSF). ``uses[b]``: references taken
-    to ``b`` since it was computed (1 for its computation)."""
+    the priority of the last block evicted (LFU-DA, GDSF)."""
 
     def __init__(self, pool: BlockPool) -> None:
         super().__init__(pool)
-        self.uses = [1] * pool.num_blocks
         self.floor = 0.0
         self.stamp = 0
 
@@ -264,13 +280,6 @@ class _PriorityOrder(_HeapOrder):
 
     def popped(self, key: tuple[float, int]) -> None:
         self.floor = key[0]
-
-    def referenced(self, b: int) -> None:
-        self.uses[b] += 1
-
-    def allocated(self, blocks: list[int]) -> None:
-        for b in blocks:
-            self.uses[b] = 1
 
 
 class LFUOrder(_PriorityOrder):
@@ -292,19 +301,17 @@ class CostOrder(_PriorityOrder):
         return float(self.uses[b] * (self.pool.depth[b] + 1))
 
 
-class SLRUOrder(EvictionOrder):
+class SLRUOrder(_CountsUses):
     """Segmented LRU: a block used once waits in *probation*, one used again (a hit or a
     fork since it was computed) in *protected*, at most ``protected_share`` of the pool;
     protected's overflow goes back to probation's most recent end. Probation's least
     recent goes first, then protected's."""
 
     name = "slru"
-    counts_uses = True
     protected_share = 0.8
 
     def __init__(self, pool: BlockPool) -> None:
         super().__init__(pool)
-        self.uses = [1] * pool.num_blocks
         self.probation: OrderedDict[int, None] = OrderedDict()
         self.protected: OrderedDict[int, None] = OrderedDict()
         self.cap = max(1, int(self.protected_share * pool.num_blocks))
@@ -319,15 +326,7 @@ class SLRUOrder(EvictionOrder):
             self.probation[b] = None
 
     def remove(self, b: int) -> None:
-        if self.probation.pop(b, 0) is not None:
-            self.protected.pop(b, None)
-
-    def referenced(self, b: int) -> None:
-        self.uses[b] += 1
-
-    def allocated(self, blocks: list[int]) -> None:
-        for b in blocks:
-            self.uses[b] = 1
+        del (self.probation if b in self.probation else self.protected)[b]
 
     def victims(self, n: int) -> list[int]:
         out: list[int] = []
@@ -340,7 +339,7 @@ class SLRUOrder(EvictionOrder):
         return [*self.probation, *self.protected]
 
 
-class ARCOrder(EvictionOrder):
+class ARCOrder(_CountsUses):
     """Adaptive replacement (Megiddo and Modha, FAST'03) over the cached blocks: ``t1``
     holds blocks used once, ``t2`` blocks used again, least recent first; ``b1`` / ``b2``
     the names of blocks evicted from them (ghosts, at most the pool's size together with
@@ -350,13 +349,11 @@ class ARCOrder(EvictionOrder):
     (the held blocks are not in the lists: they cannot be evicted)."""
 
     name = "arc"
-    counts_uses = True
     reads_names = True  # (its ghost lists remember evicted blocks' names)
 
     def __init__(self, pool: BlockPool) -> None:
         super().__init__(pool)
         self.c = pool.num_blocks
-        self.uses = [1] * self.c
         self.t1: OrderedDict[int, None] = OrderedDict()
         self.t2: OrderedDict[int, None] = OrderedDict()
         self.b1: OrderedDict[int, None] = OrderedDict()
@@ -374,15 +371,7 @@ class ARCOrder(EvictionOrder):
             self.t1[b] = None
 
     def remove(self, b: int) -> None:
-        if self.t1.pop(b, 0) is not None:
-            self.t2.pop(b, None)
-
-    def referenced(self, b: int) -> None:
-        self.uses[b] += 1
-
-    def allocated(self, blocks: list[int]) -> None:
-        for b in blocks:
-            self.uses[b] = 1
+        del (self.t1 if b in self.t1 else self.t2)[b]
 
     def missed(self, h: int) -> None:
         if h in self.b1:

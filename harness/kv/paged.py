@@ -345,7 +345,7 @@ class PagedKVManager:
         pool, seq = self.pool, d.seq
         evicted = pool.evicted_names
         n_hit = d.num_hit_blocks
-        parent = self.chain_hashes(seq, n_hit)[-1] if n_hit else _ROOT_HASH
+        parent = self._last_hit_hash(d)
         full = (len(seq.token_ids) - 1) // self.block_size
         k = 0
         for h in islice(self._hash_chain(seq, n_hit, parent), full - n_hit):
@@ -356,6 +356,18 @@ class PagedKVManager:
             parent = h
         self.stats.regret_blocks += k
         self.stats.regret_tokens += k * self.block_size
+
+    def _last_hit_hash(self, d: Demand) -> int:
+        """The name of ``d``'s last hit block (the root before any hit): the lookup found
+        it by that name, so it is read, not hashed again; hashed only past a window's
+        given-back entry (KV cache groups)."""
+        if d.loads:
+            return d.loads[-1].block_hash
+        if not d.hit_blocks:
+            return _ROOT_HASH
+        h = self.pool.block_hash[d.hit_blocks[-1]] if d.hit_blocks[-1] != GIVEN_BACK \
+            else None
+        return h if isinstance(h, int) else self.chain_hashes(d.seq, d.num_hit_blocks)[-1]
 
     def set_cache_policy(self, eviction: str, admission: str) -> None:
         """The pool's eviction order and admission rule (``cache.eviction``,

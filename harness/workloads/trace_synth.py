@@ -41,11 +41,7 @@ def write_mooncake_like(path: Path, rows: int, rate: float = 300.0, seed: int = 
     hash_ids: one per ``block`` prompt tokens) to ``path``."""
     rng = random.Random(seed)
     doc_blocks = [1 + min(15, int(rng.expovariate(1 / 3))) for _ in range(docs)]
-    doc_first = [0] * docs
-    next_id = 0
-    for d in range(docs):
-        doc_first[d] = next_id
-        next_id += doc_blocks[d]
+    doc_first, next_id = _lay_out(doc_blocks, 0)
     cum, acc = _zipf_cdf(docs)
     t_ms = 0.0
     with path.open("w") as f:
@@ -72,10 +68,7 @@ def write_rag_like(path: Path, rows: int, rate: float = 300.0, seed: int = 0,
     prompt's own blocks, never reused."""
     rng = random.Random(seed)
     doc_blocks = [rng.randint(2, 8) for _ in range(docs)]
-    doc_first, next_id = [0] * docs, 1
-    for d in range(docs):
-        doc_first[d] = next_id
-        next_id += doc_blocks[d]
+    doc_first, next_id = _lay_out(doc_blocks, 1)
     cum, acc = _zipf_cdf(docs)
     t_ms = 0.0
     with path.open("w") as f:
@@ -95,6 +88,16 @@ def write_rag_like(path: Path, rows: int, rate: float = 300.0, seed: int = 0,
             n_out = min(2048, max(1, int(rng.lognormvariate(math.log(output_median), 0.9))))
             f.write(json.dumps({"timestamp": int(t_ms), "input_length": n_in,
                                 "output_length": n_out, "hash_ids": ids}) + "\n")
+
+
+def _lay_out(doc_blocks: list[int], first_id: int) -> tuple[list[int], int]:
+    """Each document's first hash id when the documents' blocks take consecutive ids from
+    ``first_id`` on, and the next free id after them."""
+    firsts, next_id = [], first_id
+    for n in doc_blocks:
+        firsts.append(next_id)
+        next_id += n
+    return firsts, next_id
 
 
 def _zipf_cdf(n: int, s: float = 1.1) -> tuple[list[float], float]:
