@@ -33,6 +33,17 @@ class ArchSpec:
     intermediate_size: int = 0
     # Every layer's attention (harness.layer_types); empty: full attention everywhere.
     layer_attention: tuple[LayerAttention, ...] = ()
+    # How prefill runs its attention where it differs from decode (0: as decode). MLA:
+    # vLLM and SGLang run prefill un-absorbed, q.k over the 128 + 64 dims of each head
+    # and values over 128, after up-projecting each cached latent a chunk reads
+    # (``prefill_upproj_params`` weights per layer: kv_b_proj); decode absorbed (576/512).
+    prefill_qk_dim: int = 0
+    prefill_v_dim: int = 0
+    prefill_upproj_params: int = 0
+
+    def prefill_dims(self) -> tuple[int, int]:
+        """The per-head dims of q.k and of the values in prefill (chunks included)."""
+        return (self.prefill_qk_dim or self.attn_qk_dim, self.prefill_v_dim or self.attn_v_dim)
 
     def mlp_width(self) -> float:
         """The per-token MLP activation width (the non-GEMM term's SiLU-and-mul)."""
@@ -82,14 +93,6 @@ class ArchSpec:
         embed = self.vocab_size * self.hidden_size
         return self.dense_params + self.expert_params + embed * (1 if self.tie_word_embeddings
                                                                  else 2)
-
-    def expert_share_touched(self, tokens: int) -> float:
-        """Expected share of routed experts a step of ``tokens`` tokens reads (each token
-        picks ``experts_per_token`` of ``num_experts``, taken as uniform): the weight bytes
-        a MoE step streams grow with the batch until every expert is read."""
-        if not self.num_experts:
-            return 0.0
-        return 1.0 - (1.0 - self.experts_per_token / self.num_experts) ** max(0, tokens)
 
 
 def nongemm_bytes(hidden: float, ffn: float, heads: int, kv_heads: int, head_dim: int,

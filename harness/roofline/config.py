@@ -73,7 +73,12 @@ class RooflineConfig:
 
 
 def weights_bytes(arch: ArchSpec, cfg: RooflineConfig) -> int:
-    return int(arch.total_params() * WEIGHT_BYTES[cfg.weight_dtype])
+    """The weights' bytes over the group: the linear layers at ``weight_dtype``; the
+    embedding and lm_head at 16 bits where that is narrower (quantized checkpoints, FP8,
+    INT8 and AWQ int4, keep them so)."""
+    wb = WEIGHT_BYTES[cfg.weight_dtype]
+    embed = arch.total_params() - arch.dense_params - arch.expert_params
+    return int((arch.dense_params + arch.expert_params) * wb + embed * max(wb, 2.0))
 
 
 def auto_kv_budget(arch: ArchSpec, hw: HardwareSpec, cfg: RooflineConfig) -> int:

@@ -1,6 +1,9 @@
 """Hardware specs for the roofline executor: peaks, efficiencies, overheads, memory.
 
-Peaks are the vendors' dense figures (no sparsity), per device. Efficiencies are the
+Peaks are the vendors' dense figures (no sparsity), per device, and bandwidths the
+datasheets'; memory is what CUDA reports for that card (less than the datasheet's "80 GB":
+the driver keeps some), each with its source in ``HardwareSpec.cited``. None is fitted.
+Efficiencies are the
 share of a peak a kernel reaches: priors for the GPUs (typical of large GEMMs and of
 streaming kernels on them), Vidur-fitted for ``h100-sxm`` and the A100s (the ``h200``,
 the same GH100 die with more memory, takes the H100's with a measured copy share of
@@ -65,7 +68,13 @@ class HardwareSpec:
     eff_elem: float = 0.0  # share of mem_bw the non-GEMM kernels stream at (0: no term)
     # The all-reduce's small-message time by tensor-parallel degree (else link_latency_s).
     allreduce_latency_s: dict[int, float] = field(default_factory=dict)
+    # Share of a dtype's peak its large weight GEMMs reach, where it differs from
+    # eff_gemm (fitted to that dtype's kernel profile: fp8 on Hopper, kernel_fit --fp8).
+    eff_gemm_dtype: dict[str, float] = field(default_factory=dict)
     source: str = "prior"  # prior | fitted | measured | calibrated (the record says which)
+    # Where each physical quantity comes from ("peaks", "mem_bw", "mem_bytes"): datasheets
+    # for peaks and bandwidth, what CUDA reports for memory; never a fit.
+    cited: dict[str, str] = field(default_factory=dict)
     extra: dict[str, float] = field(default_factory=dict)
 
     def allreduce_latency(self, tp: int) -> float:
@@ -85,6 +94,10 @@ class HardwareSpec:
         """Whether GEMMs in ``dtype`` are timed by the profile (else by the roofline)."""
         return bool(self.gemm_profile) and _dtype_key(dtype) == _dtype_key(self.profile_dtype)
 
+    def gemm_eff(self, dtype: str) -> float:
+        """Share of ``dtype``'s peak FLOP/s a large weight GEMM reaches on this spec."""
+        return self.eff_gemm_dtype.get(_dtype_key(dtype), self.eff_gemm)
+
     def flops(self, dtype: str) -> float:
         key = _dtype_key(dtype)
         if key not in self.peak_flops:
@@ -98,11 +111,14 @@ def _dtype_key(dtype: str) -> str:
             "half": "fp16"}.get(dtype, dtype)
 
 
-def _gpu(name: str, bf16: float, fp8: float, fp32: float, bw: float, mem: float,
-         link: float, **kw: Any) -> HardwareSpec:
+def _gpu(name: str, bf16: float, fp8: float, int8: float, fp32: float, bw: float,
+         mem_bytes: int, link: float, **kw: Any) -> HardwareSpec:
+    """A GPU spec: dense peaks in TFLOP/s (TOPS for int8), bandwidth in TB/s, memory in
+    bytes as CUDA reports it (``torch.cuda.mem_get_info`` / ``total_memory``: what
+    vLLM's ``gpu_memory_utilization`` and TensorRT-LLM's free fraction are shares of)."""
     return HardwareSpec(name, {"bf16": bf16 * TB, "fp16": bf16 * TB, "fp8": fp8 * TB,
-                               "fp32": fp32 * TB}, bw * TB, int(mem * GB), link_bw=link * GB,
-                        **kw)
+                               "int8": int8 * TB, "fp32": fp32 * TB}, bw * TB, mem_bytes,
+                        link_bw=link * GB, **kw)
 
 
 # The CPU's priors before calibration: one core of this machine (AVX2 FMA, fp32), whose
@@ -126,21 +142,68 @@ A100_KERNELS: dict[str, Any] = dict(
     eff_gemm=0.71, eff_bw=0.81, gemm_corner_p=1.5, gemm_kernel_s=6e-6,
     nongemm_kernel_s=2.05e-6, eff_elem=0.54, allreduce_latency_s={2: 54e-6, 4: 42e-6, 8: 40e-6})
 
+# Memory as CUDA reports it (the device's memory less what the driver and ECC keep), by
+# card, from a CUDA message or deviceQuery on that card; nvidia-smi shows a little more
+# (modal-labs/modal-client#2797: H100 81559 MiB, A100-80GB 81920, A100-40GB 40960, L40S
+# 46068), the datasheet's "80 GB" / "141 GB" more still. 79.11 GiB x 2^30 = 84.94e9 bytes.
+CUDA_MEM: dict[str, tuple[int, str]] = {
+    "h100-sxm": (int(79.11 * GiB), "79.11 GiB: 'GPU 0 has a total capacity of 79.11 GiB', "
+                 "torch OOM message on an H100 80GB (vllm-project/vllm#27508, 2025)"),
+    "h200": (int(139.8 * GiB), "139.8 GiB: torch total_memory on the lent H200 "
+             "(results/gpu/2026-12-04-run1/env.json)"),
+    "a100-80gb": (int(79.25 * GiB), "79.25 GiB: '79.25 GiB total capacity', torch OOM "
+                  "message on an A100 80GB (levihsu/OOTDiffusion#235, 2025)"),
+    "a100-40gb": (42298834944, "40339 MiB (42298834944 bytes): deviceQuery on an "
+                  "A100-SXM4-40GB (bottlerocket-os/bottlerocket#3873, 2024)"),
+    "l40s": (int(44.42 * GiB), "44.42 GiB: 'GPU has a total capacity of 44.42 GiB', torch "
+             "OOM message on an L40S (stepfun-ai/Step-Video-T2V#8, 2025)"),
+}
+H100_DATASHEET = ("NVIDIA H100 Tensor Core GPU datasheet, SXM5 column: 1,979 TFLOPS bf16 / "
+                  "3,958 fp8 / 3,958 TOPS int8 with sparsity (halved: dense), 67 TFLOPS "
+                  "fp32, 3.35 TB/s HBM3")
+A100_DATASHEET = ("NVIDIA A100 Tensor Core GPU datasheet: 312 TFLOPS bf16 and 624 TOPS int8 "
+                  "dense, 19.5 TFLOPS fp32; 2,039 GB/s (80GB SXM), 1,555 GB/s (40GB); no "
+                  "fp8 units (fp8 runs as bf16)")
+
+
+def _cited(name: str, sheet: str) -> dict[str, Any]:
+    """``mem_bytes`` as CUDA reports it and the sources of a GPU's physics."""
+    mem, why = CUDA_MEM[name]
+    return {"mem_bytes": mem, "cited": {"peaks": sheet, "mem_bw": sheet, "mem_bytes": why}}
+
+
+# FP8 GEMMs on Hopper reach a smaller share of their (doubled) peak than bf16 ones:
+# fitted to DeepSeek's published H800 FP8 GEMM table (its CUTLASS 3.6 baseline: what
+# TensorRT-LLM and vLLM's scaled-mm kernels are; harness/roofline_tools/data/deepgemm) by
+# `python -m harness.roofline_tools.kernel_fit --fp8`: 0.50 of 1,979 TFLOP/s at M = 4096.
+HOPPER_FP8 = {"fp8": 0.50}
+
 HARDWARE: dict[str, HardwareSpec] = {h.name: h for h in (
-    # H100 SXM5: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, 80 GB; NCCL all-reduce bus
-    # bandwidth 340 GB/s (Vidur, h100_dgx) of NVLink's 450 one way.
-    _gpu("h100-sxm", 989, 1979, 67, 3.35, 80, 340, **H100_KERNELS, source="fitted"),
-    # H200: the H100's GH100 die, clocks and NVLink, 4.8 TB/s HBM3e, 141 GB. Vidur profiles
+    # H100 SXM5; NCCL all-reduce bus bandwidth 340 GB/s (Vidur, h100_dgx) of NVLink's 450
+    # one way.
+    _gpu("h100-sxm", 989, 1979, 1979, 67, 3.35, link=340, **H100_KERNELS,
+         eff_gemm_dtype=HOPPER_FP8, source="fitted", **_cited("h100-sxm", H100_DATASHEET)),
+    # H200: the H100's GH100 die, clocks and NVLink, 4.8 TB/s HBM3e. Vidur profiles
     # no H200: the H100's kernel constants, GEMM share included, and a measured copy share
     # (~4.3 TB/s = 0.90 of 4.8). One bf16 micro-benchmark's GEMM share (~790 TFLOP/s, 0.80)
     # was the prior until 2026-12-03: TensorRT-LLM v1.0's H200 rows (calibration.yaml,
     # trtllm-perf-overview-v1.0-h200) came out +5% to +18% with it, +2% to +10% with 0.70.
-    _gpu("h200", 989, 1979, 67, 4.8, 141, 340, **H100_KERNELS,
-         source="measured"),
-    # A100: no fp8 units (fp8 runs as bf16); NCCL bus bandwidth 190 GB/s (a100_dgx).
-    _gpu("a100-80gb", 312, 312, 19.5, 2.039, 80, 190, **A100_KERNELS, source="fitted"),
-    _gpu("a100-40gb", 312, 312, 19.5, 1.555, 40, 190, **A100_KERNELS, source="fitted"),
-    _gpu("l40s", 362, 733, 91.6, 0.864, 48, 32),  # PCIe gen4 x16 between cards
+    _gpu("h200", 989, 1979, 1979, 67, 4.8, link=340, **H100_KERNELS,
+         eff_gemm_dtype=HOPPER_FP8, source="measured",
+         **_cited("h200", "NVIDIA H200 Tensor Core GPU datasheet (SXM): 1,979 TFLOPS bf16 / "
+                  "3,958 fp8 / 3,958 TOPS int8 with sparsity (halved: dense), 67 TFLOPS "
+                  "fp32, 4.8 TB/s HBM3e")),
+    # A100: NCCL bus bandwidth 190 GB/s (a100_dgx).
+    _gpu("a100-80gb", 312, 312, 624, 19.5, 2.039, link=190, **A100_KERNELS, source="fitted",
+         **_cited("a100-80gb", A100_DATASHEET)),
+    _gpu("a100-40gb", 312, 312, 624, 19.5, 1.555, link=190, **A100_KERNELS, source="fitted",
+         **_cited("a100-40gb", A100_DATASHEET)),
+    # PCIe gen4 x16 between cards; an unfitted prior (no kernel profile of the L40S), its
+    # fp8 share taken from Hopper's.
+    _gpu("l40s", 362, 733, 733, 91.6, 0.864, link=32, eff_gemm_dtype=HOPPER_FP8,
+         **_cited("l40s", "NVIDIA L40S datasheet: 362.05 TFLOPS bf16, 733 fp8, 733 TOPS "
+                  "int8 (dense: half the sparsity figures), 91.6 TFLOPS fp32, 864 GB/s "
+                  "GDDR6")),
 )}
 
 

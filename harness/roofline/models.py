@@ -8,8 +8,11 @@ holds per token and layer (``kv_elems_per_layer``).
 
 GQA models cache K and V: ``2 x kv_heads x head_dim`` elements per token per layer.
 DeepSeek-V3's MLA caches the compressed latent (512) and the decoupled RoPE key (64):
-576 elements per token per layer, for all 128 heads together; attention runs in the
-absorbed form (q.k over 512 + 64 dims, values over the 512-dim latent). Its KV layout for
+576 elements per token per layer, for all 128 heads together; decode runs attention in
+the absorbed form (q.k over 512 + 64 dims, values over the 512-dim latent), prefill
+(and each chunk of a chunked prefill) un-absorbed as vLLM and SGLang run it: each cached
+latent the chunk reads is up-projected (kv_b_proj) to per-head keys and values, then q.k
+over 128 + 64 dims and values over 128, ~3.4x fewer FLOPs a pair. Its KV layout for
 the backends is one "head" of 288 elements for K and 288 for V, so that a backend's
 ``2 x layers x heads x head_dim x dtype`` bytes per token is the latent's.
 """
@@ -38,7 +41,9 @@ def _deepseek_v3() -> ArchSpec:
     routed = moe_layers * 256 * 3 * h * 2048
     return ArchSpec("DeepSeek-V3", layers, h, 129280, heads, 1, 288, 512 + 64, 512,
                     layers * attn + dense_ffn + shared + router, 163840,
-                    expert_params=routed, num_experts=256, experts_per_token=8)
+                    expert_params=routed, num_experts=256, experts_per_token=8,
+                    prefill_qk_dim=128 + 64,
+                    prefill_v_dim=128, prefill_upproj_params=512 * heads * (128 + 128))
 
 
 def _hybrid(name: str, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int,

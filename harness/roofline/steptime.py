@@ -1,16 +1,18 @@
 """The step-time model: what one engine step costs on a hardware spec.
 
-Per tensor-parallel rank, with T the step's tokens, S the rows that sample, P the active
-linear parameters (MoE: shared path + k/E of the routed experts), b_w the weight bytes per
-parameter, b_kv the backend's bytes per cached token (all layers: a 1-byte cache halves
-them), L layers, H query heads, d_qk / d_v the attention product's per-head dims, tp the
-tensor-parallel degree, and each term a roofline, max(FLOPs / (peak x eff), bytes /
+Per tensor-parallel rank, with T the step's tokens, S the rows that sample, P the dense
+linear parameters (MoE: the shared path; the routed experts apart, below), b_w the weight
+bytes per parameter (the lm_head's b_lm: 16-bit in quantized checkpoints), b_kv the
+backend's bytes per cached token (all layers: a 1-byte cache halves them), L layers, H
+query heads, d_qk / d_v the attention product's per-head dims, tp the tensor-parallel
+degree, and each term a roofline, max(FLOPs / (peak x eff), bytes /
 (bandwidth x eff)), on a GPU (``overlap=1``; where compute and memory traffic overlap
 less the terms are max + (1 - overlap) x min: one CPU core, ``overlap=0``, adds them):
 
-    gemm     = max(2 P T / tp / (peak eff_gemm),  b_w (P_dense + E_touched(T)) / tp / (bw eff_bw))
-    lm_head  = max(2 V h S / tp / (peak eff_gemm), b_w V h / tp / (bw eff_bw))
-    prefill  = max(2 H (d_qk + d_v) L pairs / tp / (peak eff_attn),
+    gemm     = max(2 (P T + U cached) / tp / (peak_g eff_g),  b_w P / tp / (bw eff_bw))
+               + E x sum_m Pr(m) max(2 P_e m / tp / (peak_g eff_g), b_w P_e / tp / (bw eff_bw))
+    lm_head  = max(2 V h S / tp / (peak eff_c), b_lm V h / tp / (bw eff_bw))
+    prefill  = max(2 H (d_qk' + d_v') L pairs / tp / (peak eff_attn),
                    b_kv ctx_prefill / tp_kv / (bw eff_bw))
     decode   = max(2 H (d_qk + d_v) L ctx_decode / tp / (peak eff_attn),
                    b_kv ctx_decode / tp_kv / (bw eff_bw))
@@ -37,6 +39,15 @@ work (launch, sampling, output processing); without a profile, the spec's
 ``step_overhead_s + per_seq_overhead_s x seqs``.
 GEMMs run at ``gemm_dtype``'s peak (``roofline.compute_dtype=fp8``: W8A8 on the fp8 units).
 
+``eff_g`` is the GEMM dtype's share of its peak (``HardwareSpec.gemm_eff``: bf16 from
+Vidur's profiles, fp8 from an FP8 kernel profile, harness.roofline_tools.kernel_fit).
+Each of the E routed experts (P_e weights each) is a GEMM over its own token count m,
+Binomial(T, k/E) under uniform top-k routing (:func:`expert_load`), its weights read only
+when m > 0: at small counts an expert streams its weights for few tokens, which one
+aggregated GEMM over P T FLOPs hid. ``d_qk'``, ``d_v'`` are prefill's per-head dims
+(ArchSpec.prefill_dims: MLA un-absorbed, 128 + 64 and 128, where decode's absorbed form
+is 576 and 512), and ``U cached`` the up-projection of the cached latents a chunk reads.
+
 ``pairs`` are the (query, key) pairs of the step's prefill chunks (a chunk of n tokens
 after s cached ones: n s + n (n + 1) / 2, a window bounding each query's keys);
 ``ctx_prefill`` the keys those chunks read (s + n each); ``ctx_decode`` the keys the
@@ -44,7 +55,6 @@ decodes read. What a fused kernel's K/V bytes are (``b_kv ctx`` above) is the ba
 declaration (harness.backends.costs: a window's keys, a budget's held tokens, quest's
 chosen blocks plus every block's bounds, 1-byte values with their scales and sinks).
 ``tp_kv`` is tp for caches split by KV head, 1 for MLA's latent, which every rank holds.
-``E_touched(T)`` is the expected share of routed experts T tokens read.
 
 The H100 in numbers: 989 TFLOP/s bf16 and 3.35 TB/s give a ridge of ~295 FLOP/byte. A
 bf16 weight GEMM does 2 T FLOPs per 2 bytes of weight, T FLOP/byte: memory-bound below
@@ -74,6 +84,7 @@ Two refinements a spec may switch on (the calibrated ``cpu`` spec uses both):
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,6 +176,15 @@ class StepModel:
         self.kv_rank_bytes = kv_bytes_per_token / self.kv_split
         self.attn_flops_per_pair = 2.0 * arch.num_heads * (arch.attn_qk_dim + arch.attn_v_dim) \
             * arch.num_layers / tp
+        # Prefill as the engines run it (MLA: un-absorbed, after up-projecting each cached
+        # latent a chunk reads: a GEMM over the kv_b_proj weights the layer already reads).
+        pre_qk, pre_v = arch.prefill_dims()
+        self.pre_flops_per_pair = 2.0 * arch.num_heads * (pre_qk + pre_v) * arch.num_layers / tp
+        self.upproj_flops_per_key = 2.0 * arch.prefill_upproj_params * arch.num_layers / tp
+        # The lm_head stays 16-bit in quantized checkpoints (TensorRT-LLM's and vLLM's FP8,
+        # AWQ int4 exclude it): its GEMM runs at the activations' dtype on 16-bit weights.
+        self.lm_weight_bytes = weight_bytes if weight_bytes >= 2.0 else 2.0
+        self._experts: dict[int, float] = {}  # _expert_s by token count, on self.hw
         # Bytes a gathered key moves on the torch path (module docstring), per rank.
         full = arch.num_layers * arch.kv_elems_per_layer * self.act_bytes / self.kv_split
         quantized = self.kv_rank_bytes < full
@@ -180,22 +200,25 @@ class StepModel:
         """:meth:`work` of a step's shape (``fresh``: scheduled anew)."""
         w = self.work(sh.tokens, sh.rows, sh.seqs, sh.pairs, sh.ctx_prefill,
                       sh.ctx_decode, sh.pairs_full, sh.gather_decode, sh.pre_bytes,
-                      sh.dec_bytes)
+                      sh.dec_bytes, pre_cached=sh.ctx_prefill - (sh.tokens - sh.num_decode))
         w.fresh = 1.0 if fresh else 0.0
         return w
 
     def work(self, tokens: int, rows: int, seqs: int, pairs: float, ctx_prefill: float,
              ctx_decode: float, pairs_full: float = 0.0, gather_decode: float = 0.0,
-             pre_bytes: float | None = None, dec_bytes: float | None = None) -> StepWork:
+             pre_bytes: float | None = None, dec_bytes: float | None = None,
+             pre_cached: float = 0.0) -> StepWork:
         """FLOPs and bytes of a step: ``tokens`` rows through the GEMMs, ``rows`` through
         the lm_head, prefill ``pairs`` (fused) / ``pairs_full`` (gather) over
         ``ctx_prefill`` keys, decodes over ``ctx_decode`` keys (fused) / ``gather_decode``
         (gather); which of each pair counts is the hardware's ``attention``. Fused
         kernels read ``pre_bytes`` / ``dec_bytes`` of cache, the whole model's, as the
         backend declares them (harness.backends.costs: scales, overlays and metadata
-        included); without them, the keys at the backend's bytes per slot."""
+        included); without them, the keys at the backend's bytes per slot.
+        ``pre_cached``: the keys the prefill chunks read that earlier steps cached (MLA
+        up-projects them). The routed experts' GEMMs are apart (:meth:`time`: each expert
+        at its own token count); ``gemm_*`` are the dense path's."""
         a, tp, wb = self.arch, self.tp, self.weight_bytes
-        touched = a.expert_params * a.expert_share_touched(tokens) if a.num_experts else 0.0
         vh = a.vocab_size * a.hidden_size
         ar = 0.0
         if self.allreduces:
@@ -212,10 +235,12 @@ class StepModel:
             pre_b = kvb * ctx_prefill if pre_bytes is None else pre_bytes / split
         dec_flops, dec_b, dec_widen = self._decode_side(ctx_decode, gather_decode, dec_bytes)
         return StepWork(
-            gemm_flops=2.0 * a.active_params * tokens / tp,
-            gemm_bytes=wb * (a.dense_params + touched) / tp,
-            lm_flops=2.0 * vh * rows / tp, lm_bytes=(wb * vh / tp) if rows else 0.0,
-            pre_flops=self.attn_flops_per_pair * pairs,
+            gemm_flops=2.0 * a.dense_params * tokens / tp
+            + self.upproj_flops_per_key * pre_cached,
+            gemm_bytes=wb * a.dense_params / tp,
+            lm_flops=2.0 * vh * rows / tp,
+            lm_bytes=(self.lm_weight_bytes * vh / tp) if rows else 0.0,
+            pre_flops=self.pre_flops_per_pair * pairs,
             pre_bytes=pre_b,
             dec_flops=dec_flops,
             dec_bytes=dec_b,
@@ -254,18 +279,46 @@ class StepModel:
         return StepTime(base.gemm, base.lm_head, base.prefill_attn, decode, base.allreduce,
                         base.overhead, base.nongemm)
 
+    def _expert_s(self, tokens: Any, h: HardwareSpec, cache: bool) -> Any:
+        """Seconds of the routed experts' GEMMs in a step of ``tokens`` tokens, per rank:
+        each expert a GEMM over its own token count (the engines' grouped / fused MoE
+        kernels), its weights read when it has a token, the count drawn as routing draws
+        it (:func:`expert_load`), the expectation taken over it. Floats or numpy arrays;
+        ``cache``: ``h`` is the model's own spec (memoized by token count)."""
+        a = self.arch
+        if not a.num_experts:
+            return 0.0 * tokens
+        if isinstance(tokens, np.ndarray):
+            return np.array([self._expert_s(float(t), h, cache) for t in tokens.ravel()]
+                            ).reshape(tokens.shape)
+        n = round(float(tokens))
+        if cache and n in self._experts:
+            return self._experts[n]
+        out = 0.0
+        if n > 0:
+            per = a.expert_params / a.num_experts / self.tp  # one expert's weights, a rank
+            c1 = 2.0 * per / (h.flops(self.gemm_dtype) * h.gemm_eff(self.gemm_dtype))
+            m = self.weight_bytes * per / (h.mem_bw * h.eff_bw)
+            counts, prob = expert_load(n, a.num_experts, a.experts_per_token)
+            busy = counts > 0
+            t = _corner(c1 * counts[busy], m, h.gemm_corner_p, 1.0 - h.overlap)
+            out = a.num_experts * float(np.dot(prob[busy], t))
+        if cache:
+            self._experts[n] = out
+        return out
+
     def time(self, w: StepWork, hw: HardwareSpec | None = None) -> StepTime:
         """Seconds of ``w`` on ``hw`` (default: the model's own; calibration passes
         candidates). Works on floats and on numpy arrays alike."""
         h = hw or self.hw
         peak = self.peak if hw is None else hw.flops(self.compute_dtype)
         gpeak = self.gemm_peak if hw is None else hw.flops(self.gemm_dtype)
-        fg, fa, bw = gpeak * h.eff_gemm, peak * h.eff_attn, h.mem_bw * h.eff_bw
+        # Each GEMM at its dtype's share of its peak (fp8 reaches less of its doubled peak
+        # than bf16 of its own); the 16-bit lm_head at the activations'.
+        fg, fa, bw = gpeak * h.gemm_eff(self.gemm_dtype), peak * h.eff_attn, h.mem_bw * h.eff_bw
+        fl = peak * h.gemm_eff(self.compute_dtype)
         lap = 1.0 - h.overlap
         p = h.gemm_corner_p
-
-        def mx(c: Any, m: Any) -> Any:
-            return _roof(c, m, lap)
 
         if h.profiled(self.compute_dtype):
             a, tp = self.arch, self.tp
@@ -273,15 +326,12 @@ class StepModel:
             gemm = a.active_params / tp * profile_tau(w.tokens, prof[:, 0], prof[:, 1])
             lm = a.vocab_size * a.hidden_size / tp * profile_tau(w.rows, prof[:, 0], prof[:, 2])
             gemm, lm = gemm / h.eff_profile, lm / h.eff_profile
-        elif p > 0:  # the fitted GPU specs: a rounded corner and a cost per kernel
-            kernels = h.gemm_kernel_s
-            gemm = (((w.gemm_flops / fg) ** p + (w.gemm_bytes / bw) ** p) ** (1.0 / p)
-                    + 4 * self.arch.num_layers * kernels)
-            lm = ((w.lm_flops / fg) ** p + (w.lm_bytes / bw) ** p) ** (1.0 / p) \
-                + kernels * (w.lm_bytes > 0)
         else:
-            gemm = mx(w.gemm_flops / fg, w.gemm_bytes / bw)
-            lm = mx(w.lm_flops / fg, w.lm_bytes / bw)
+            kernels = h.gemm_kernel_s  # the fitted GPU specs' cost per kernel (else 0)
+            gemm = (_corner(w.gemm_flops / fg, w.gemm_bytes / bw, p, lap)
+                    + 4 * self.arch.num_layers * kernels
+                    + self._expert_s(w.tokens, h, hw is None))
+            lm = _corner(w.lm_flops / fl, w.lm_bytes / bw, p, lap) + kernels * (w.lm_bytes > 0)
         nongemm = 0.0
         if h.eff_elem > 0:
             nongemm = (6 * self.arch.num_layers * h.nongemm_kernel_s
@@ -297,6 +347,32 @@ class StepModel:
             prefill_attn=_attn_s(w.pre_flops, w.pre_bytes, w.pre_widen_s, fa, bw, lap),
             decode_attn=_attn_s(w.dec_flops, w.dec_bytes, w.dec_widen_s, fa, bw, lap),
             allreduce=w.ar_seconds, overhead=overhead, nongemm=nongemm)
+
+
+def _corner(c: Any, m: Any, p: float, lap: float) -> Any:
+    """A GEMM's seconds from its compute seconds ``c`` and memory seconds ``m``: the
+    fitted specs' rounded corner ``(c^p + m^p)^(1/p)`` (``p > 0``), else :func:`_roof`."""
+    if p > 0:
+        return (c ** p + m ** p) ** (1.0 / p)
+    return _roof(c, m, lap)
+
+
+def expert_load(tokens: int, experts: int, per_token: int) -> tuple[np.ndarray, np.ndarray]:
+    """The token counts one routed expert receives in a step of ``tokens`` tokens, and
+    their probabilities: each token picks ``per_token`` distinct experts of ``experts``,
+    uniformly, so one expert's count is Binomial(tokens, per_token / experts) (the
+    imbalance uniform routing gives; a skewed router gives more). Counts beyond 12
+    standard deviations of the mean are left out (their mass is below 1e-30)."""
+    q = per_token / experts
+    if q >= 1.0:
+        return np.array([float(tokens)]), np.array([1.0])
+    mean, sd = tokens * q, math.sqrt(tokens * q * (1.0 - q))
+    lo, hi = max(0, int(mean - 12 * sd) - 1), min(tokens, int(mean + 12 * sd) + 2)
+    m = np.arange(lo, hi + 1, dtype=np.float64)
+    lg = np.vectorize(math.lgamma)
+    logp = (math.lgamma(tokens + 1) - lg(m + 1) - lg(tokens - m + 1)
+            + m * math.log(q) + (tokens - m) * math.log1p(-q))
+    return m, np.exp(logp)
 
 
 def _roof(c: Any, m: Any, lap: float) -> Any:

@@ -19,6 +19,11 @@ by size. Three models come out of them, each a few constants of ``HardwareSpec``
 - **All-reduce** (``tp`` ranks, ``n`` bytes): ``t = lat(tp) + 2 (tp - 1) / tp n / bw_bus``,
   ``lat`` the median of messages up to 1 MiB (they take the same time whatever their size),
   ``bw_bus`` from messages of 8-64 MiB.
+- **FP8 GEMMs on Hopper** (``--fp8``): the same GEMM model on fp8 bytes (weights and
+  activations 1 B, bf16 output) at the fp8 peak, the bf16 fit's bandwidth share, corner
+  and kernel cost kept, its share of the fp8 peak fitted to DeepSeek's published H800
+  table (harness/roofline_tools/data/deepgemm: the CUTLASS 3.6 baseline's times, the
+  kernels engines ship; H800 = H100 SXM's compute and HBM3). Vidur profiles no fp8.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import numpy as np
 from harness.roofline.arch import nongemm_bytes
 
 DATA = Path(__file__).resolve().parent / "data" / "vidur"
+FP8_TABLE = DATA.parent / "deepgemm" / "fp8_gemm_h800.csv"
+PEAK_FP8_H100 = 1979e12
 PEAK_BF16 = {"h100": 989e12, "a100": 312e12}
 MEM_BW = {"h100": 3.35e12, "a100": 2.039e12}
 NETDEV = {"h100": "h100_dgx", "a100": "a100_dgx"}
@@ -126,6 +133,33 @@ def fit_gemm(gpu: str) -> tuple[float, float, float, float, np.ndarray]:
     return eg, eb, p, t0, np.asarray(rel)
 
 
+def fp8_rows() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(M, N, K, seconds) of the FP8 table's GEMMs, timed as its CUTLASS baseline ran them
+    (DeepGEMM's TFLOP/s over its speedup)."""
+    with open(FP8_TABLE, newline="") as f:
+        rows = list(csv.DictReader(f))
+    m, n, k = (np.array([float(r[c]) for r in rows]) for c in ("m", "n", "k"))
+    tflops = np.array([float(r["deepgemm_tflops"]) / float(r["speedup_vs_cutlass"])
+                       for r in rows])
+    return m, n, k, 2.0 * m * n * k / (tflops * 1e12)
+
+
+def fit_fp8(eff_bw: float, p: float, t0: float) -> tuple[float, np.ndarray]:
+    """The share of the fp8 peak that fits the FP8 table best (squared log error), with
+    the bf16 fit's ``eff_bw``, ``p`` and ``t0``; and each row's relative error."""
+    m, n, k, y = fp8_rows()
+    flops, nbytes = 2.0 * m * n * k, n * k + m * k + 2.0 * m * n  # fp8 in, bf16 out
+
+    def model(eff: float) -> np.ndarray:
+        c, mem = flops / (PEAK_FP8_H100 * eff), nbytes / (MEM_BW["h100"] * eff_bw)
+        return np.asarray((c ** p + mem ** p) ** (1.0 / p) + t0)
+
+    grid = np.arange(0.20, 1.0001, 0.01)
+    errs = [float(np.mean(np.log(model(e) / y) ** 2)) for e in grid]
+    eff = round(float(grid[int(np.argmin(errs))]), 2)
+    return eff, model(eff) / y - 1.0
+
+
 def fit_nongemm(gpu: str) -> tuple[float, float, np.ndarray]:
     """Linear least squares (relative) of t = k t_k + T B_tok / (bw eff_elem)."""
     rows, ys = [], []
@@ -174,7 +208,16 @@ def fit(gpu: str) -> KernelFit:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", default="h100,a100")
+    ap.add_argument("--fp8", action="store_true",
+                    help="fit the fp8 GEMM share (Hopper) to the FP8 table instead")
     args = ap.parse_args(argv)
+    if args.fp8:
+        _, eb, p, t0, _ = fit_gemm("h100")
+        eff, rel = fit_fp8(eb, p, t0)
+        a = np.abs(rel) * 100
+        print(json.dumps({"eff_gemm_fp8": eff, "median_err_pct": round(float(np.median(a)), 1),
+                          "worst_err_pct": round(float(np.max(a)), 1), "rows": len(rel)}))
+        return
     for g in args.gpu.split(","):
         print(json.dumps(asdict(fit(g)), indent=1))
 

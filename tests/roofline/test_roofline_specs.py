@@ -66,7 +66,8 @@ def test_mixtral_does_not_fit_one_a100_80gb(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="leave no room for a KV cache"):
         auto_kv_budget(a, hw, RooflineConfig(model="mixtral", hardware="a100-80gb"))
     two = auto_kv_budget(a, hw, RooflineConfig(hardware="a100-80gb", tp=2))
-    assert two == pytest.approx(2 * (80e9 * 0.9 - 2**31) - a.total_params() * 2, rel=1e-6)
+    assert two == pytest.approx(2 * (hw.mem_bytes * 0.9 - 2**31) - a.total_params() * 2,
+                                rel=1e-6)
 
 
 def test_kv_heads_replicate_past_tp_and_capacity_follows() -> None:
@@ -74,7 +75,7 @@ def test_kv_heads_replicate_past_tp_and_capacity_follows() -> None:
     # 8 distinct shards of the cache. Before, the budget summed 32 ranks' room as if each
     # held a distinct shard: ~4x the real capacity.
     a, hw = MODEL_SPECS["llama-3.1-8b"], get_hardware("h100-sxm")
-    per_rank = 80e9 * 0.9 - 2**31
+    per_rank = hw.mem_bytes * 0.9 - 2**31
     w = a.total_params() * 2
     b32 = auto_kv_budget(a, hw, RooflineConfig(tp=32))
     assert b32 == pytest.approx(8 * (per_rank - w / 32), rel=1e-6)
@@ -93,7 +94,9 @@ def test_deepseek_latent_is_one_replicated_head() -> None:
     # MLA's latent is held whole by every rank: the same rule with one KV "head".
     a, hw = MODEL_SPECS["deepseek-v3"], get_hardware("h200")
     cfg = RooflineConfig(model="DeepSeek-V3", hardware="h200", tp=8, weight_dtype="fp8")
-    want = 141e9 * 0.9 - 2**31 - a.total_params() / 8
+    # fp8 linear layers, the embedding and lm_head in bf16 (weights_bytes).
+    embed = 2 * a.vocab_size * a.hidden_size
+    want = hw.mem_bytes * 0.9 - 2**31 - (a.total_params() + embed) / 8
     assert auto_kv_budget(a, hw, cfg) == pytest.approx(want, rel=1e-3)
     kvb = a.num_layers * a.kv_elems_per_layer * 2
     assert StepModel(a, hw, kvb, tp=8).kv_rank_bytes == kvb

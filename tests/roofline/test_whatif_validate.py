@@ -155,8 +155,9 @@ def test_concurrency_caps_the_running_requests() -> None:
 
 def test_trtllm_bench_limits_follow_its_heuristic() -> None:
     # Worked by hand from TensorRT-LLM's tuning.py: Llama-3.1-8B fp8 (8.03e9 params, 1 B
-    # each; KV 2 x 32 layers x 8 heads x 128 x 1 B) on one 141 GB H200 at 0.95:
-    # (131.32 - 7.48) GiB x 0.95 / (64 KiB x 22,000) = 87.6 requests -> 96 (32s);
+    # each; KV 2 x 32 layers x 8 heads x 128 x 1 B) on one H200 (139.8 GiB as CUDA
+    # reports it) at 0.95:
+    # (139.8 - 7.48) GiB x 0.95 / (64 KiB x 22,000) = 93.6 requests -> 96 (32s);
     # tokens 87.6 x 11 = 963 -> 2048, then at least 20,000 + 96 with chunking off.
     arch = get_model_spec("Llama-3.1-8B")
     h200 = get_hardware("h200").mem_bytes
@@ -165,9 +166,10 @@ def test_trtllm_bench_limits_follow_its_heuristic() -> None:
     assert batch_limits(arch, h200, 1, 1.0, 1.0, 20000, 2000, 20000, 0.95, True) == (96, 2048)
     # Short sequences: the request cap of 4096, tokens 4096 x 2 capped at 32768 -> 8192.
     assert batch_limits(arch, h200, 1, 1.0, 1.0, 128, 128, 128, 0.95) == (4096, 8192)
-    # 256 <= R < 1024 rounds to 128s: 8B fp8 on an 80 GB H100 at 128/2048.
+    # 256 <= R < 1024 rounds to 128s: 8B fp8 on an H100 (79.11 GiB) at 128/2048:
+    # (79.11 - 7.48) x 0.95 / (64 KiB x 2176) = 512.4 requests -> 640.
     h100 = get_hardware("h100-sxm").mem_bytes
-    assert batch_limits(arch, h100, 1, 1.0, 1.0, 128, 2048, 128, 0.95) == (512, 2048)
+    assert batch_limits(arch, h100, 1, 1.0, 1.0, 128, 2048, 128, 0.95) == (640, 2048)
 
 
 def test_the_trtllm_profile_runs_trtllm_bench_limits() -> None:
