@@ -37,8 +37,10 @@ class RooflineConfig:
     # (kvbench on the cpu spec, vllm-0.6 on a GPU) | vllm-0.6 | vllm-v1 | sglang | trtllm
     # | kvbench (the hardware spec's own overheads).
     engine: str = "auto"
-    # The weight GEMMs' dtype: auto (the activations') or fp8 (W8A8 on the fp8 units;
-    # needs weight_dtype=fp8, as TensorRT-LLM's FP8 checkpoints are).
+    # The weight GEMMs' dtype: auto (the activations') or fp8 / int8 (W8A8 on the fp8 or
+    # int8 units; needs weight_dtype of the same, as TensorRT-LLM's FP8 and SmoothQuant
+    # checkpoints are; weight_dtype=int8 alone is weight-only, W8A16). int8's share of
+    # its peak has no kernel profile yet: the spec's bf16 share (a prior).
     compute_dtype: str = "auto"
     # Decode lanes (harness/roofline/fastpath): running decodes advanced as sums, touched only
     # when they take or fill a block, finish or are preempted; every number equals
@@ -49,18 +51,19 @@ class RooflineConfig:
         at_least(self, "roofline", 1, "tp")
         one_of(self, "roofline", "dtype", COMPUTE)
         one_of(self, "roofline", "weight_dtype", WEIGHT_BYTES)
-        one_of(self, "roofline", "compute_dtype", ("auto", "fp8"))
+        one_of(self, "roofline", "compute_dtype", ("auto", "fp8", "int8"))
         one_of(self, "roofline", "engine", ("auto", *PROFILES))
-        if self.compute_dtype == "fp8" and self.weight_dtype != "fp8":
-            raise UserError("roofline.compute_dtype=fp8 multiplies fp8 weights on the fp8 "
-                            f"units: set roofline.weight_dtype=fp8 (got {self.weight_dtype})")
+        c = self.compute_dtype
+        if c != "auto" and self.weight_dtype != c:
+            raise UserError(f"roofline.compute_dtype={c} multiplies {c} weights on the {c} "
+                            f"units: set roofline.weight_dtype={c} (got {self.weight_dtype})")
         in_range(self, "roofline", "gpu_memory_utilization", 0.0, 1.0, lo_open=True)
         one_of(self, "roofline", "memory_utilization_of", ("total", "free"))
         one_of(self, "roofline", "attention", ("spec", *ATTENTION))
 
     def gemm_dtype(self) -> str:
         """The weight GEMMs' dtype for the step model."""
-        return "fp8" if self.compute_dtype == "fp8" else COMPUTE[self.dtype]
+        return COMPUTE[self.dtype] if self.compute_dtype == "auto" else self.compute_dtype
 
     def reserve_bytes(self, hw: HardwareSpec) -> int:
         if self.activation_reserve == "auto":
