@@ -75,7 +75,7 @@ ROWS = [
      "roofline.tp=7 must divide its 4 KV heads or be a multiple of them for Qwen2.5-7B"),
     (["executor=roofline", "roofline.activation_reserve=100GiB", "cache.kv_budget=auto"],
      "roofline.activation_reserve=100GiB is not below the usable memory of one h100-sxm "
-     "(67.06GiB: 74.51GiB at gpu_memory_utilization 0.9): lower roofline.activation_reserve"),
+     "(71.20GiB: 79.11GiB at gpu_memory_utilization 0.9): lower roofline.activation_reserve"),
     (["scheduler.policy=lifo"], "unknown scheduler.policy"),
     (["quality.enabled=true", "quality.prefill_tokens=0"], "1 <= quality.prefill_tokens"),
     (["quality.enabled=true", "quality.num_texts=0"], "quality.num_texts must be >= 1"),
