@@ -91,6 +91,10 @@ class TierSpec:
     # executor=model: the folder the disk tier's files go in (a fresh subfolder per run,
     # removed at its end; default: the system's temp folder). Not kept across runs.
     disk_dir: str | None = None
+    # Each tier's eviction order (harness/kv/eviction.py's, over the tier's slots: which
+    # block spills or falls out first); None: cache.eviction's.
+    cpu_policy: str | None = None  # lru | fifo | lfu | slru | arc | cost
+    disk_policy: str | None = None
 
     def __post_init__(self) -> None:
         from harness.kv.tiers import WRITE_MODES
@@ -107,6 +111,21 @@ class TierSpec:
                 raise UserError(f"cache.tiers.{key} must be >= 0, got {getattr(self, key)}")
         if self.disk_bw_gbs == 0 and parse_bytes(self.disk):
             raise UserError("cache.tiers.disk_bw_gbs must be > 0 with a disk tier")
+        for key in ("cpu_policy", "disk_policy"):
+            if getattr(self, key) is not None:
+                one_of(self, "cache.tiers", key, EVICTIONS)
+
+    def policies(self, eviction: str) -> list[str]:
+        """Each tier's eviction order, host first (``eviction``: cache.eviction, the
+        default), for the tiers this spec asks for."""
+        tiers = ("cpu", "disk") if parse_bytes(self.disk) else ("cpu",)
+        return [getattr(self, f"{t}_policy") or eviction for t in tiers]
+
+    def custom_policies(self, eviction: str) -> list[str]:
+        """The ``<tier>_policy`` options set to other than ``eviction`` (their default),
+        as ``key=value``."""
+        return [f"cache.tiers.{k}={getattr(self, k)}" for k in ("cpu_policy", "disk_policy")
+                if getattr(self, k) not in (None, eviction)]
 
     @property
     def enabled(self) -> bool:
@@ -152,6 +171,27 @@ class CacheSpec:
                             "cache.enable_prefix_caching=true (or leave them at lru / always)")
         check_sizes(self, "cache", ("swap_space",) if self.kv_budget == "auto" else
                     ("kv_budget", "swap_space"), "64MiB, 1GiB, 1000000")
+        self._check_tier_policies()
+
+    def _check_tier_policies(self) -> None:
+        """A tier's eviction order set where that tier cannot be is refused, as
+        cache.eviction is without prefix caching."""
+        custom = self.tiers.custom_policies(self.eviction)
+        if not custom:
+            return
+        t = self.tiers
+        if not self.enable_prefix_caching:
+            raise UserError(f"{' / '.join(custom)} choose among a lower tier's cached prefix "
+                            "blocks: they need cache.enable_prefix_caching=true and "
+                            "cache.tiers (or leave them unset)")
+        if not t.enabled:
+            raise UserError(f"{' / '.join(custom)} choose which block a lower tier gives up, "
+                            "but there are no tiers (cache.tiers.cpu=0): set cache.tiers.cpu "
+                            "(e.g. 4GiB), or leave them unset")
+        if t.disk_policy not in (None, self.eviction) and not parse_bytes(t.disk):
+            raise UserError(f"cache.tiers.disk_policy={t.disk_policy} chooses which block the "
+                            "disk tier gives up, but there is none (cache.tiers.disk=0): set "
+                            "cache.tiers.disk (e.g. 16GiB), or leave it unset")
 
 
 @dataclass

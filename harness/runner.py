@@ -109,6 +109,9 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
         # the prefix cache's eviction order and admission rule (harness/kv/eviction.py)
         **({"eviction": rc.cache.eviction, "admission": rc.cache.admission}
            if st.prefix_caching else {}),
+        # each lower tier's eviction order (cache.tiers.<tier>_policy), e.g. cpu=arc,disk=lru
+        **({"tier_eviction": ",".join(f"{t.name}={t.policy}" for t in st.tiers.tiers)}
+           if st.tiers is not None else {}),
         **({"prefill": st.backend.trigger} if st.backend.trigger else {}),
         **({"replicas": n, "router": rc.cluster.router} if cluster is not None else {}),
         **({"prefix_scorer": rc.cluster.prefix_scorer}

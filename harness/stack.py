@@ -291,6 +291,10 @@ def make_tiers(cache: CacheSpec, backend: KVBackend, sizing: CacheSizing,
            "prefix caching is off for this run" if not prefix_caching else
            f"backend {backend.name} cannot move whole blocks")
     if why is not None:
+        custom = spec.custom_policies(cache.eviction)
+        if custom:  # (as cache.eviction is refused where a run has no prefix cache)
+            raise UserError(f"{' / '.join(custom)} choose which block a lower tier gives up, "
+                            f"but this run has no lower tiers ({why}): leave them unset")
         if not quiet:
             print(f"kvbench: cache.tiers: {why}, so the prefix cache has no lower tiers "
                   "(run.tiers=off)", file=sys.stderr)
@@ -305,7 +309,7 @@ def make_tiers(cache: CacheSpec, backend: KVBackend, sizing: CacheSizing,
                             f"({sizing.block_size} tokens); give at least that")
         if size:
             nums.append(size // block_bytes)
-    return LowerTiers(nums, sizing.block_size, spec.write)
+    return LowerTiers(nums, sizing.block_size, spec.write, spec.policies(cache.eviction))
 
 
 def check_budget(shapes: Iterable[RequestShape], kv: KVManager, backend: KVBackend,

@@ -11,7 +11,9 @@ markdown table per traffic: prefix hit rate (other requests' blocks, every tier)
 output tokens/s. The traces: traces/conversations.jsonl, traces/rag_example.jsonl
 (`trace_synth --kind rag --rows 2000 --rate 20 --block 64 --output-median 64 --seed 1`)
 and a Mooncake-like one written here (`trace_synth --rows 2000 --rate 10 --block 64
---input-median 1500 --output-median 100`, seed 0).
+--input-median 1500 --output-median 100`, seed 0). ``rag-tier``: the RAG trace over the
+8 GiB CPU tier, the device at lru / always, the tier's own order
+(``cache.tiers.cpu_policy``) each of the six.
 """
 
 from __future__ import annotations
@@ -30,19 +32,25 @@ from harness.kv.eviction import ADMISSIONS, EVICTIONS  # noqa: E402
 WHATIF = ["executor=roofline", "roofline.model=Llama-3.1-8B", "roofline.hardware=h100-sxm",
           "scheduler.max_num_seqs=64", "logger=none"]
 TIER = "cache.tiers.cpu=8GiB"
+# The device's orders over a CPU tier kept at lru (unset, the tier would take
+# cache.eviction's order too); rag-tier varies the tier's order instead.
+TIER_LRU = [TIER, "cache.tiers.cpu_policy=lru"]
 
 
 def grids(mooncake: Path) -> dict[str, tuple[list[str], list[list[str]]]]:
     """Traffic -> (its options, the variants each policy runs under)."""
     budget = "cache.kv_budget=1536MiB"
+    rag = ["workload=trace", "workload.path=traces/rag_example.jsonl",
+           "workload.hash_block_tokens=64", "workload.speedup=0.25"]
     return {
         "chat": ([*WHATIF, budget, "workload=multiturn", "workload.conversations=48",
                   "workload.turns=4", "workload.answer_tokens=64", "workload.rate=4",
-                  "workload.think_time_s=2"], [[], [TIER]]),
-        "rag": ([*WHATIF, budget, "workload=trace", "workload.path=traces/rag_example.jsonl",
-                 "workload.hash_block_tokens=64", "workload.speedup=0.25"], [[], [TIER]]),
+                  "workload.think_time_s=2"], [[], TIER_LRU]),
+        "rag": ([*WHATIF, budget, *rag], [[], TIER_LRU]),
+        "rag-tier": ([*WHATIF, budget, *rag],
+                     [[TIER, f"cache.tiers.cpu_policy={p}"] for p in EVICTIONS]),
         "mooncake": ([*WHATIF, budget, "workload=trace", f"workload.path={mooncake}",
-                      "workload.hash_block_tokens=64", "workload.speedup=0.1"], [[], [TIER]]),
+                      "workload.hash_block_tokens=64", "workload.speedup=0.1"], [[], TIER_LRU]),
         "conversations": ([*WHATIF, "cache.kv_budget=24GiB", "workload=trace",
                            "workload.path=traces/conversations.jsonl",
                            "workload.speedup=0.05"], [[]]),
@@ -55,6 +63,8 @@ def grids(mooncake: Path) -> dict[str, tuple[list[str], list[list[str]]]]:
 def policies(traffic: str) -> list[tuple[str, str]]:
     if traffic in ("conversations", "tiny-engine"):  # (slow, or a CPU: the orders only)
         return [(e, "always") for e in EVICTIONS]
+    if traffic == "rag-tier":  # (the tier's order varies: cache.tiers.cpu_policy)
+        return [("lru", "always")]
     return [(e, a) for e in EVICTIONS for a in ADMISSIONS]
 
 
@@ -84,7 +94,8 @@ def main() -> int:
                                      f"cache.admission={adm}"])).metrics
                 rows.append({"traffic": traffic, "eviction": ev, "admission": adm,
                              "tier": bool(extra), **m})
-                print(f"| {ev} | {adm} | {'8 GiB' if extra else '-'} | "
+                tier = f"8 GiB, {extra[1].split('=')[1]}" if extra else "-"
+                print(f"| {ev} | {adm} | {tier} | "
                       f"{100 * float(m['cache.prefix_hit_rate']):.2f} | "
                       f"{m['cache.regret_blocks']} | {float(m['latency.ttft_ms.p50']):.0f} / "
                       f"{float(m['latency.ttft_ms.p99']):.0f} | "

@@ -28,9 +28,9 @@ from harness.kv.base import DeferredNames, KVUsage
 from harness.kv.eviction import ADMITS, ORDERS, Admission, EvictionOrder, LRUOrder
 from harness.kv.ledger import ReservationLedger
 
-# Called with (block, hash, owner) as a named block is evicted from the LRU of cached-free
-# blocks, before it is reused: a lower tier writes it down (harness.kv.tiers).
-EvictHook = Callable[[int, int, int], None]
+# Called with (block, hash, owner, chain depth) as a named block is evicted from the order
+# of cached-free blocks, before it is reused: a lower tier writes it down (harness.kv.tiers).
+EvictHook = Callable[[int, int, int, int], None]
 
 
 class BlockPool:
@@ -239,7 +239,7 @@ class BlockPool:
                     out.append(b)
                     continue
                 if on_evict is not None:
-                    on_evict(b, h, owner[b])
+                    on_evict(b, h, owner[b], self.depth[b])
                 # Its name goes (another copy keeps it: back to an int when one is left).
                 c = by_hash[h]
                 if isinstance(c, int):

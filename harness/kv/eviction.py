@@ -43,8 +43,16 @@ frequency comparison, with an exact counter halved every 10 x pool-size uses whe
 keeps a count-min sketch). A one-off prompt's blocks then stop pushing out a history that
 is reused.
 
+**Hosts.** An order reads what it orders through :class:`OrderHost`: a block pool (its
+ids the pool's blocks), or a lower tier of the prefix cache (harness/kv/tiers.py, its ids
+the tier's slots: ``cache.tiers.cpu_policy`` / ``disk_policy``). Per-id state is a list
+as long as the host's ids so far (``len(host.block_hash)``): the pool's from the start,
+a tier's grown by :meth:`EvictionOrder.grow` as it first uses a slot (a tier may have
+1e9 slots and use a few).
+
 Every order here is checked against a brute-force reference (tests/core/test_eviction.py,
-hypothesis) and ``lru`` keeps every record of the pool it replaced.
+hypothesis, on a pool and on a tier) and ``lru`` keeps every record of the pool and the
+tiers it replaced.
 """
 
 from __future__ import annotations
@@ -52,7 +60,8 @@ from __future__ import annotations
 import heapq
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 if TYPE_CHECKING:
     from harness.kv.block_pool import BlockPool
@@ -61,8 +70,37 @@ EVICTIONS = ("lru", "fifo", "lfu", "slru", "arc", "cost")
 ADMISSIONS = ("always", "second_hit", "tinylfu")
 
 
+class OrderHost(Protocol):
+    """What an order reads of the blocks it orders (module docstring, Hosts): a
+    :class:`~harness.kv.block_pool.BlockPool` or a :class:`~harness.kv.tiers.Tier`."""
+
+    @property
+    def num_blocks(self) -> int:
+        """How many blocks it can hold (arc's cache size, slru's protected share)."""
+
+    @property
+    def num_cached_free(self) -> int:
+        """How many blocks are in the order now."""
+
+    @property
+    def block_hash(self) -> Sequence[object]:
+        """Each id's name (an int hash; anything else is no name to remember); its
+        length is the number of ids so far."""
+
+    @property
+    def depth(self) -> Sequence[int]:
+        """Each id's position in its prefix chain (``cost``)."""
+
+
+def _grow(xs: list[int], n: int, value: int) -> None:
+    """``xs`` extended with ``value`` to ``n`` entries."""
+    if len(xs) < n:
+        xs.extend([value] * (n - len(xs)))
+
+
 class EvictionOrder(ABC):
-    """The order a pool's cached blocks are evicted in (module docstring)."""
+    """The order a pool's cached blocks (or a tier's blocks) are evicted in (module
+    docstring)."""
 
     name: ClassVar[str]
     # Whether the order needs ``referenced`` / ``allocated`` calls (the pool skips them
@@ -71,8 +109,11 @@ class EvictionOrder(ABC):
     # Whether it reads a block's name (its hash) as the block is cached or evicted.
     reads_names: ClassVar[bool] = False
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: OrderHost) -> None:
         self.pool = pool
+
+    def grow(self, n: int) -> None:  # noqa: B027 (a hook for the orders with per-id state)
+        """The host has ``n`` ids now (a tier used a new slot): per-id state for them."""
 
     @abstractmethod
     def insert(self, b: int) -> None:
@@ -117,11 +158,14 @@ class LRUOrder(EvictionOrder):
     name = "lru"
     compact_min = 1024
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: OrderHost) -> None:
         super().__init__(pool)
         self.q: deque[int] = deque()
-        self.voids = [0] * pool.num_blocks
+        self.voids = [0] * len(pool.block_hash)
         self.insert = self.q.append  # type: ignore[method-assign,assignment]  # (the hot path)
+
+    def grow(self, n: int) -> None:
+        _grow(self.voids, n, 0)
 
     def insert(self, b: int) -> None:  # (replaced per instance by the deque's append)
         self.q.append(b)
@@ -131,7 +175,7 @@ class LRUOrder(EvictionOrder):
         if len(self.q) > 2 * self.pool.num_cached_free + self.compact_min:
             self.q = deque(self.order())
             self.insert = self.q.append  # type: ignore[method-assign,assignment]
-            self.voids = [0] * self.pool.num_blocks
+            self.voids = [0] * len(self.voids)
 
     def victims(self, n: int) -> list[int]:
         q, voids = self.q, self.voids
@@ -171,9 +215,13 @@ class _CountsUses(EvictionOrder):
 
     counts_uses = True
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: OrderHost) -> None:
         super().__init__(pool)
-        self.uses = [1] * pool.num_blocks
+        self.uses = [1] * len(pool.block_hash)
+
+    def grow(self, n: int) -> None:
+        super().grow(n)
+        _grow(self.uses, n, 1)
 
     def referenced(self, b: int) -> None:
         self.uses[b] += 1
@@ -189,11 +237,15 @@ class _HeapOrder(EvictionOrder):
 
     counts_uses = True
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: OrderHost) -> None:
         super().__init__(pool)
-        self.ver = [0] * pool.num_blocks  # bumped when a block's heap entry goes stale
+        self.ver = [0] * len(pool.block_hash)  # bumped when a block's heap entry goes stale
         self.heap: list[tuple[float, int, int, int]] = []  # (*key, block, ver)
         self.n_live = 0
+
+    def grow(self, n: int) -> None:
+        super().grow(n)
+        _grow(self.ver, n, 0)
 
     @abstractmethod
     def key(self, b: int) -> tuple[float, int]:
@@ -244,10 +296,14 @@ class FIFOOrder(_HeapOrder):
 
     name = "fifo"  # (counts_uses: ``allocated`` gives a block computed anew a new place)
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: OrderHost) -> None:
         super().__init__(pool)
-        self.first = [0] * pool.num_blocks  # when first cached (0: not since computed)
+        self.first = [0] * len(pool.block_hash)  # when first cached (0: not since computed)
         self.stamp = 0
+
+    def grow(self, n: int) -> None:
+        super().grow(n)
+        _grow(self.first, n, 0)
 
     def key(self, b: int) -> tuple[float, int]:
         if not self.first[b]:
@@ -265,7 +321,7 @@ class _PriorityOrder(_HeapOrder, _CountsUses):
     GreedyDual: a block's priority when it becomes cached is ``value(b)`` plus ``floor``,
     the priority of the last block evicted (LFU-DA, GDSF)."""
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: OrderHost) -> None:
         super().__init__(pool)
         self.floor = 0.0
         self.stamp = 0
@@ -310,7 +366,7 @@ class SLRUOrder(_CountsUses):
     name = "slru"
     protected_share = 0.8
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: OrderHost) -> None:
         super().__init__(pool)
         self.probation: OrderedDict[int, None] = OrderedDict()
         self.protected: OrderedDict[int, None] = OrderedDict()
@@ -351,7 +407,7 @@ class ARCOrder(_CountsUses):
     name = "arc"
     reads_names = True  # (its ghost lists remember evicted blocks' names)
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: OrderHost) -> None:
         super().__init__(pool)
         self.c = pool.num_blocks
         self.t1: OrderedDict[int, None] = OrderedDict()

@@ -225,7 +225,7 @@ class GroupedKVManager:
             return lookup(chains[g][i]) is not None
 
         def below(g: int, i: int) -> bool:
-            return tiers is not None and tiers.find(chains[g][i]) is not None
+            return tiers is not None and tiers.lookup(chains[g][i]) is not None
 
         def run(g: int, lo: int, k: int) -> int:
             """How far from ``lo`` (at most ``k``) a device run, then a tier run, reach."""

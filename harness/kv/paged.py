@@ -204,7 +204,7 @@ class PagedKVManager:
                 if b is not None:
                     hit.blocks.append(b)
                     continue
-            below = tiers.find(h) if tiers is not None else None
+            below = tiers.lookup(h) if tiers is not None else None
             if below is None:
                 break
             hit.loads.append(below)
@@ -588,7 +588,7 @@ class PagedKVManager:
             pool = self.pool
             for b, h in self._named_ready:  # write-through of last step's named blocks
                 if pool.block_hash[b] == h:  # (one evicted since was stored on eviction)
-                    self.tiers.store(b, h, pool.owner[b])
+                    self.tiers.store(b, h, pool.owner[b], pool.depth[b])
             self._named_ready = []
             ops.tier_ops = self.tiers.take_ops()
         return ops

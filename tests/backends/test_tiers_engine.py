@@ -49,6 +49,7 @@ def test_same_tokens_with_tiers_on_and_off(backend: str, budget: str, cpu: str) 
     assert outputs(on) == outputs(off)
     m = on.metrics
     assert m["run.tiers"] == f"cpu={cpu},disk=4MiB,write=evict"
+    assert m["run.tier_eviction"] == "cpu=lru,disk=lru"
     # Both tiers served prompt blocks, and the four shares are the whole lookup.
     assert m["cache.hit_rate.cpu"] > 0 and m["cache.hit_rate.disk"] > 0, m
     shares = [m[f"cache.hit_rate.{k}"] for k in ("gpu", "cpu", "disk", "miss")]

@@ -1,7 +1,10 @@
 """The block pool's eviction orders and admission rules (harness/kv/eviction.py) against
 brute-force references: random allocations, releases, prefix hits and missed lookups on a
 real BlockPool, the pool's next-to-evict order and every eviction compared, op by op, with
-a reference that keeps each cached block's history in plain lists and sorts it."""
+a reference that keeps each cached block's history in plain lists and sorts it. The same
+orders over the lower tiers' slots (harness/kv/tiers.py, cache.tiers.<tier>_policy) are
+held to the same reference: random stores, spills, loads (pinned while the step stores)
+and missed lookups on a real LowerTiers."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from hypothesis import strategies as st
 
 from harness.kv.block_pool import BlockPool
 from harness.kv.eviction import EVICTIONS
+from harness.kv.tiers import CPU, LowerTiers
 
 N, BS = 8, 2
 
@@ -22,6 +26,7 @@ class Ref:
     """A brute-force model of the cached blocks' order under ``policy``."""
 
     policy: str
+    n: int = N  # the host's size (arc's ghosts, slru's protected share)
     t: int = 0
     floor: float = 0.0
     uses: dict[int, int] = field(default_factory=dict)
@@ -57,7 +62,7 @@ class Ref:
         elif self.policy == "slru":
             if u > 1:
                 self.prot.append(b)
-                if len(self.prot) > int(0.8 * N):
+                if len(self.prot) > int(0.8 * self.n):
                     self.prob.append(self.prot.pop(0))
             else:
                 self.prob.append(b)
@@ -78,7 +83,7 @@ class Ref:
         if self.policy != "arc":
             return
         if name in self.b1:
-            self.p = min(float(N), self.p + max(len(self.b2) / len(self.b1), 1.0))
+            self.p = min(float(self.n), self.p + max(len(self.b2) / len(self.b1), 1.0))
             self.b1.remove(name)
             self.back.add(name)
         elif name in self.b2:
@@ -111,7 +116,7 @@ class Ref:
                 if names[b] in ghosts:
                     ghosts.remove(names[b])
                 ghosts.append(names[b])
-                while len(self.b1) + len(self.b2) > N:
+                while len(self.b1) + len(self.b2) > self.n:
                     (self.b1 if len(self.b1) >= len(self.b2) else self.b2).pop(0)
             else:
                 self.remove(b)
@@ -177,6 +182,154 @@ def test_every_eviction_order_equals_its_reference(policy: str,
         assert pool.lru_order() == ref.order(), (policy, op)
         assert pool.num_cached_free == len(ref.order())
         assert pool.next_victim() == (ref.order() or [None])[0]
+
+
+@dataclass
+class RefTiers:
+    """A brute-force model of LowerTiers (harness/kv/tiers.py) over :class:`Ref` orders:
+    each tier's names by slot, its fresh slots, and the blocks that fell out."""
+
+    refs: list[Ref]
+    caps: list[int]
+    held: list[dict[int, int]] = field(default_factory=lambda: [{}, {}])  # name -> slot
+    name: list[dict[int, int]] = field(default_factory=lambda: [{}, {}])  # slot -> name
+    depth: list[dict[int, int]] = field(default_factory=lambda: [{}, {}])  # slot -> depth
+    fresh: list[int] = field(default_factory=lambda: [0, 0])
+    dropped: int = 0
+
+    def store(self, name: int, depth: int) -> None:
+        if name in self.held[0]:
+            self.touch(0, name)
+            return
+        slot = self.take(0)
+        if slot is None:
+            self.dropped += 1
+        else:
+            self.put(0, name, slot, depth)
+
+    def take(self, i: int) -> int | None:
+        if self.fresh[i] < self.caps[i]:
+            self.fresh[i] += 1
+            return self.fresh[i] - 1
+        if not self.refs[i].order():
+            return None  # every block pinned
+        (slot,) = self.refs[i].evict(1, self.name[i])
+        name, depth = self.name[i][slot], self.depth[i][slot]
+        del self.held[i][name]
+        if i + 1 == len(self.caps):
+            self.dropped += 1
+        elif name in self.held[i + 1]:
+            self.touch(i + 1, name)
+        else:
+            dst = self.take(i + 1)
+            if dst is None:
+                self.dropped += 1
+            else:
+                self.put(i + 1, name, dst, depth)
+        return slot
+
+    def put(self, i: int, name: int, slot: int, depth: int) -> None:
+        self.held[i][name], self.name[i][slot], self.depth[i][slot] = slot, name, depth
+        self.refs[i].allocated(slot, depth)
+        self.refs[i].insert(slot, name)
+
+    def touch(self, i: int, name: int) -> None:
+        self.refs[i].remove(self.held[i][name])
+        self.refs[i].insert(self.held[i][name], name)
+
+    def lookup(self, name: int) -> int | None:
+        """The tier holding ``name`` (None: none); the tiers above it missed it."""
+        for i in range(len(self.caps)):
+            if name in self.held[i]:
+                return i
+            self.refs[i].missed(name)
+        return None
+
+
+# Stores (new content, or content seen before), loads (a lookup, the block pinned while
+# ``k - 1`` more stores run, then unpinned) and lookups of content no tier holds.
+TIER_OPS = st.lists(st.tuples(st.sampled_from(["store", "store", "store", "load", "miss"]),
+                              st.integers(0, 10 ** 6), st.integers(1, 3)),
+                    min_size=20, max_size=150)
+CAPS = [4, 3]  # a CPU tier of 4 slots, a disk tier of 3
+
+
+@pytest.mark.parametrize("i", range(len(EVICTIONS)))
+@settings(max_examples=100, deadline=None)
+@given(ops=TIER_OPS)
+def test_every_eviction_order_over_a_tiers_slots_equals_its_reference(
+        i: int, ops: list[tuple[str, int, int]]) -> None:
+    """Each order runs the CPU tier, the next order in the list the disk tier below it."""
+    policies = [EVICTIONS[i], EVICTIONS[(i + 1) % len(EVICTIONS)]]
+    tiers = LowerTiers(CAPS, BS, policies=policies)
+    ref = RefTiers([Ref(p, n=c) for p, c in zip(policies, CAPS)], CAPS)
+    seen: list[int] = []  # every content stored so far
+    next_name = 1
+    for op, r, k in ops:
+        if op == "store":
+            if r % 3 == 0 and seen:  # content seen before: held (a touch) or fallen out
+                name = seen[r % len(seen)]
+            else:
+                name, next_name = next_name, next_name + 1
+                seen.append(name)
+            tiers.store(0, name, owner=1, depth=r % 5)
+            ref.store(name, r % 5)
+        elif op == "load":
+            held = sorted(h for t in ref.held for h in t)
+            if not held:
+                continue
+            name = held[r % len(held)]
+            hit = tiers.lookup(name)
+            level = ref.lookup(name)
+            assert hit is not None and level is not None and hit.tier == CPU + level
+            tiers.pin([hit])
+            rf = ref.refs[level]
+            rf.remove(ref.held[level][name])
+            rf.uses[ref.held[level][name]] += 1
+            for _ in range(k - 1):  # the step's stores, the loaded block pinned
+                tiers.store(0, next_name, owner=1, depth=k)
+                ref.store(next_name, k)
+                seen.append(next_name)
+                next_name += 1
+            tiers.unpin([hit])
+            rf.insert(ref.held[level][name], name)
+        elif op == "miss" and seen:
+            name = seen[r % len(seen)]
+            if all(name not in t for t in ref.held):
+                assert tiers.lookup(name) is None
+                ref.lookup(name)
+        for t, rf, held in zip(tiers.tiers, ref.refs, ref.held):
+            assert [s for _, s in t.order()] == rf.order(), (policies, op, t.name)
+            assert t.slots == held and t.num_cached_free == len(rf.order())
+        assert tiers.stats.dropped_blocks == ref.dropped
+
+
+def test_a_tiers_order_grows_with_its_slots_and_reads_their_names() -> None:
+    """A tier of a billion slots holds per-slot state only for the slots it used; arc's
+    ghosts remember a spilled block's name, so content that comes back after a miss
+    enters the protected list (t2)."""
+    tiers = LowerTiers([10 ** 9], BS, policies=["arc"])
+    t = tiers.tiers[0]
+    for name in (11, 12, 13):
+        tiers.store(0, name, owner=1)
+    assert t.fresh == 3 and len(t.eviction.uses) == 3  # type: ignore[attr-defined]
+    small = LowerTiers([2], BS, policies=["arc"])
+    for name in (1, 2, 3):  # 3 evicts 1 (fell out of the last tier: a ghost)
+        small.store(0, name, owner=1)
+    assert small.lookup(1) is None  # the lookup's miss finds 1 among the ghosts
+    arc = small.tiers[0].eviction
+    assert arc.p == 1.0  # type: ignore[attr-defined]  # (a hit on b1 grows t1's target)
+    small.store(0, 1, owner=1)  # 1 comes back (evicting 2): into t2
+    assert list(arc.t2) == [small.tiers[0].slots[1]]  # type: ignore[attr-defined]
+    assert [h for h, _ in small.tiers[0].order()] == [1, 3]  # t1 (3) is at its target
+
+
+def test_the_default_is_lru_on_every_tier_and_unknown_orders_are_refused() -> None:
+    assert LowerTiers([2, 2], BS).policies == ["lru", "lru"]
+    with pytest.raises(ValueError, match="one eviction order"):
+        LowerTiers([2, 2], BS, policies=["lru"])
+    with pytest.raises(ValueError, match="one eviction order"):
+        LowerTiers([2], BS, policies=["mru"])
 
 
 def _cycle(pool: BlockPool, name: int, uses: int = 1) -> int:

@@ -51,8 +51,26 @@ def test_tiers_in_the_what_if() -> None:
     assert on["cache.tier.transfer_s"] > 0
     assert lapped["engine.wall_s"] <= on["engine.wall_s"]
     assert on["run.tiers"] == "cpu=8GiB,write=evict,overlap=false"
+    assert on["run.tier_eviction"] == "cpu=lru" and "run.tier_eviction" not in off
     # Bytes: an 8B block of 16 tokens is 16 x 128 KiB in bf16.
     assert on["cache.tier.cpu.bytes_up"] == on["cache.tier.cpu.blocks_up"] * 16 * 131072
+
+
+def test_a_tiers_own_eviction_order() -> None:
+    """cache.tiers.cpu_policy orders the CPU tier alone: on a CPU tier too small for the
+    histories, arc keeps the blocks loaded back (t2) over the ones written once, and
+    serves more of them than lru; the device's order, and its hits, are unchanged."""
+    lru = what_if("cache.tiers.cpu=1GiB")
+    arc = what_if("cache.tiers.cpu=1GiB", "cache.tiers.cpu_policy=arc")
+    assert (lru["run.tier_eviction"], arc["run.tier_eviction"]) == ("cpu=lru", "cpu=arc")
+    assert arc["run.eviction"] == "lru"
+    assert arc["cache.hit_rate.cpu"] > lru["cache.hit_rate.cpu"] + 0.01
+    assert arc["cache.hit_rate.gpu"] == lru["cache.hit_rate.gpu"]
+    # Unset, a tier's order is cache.eviction's; set to it, nothing changes.
+    both = what_if("cache.tiers.cpu=1GiB", "cache.eviction=arc")
+    same = what_if("cache.tiers.cpu=1GiB", "cache.eviction=arc", "cache.tiers.cpu_policy=arc")
+    assert both["run.tier_eviction"] == "cpu=arc" and both == same | {
+        k: both[k] for k in both if k.startswith(("run.started_at", "engine."))}
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -62,6 +80,17 @@ def test_tiers_in_the_what_if() -> None:
     (["cache.tiers.cpu=1KiB"], "holds no block"),
     (["cache.tiers.cpu=1MiB", "cache.tiers.overlap=true"], "what-if option"),
     (["cache.tiers.cpu=1MiB", "cache.tiers.disk_latency_us=-1"], "must be >= 0"),
+    # A tier's eviction order where that tier cannot be (as cache.eviction without
+    # prefix caching), or one that does not exist.
+    (["cache.tiers.cpu_policy=arc"], r"there are no tiers \(cache\.tiers\.cpu=0\)"),
+    (["cache.tiers.cpu=1MiB", "cache.tiers.disk_policy=lfu"],
+     r"the disk tier gives up, but there is none"),
+    (["cache.enable_prefix_caching=false", "cache.tiers.cpu=1MiB",
+      "cache.tiers.cpu_policy=slru"], r"need cache\.enable_prefix_caching=true"),
+    (["backend=snapkv", "cache.tiers.cpu=1MiB", "cache.tiers.cpu_policy=arc"],
+     r"this run has no lower tiers \(prefix caching is off"),
+    (["cache.tiers.cpu=1MiB", "cache.tiers.cpu_policy=mru"],
+     r"unknown cache\.tiers\.cpu_policy 'mru'; known: lru, fifo"),
 ])
 def test_bad_tier_configs_say_what_to_change(overrides: list[str], message: str) -> None:
     with pytest.raises(UserError, match=message):
