@@ -159,6 +159,21 @@ def claim_folder(folder: Path, empty: bool = False) -> None:
             "or empty folder: choose another hydra.run.dir (or leave it to the default, "
             "which is unique per run)")
     _create_claim(folder, CLAIM, "run")
+    if folder not in _claimed:
+        _claimed.append(folder)
+
+
+# Run folders claimed in this process (claim_folder), for unmarked_claims.
+_claimed: list[Path] = []
+
+
+def unmarked_claims() -> list[Path]:
+    """Run folders this process claimed (its own owner token) that hold neither results
+    nor a marker: a stop signal that ends the process now leaves them to be marked
+    (issue #55: one between the claim and the run's start left a folder that read as
+    killed without a word)."""
+    return [f for f in _claimed
+            if (read_claim(f) or {}).get("token") == _token and outcome(f) is None]
 
 
 def pid_alive(pid: int) -> bool:

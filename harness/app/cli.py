@@ -70,6 +70,7 @@ if TYPE_CHECKING:
     from harness.runner import RunResult
 
 EXIT_CRASH, EXIT_USER, EXIT_WANDB, EXIT_WRITE = 1, 2, 3, 4
+STOPPED = (130, 143)  # the exit codes of a run or sweep stopped by SIGINT / SIGTERM
 
 
 def main(cfg: DictConfig) -> None:
@@ -190,7 +191,7 @@ def _run_one(cfg: DictConfig, out: Path, multirun: bool, quiet: bool = False) ->
     summary table (a repeat's; the group's is printed)."""
     from harness import progress
     from harness.app.hydra_callbacks import refuse_schema_choices
-    from harness.app.supervisor import as_interrupted
+    from harness.app.supervisor import as_interrupted, hold_until_exit
     from harness.errors import UserError
     from harness.results import FolderTaken, ResultsWriteError, claim_folder, write_config
     from harness.runner import print_summary, run
@@ -213,6 +214,7 @@ def _run_one(cfg: DictConfig, out: Path, multirun: bool, quiet: bool = False) ->
             raise ResultsWriteError(out / "config.yaml", e, None, []) from e
         result = run(cfg)
     except KeyboardInterrupt as e:
+        hold_until_exit(e)  # the run is freed by the process's exit, not object by object
         return _interrupted(out, as_interrupted(e))
     except ResultsWriteError as e:
         return _write_failed(out, e)
@@ -329,7 +331,12 @@ def cli(main: Callable[[], None]) -> None:
     """``python -m harness``: Hydra's ``main`` (harness/__main__.py), with kvbench's exit
     codes and signals."""
     from harness.app.hydra_callbacks import hide_schemas
-    from harness.app.supervisor import as_interrupted, install_handlers
+    from harness.app.supervisor import (
+        as_interrupted,
+        exit_promptly,
+        install_handlers,
+        mark_unstarted,
+    )
 
     install_handlers(top_level=True)
     hide_schemas()
@@ -347,7 +354,12 @@ def cli(main: Callable[[], None]) -> None:
         stop = as_interrupted(e)
         _end_sweep(str(stop), interrupted=True)
         print(f"\nkvbench: stopped by {stop}", file=sys.stderr)
-        sys.exit(stop.exit_code)
+        mark_unstarted(stop)  # a run's folder claimed (FolderGuard), the run not started
+        exit_promptly(stop.exit_code)
+    except SystemExit as e:
+        if e.code in STOPPED:  # interrupted: its marker is written, nothing is left to do
+            exit_promptly(e.code)
+        raise
     except Exception as e:
         _fail(e, full_error)
 

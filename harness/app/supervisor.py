@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import NoReturn
 
 from harness.results import (
     ALIVE,
@@ -58,6 +59,7 @@ from harness.results import (
     pid_alive,
     read_claim,
     set_aside,
+    unmarked_claims,
     write_failure,
     write_interrupted,
 )
@@ -201,6 +203,49 @@ def stop_jobs(sweep: Path, signum: int, wait_s: float = STOP_WAIT_S) -> None:
         time.sleep(0.05)
 
 
+# An interrupted run's exception, kept until the process exits (:func:`hold_until_exit`).
+_held: list[BaseException] = []
+
+
+def hold_until_exit(e: BaseException) -> None:
+    """Keep ``e`` (an interrupted run's exception: its traceback holds the run's frames,
+    and through them the run's stacks and records) alive until :func:`exit_promptly`.
+    Let go, the run would be freed object by object after its marker was written: seconds
+    for a large run (issue #55: 50,000 replicas took 4 s to free, during which a second
+    Ctrl-C is ignored so that the marker can be written)."""
+    _held.append(e)
+
+
+def exit_promptly(code: int) -> NoReturn:
+    """Exit with ``code`` now, without freeing the heap one object at a time: the
+    interpreter's own exit would free every object of a large run first (seconds to
+    minutes, issue #55). What exit does that matters runs: the ``atexit`` handlers (log
+    files flushed, temporary folders removed: a spilled step log's, a disk tier's), then
+    stdout and stderr flushed."""
+    import atexit
+
+    with contextlib.suppress(Exception):
+        atexit._run_exitfuncs()  # also runs weakref.finalize's exit-time finalizers
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def mark_unstarted(stop: Interrupted) -> None:
+    """Mark INTERRUPTED the run folders this process claimed and left without results or a
+    marker (``stop`` came after the claim and before the run's own handling began: Hydra
+    sets up the run between the two), and say so on the terminal."""
+    for folder in unmarked_claims():
+        text = (f"interrupted by {stop} after its folder was claimed, before the run "
+                "started: nothing was run; rerun it into a new folder")
+        try:
+            where = f"recorded in {write_interrupted(folder, text)}"
+        except OSError as e:
+            where = f"even the INTERRUPTED marker could not be written: {e.strerror or e}"
+        print(f"kvbench: {folder}: {text}; {where}", file=sys.stderr)
+
+
 def as_interrupted(e: KeyboardInterrupt) -> Interrupted:
     """A plain KeyboardInterrupt (raised before our handlers) is Ctrl-C."""
     return e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)
@@ -260,7 +305,9 @@ def _child(job: Callable[[], int], parent: int) -> None:
     except SystemExit as e:
         code = _exit_code(e)
     except KeyboardInterrupt as e:
-        code = as_interrupted(e).exit_code
+        stop = as_interrupted(e)
+        mark_unstarted(stop)  # its folder claimed, the run not started yet
+        code = stop.exit_code
     except BaseException:
         traceback.print_exc()
     finally:

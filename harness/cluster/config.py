@@ -9,6 +9,14 @@ from harness.errors import UserError
 
 ROUTERS = ("round_robin", "random", "least_loaded", "prefix_aware")
 PREFIX_SCORERS = ("dynamo", "llm_d")
+# The most replicas one run simulates. Every replica is a whole stack (block pool,
+# scheduler, clock; ~30 KB and ~1 ms to build under executor=roofline) built before the
+# run in this one process, the least_loaded and prefix_aware routers score every replica
+# for every request, and metrics.json reports each (replica.<i>.*, ~600 bytes): at 100,000
+# replicas the set-up alone took minutes and gigabytes before one request ran (issue #55).
+# 4,096 builds in seconds and is beyond the single-model fleets the routers were modelled
+# on (docs/cluster_routing.md).
+MAX_REPLICAS = 4096
 
 
 @dataclass
@@ -40,6 +48,14 @@ class ClusterConfig:
         if self.replicas < 1:
             raise UserError(f"cluster.replicas={self.replicas} must be >= 1 (1: one engine, "
                             "no router)")
+        if self.replicas > MAX_REPLICAS:
+            raise UserError(
+                f"cluster.replicas={self.replicas:,} is more than one run simulates (at most "
+                f"{MAX_REPLICAS:,}): every replica is a whole stack built before the run in "
+                "this one process, scored by the router for every request and reported on "
+                "its own in metrics.json, so past that a run spends its time and memory on "
+                "bookkeeping, not on requests. Model a larger fleet by a share of it: fewer "
+                "replicas at the same share of the traffic (workload.rate)")
         if self.router not in ROUTERS:
             raise UserError(f"cluster.router={self.router!r} is not a router: use one of "
                             f"{', '.join(ROUTERS)}")

@@ -18,6 +18,7 @@ same records).
 from __future__ import annotations
 
 import contextlib
+import heapq
 import math
 from collections.abc import Iterator
 
@@ -121,13 +122,19 @@ class Cluster:
         counts = Counts(arrivals.total)
         finished = Engine.finisher(workload, pending, counts)
         reps = self.replicas
+        # The busy replicas (unfinished work) by (clock, index), so that finding the next
+        # to step costs log(busy) instead of a scan of every replica (issue #55: at 100,000
+        # replicas each step scanned them all, and the run crawled). A busy replica has one
+        # entry whose time is at most its clock's: its clock moves only when it steps
+        # (popped, then pushed again) or, under executor=model, while it receives a request
+        # (its entry then lags, and is refreshed when it reaches the top).
+        busy: list[tuple[float, int]] = []
+        queued = [False] * len(reps)
+        latest = max(r.now() for r in reps)  # the latest clock, for the progress rate
         while True:
-            t_step, nxt = math.inf, None
-            for r in reps:
-                if r.stack.scheduler.has_unfinished:
-                    t = r.now()
-                    if t < t_step:
-                        t_step, nxt = t, r
+            while busy and busy[0][0] != (t := reps[busy[0][1]].now()):
+                heapq.heapreplace(busy, (t, busy[0][1]))  # a lagging entry: refreshed
+            t_step = busy[0][0] if busy else math.inf
             if arrivals and arrivals.next_time() <= t_step:
                 t = arrivals.next_time()
                 req = arrivals.pop_until(t)
@@ -140,14 +147,23 @@ class Cluster:
                     r.engine.receive(g, r.now(), workload, pending, counts)
                 r.routed += 1
                 self.routes.append((r.index, len(r.stack.collector.rows) - 1))
+                latest = max(latest, r.now())
+                if not queued[r.index] and r.stack.scheduler.has_unfinished:
+                    queued[r.index] = True
+                    heapq.heappush(busy, (r.now(), r.index))
                 continue
-            if nxt is None:
+            if not busy:
                 return  # nothing to arrive, nothing unfinished
+            nxt = reps[heapq.heappop(busy)[1]]
             with nxt.working():
                 ran = nxt.engine.step(nxt.start, workload, pending, counts, finished)
             nxt.idle = 0 if ran else nxt.idle + 1
             # An invariant, not a user error: something runs yet nothing is schedulable.
             assert nxt.idle < 10_000, f"replica {nxt.index}: no progress"
+            latest = max(latest, nxt.now())
+            if nxt.stack.scheduler.has_unfinished:
+                heapq.heappush(busy, (nxt.now(), nxt.index))
+            else:
+                queued[nxt.index] = False
             if ran and progress is not None:
-                progress(counts.done, counts.total,
-                         counts.out_tokens / max(max(x.now() for x in reps), 1e-9))
+                progress(counts.done, counts.total, counts.out_tokens / max(latest, 1e-9))

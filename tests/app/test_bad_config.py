@@ -100,6 +100,10 @@ ROWS = [
      "cluster.kv_weight=3.0: ignored, as cluster.router=prefix_aware with "
      "prefix_scorer=dynamo does not read it"),
     (["cluster.replicas=2", "cluster.seed=4"], "cluster.seed=4: ignored"),
+    # Issue #55: 100,000 replicas spent minutes and gigabytes building stacks (each step
+    # then scanned them all) and ignored Ctrl-C while it freed them.
+    (["cluster.replicas=100000"], "cluster.replicas=100,000 is more than one run simulates "
+                                  "(at most 4,096)"),
     (["slo.ttft_ms=500", "slo.e2e_ms=200"],
      "slo.e2e_ms=200.0 is below slo.ttft_ms=500.0: end to end includes the first token"),
     # Issue #54: a key no schema has (Hydra's "+key" hint for a typo) or a key the chosen

@@ -272,3 +272,76 @@ def test_ctrl_c_while_starting_is_one_line_and_130(tmp_path: Path) -> None:
     assert p.returncode == 130, p.stderr
     assert p.stderr.strip() == "kvbench: stopped by SIGINT (Ctrl-C) while starting; " \
                                "nothing was run"
+
+
+def start_patched(patch: str, *args: str) -> subprocess.Popen[str]:
+    """``python -m harness *args`` with ``patch`` (Python source) run first, in the same
+    process: a hook that holds the run at the moment a test needs to signal it."""
+    code = ("import runpy, sys, time\n" + patch +
+            f"\nsys.argv = ['harness', *{list(args)!r}]\n"
+            "runpy.run_module('harness', run_name='__main__', alter_sys=True)\n")
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=_default_sigint)
+
+
+def wait_for_line(p: subprocess.Popen[str], text: str) -> None:
+    assert p.stderr is not None
+    for line in p.stderr:
+        if text in line:
+            return
+    raise AssertionError(f"the process ended (rc {p.wait()}) before printing {text!r}")
+
+
+def test_sigint_exits_without_freeing_the_run_first(tmp_path: Path) -> None:
+    """Issue #55: a what-if of 100,000 replicas wrote INTERRUPTED, then spent seconds
+    freeing its replicas object by object (and ignored a second Ctrl-C meanwhile: the
+    marker is protected). Here an object whose freeing takes a minute stands for a large
+    run: the process exits 130 right after the marker, its frames never freed."""
+    patch = ("import harness.runner\n"
+             "class SlowToFree:\n"
+             "    def __del__(self):\n"
+             "        time.sleep(60)\n"
+             "def run(cfg):\n"
+             "    held = SlowToFree()\n"
+             "    print('kvbench-test: running', file=sys.stderr, flush=True)\n"
+             "    while held:\n"
+             "        time.sleep(0.05)\n"
+             "harness.runner.run = run\n")
+    out = tmp_path / "run"
+    p = start_patched(patch, *QUICK, f"hydra.run.dir={out}", "progress=false")
+    wait_for_line(p, "kvbench-test: running")
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=30)  # not the minute of freeing
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and "interrupted by SIGINT" in err
+    assert "interrupted by SIGINT" in (out / "INTERRUPTED").read_text()
+
+
+def test_sigint_between_the_claim_and_the_run_leaves_interrupted(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue #55: Ctrl-C after the run's folder was claimed (Hydra's FolderGuard) and
+    before the run began left a claim with no marker, which the report calls a process
+    killed before it could write one. It is marked INTERRUPTED."""
+    patch = ("import harness.app.hydra_callbacks as guard\n"
+             "claim = guard.claim_folder\n"
+             "def claim_and_wait(folder, empty=False):\n"
+             "    claim(folder, empty)\n"
+             "    print('kvbench-test: claimed', file=sys.stderr, flush=True)\n"
+             "    while True:\n"
+             "        time.sleep(0.05)\n"
+             "guard.claim_folder = claim_and_wait\n")
+    out = tmp_path / "run"
+    p = start_patched(patch, *QUICK, f"hydra.run.dir={out}", "progress=false")
+    wait_for_line(p, "kvbench-test: claimed")
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert "Traceback" not in err
+    text = (out / "INTERRUPTED").read_text()
+    assert "interrupted by SIGINT (Ctrl-C) after its folder was claimed, before the run " \
+           "started" in text
+    assert assert_complete_or_marked(tmp_path) == {"run": "INTERRUPTED"}
+    assert report([str(tmp_path)]) == 0
+    shown = capsys.readouterr().out
+    assert "killed before it could write one" not in shown and "1 interrupted" in shown

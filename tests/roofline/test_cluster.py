@@ -439,3 +439,40 @@ def test_a_clusters_sharing_is_the_sum_of_its_replicas(tmp_path: Path) -> None:
         sum(four[f"replica.{i}.cache.blocks_saved_by_sharing"] for i in range(4)))
     assert four["cache.sharing_saved_pct"] == pytest.approx(one["cache.sharing_saved_pct"],
                                                             rel=0.2)
+
+
+def test_a_step_does_not_scan_every_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #55: cluster.replicas=100000 crawled: every step asked every replica whether
+    it had work and read every replica's clock for the progress rate. The loop now keeps
+    the busy replicas in a heap: what it asks of the replicas grows with the steps and
+    arrivals, not with steps x replicas (512 replicas, 24 requests)."""
+    from harness.cluster import driver
+    from harness.sched.scheduler import Scheduler
+
+    asked = [0]
+    has_unfinished, now = Scheduler.has_unfinished, driver.Replica.now
+
+    def counted_has(self: Scheduler) -> bool:
+        asked[0] += 1
+        return has_unfinished.fget(self)  # type: ignore[attr-defined, no-any-return]
+
+    def counted_now(self: driver.Replica) -> float:
+        asked[0] += 1
+        return now(self)
+
+    n = 512
+    rc = run_config(compose_cfg([*ROOF, "workload=multiturn", "workload.conversations=6",
+                                 "workload.turns=4", "cache.kv_budget=1GiB",
+                                 f"cluster.replicas={n}"]))
+    rc.workload.seed = rc.seed
+    target = RooflineTarget(rc)
+    wl = make_workload(rc.workload, target.tokenizer)
+    c = make_cluster(rc.cluster, [target.build(wl, quiet=True) for _ in range(n)], rc.seed)
+    monkeypatch.setattr(Scheduler, "has_unfinished", property(counted_has))
+    monkeypatch.setattr(driver.Replica, "now", counted_now)
+    c.run(wl, lambda done, total, tps: None)
+    steps = sum(len(r.stack.collector.steps) for r in c.replicas)
+    assert len(c.routes) == 24 and steps > 100
+    # Before: at least n per step (each replica's has_unfinished); now a few per event,
+    # plus one look at every replica's clock at the start and the end.
+    assert asked[0] < 10 * (steps + len(c.routes)) + 2 * n, (asked[0], steps)
