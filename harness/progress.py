@@ -12,6 +12,12 @@ The tracker also remembers what was done (steps, requests), which is what an int
 run's ``INTERRUPTED`` marker reports (:func:`current`). ``progress=false`` turns the
 display off; the counting stays.
 
+A backlog that grows without bound (arrivals faster than the deployment completes them:
+a trace far beyond its capacity, a huge ``workload.rate``) is said once, with the numbers
+(:meth:`Progress.watch_backlog`): the requests waiting, and the arrival and completion
+rates, instead of the run silently growing its memory with the queue (issue #55). It looks
+every :data:`BACKLOG_EVERY` steps, so a step pays one counter test.
+
 The requests known grow in a multi-turn workload (each next turn when the previous answer is
 done): the total shown is the workload's ``expected_requests`` when it has one (multiturn:
 conversations x turns; a trace: its rows), and the ETA counts to it; a workload whose
@@ -34,6 +40,12 @@ DEFAULT_INTERVAL_S = 10.0
 # tqdm puts ", " before the postfix; the bar takes the width that is left.
 BAR_FORMAT = ("{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} requests{postfix} "
               "[{elapsed} elapsed, ETA {remaining}]")
+
+# Waiting requests past which a backlog that grows is reported (a what-if benchmark of
+# 10,000 requests at 100/s peaks below it), and the steps between looks at the queue: a
+# look costs one probe (over every replica of a cluster), a step only a counter test.
+BACKLOG_WAITING = 10_000
+BACKLOG_EVERY = 256
 
 _label = ""  # the run's name on status lines (set by the CLI: the results folder's name)
 _current: Progress | None = None
@@ -77,6 +89,15 @@ class Snapshot:
     finished: bool  # the workload ended (a later phase: quality, writing results)
 
 
+@dataclass(slots=True)
+class Backlog:
+    """The deployment's queue now, as :meth:`Progress.watch_backlog`'s probe reads it."""
+
+    waiting: int  # requests waiting to run (queued, or swapped out)
+    in_flight: int  # requests arrived and not done: waiting or running
+    clock_s: float  # seconds into the workload on the run's clock (modelled: the what-if)
+
+
 class Progress:
     """A :data:`ProgressFn` that counts, and draws when ``show``."""
 
@@ -99,11 +120,17 @@ class Progress:
         self._last_draw = -1e9
         self._drawn = False
         self._width = 0  # of the bar's last line
+        self._backlog: Callable[[], Backlog] | None = None
+        self._backlog_hint = self._backlog_clock = ""
+        self._last_look: tuple[int, int, float] = (0, 0, 0.0)  # arrived, done, clock
+        self.backlog_warned: str | None = None  # the warning, once given
 
     def __call__(self, done: int, total: int, tokens_per_s: float) -> None:
         self.steps += 1
         self.grew = self.grew or (self.steps > 1 and total > self.total)
         self.done, self.total, self.tps = done, total, tokens_per_s
+        if self._backlog is not None and self.steps % BACKLOG_EVERY == 0:
+            self._look_at_backlog(self._backlog)
         if not self.show:
             return
         now = time.monotonic()
@@ -111,6 +138,43 @@ class Progress:
         if now - self._last_draw >= wait or not self._drawn:
             self._last_draw = now
             self._draw(now)
+
+    def watch_backlog(self, probe: Callable[[], Backlog], hint: str = "",
+                      modelled: bool = False) -> None:
+        """Every :data:`BACKLOG_EVERY` steps read the queue through ``probe``; once at least
+        :data:`BACKLOG_WAITING` requests wait while requests arrive faster than they are
+        done (since the previous look), warn, once, with those numbers and ``hint`` (what to
+        change), whether or not progress is shown. ``modelled``: the probe's clock is the
+        what-if's (said with its seconds)."""
+        self._backlog, self._backlog_hint = probe, hint
+        self._backlog_clock = " (modelled)" if modelled else ""
+
+    def _look_at_backlog(self, probe: Callable[[], Backlog]) -> None:
+        # The rates since the previous look (the first: since the start): a queue that
+        # drains (arrivals over, or a burst absorbed) is not one that grows.
+        b = probe()
+        arrived = self.done + b.in_flight
+        (arrived0, done0, t0), self._last_look = self._last_look, (arrived, self.done,
+                                                                   b.clock_s)
+        dt = b.clock_s - t0
+        if b.waiting < BACKLOG_WAITING or dt <= 0:
+            return
+        came, went = arrived - arrived0, self.done - done0
+        if went >= came:
+            return
+        self._backlog = None  # once
+        self.backlog_warned = (
+            f"{self._prefix()}warning: a backlog beyond this deployment's capacity: "
+            f"{b.waiting:,} requests wait after {b.clock_s:,.1f} s{self._backlog_clock} of "
+            f"the workload; in the last {dt:,.1f} s {came:,} arrived ({came / dt:,.1f}/s) "
+            f"and {went:,} were done ({went / dt:,.1f}/s), so the queue, and the memory "
+            "that holds it, grows for as long as requests arrive faster than they are "
+            "served (latencies will measure the queue)"
+            + (f"; {self._backlog_hint}" if self._backlog_hint else ""))
+        if self.tty and self._drawn:
+            self.stream.write("\n")  # off the bar's line
+        self.stream.write(self.backlog_warned + "\n")
+        self.stream.flush()
 
     def snapshot(self) -> Snapshot:
         return Snapshot(self.steps, self.done, self.total, self.tps,

@@ -6,7 +6,7 @@ import datetime as dt
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ from harness.metrics.requestlog import RequestLog
 from harness.metrics.summary import records_of, summarize
 from harness.metrics.tiers import hit_rates, tier_metrics, ttft_by_source
 from harness.model_target import ModelTarget
-from harness.progress import Progress, make_progress
+from harness.progress import Backlog, Progress, make_progress
 from harness.results import write_results
 from harness.roofline.run import RooflineTarget
 from harness.sched.spec import SCHEDULER_SIZES
@@ -90,6 +90,8 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
     # The total a multi-turn workload will reach (its known requests grow by the turn).
     if hasattr(workload, "expected_requests"):
         progress.expect(lambda: int(workload.expected_requests))
+    progress.watch_backlog(backlog_probe(stacks), backlog_hint(rc),
+                           modelled=rc.executor == "roofline")
     t0, c0 = time.perf_counter(), time.process_time()
     with rare_collections():  # the loop makes no cycles for the collector to find
         # On the executor's clock (a cluster's: its latest replica's).
@@ -168,6 +170,26 @@ def with_resolved(config_yaml: str, st: Stack, rc: RunConfig) -> str:
     if records is not None and records.get("output_ids", False) is None:
         records.output_ids = rc.records.keep_output_ids
     return OmegaConf.to_yaml(cfg)
+
+
+def backlog_probe(stacks: list[Stack]) -> Callable[[], Backlog]:
+    """The run's queue as :meth:`Progress.watch_backlog` reads it: requests waiting and in
+    flight over every replica, and the latest replica's clock since now (the run's start)."""
+    clocks = [(s.engine.executor.clock, s.engine.executor.clock.now()) for s in stacks]
+    scheds = [s.scheduler for s in stacks]
+
+    def probe() -> Backlog:
+        waiting = sum(len(s.waiting) + len(s.swapped) for s in scheds)
+        return Backlog(waiting, waiting + sum(len(s.running) for s in scheds),
+                       max(c.now() - t0 for c, t0 in clocks))
+    return probe
+
+
+def backlog_hint(rc: RunConfig) -> str:
+    """What to change when the backlog outgrows the deployment."""
+    rate = ("a smaller workload.speedup or workload.max_requests"
+            if isinstance(rc.workload, TraceConfig) else "a lower workload.rate")
+    return f"give {rate}, or more capacity (cache.kv_budget, cluster.replicas)"
 
 
 def build_replicas(target: RunTarget, workload: Any, n: int) -> list[Stack]:

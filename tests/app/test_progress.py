@@ -115,3 +115,70 @@ def test_a_multiturn_run_counts_to_its_conversations_times_turns(
     monkeypatch.setattr(prog.Progress, "__call__", spy)
     run(tiny("device=cpu"))  # 3 conversations x 2 turns
     assert seen and set(seen) == {6}
+
+
+# -- a backlog beyond the deployment (issue #55) ---------------------------------------------
+def test_a_growing_backlog_warns_once_with_its_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A look every BACKLOG_EVERY steps; a warning once the queue is past BACKLOG_WAITING
+    and requests arrive faster than they are done; never again."""
+    monkeypatch.setattr(prog, "BACKLOG_WAITING", 100)
+    monkeypatch.setattr(prog, "BACKLOG_EVERY", 4)
+    looks: list[int] = []
+    queue = iter([(50, 60, 1.0), (150, 160, 2.0), (400, 410, 4.0), (900, 910, 8.0)])
+
+    def probe() -> prog.Backlog:
+        looks.append(1)
+        return prog.Backlog(*next(queue))
+
+    out = io.StringIO()
+    p = prog.Progress(False, stream=out)
+    p.watch_backlog(probe, "give a lower workload.rate", modelled=True)
+    for step in range(1, 17):
+        p(step // 4, 1000, 0.0)
+    assert len(looks) == 2  # steps 4 and 8; none once it has warned
+    text = out.getvalue()
+    assert text.count("warning") == 1, text
+    assert "150 requests wait after 2.0 s (modelled) of the workload; in the last 1.0 s " \
+           "101 arrived (101.0/s) and 1 were done (1.0/s)" in text and text.rstrip().endswith(
+               "; give a lower workload.rate")
+
+
+def test_a_queue_that_keeps_up_or_is_small_says_nothing() -> None:
+    out = io.StringIO()
+    p = prog.Progress(False, stream=out)
+    p.watch_backlog(lambda: prog.Backlog(5, 9, 10.0))  # few waiting
+    for _ in range(3 * prog.BACKLOG_EVERY):
+        p(1, 10, 0.0)
+    # A queue past the threshold that drains: fewer arrive than are done between looks.
+    draining = iter([(20000, 20000, 1.0), (15000, 15000, 2.0), (12000, 12000, 3.0)])
+    q = prog.Progress(False, stream=out)
+    q.watch_backlog(lambda: prog.Backlog(*next(draining)))
+    q._last_look = (20000, 0, 0.5)  # it all arrived before the first look
+    for step in range(1, 3 * prog.BACKLOG_EVERY + 1):
+        q(step * 40, 10 ** 5, 0.0)
+    assert out.getvalue() == "" and p.backlog_warned is None and q.backlog_warned is None
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_a_what_if_far_beyond_its_capacity_warns_of_its_backlog(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        replicas: int) -> None:
+    """Issue #55: a trace far beyond the deployment's capacity grew to 15.8 GB without a
+    word. 3,000 requests arriving at 3,000/s on a 256 MiB cache (a queue of thousands):
+    the warning names the queue and both rates, once; a cluster's is over its replicas."""
+    from harness.runner import run
+    from tests.compose import compose_cfg
+
+    monkeypatch.setattr(prog, "BACKLOG_WAITING", 1000)  # the run stays small
+    monkeypatch.setattr(prog, "BACKLOG_EVERY", 16)
+    run(compose_cfg(["executor=roofline", "roofline.model=Llama-3.1-8B",
+                     "roofline.hardware=h100-sxm", "workload=random",
+                     "workload.num_requests=3000", "workload.rate=3000",
+                     "cache.kv_budget=256MiB", f"cluster.replicas={replicas}"]))
+    err = capsys.readouterr().err
+    assert err.count("warning: a backlog beyond this deployment's capacity") == 1, err
+    line = next(x for x in err.splitlines() if "backlog" in x)
+    assert "requests wait after" in line and "s (modelled) of the workload" in line
+    assert "arrived (" in line and "were done (" in line
+    assert line.endswith("give a lower workload.rate, or more capacity (cache.kv_budget, "
+                         "cluster.replicas)")
