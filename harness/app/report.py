@@ -114,8 +114,15 @@ def build_report(folders: list[Path], baseline: str | None = None,
     files.markdown.write_text(to_markdown(
         cmp, [str(f) for f in folders], [p.name for p in files.plots],
         never_started=[f"{sweep}: {' '.join(job)}" for sweep, job in check.never_started],
-        stale=check.stale if not include_stale else []))
+        stale=check.stale if not include_stale else [],
+        unlisted=[unlisted_line(sweep, why) for sweep, why in check.unlisted]))
     return files
+
+
+def unlisted_line(sweep: Path, why: str) -> str:
+    """A sweep whose multirun.yaml could not be read: its jobs never started are unknown."""
+    return (f"sweep {sweep}: could not read its multirun.yaml ({why}), so jobs it never "
+            "started cannot be listed: the counts above are of its run folders only")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {r.status}: {r.path}: {one_line(r.failure)}")
     for sweep, job in check.never_started:
         print(f"  never started: {sweep}: {' '.join(job)}")
+    for sweep, why in check.unlisted:
+        print(f"  warning: {unlisted_line(sweep, why)}")
     if files.stale_left_out:
         for r in check.stale:
             print(f"  stale (left out; --include-stale compares it): {r.path}")

@@ -34,7 +34,7 @@ import yaml
 
 from harness.metrics.repeats import summarize_repeats
 from harness.repeats import REPEAT_KEYS, group_repeats, is_group, repeat_index
-from harness.results import CLAIM, FAILED, METRICS, OUTCOMES, outcome, read_claim
+from harness.results import CLAIM, FAILED, METRICS, OUTCOMES, SWEEP_CLAIM, outcome, read_claim
 
 # Config keys that never describe what ran (where it was written, how it was shown).
 # ``repeat*``: how often a configuration ran, and which repeat a folder is (harness/repeats.py).
@@ -323,25 +323,41 @@ class SweepCheck:
 
     never_started: list[tuple[Path, list[str]]] = field(default_factory=list)  # (sweep, job)
     stale: list[Run] = field(default_factory=list)
+    # (sweep, why) for each sweep whose multirun.yaml could not be read: its jobs never
+    # started cannot be listed, which a report must say rather than list none (issue #55)
+    unlisted: list[tuple[Path, str]] = field(default_factory=list)
 
 
 def sweep_jobs(multirun: Path) -> list[list[str]] | None:
     """The jobs (override lists) a Hydra sweep launched, from its multirun.yaml; None when
     it cannot tell (another sweeper than Hydra's basic one, an unreadable file)."""
+    return read_sweep_jobs(multirun)[0]
+
+
+def read_sweep_jobs(multirun: Path) -> tuple[list[list[str]] | None, str]:
+    """:func:`sweep_jobs`, and when it gives None because ``multirun`` could not be read
+    (missing, unreadable, not YAML, not Hydra's layout, overrides Hydra refuses) why; ""
+    for a sweep run by another sweeper than Hydra's basic one (no job list to expect)."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     try:
-        hydra = (_read_yaml(multirun) or {}).get("hydra", {})
+        saved = _read_yaml(multirun)
+        if not isinstance(saved, dict) or not isinstance(saved.get("hydra"), dict):
+            return None, f"{multirun}: not a Hydra multirun.yaml (no hydra: mapping)"
+        hydra = saved["hydra"]
         sweeper = hydra.get("sweeper", {})
         if not str(sweeper.get("_target_", "")).endswith(("BasicSweeper", "RepeatSweeper")):
-            return None  # the repeat sweeper's base jobs are the basic one's
+            return None, ""  # the repeat sweeper's base jobs are the basic one's
         params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()]
         parsed = OverridesParser.create().parse_overrides(
             [*params, *hydra.get("overrides", {}).get("task", [])])
-        return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
-    except Exception:  # what Hydra itself would refuse: no verdict, never a crash
-        return None
+        return [job for batch in BasicSweeper.split_arguments(parsed, None)
+                for job in batch], ""
+    except Unreadable as e:  # a YAML error spans lines: one, for a report's line
+        return None, one_line(str(e))
+    except Exception as e:  # what Hydra itself would refuse: no verdict, never a crash
+        return None, f"{multirun}: {type(e).__name__}: {one_line(str(e))}"
 
 
 def check_sweeps(paths: list[Path], runs: list[Run]) -> SweepCheck:
@@ -350,11 +366,16 @@ def check_sweeps(paths: list[Path], runs: list[Run]) -> SweepCheck:
     early); folders of no job are stale (an earlier sweep into the same folder) and get
     ``stale = True``."""
     check = SweepCheck()
-    sweeps = {f.parent.resolve() for p in paths for f in [*p.rglob("multirun.yaml")]
-              if f.is_file()}
+    # A sweep folder: its multirun.yaml, or kvbench's sweep claim (a multirun.yaml lost or
+    # removed, which leaves the jobs never started unknown).
+    sweeps = {f.parent.resolve() for p in paths
+              for f in [*p.rglob("multirun.yaml"), *p.rglob(SWEEP_CLAIM)]
+              if not any(part.startswith(".") for part in f.parent.relative_to(p).parts)}
     for sweep in sorted(sweeps, key=_natural):
-        jobs = sweep_jobs(sweep / "multirun.yaml")
+        jobs, why = read_sweep_jobs(sweep / "multirun.yaml")
         if jobs is None:
+            if why:
+                check.unlisted.append((sweep, why))
             continue
         expected = {frozenset(j): j for j in jobs}
         mine = [r for r in runs if r.overrides is not None and sweep in r.path.parents]

@@ -275,14 +275,18 @@ def _interval(row: Any, key: str, fmt: str = "{:.2f}") -> str:
 
 
 def to_markdown(cmp: Comparison, sources: list[str], images: list[str],
-                never_started: list[str] | None = None, stale: list[Run] | None = None) -> str:
+                never_started: list[str] | None = None, stale: list[Run] | None = None,
+                unlisted: list[str] | None = None) -> str:
     """The report page: one table per workload, the runs that did not finish, the jobs
-    never started, stale runs, the plots."""
+    never started, stale runs, the plots. ``unlisted``: a line per sweep whose jobs never
+    started cannot be listed (its multirun.yaml unreadable), said under the counts."""
     f = cmp.frame
     n_ok = len(f)
     never_started, stale = never_started or [], stale or []
     counts = status_counts(cmp, len(never_started), len(stale))
     out = ["# kvbench report", "", f"{counts}, from {', '.join(sources)}.", ""]
+    for line in unlisted or []:
+        out += [f"**Warning:** {line}.", ""]
     if n_ok:
         out += [f"Each cell is the value and, in parentheses, its ratio to the "
                 f"`{cmp.baseline_backend}` run on the same workload (same config outside "

@@ -247,6 +247,45 @@ def test_a_reused_sweep_folder_stale_runs_and_jobs_never_started(
     assert len(pd.read_csv(tmp_path / "rep2" / "comparison.csv")) == 2
 
 
+@pytest.mark.parametrize("multirun", [
+    "hydra: {sweeper: [unclosed\n",  # not YAML
+    "- just\n- a list\n",  # not Hydra's layout
+    None,  # lost: the sweep's claim says it was one
+    "a folder",  # unreadable as a file
+], ids=["not-yaml", "not-a-mapping", "missing", "unreadable"])
+def test_a_sweep_whose_multirun_yaml_is_unreadable_says_jobs_never_started_are_unknown(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], multirun: str | None) -> None:
+    """Issue #55: the report over a sweep whose multirun.yaml could not be read listed no
+    job never started, as if none had been: it says it could not read the file, and that
+    such jobs cannot be listed, on the terminal and in report.md."""
+    from harness.results import SWEEP_CLAIM
+
+    sweep = tmp_path / "sweep"
+    _run(sweep / "0-paged", "paged", {}, 100, ["backend=paged", "model=tiny"])
+    (sweep / SWEEP_CLAIM).write_text("{}\n")
+    if multirun == "a folder":
+        (sweep / "multirun.yaml").mkdir()
+    elif multirun is not None:
+        (sweep / "multirun.yaml").write_text(multirun)
+    assert main([str(sweep), "--out", str(tmp_path / "rep")]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "multirun.yaml" in x)
+    assert line.startswith(f"  warning: sweep {sweep.resolve()}: could not read its "
+                           f"multirun.yaml ({sweep.resolve() / 'multirun.yaml'}")
+    assert "so jobs it never started cannot be listed" in line
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "**Warning:** sweep" in md and "cannot be listed" in md
+
+
+def test_a_sweep_of_another_sweeper_lists_nothing_and_warns_of_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {
+        "sweeper": {"_target_": "hydra_plugins.optuna.OptunaSweeper"}}}))
+    _run(tmp_path / "0-paged", "paged", {}, 100, ["backend=paged"])
+    assert main([str(tmp_path), "--out", str(tmp_path / "rep")]) == 0
+    assert "multirun.yaml" not in capsys.readouterr().out
+
+
 def test_roofline_runs_are_labelled_by_their_roofline_model(tmp_path: Path) -> None:
     # Issue 27: a sweep of roofline runs over model=smollm2,tiny (which they never load)
     # and roofline.model was labelled "source=smollm2"; the model they modelled is
