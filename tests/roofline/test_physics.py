@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +18,8 @@ from harness.roofline.hardware import HARDWARE, get_hardware
 from harness.roofline.models import MODEL_SPECS
 from harness.roofline.steptime import StepModel, expert_load
 from harness.roofline_tools import kernel_fit
+from harness.runner import run
+from tests.compose import compose_cfg
 
 
 def test_memory_is_what_cuda_reports_and_every_quantity_is_cited() -> None:
@@ -173,3 +176,25 @@ def test_int8_w8a8_runs_on_the_int8_units() -> None:
     assert ratio == pytest.approx(624 / 312, rel=0.02)  # compute-bound at 8192 tokens
     with pytest.raises(UserError, match="weight_dtype=int8"):
         RooflineConfig(compute_dtype="int8")
+
+
+@pytest.mark.parametrize("overrides", [
+    ["roofline.engine=vllm-0.6"], ["roofline.engine=vllm-v1"], ["roofline.engine=sglang"],
+    ["roofline.engine=trtllm", "roofline.weight_dtype=fp8", "roofline.compute_dtype=fp8"],
+    ["roofline.weight_dtype=int4"], ["roofline.weight_dtype=float16", "roofline.dtype=float16"],
+    ["roofline.gpu_memory_utilization=0.5", "roofline.hardware=h200"],
+    ["workload=trace",
+     f"workload.path={Path(__file__).parents[2] / 'traces' / 'kvbench_example.jsonl'}"],
+])
+def test_overrides_that_ran_before_still_run_with_the_same_metric_names(
+        overrides: list[str], tmp_path: Path) -> None:
+    base = ["executor=roofline", "cache.kv_budget=auto", "roofline.model=Llama-3.1-8B"]
+    if not any(o.startswith("workload=") for o in overrides):
+        base += ["workload=random", "workload.num_requests=6", "workload.output_max=16",
+                 "workload.input_max=64"]
+    m = run(compose_cfg([*base, *overrides], tmp_path)).metrics
+    for key in ("throughput.output_tokens_per_s", "latency.ttft_ms.p50",
+                "latency.tpot_ms.p50", "memory.max_running_seqs"):
+        assert m[key] is not None and m[key] > 0, (key, overrides)
+    header = (tmp_path / "requests.csv").read_text().splitlines()[0].split(",")
+    assert {"ttft_ms", "tpot_ms", "e2e_ms"} <= set(header)
