@@ -17,23 +17,29 @@ probe ``--hi``; if it passes, the answer is "at least hi". Else probe ``--lo``; 
 rate (each narrows the bracket to its square root: 4 steps from 0.25-4 leave 19%). It
 assumes latency grows with the rate; on a busy machine a probe near the knee can pass or
 fail by chance, so the bracket is reported with the answer. Rerunning with the same
-``--out`` reuses the probes already there (more ``--steps`` refines a finished search).
+``--out`` reuses the probes already there (more ``--steps`` refines a finished search); a
+probe there without results (it failed, was interrupted, or its process is gone) is moved
+to ``<out>/.kvbench-attempts/`` and run again.
 
 Defaults are sized for a 2-core CPU with ``+experiment=rate_sweep`` (0.25-4 req/s, 4
 steps: 6 probes of 20-100 s per backend, the bracket then within 19%); on a GPU give a
 wider range (``--hi 64``) and more requests.
 
 Writes ``sla.json``, ``sla.md`` and ``latency_vs_rate.png`` into ``--out``. Exit status: 0;
-1 when a probe run failed (its folder and the end of its output are printed); 2 for a
-wrong option or configuration (the message says what to change).
+1 when a probe run failed (its folder, how it ended and the end of its output are
+printed); 2 for a wrong option or configuration (the message says what to change: a
+``--key`` that takes no fractional value, ``repeats``, no SLO target); 130 on Ctrl-C (the
+probe running is stopped and marked; the message says how to reuse the others).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import math
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -41,8 +47,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.app.supervisor import STOP_WAIT_S, signal_name
 from harness.errors import UserError
-from harness.results import METRICS, outcome
+from harness.results import (
+    DEAD,
+    INTERRUPTED,
+    METRICS,
+    outcome,
+    owner_state,
+    read_claim,
+    set_aside,
+)
 
 
 @dataclass(slots=True)
@@ -90,6 +105,20 @@ def fmt_rate(rate: float) -> str:
     return f"{rate:.4g}"
 
 
+def exit_text(code: int) -> str:
+    """How a probe run ended, in words (``python -m harness``'s exit codes: harness/app/
+    cli.py): never a bare "exited 0" for a run that left no results."""
+    if code < 0:
+        return f"was killed by {signal_name(-code)}"
+    return {0: "exited 0 but wrote no metrics.json there",
+            1: "crashed (exit 1)",
+            2: "was refused (exit 2: a configuration or capacity error)",
+            3: "exited 3 (logging to W&B failed)",
+            4: "could not write its results (exit 4)",
+            130: "was interrupted by SIGINT (exit 130)",
+            143: "was interrupted by SIGTERM (exit 143)"}.get(code, f"exited {code}")
+
+
 class Searcher:
     """Runs (or reuses) the probes of one search into ``out``."""
 
@@ -97,6 +126,7 @@ class Searcher:
                  python: str = sys.executable) -> None:
         self.out, self.overrides, self.key = out, overrides, key
         self.attainment, self.python = attainment, python
+        self.running: Path | None = None  # the probe folder being run now
 
     def folder(self, backend: str, rate: float) -> Path:
         return self.out / backend / f"{self.key.rsplit('.', 1)[-1]}_{fmt_rate(rate)}"
@@ -115,6 +145,21 @@ class Searcher:
                                    resolve=True)
         assert isinstance(c, dict)
         return as_recorded({str(k): v for k, v in c.items()})
+
+    def _set_aside(self, folder: Path, end: str | None) -> None:
+        """A probe of an earlier attempt without results (it failed, was interrupted, or
+        its process is gone) is moved to ``<out>/.kvbench-attempts/`` and run again, as a
+        resumed sweep does (issue #55: after a Ctrl-C "the same command reuses them" met
+        the interrupted probe and stopped); one whose process still runs is refused."""
+        owner = read_claim(folder)
+        if end is None and owner is not None and owner_state(owner) != DEAD:
+            raise ProbeFailed(f"{folder} holds a probe with no outcome whose process "
+                              f"(pid {owner.get('pid')}, host {owner.get('host')}) may still "
+                              "run it: wait for it, or remove the folder to probe this rate "
+                              "again")
+        why = f"ended {end}" if end is not None else "no outcome: its process is gone"
+        dest = set_aside(folder, self.out)
+        print(f"  rerun: {folder} ({why}; the earlier attempt is in {dest})", flush=True)
 
     def check_reuse(self, backend: str, rate: float, folder: Path) -> None:
         """Refuse a finished probe whose config is not what this search would run (another
@@ -149,12 +194,9 @@ class Searcher:
         rate = float(fmt_rate(rate))  # the rate the folder is named by is the one run
         folder = self.folder(backend, rate)
         end = outcome(folder) if folder.is_dir() else None
-        if end is None and folder.exists() and any(folder.iterdir()):
-            raise ProbeFailed(f"{folder} holds a run that has no outcome (killed, or still "
-                              "running): remove it to probe this rate again")
-        if end not in (None, METRICS):
-            raise ProbeFailed(f"{folder} holds a run that ended {end}: remove it to probe "
-                              "this rate again")
+        if end != METRICS and folder.is_dir() and any(folder.iterdir()):
+            self._set_aside(folder, end)
+            end = None
         if end is None:
             self._run(backend, rate, folder)
         else:
@@ -173,13 +215,31 @@ class Searcher:
     def _run(self, backend: str, rate: float, folder: Path) -> None:
         cmd = [self.python, "-m", "harness", *self.overrides_of(backend, rate),
                f"hydra.run.dir={folder}", "progress=false"]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        log = done.stdout + done.stderr
+        self.running = folder
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) as child:
+            try:
+                log, _ = child.communicate()
+            except KeyboardInterrupt:
+                # The probe may not have had the signal (a kill of this process alone; a
+                # terminal's Ctrl-C reaches both, and the probe ignores the second while
+                # it writes its marker): pass it on, and wait for the INTERRUPTED marker
+                # instead of killing it before it is written (issue #55).
+                with contextlib.suppress(OSError):
+                    child.send_signal(signal.SIGINT)
+                try:
+                    child.wait(timeout=STOP_WAIT_S)
+                except (subprocess.TimeoutExpired, KeyboardInterrupt):
+                    child.kill()  # no marker then: a rerun sees its process gone
+                raise
+        self.running = None
         if folder.is_dir():
             (folder / "probe.log").write_text(log)
-        if done.returncode != 0 or not (folder / METRICS).is_file():
+        if child.returncode != 0 or not (folder / METRICS).is_file():
             tail = "\n    ".join(log.strip().splitlines()[-8:])
-            raise ProbeFailed(f"the probe run into {folder} exited {done.returncode}:\n    "
+            where = (f"into {folder}" if folder.is_dir() else
+                     f"for {self.key}={fmt_rate(rate)} (its folder {folder} was never made)")
+            raise ProbeFailed(f"the probe run {where} {exit_text(child.returncode)}:\n    "
                               f"{tail}")
 
     def search(self, backend: str, lo: float, hi: float, steps: int) -> SlaResult:
@@ -203,10 +263,13 @@ def _ms(m: dict[str, Any], key: str) -> str:
     return "-" if v is None else f"{v:.0f} ms"
 
 
-def check_overrides(overrides: list[str], backends: list[str], key: str) -> None:
+def check_overrides(overrides: list[str], backends: list[str], key: str,
+                    fractional: float = 0.5) -> None:
     """The overrides compose into a valid run for every backend (typos fail here, before
-    any probe runs) and set at least one SLO target."""
+    any probe runs), ``key`` takes a real number such as ``fractional`` (bisection's
+    midpoints), and they set at least one SLO target."""
     from harness.config import compose_config, run_config
+    from harness.reporting.runs import one_line
 
     for o in overrides:
         if o.split("=", 1)[0].lstrip("+~") in ("backend", key):
@@ -226,7 +289,21 @@ def check_overrides(overrides: list[str], backends: list[str], key: str) -> None
             raise UserError(f"--key {key}: not an option these runs have ({e}); the "
                             "search varies an existing numeric option, e.g. "
                             "workload.rate") from None
+        try:  # ... and takes the real-valued rates bisection probes (issue #55: an integer
+            # option failed the first probe, exit 1, naming a folder never made)
+            compose_config([*overrides, f"backend={b}", f"{key}={fractional!r}"])
+        except (HydraException, OmegaConfBaseException) as e:
+            cause = one_line(str(e.__cause__ or e))
+            raise UserError(f"--key {key} does not take a real number such as "
+                            f"{fractional!r} ({cause}); the search probes rates between "
+                            "--lo and --hi by geometric midpoints: search a real-valued "
+                            "option (workload.rate, or workload.speedup for a trace)") from None
         rc = run_config(cfg)
+        if rc.repeats > 1:
+            raise UserError(f"repeats={rc.repeats}: the search runs one probe per rate and "
+                            "reads its metrics.json, which a group of repeats does not "
+                            "have; drop repeats (near the knee, more --steps narrow the "
+                            "bracket)")
         if not rc.slo.any:
             raise UserError("no SLO target: add slo.ttft_ms=..., slo.tpot_ms=... or "
                             "slo.e2e_ms=... after -- (or use +experiment=rate_sweep)")
@@ -315,12 +392,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(head)
     backends = [b for b in args.backends.split(",") if b]
     out = args.out or Path("results/sla") / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    s: Searcher | None = None
     try:
         if not 0 < args.lo < args.hi or args.steps < 0 or not 0 < args.attainment <= 1:
             raise UserError("need 0 < --lo < --hi, --steps >= 0 and 0 < --attainment <= 1")
         if not backends:
             raise UserError("--backends names no backend")
-        check_overrides(overrides, backends, args.key)
+        check_overrides(overrides, backends, args.key, float(fmt_rate(
+            math.sqrt(args.lo * args.hi))))  # bisection's first midpoint
         check_earlier_search(out, args.key, args.attainment, overrides)
         out.mkdir(parents=True, exist_ok=True)
         print(f"kvbench sla: {args.key} in [{fmt_rate(args.lo)}, {fmt_rate(args.hi)}], "
@@ -333,9 +412,16 @@ def main(argv: list[str] | None = None) -> int:
     except ProbeFailed as e:
         print(f"kvbench sla: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # the probe running got the signal too, and marks its folder
-        print(f"\nkvbench sla: stopped by SIGINT (Ctrl-C); the probes that finished are in "
-              f"{out}/ and the same command reuses them", file=sys.stderr)
+    except KeyboardInterrupt:  # the probe running was stopped, and marks its folder
+        running = s.running if s is not None else None
+        where = "" if running is None else f" during the probe into {running} (" + (
+            "marked INTERRUPTED" if outcome(running) == INTERRUPTED else "it left no marker"
+        ) + ": the search probes it again)"
+        again = ("the same command reuses them" if args.out is not None else
+                 f"the same command with --out {out} reuses them (without --out a search "
+                 "starts a new folder)")
+        print(f"\nkvbench sla: stopped by SIGINT (Ctrl-C){where}; the probes that finished "
+              f"are in {out}/ and {again}", file=sys.stderr)
         return 130
     write_outputs(out, results, args.key, args.attainment, overrides)
     print("\n" + to_markdown(results, args.key, args.attainment, overrides))

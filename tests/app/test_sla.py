@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from harness.app.report import build_report
-from harness.app.sla import Searcher, bisect_rate, main, write_outputs
+from harness.app.sla import ProbeFailed, Searcher, bisect_rate, main, write_outputs
 from harness.errors import UserError
 from harness.reporting.rate import rate_series
 from harness.reporting.runs import find_runs
@@ -148,3 +148,134 @@ def test_ctrl_c_during_a_probe_is_one_line_and_130(tmp_path: Path, monkeypatch: 
     err = capsys.readouterr().err
     assert err.strip() == (f"kvbench sla: stopped by SIGINT (Ctrl-C); the probes that "
                            f"finished are in {out}/ and the same command reuses them")
+
+
+# -- messages after a rerun, an interrupt, a type error (issue #55) ----------------------------
+TINY = ["model=tiny", "workload=random", "workload.input_max=24", "workload.output_max=6",
+        "cache.kv_budget=256KiB", "device=cpu"]
+
+
+def test_a_key_that_takes_no_real_number_or_repeats_is_refused_before_any_probe(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue #55: --key workload.num_requests (an integer) failed the first probe, exit 1,
+    naming a probe folder that was never made; repeats=N left no metrics.json and the
+    probe "exited 0". Both are configuration errors, refused up front."""
+    out = tmp_path / "sla"
+    assert main(["--key", "workload.num_requests", "--lo", "1", "--hi", "4", "--out",
+                 str(out), "--", *TINY, "slo.e2e_ms=1000"]) == 2
+    err = capsys.readouterr().err
+    assert "--key workload.num_requests does not take a real number such as 2.0 (Value " \
+           "'2.0' of type 'float' could not be converted to Integer" in err
+    assert "search a real-valued option (workload.rate" in err
+    assert main(["--out", str(out), "--", *TINY, "slo.e2e_ms=1000", "repeats=3"]) == 2
+    assert "repeats=3: the search runs one probe per rate" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("code,said", [
+    (0, "exited 0 but wrote no metrics.json there"),
+    (2, "was refused (exit 2: a configuration or capacity error)"),
+    (-9, "was killed by SIGKILL"),
+])
+def test_a_probe_that_left_no_results_says_how_it_ended_and_where(
+        tmp_path: Path, code: int, said: str) -> None:
+    """Issue #55: a probe that exited 0 without results read "exited 0" as its failure,
+    and one that never made its folder was said to have run into it."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'the end of its output'\n"
+                    + ("kill -9 $$\n" if code < 0 else f"exit {code}\n"))
+    fake.chmod(0o755)
+    s = Searcher(tmp_path / "sla", [*TINY, "slo.e2e_ms=1000"], "workload.rate", 0.9,
+                 python=str(fake))
+    with pytest.raises(ProbeFailed) as e:
+        s.probe("paged", 4.0)
+    folder = tmp_path / "sla" / "paged" / "rate_4"
+    assert str(e.value).startswith(f"the probe run for workload.rate=4 (its folder {folder} "
+                                   f"was never made) {said}:")
+    assert "the end of its output" in str(e.value)
+
+
+def test_ctrl_c_stops_the_probe_and_waits_for_its_marker(tmp_path: Path) -> None:
+    """Issue #55: Ctrl-C sent to the search killed its probe before the probe wrote its
+    marker (a folder with no outcome) and said "the same command reuses them" without
+    naming the probe. Now the probe gets the signal, the search waits for its marker, and
+    the message names it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "sla"
+    cmd = [sys.executable, "-m", "harness.sla", "--lo", "0.5", "--hi", "1", "--out",
+           str(out), "--", *TINY, "workload.num_requests=3", f"results_dir={tmp_path}",
+           "slo.e2e_ms=600000"]
+    p = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[2], text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    probe = out / "paged" / "rate_1"
+    deadline = time.monotonic() + 120
+    while not (probe / "config.yaml").is_file():  # the probe has begun its run
+        assert time.monotonic() < deadline and p.poll() is None, p.communicate()
+        time.sleep(0.02)
+    p.send_signal(signal.SIGINT)  # to the search alone, not to its probe
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err
+    assert "Traceback" not in err
+    assert f"stopped by SIGINT (Ctrl-C) during the probe into {probe} (marked INTERRUPTED: " \
+           "the search probes it again)" in err and "the same command reuses them" in err
+    assert (probe / "INTERRUPTED").is_file() and not (probe / "metrics.json").exists()
+
+
+@pytest.mark.parametrize("left", ["INTERRUPTED", "FAILED", "a dead process's claim"])
+def test_a_rerun_probes_again_what_has_no_results(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], left: str) -> None:
+    """Issue #55: after an interrupt the same command stopped at the interrupted probe
+    ("holds a run that ended INTERRUPTED: remove it", exit 1). A probe without results is
+    set aside into .kvbench-attempts/ and probed again, as a resumed sweep's job is."""
+    s = FakeRuns(tmp_path, ["workload=random", "slo.ttft_ms=1000"], "workload.rate", 0.9)
+    folder = s.folder("paged", 1.0)
+    folder.mkdir(parents=True)
+    if left == "a dead process's claim":
+        (folder / ".kvbench-run").write_text(json.dumps(
+            {"pid": 2 ** 22 + 12345, "host": __import__("socket").gethostname()}))
+    else:
+        (folder / left).write_text("interrupted by SIGINT (Ctrl-C)\n")
+    assert s.probe("paged", 1.0).passed
+    said = capsys.readouterr().out
+    why = f"ended {left}" if left != "a dead process's claim" else \
+        "no outcome: its process is gone"
+    assert f"rerun: {folder} ({why}; the earlier attempt is in {tmp_path / '.kvbench-attempts'}" \
+        in said
+    assert (folder / "metrics.json").is_file()
+    assert len(list((tmp_path / ".kvbench-attempts").rglob("rate_1"))) == 1
+
+
+def test_a_probe_whose_process_still_runs_is_not_moved(tmp_path: Path) -> None:
+    import os
+    import socket
+
+    s = FakeRuns(tmp_path, ["workload=random", "slo.ttft_ms=1000"], "workload.rate", 0.9)
+    folder = s.folder("paged", 1.0)
+    folder.mkdir(parents=True)
+    (folder / ".kvbench-run").write_text(json.dumps({"pid": os.getpid(),
+                                                     "host": socket.gethostname()}))
+    with pytest.raises(ProbeFailed, match=r"may still run it: wait for it"):
+        s.probe("paged", 1.0)
+    assert folder.is_dir() and not (tmp_path / ".kvbench-attempts").exists()
+
+
+def test_ctrl_c_without_out_says_which_out_reuses_the_probes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue #55: without --out, "the same command reuses them" was wrong: it starts a new
+    folder (results/sla/<time>). The message gives the --out that does."""
+    def stopped(self: Searcher, backend: str, rate: float, folder: Path) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Searcher, "_run", stopped)
+    monkeypatch.chdir(tmp_path)
+    assert main(["--", "model=tiny", "workload=random", "slo.e2e_ms=1000"]) == 130
+    err = capsys.readouterr().err
+    (out,) = (tmp_path / "results" / "sla").iterdir()
+    assert f"the same command with --out {out.relative_to(tmp_path)} reuses them (without " \
+           "--out a search starts a new folder)" in err
