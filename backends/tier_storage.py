@@ -14,14 +14,29 @@ that opens the same parent, and said so; nothing unmarked is ever removed; no ru
 another run's blocks, so a block from another model, backend or layout cannot come back.
 Within a run every file is written to a temporary name and renamed when complete (a
 reader never sees half a block), and carries a header with its slot, length and CRC-32,
-checked on every read: a damaged file fails the run loudly instead of feeding the model
-garbage.
+checked on every read: a damaged file is never fed to the model.
+
+Faults mid-run lose a block, not the run (issue #55). A write that fails (a full disk,
+ENOSPC; a file-size limit, EFBIG, with SIGXFSZ ignored as Python starts; any other
+OSError) leaves no file for its slot, and the tier's bookkeeping drops the block after
+the step (:meth:`~harness.kv.tiers.LowerTiers.lose`: counted,
+``cache.tier.disk.write_failures``). A prompt's lookup that finds a block on disk first
+has its file read back and checked (:meth:`DiskTier.check`, once per version of the
+file): a damaged one is removed and dropped from the tier, and the lookup misses there,
+so the block is computed again (``cache.tier.disk.damaged_blocks``). Each is warned about
+once per run, with its cause. A block loaded back in the step that wrote it (spilled and
+hit at once: its file is not checked) is loaded from the bytes written. A file damaged
+between its check and its load (the same step) still stops the run
+(:class:`CorruptBlock`): a wrong block is never loaded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
 import shutil
+import signal
 import struct
 import sys
 import tempfile
@@ -29,13 +44,16 @@ import time
 import uuid
 import weakref
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
 from harness.errors import UserError
-from harness.kv.tiers import CPU, DISK, GPU, TierOp
+from harness.kv.tiers import CPU, DISK, GPU, LowerTiers, TierOp
 from harness.sched.step import CHECKS
+from harness.units import format_bytes
 
 _MAGIC = b"KVBTIER1"
 _HEADER = struct.Struct("<8sqqI")  # magic, slot, payload bytes, crc32
@@ -47,6 +65,59 @@ PAUSE_ENV = "KVBENCH_TEST_DISK_PAUSE"
 # A disk tier's folder holds this file from its creation: "kvbench disk tier, pid <pid>".
 MARKER = "KVBENCH_DISK_TIER"
 MARKER_TEXT = "kvbench disk tier, pid "
+# A file checked whole is read again when it changes (inode, size, mtime), or while its
+# mtime is this recent: a change within the filesystem's timestamp resolution (1-2 s on
+# some) would leave the three as they were.
+_RACY_NS = 2_000_000_000
+
+
+def file_size(payload: int) -> int:
+    """The bytes of one block file of ``payload`` bytes: its header, then the payload."""
+    return _HEADER.size + payload
+
+
+def file_bytes(payload: int, where: str | os.PathLike[str]) -> int:
+    """What one block file of ``payload`` bytes takes on the filesystem holding ``where``
+    (an existing path): :func:`file_size` rounded up to its allocation unit (an 8 KiB
+    block took a 12 KiB file in 4 KiB units)."""
+    try:
+        st = os.statvfs(where)
+        unit = st.f_frsize or st.f_bsize or 4096
+    except OSError:
+        unit = 4096
+    return -(-file_size(payload) // unit) * unit
+
+
+def check_room(parent: str | None, num_blocks: int, payload: int, size: str) -> None:
+    """A disk tier of ``num_blocks`` blocks of ``payload`` bytes (``cache.tiers.disk=
+    size``) fits under ``parent`` (None: the temp folder): each block file whole under
+    this process's file-size limit (``ulimit -f``), and the files as the filesystem
+    stores them (:func:`file_bytes`; one more while a slot is rewritten, and the marker)
+    in its free space. UserError, saying what to change, if not."""
+    one = file_size(payload)
+    limit, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if limit != resource.RLIM_INFINITY and one > limit:
+        raise UserError(f"cache.tiers.disk={size}: one block file is {format_bytes(one)}, "
+                        f"over this process's file-size limit ({format_bytes(limit)}, "
+                        "`ulimit -f`): raise it (`ulimit -f unlimited`) or drop "
+                        "cache.tiers.disk")
+    where = Path(parent or tempfile.gettempdir())
+    probe = next((p for p in (where, *where.parents) if p.exists()), Path("/"))
+    each = file_bytes(payload, probe)
+    need = (num_blocks + 2) * each
+    left = shutil.disk_usage(probe).free
+    if need > left:
+        raise UserError(f"cache.tiers.disk={size} needs {format_bytes(need)} on {probe} "
+                        f"({num_blocks} block files of {format_bytes(each)} as the "
+                        f"filesystem stores them: {format_bytes(payload)} of K/V and a "
+                        f"header each), which has {format_bytes(left)} free: lower "
+                        "cache.tiers.disk or set cache.tiers.disk_dir to a larger disk")
+
+
+def _write_all(f: BinaryIO, chunks: Iterable[bytes]) -> None:
+    """Write ``chunks`` to ``f`` (tests: a disk that fills up halfway)."""
+    for c in chunks:
+        f.write(c)
 
 
 def _marked_pid(d: Path) -> int | None:
@@ -97,6 +168,13 @@ class DiskTier:
                   "cleaning up (its blocks are never read: the disk tier lives one run)",
                   file=sys.stderr)
         self.num_blocks = num_blocks
+        # Python ignores SIGXFSZ from its start, so a write past a file-size limit raises
+        # EFBIG instead of killing the run: keep it so if something set it back.
+        xfsz = getattr(signal, "SIGXFSZ", None)
+        if xfsz is not None and signal.getsignal(xfsz) == signal.SIG_DFL:
+            with contextlib.suppress(ValueError):  # (settable from the main thread only)
+                signal.signal(xfsz, signal.SIG_IGN)
+        self._whole: dict[int, tuple[int, int, int]] = {}  # slot -> its file checked whole
         self.dir = root / f"run-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.dir.mkdir()
         # The marker is what makes the folder kvbench's: only a marked folder is ever
@@ -131,20 +209,53 @@ class DiskTier:
         return self.dir / f"{slot}.kv"
 
     def write(self, slot: int, payload: bytes) -> None:
+        """Store ``payload`` as slot ``slot``'s block. An OSError (a full disk, a
+        file-size limit) is raised after removing the partial file and the slot's old
+        one: the slot then holds nothing, never a stale block."""
         assert 0 <= slot < self.num_blocks
         header = _HEADER.pack(_MAGIC, slot, len(payload), zlib.crc32(payload))
         tmp = self.dir / f"{slot}.tmp"
         pause = os.environ.get(PAUSE_ENV)
-        with open(tmp, "wb") as f:
-            f.write(header)
-            if pause:  # tests: die halfway through a write
-                f.write(payload[:len(payload) // 2])
-                f.flush()
-                Path(pause).touch()
-                while True:
-                    time.sleep(3600)
-            f.write(payload)
-        os.replace(tmp, self.path(slot))  # atomic: the slot's file is whole or absent
+        self._whole.pop(slot, None)
+        try:
+            with open(tmp, "wb") as f:
+                if pause:  # tests: die halfway through a write
+                    f.write(header)
+                    f.write(payload[:len(payload) // 2])
+                    f.flush()
+                    Path(pause).touch()
+                    while True:
+                        time.sleep(3600)
+                _write_all(f, (header, payload))
+            os.replace(tmp, self.path(slot))  # atomic: the slot's file is whole or absent
+        except OSError:
+            for p in (tmp, self.path(slot)):
+                p.unlink(missing_ok=True)
+            raise
+
+    def check(self, slot: int) -> str | None:
+        """None when slot ``slot``'s file holds a whole block (read back, its header and
+        checksum checked; again only once the file changed), else what is wrong."""
+        p = self.path(slot)
+        try:
+            st = os.stat(p)
+        except OSError as e:
+            return f"disk tier slot {slot}: {p} cannot be read ({e.strerror or e})"
+        sig = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if self._whole.get(slot) == sig:
+            return None
+        try:
+            self.read(slot)
+        except CorruptBlock as e:
+            return str(e)
+        if time.time_ns() - st.st_mtime_ns > _RACY_NS:
+            self._whole[slot] = sig
+        return None
+
+    def discard(self, slot: int) -> None:
+        """Remove slot ``slot``'s file (a damaged block: never read again)."""
+        self._whole.pop(slot, None)
+        self.path(slot).unlink(missing_ok=True)
 
     def read(self, slot: int) -> bytes:
         p = self.path(slot)
@@ -158,16 +269,17 @@ class DiskTier:
         payload = data[_HEADER.size:]
         if magic != _MAGIC or s != slot or n != len(payload) or zlib.crc32(payload) != crc:
             raise CorruptBlock(f"disk tier slot {slot}: {p} is damaged (header, length or "
-                               "checksum wrong); its block is not used")
+                               "checksum wrong)")
         return payload
 
 
 class TierStorage:
     """Host tensors and the disk tier for ``tensors`` (each (num_blocks, ...) on the
-    device); ``num_blocks``: the CPU tier's and (optionally) the disk tier's slots."""
+    device); ``num_blocks``: the CPU tier's and (optionally) the disk tier's slots.
+    ``tiers``: their bookkeeping, told of the disk tier's faults (module docstring)."""
 
     def __init__(self, tensors: list[torch.Tensor], num_blocks: list[int],
-                 disk_dir: str | None = None) -> None:
+                 disk_dir: str | None = None, tiers: LowerTiers | None = None) -> None:
         assert tensors, "a tiered backend has block tensors"
         pin = tensors[0].is_cuda
         self.tensors = tensors
@@ -181,18 +293,38 @@ class TierStorage:
         # Under KVBENCH_CHECK (the tests), a load's target block is first filled with
         # garbage: a load that copies nothing, or the wrong rows, then shows in the tokens.
         self.poison_loads = CHECKS
+        self.tiers = tiers
+        self._lost: dict[int, bool] = {}  # disk slots written this step: the last write failed
+        # Blocks this step writes to disk and loads back later in the same step (spilled
+        # and hit in one step, a lookup that did not check their files: LowerTiers), by
+        # slot: the load reads the bytes written (landed or not), never the file.
+        self._reloaded: set[int] = set()
+        self._step_bytes: dict[int, bytes] = {}
+        self._warned: set[str] = set()  # the faults said on stderr (once each per run)
+        if tiers is not None and self.disk is not None:
+            tiers.check_disk = self._disk_whole
 
     def apply(self, ops: list[TierOp]) -> None:
         """Perform ``ops`` in order (spills before the writes that reuse their slots)."""
         if not ops:
             return
         t0 = time.perf_counter()
+        if self.disk is not None:
+            self._reloaded = {op.src for op in ops if op.src_tier == DISK}
         for op in ops:
             self._one(op)
         if self.tensors[0].is_cuda:
             torch.cuda.synchronize(self.tensors[0].device)
         self.transfer_s += time.perf_counter() - t0
         self.bytes_moved += len(ops) * self.block_bytes
+        if self._lost:
+            # A slot's last write decides what it holds after the step (the bookkeeping's
+            # state): drop the blocks whose last write failed.
+            for slot, lost in self._lost.items():
+                if lost and self.tiers is not None:
+                    self.tiers.lose(DISK, slot)
+            self._lost = {}
+        self._step_bytes = {}
 
     def _one(self, op: TierOp) -> None:
         src, dst = op.src, op.dst
@@ -201,7 +333,18 @@ class TierStorage:
                 h[dst].copy_(t[src])
         elif op.src_tier == CPU and op.dst_tier == DISK:
             assert self.disk is not None
-            self.disk.write(dst, self._pack([h[src] for h in self.host]))
+            payload = self._pack([h[src] for h in self.host])
+            if dst in self._reloaded:
+                self._step_bytes[dst] = payload
+            try:
+                self.disk.write(dst, payload)
+                self._lost[dst] = False
+            except OSError as e:
+                self._lost[dst] = True
+                self._warn("write", f"writing a block to {self.disk.path(dst)} failed "
+                           f"({e.strerror or e}): blocks that cannot be written are dropped "
+                           "from the disk tier and computed again when needed (counted in "
+                           "cache.tier.disk.write_failures)")
         elif op.dst_tier == GPU:
             if self.poison_loads:
                 for t in self.tensors:
@@ -211,10 +354,36 @@ class TierStorage:
                     t[dst].copy_(h[src], non_blocking=True)
             else:
                 assert self.disk is not None and op.src_tier == DISK
-                for t, row in zip(self.tensors, self._unpack(self.disk.read(src))):
+                try:
+                    written = self._step_bytes.get(src)
+                    payload = self.disk.read(src) if written is None else written
+                except CorruptBlock as e:
+                    raise CorruptBlock(f"{e}, after the lookup that found it checked it "
+                                       "whole: the run stops rather than load a wrong "
+                                       "block") from None
+                for t, row in zip(self.tensors, self._unpack(payload)):
                     t[dst].copy_(row)
         else:
             raise AssertionError(f"no such tier move: {op}")
+
+    def _disk_whole(self, slot: int) -> bool:
+        """Whether disk slot ``slot`` holds a whole block (LowerTiers.check_disk): a
+        damaged file is removed, and said once."""
+        assert self.disk is not None
+        why = self.disk.check(slot)
+        if why is None:
+            return True
+        self.disk.discard(slot)
+        self._warn("damaged", f"{why}: damaged blocks are dropped from the disk tier and "
+                   "computed again (counted in cache.tier.disk.damaged_blocks)")
+        return False
+
+    def _warn(self, kind: str, text: str) -> None:
+        """Say ``text`` on stderr, the first time a fault of ``kind`` happens."""
+        if kind not in self._warned:
+            self._warned.add(kind)
+            print(f"kvbench: warning: disk tier: {text}; later ones are not reported",
+                  file=sys.stderr)
 
     @staticmethod
     def _pack(rows: list[torch.Tensor]) -> bytes:

@@ -7,13 +7,10 @@ The run builds one for its workload; quality evaluation builds more on the same 
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import sys
-import tempfile
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,7 +19,7 @@ from harness import layer_types
 from harness.backends import BACKENDS, get_backend
 from harness.backends.base import BackendOptions, CacheSizing, KVBackend, KVLayout, LayerSlot
 from harness.backends.costs import GroupedCosts
-from harness.backends.tier_storage import TierStorage
+from harness.backends.tier_storage import TierStorage, check_room
 from harness.engine.engine import Engine
 from harness.engine.executor import Executor
 from harness.engine.sampler import TokenSampler
@@ -273,7 +270,7 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
             blocks = backend.block_tensors()
             assert blocks is not None
             backend.tier_storage = TierStorage(blocks, [t.num_blocks for t in tiers.tiers],
-                                               cache.tiers.disk_dir)
+                                               cache.tiers.disk_dir, tiers)
     collector = MetricsCollector(kv, scheduler, sizing.bytes_per_slot)
     engine = Engine(model.model if model is not None else None, backend, scheduler, sampler,
                     collector, device, executor)
@@ -372,14 +369,7 @@ def check_tier_space(cache: CacheSpec, tiers: LowerTiers, sizing: CacheSizing,
                         f"memory with the cache beside it, but only {format_bytes(free)} is "
                         "available: lower cache.tiers.cpu (or cache.kv_budget)")
     if len(tiers.tiers) > 1:
-        disk = tiers.tiers[1].num_blocks * block
-        where = Path(cache.tiers.disk_dir or tempfile.gettempdir())
-        probe = next((p for p in (where, *where.parents) if p.exists()), Path("/"))
-        left = shutil.disk_usage(probe).free
-        if disk > left:
-            raise UserError(f"cache.tiers.disk={cache.tiers.disk} needs {format_bytes(disk)} "
-                            f"on {probe}, which has {format_bytes(left)} free: lower "
-                            "cache.tiers.disk or set cache.tiers.disk_dir to a larger disk")
+        check_room(cache.tiers.disk_dir, tiers.tiers[1].num_blocks, block, cache.tiers.disk)
 
 
 def check_memory(device: torch.device, sizing: CacheSizing) -> None:

@@ -20,6 +20,13 @@ one of harness/kv/eviction.py's orders, its ids the tier's slots; ``lru`` below)
   reuse: each tier counts the uses of its own copy, a spilled block starts over), and a
   lookup that does not find a name in a tier is that tier's *miss* (arc's ghost lists).
 
+The disk tier's files can fail under ``executor=model`` (harness/backends/tier_storage.py):
+a block whose write did not land (a full disk, a file-size limit) is dropped from the
+tier after its step (:meth:`LowerTiers.lose`), and a prompt's lookup that finds a block
+on disk first has its file checked (:attr:`LowerTiers.check_disk`): a damaged one is
+dropped and the lookup misses there, so the block is computed again. Both are counted
+(:class:`TierStats`), and the run goes on.
+
 Everything a step moves is one ordered list of :class:`TierOp`: a spill comes before the
 write that takes its slot, a store of an evicted device block before the load that
 reuses that block. Operations are O(1) per block under ``lru`` (amortized; the other
@@ -28,7 +35,7 @@ orders as in the device pool), and a tier's size costs nothing until its slots a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from harness.kv.eviction import ORDERS, EvictionOrder
@@ -69,6 +76,10 @@ class TierStats:
     blocks_up: list[int] = field(default_factory=lambda: [0, 0])
     hit_tokens: list[int] = field(default_factory=lambda: [0, 0])
     dropped_blocks: int = 0  # fell out of the last tier (or found no room: all pinned)
+    # The disk tier's faults (executor=model): blocks whose file write failed, and blocks
+    # whose file was found damaged by a lookup; each dropped from the tier.
+    disk_write_failures: int = 0
+    disk_damaged: int = 0
 
 
 class Tier:
@@ -87,6 +98,7 @@ class Tier:
         self.block_hash: list[int] = []
         self.depth: list[int] = []
         self.num_cached_free = 0  # blocks in the order: held, not pinned
+        self.spare: list[int] = []  # used slots left empty by a dropped block
         self.eviction: EvictionOrder = ORDERS[policy](self)
         self._uses = self.eviction.counts_uses  # (whether it hears loads and misses)
 
@@ -111,8 +123,11 @@ class Tier:
     def slot_of(self, h: int) -> int | None:
         return self.slots.get(h)
 
-    def new_slot(self) -> int | None:
-        """A slot never used yet (None: every slot has been)."""
+    def free_slot(self) -> int | None:
+        """An empty slot: one a dropped block left, else one never used yet (None: every
+        slot holds a block)."""
+        if self.spare:
+            return self.spare.pop()
         s = len(self.block_hash)
         if s >= self.num_blocks:
             return None
@@ -169,6 +184,16 @@ class Tier:
             self.eviction.insert(self.slots[h])
             self.num_cached_free += 1
 
+    def drop(self, h: int) -> None:
+        """Take held, unpinned ``h`` out of the tier (its copy is lost): its slot is
+        empty again."""
+        assert h not in self.pinned, "a block being loaded cannot be dropped"
+        s = self.slots.pop(h)
+        del self.owner[h]
+        self.num_cached_free -= 1
+        self.eviction.remove(s)
+        self.spare.append(s)
+
     def missed(self, h: int) -> None:
         """A prompt's lookup asked this tier for ``h``, which it does not hold."""
         if self._uses:
@@ -198,6 +223,11 @@ class LowerTiers:
         self.write = write
         self.ops: list[TierOp] = []
         self.stats = TierStats()
+        # Whether a disk slot's file still holds a whole block (executor=model: the
+        # backend's TierStorage reads it back; None: nothing to check). Not asked of the
+        # slots this step's queued ops write: their files are written after scheduling.
+        self.check_disk: Callable[[int], bool] | None = None
+        self._disk_queued: set[int] = set()
         # Whether any tier's order hears a lookup's misses (else a lookup is a find).
         self._hears_misses = any(t.eviction.counts_uses for t in self.tiers)
 
@@ -217,12 +247,19 @@ class LowerTiers:
 
     def lookup(self, h: int) -> TierHit | None:
         """:meth:`find` for a prompt's lookup: each tier asked before the one holding
-        ``h`` (every tier, when none does) hears that it missed ``h``."""
-        if not self._hears_misses:
+        ``h`` (every tier, when none does) hears that it missed ``h``; a block found on
+        disk whose file is damaged (:attr:`check_disk`) is dropped, and missed."""
+        check = self.check_disk
+        if not self._hears_misses and check is None:
             return self.find(h)
         for t in self.tiers:
             s = t.slot_of(h)
             if s is not None:
+                if check is not None and t.level == DISK and h not in t.pinned \
+                        and s not in self._disk_queued and not check(s):
+                    t.drop(h)
+                    self.stats.disk_damaged += 1
+                    return None  # (the tiers above missed it already)
                 return TierHit(t.level, s, h, t.owner[h])
             t.missed(h)
         return None
@@ -250,7 +287,7 @@ class LowerTiers:
         down (the spill op is queued first, so it reads the slot before the new write
         lands)."""
         t = self.tiers[i]
-        s = t.new_slot()
+        s = t.free_slot()
         if s is not None:
             return s
         out = t.victim()
@@ -269,6 +306,8 @@ class LowerTiers:
                 else:
                     self.ops.append(TierOp(t.level, slot, nxt.level, dst))
                     self._name(nxt, h, dst, owner, t.depth[slot])
+                    if nxt.level == DISK:
+                        self._disk_queued.add(dst)
         else:
             self.stats.dropped_blocks += 1
         return slot
@@ -276,6 +315,15 @@ class LowerTiers:
     def _name(self, t: Tier, h: int, slot: int, owner: int, depth: int) -> None:
         t.add(h, slot, owner, depth)
         self.stats.blocks_down[t.level - CPU] += 1
+
+    def lose(self, level: int, slot: int) -> None:
+        """The write of the block tier ``level`` holds in ``slot`` did not land (the
+        disk tier's files, after the step's operations): drop it, uncounted as written."""
+        t = self.tier(level)
+        if slot < t.fresh and t.slots.get(t.block_hash[slot]) == slot:
+            t.drop(t.block_hash[slot])
+            self.stats.blocks_down[level - CPU] -= 1
+            self.stats.disk_write_failures += 1
 
     # -- up ------------------------------------------------------------------------------
     def pin(self, hits: list[TierHit]) -> None:
@@ -302,4 +350,5 @@ class LowerTiers:
 
     def take_ops(self) -> list[TierOp]:
         ops, self.ops = self.ops, []
+        self._disk_queued.clear()
         return ops

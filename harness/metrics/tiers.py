@@ -60,6 +60,9 @@ def tier_metrics(tiers: LowerTiers, steps: Sequence[StepRow], block_bytes: int,
             f"cache.tier.{name}.bytes_up": s.blocks_up[i] * block_bytes,
         })
     m["cache.tier.dropped_blocks"] = s.dropped_blocks
+    if len(tiers.tiers) > 1:  # the disk tier's faults, each block dropped (executor=model)
+        m["cache.tier.disk.write_failures"] = s.disk_write_failures
+        m["cache.tier.disk.damaged_blocks"] = s.disk_damaged
     m["cache.tier.transfer_s"] = transfer_s
     return m
 

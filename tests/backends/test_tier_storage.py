@@ -1,21 +1,32 @@
 """The bytes of the lower tiers: host tensors and the disk tier's files. Round trips
 through both, a damaged file refused, and a run killed (SIGKILL) halfway through a disk
-write: the next run that opens the same folder removes what it left, unread."""
+write: the next run that opens the same folder removes what it left, unread. The disk
+tier's faults mid-run (issue #55): a full disk (ENOSPC) or a file-size limit (EFBIG, a
+real ulimit) drops the block and the run goes on; a damaged block is dropped at its
+lookup (missed, so computed again); the space check counts files as the disk stores them.
+A user's run-* folders and files under disk_dir are never removed (the data-loss case)."""
 
 from __future__ import annotations
 
+import errno
 import os
+import resource
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import BinaryIO
 
 import pytest
 import torch
 
+from harness.backends import tier_storage
 from harness.backends.tier_storage import PAUSE_ENV, CorruptBlock, DiskTier, TierStorage
-from harness.kv.tiers import CPU, DISK, GPU, TierOp
+from harness.kv.tiers import CPU, DISK, GPU, LowerTiers, TierOp
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -153,3 +164,164 @@ def test_a_users_run_folders_under_disk_dir_are_never_removed(tmp_path: Path) ->
     assert (tier.dir / MARKER).read_text().startswith("kvbench disk tier, pid ")
     tier.close()
     assert not tier.dir.exists() and mine.exists()
+
+
+# -- faults mid-run and the space check (issue #55) ----------------------------------------
+
+
+def _disk(tmp_path: Path) -> tuple[LowerTiers, TierStorage]:
+    """A CPU tier of one slot over a disk tier of two, bookkeeping and bytes."""
+    lt = LowerTiers([1, 2], 4)
+    return lt, TierStorage(blocks(), [1, 2], str(tmp_path), lt)
+
+
+def _spill(lt: LowerTiers, ts: TierStorage, *names: int) -> None:
+    """Store device blocks 0, 1, ... as ``names``, a step each: each after the first
+    spills the one before it to disk."""
+    for b, h in enumerate(names):
+        lt.store(b, h, owner=1)
+        ts.apply(lt.take_ops())
+
+
+def fill_disk(monkeypatch: pytest.MonkeyPatch, err: int = errno.ENOSPC) -> None:
+    """Every block file's write stops halfway, on an OSError ``err`` (a full disk)."""
+    def half(f: BinaryIO, chunks: Iterable[bytes]) -> None:
+        f.write(b"".join(chunks)[:20])
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(tier_storage, "_write_all", half)
+
+
+def test_a_full_disk_drops_the_block_and_the_run_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    lt, ts = _disk(tmp_path)
+    assert ts.disk is not None
+    fill_disk(monkeypatch)
+    _spill(lt, ts, 100, 200)  # 100's spill to disk slot 0 fails halfway
+    assert lt.find(100) is None and lt.tier(DISK).num_used == 0
+    assert lt.stats.disk_write_failures == 1 and lt.stats.blocks_down == [2, 0]
+    assert list(ts.disk.dir.glob("0.*")) == []  # no partial file, no stale one
+    err = capsys.readouterr().err
+    assert err.count("warning") == 1 and "No space left on device" in err
+    assert "cache.tier.disk.write_failures" in err
+    _spill(lt, ts, 300)  # 200's spill, into the slot 100 left: fails, counted, not said
+    assert lt.stats.disk_write_failures == 2 and capsys.readouterr().err == ""
+    monkeypatch.undo()  # room again: the next spill lands, and loads back whole
+    want = [t[0].clone() for t in ts.tensors]
+    _spill(lt, ts, 400)
+    hit = lt.lookup(300)
+    assert hit is not None and hit.tier == DISK
+    lt.pin([hit])
+    lt.load(hit, 5)
+    ts.apply(lt.take_ops())
+    for t, w in zip(ts.tensors, want):
+        assert torch.equal(t[5].view(torch.uint8), w.view(torch.uint8))
+    ts.close()
+
+
+FSIZE = """
+import resource, signal, sys
+import torch
+from harness.backends.tier_storage import TierStorage
+from harness.kv.tiers import LowerTiers
+signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # (as a library might set it: it kills)
+lt = LowerTiers([1, 2], 4)
+ts = TierStorage([torch.zeros(3, 1024)], [1, 2], sys.argv[1], lt)  # 4 KiB blocks
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+for b, h in enumerate((100, 200)):  # 100's file (a header + 4 KiB) is past the limit
+    lt.store(b, h, owner=1)
+    ts.apply(lt.take_ops())
+print(lt.stats.disk_write_failures, lt.find(100), lt.find(200) is not None)
+"""
+
+
+def test_a_file_size_limit_drops_the_block_and_the_run_goes_on(tmp_path: Path) -> None:
+    """A real RLIMIT_FSIZE (ulimit -f): the write fails with EFBIG (SIGXFSZ ignored,
+    even when something set it back to its default, which kills), the block is dropped."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", FSIZE, str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["1", "None", "True"]
+    assert "File too large" in out.stderr
+
+
+def test_a_damaged_block_is_dropped_at_its_lookup_and_missed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lt, ts = _disk(tmp_path)
+    assert ts.disk is not None
+    _spill(lt, ts, 100, 200, 300)  # 100 and 200 on disk (slots 0, 1)
+    p = ts.disk.path(0)
+    data = bytearray(p.read_bytes())
+    data[-1] ^= 0xFF  # one flipped bit of K/V
+    p.write_bytes(bytes(data))
+    assert lt.lookup(100) is None  # a miss: the prompt computes the block again
+    assert lt.stats.disk_damaged == 1 and lt.find(100) is None and not p.exists()
+    err = capsys.readouterr().err
+    assert err.count("warning") == 1 and "is damaged" in err
+    assert "cache.tier.disk.damaged_blocks" in err
+    # A file checked whole is read again only once it changed, and then found out.
+    q = ts.disk.path(1)
+    os.utime(q, (time.time() - 60, time.time() - 60))  # (an old file: its check is kept)
+    assert lt.lookup(200) is not None and lt.lookup(200) is not None
+    with q.open("r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        f.write(b"\0" if q.read_bytes()[-1:] != b"\0" else b"\1")
+    assert lt.lookup(200) is None and lt.stats.disk_damaged == 2
+    assert capsys.readouterr().err == ""  # said once
+    assert lt.tier(DISK).num_used == 0 and sorted(lt.tier(DISK).spare) == [0, 1]
+    ts.close()
+
+
+def test_the_space_check_counts_block_files_as_the_filesystem_stores_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """8 KiB blocks take 12 KiB files (a header, in 4 KiB units): a disk tier of 1000
+    of them on a disk with 10 MiB free does not fit, though its payload (7.8 MiB) would."""
+    from harness.backends.tier_storage import file_bytes
+    from harness.config import CacheSpec, TierSpec
+    from harness.errors import UserError
+    from harness.stack import check_tier_space
+
+    tier = DiskTier(tmp_path, 1)
+    tier.write(0, b"x" * 8192)
+    on_disk = os.stat(tier.path(0)).st_blocks * 512
+    assert on_disk > 8192 and file_bytes(8192, tmp_path) >= on_disk
+    tier.close()
+    cache = CacheSpec(tiers=TierSpec(cpu="8KiB", disk="8000KiB", disk_dir=str(tmp_path)))
+    sizing = SimpleNamespace(block_bytes=8192, num_blocks=4, num_cpu_blocks=0)
+    unit = file_bytes(8192, tmp_path) - 8192  # (what a header costs here: a unit)
+
+    def free(mib: float) -> None:
+        usage = SimpleNamespace(total=1 << 40, used=0, free=int(mib * 2 ** 20))
+        monkeypatch.setattr(shutil, "disk_usage", lambda _: usage)
+
+    free(10)
+    with pytest.raises(UserError, match=r"needs .* \(1000 block files of .* as the "
+                                         r"filesystem stores them.*10\.00MiB free"):
+        check_tier_space(cache, LowerTiers([1, 1000], 16), sizing,  # type: ignore[arg-type]
+                         torch.device("cpu"))
+    free(1002 * (8192 + unit) / 2 ** 20)
+    check_tier_space(cache, LowerTiers([1, 1000], 16), sizing,  # type: ignore[arg-type]
+                     torch.device("cpu"))
+    # A file-size limit below one block file is said before the run, not at its writes.
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (8192, resource.RLIM_INFINITY))
+    with pytest.raises(UserError, match=r"over this process's file-size limit .*ulimit -f"):
+        check_tier_space(cache, LowerTiers([1, 1000], 16), sizing,  # type: ignore[arg-type]
+                         torch.device("cpu"))
+
+
+def test_a_block_spilled_and_loaded_in_one_step_loads_though_its_write_failed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's ops spill a block to disk (the write fails) and then load it back (a
+    lookup in the same step found it there): the load reads the bytes that did not land,
+    not a missing file."""
+    ts = TierStorage(blocks(), [1, 2], str(tmp_path), LowerTiers([1, 2], 4))
+    want = [t[1].clone() for t in ts.tensors]
+    fill_disk(monkeypatch)
+    ts.apply([TierOp(GPU, 1, CPU, 0), TierOp(CPU, 0, DISK, 1), TierOp(GPU, 2, CPU, 0),
+              TierOp(DISK, 1, GPU, 4)])
+    for t, w in zip(ts.tensors, want):
+        assert torch.equal(t[4].view(torch.uint8), w.view(torch.uint8))
+    assert ts.disk is not None and not ts.disk.path(1).exists()
+    ts.close()

@@ -6,6 +6,8 @@ purpose caught."""
 
 from __future__ import annotations
 
+import errno
+import os
 from typing import Any
 
 import pytest
@@ -101,6 +103,54 @@ def test_a_load_that_reads_nothing_is_caught(monkeypatch: pytest.MonkeyPatch) ->
     broken = run(tiny(*common, *TIERS))
     assert broken.metrics["cache.tier.cpu.blocks_up"] > 0
     assert outputs(broken) != outputs(off)
+
+
+def test_a_full_disk_mid_run_loses_blocks_not_the_run(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every disk-tier write fails (a full disk, issue #55): the run ends, with the same
+    tokens as without tiers; the blocks never landed (counted), and the disk serves only
+    blocks spilled and hit in the same step (loaded from the failed write's bytes)."""
+    from harness.backends.tier_storage import DiskTier
+
+    def full(self: DiskTier, slot: int, payload: bytes) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    common = ("cache.kv_budget=700KiB", *LOAD)
+    off = run(tiny(*common))
+    disk = run(tiny(*common, *TIERS)).metrics
+    monkeypatch.setattr(DiskTier, "write", full)
+    on = run(tiny(*common, *TIERS))
+    m = on.metrics
+    assert outputs(on) == outputs(off)
+    assert m["cache.tier.disk.write_failures"] > 0 and m["cache.tier.disk.blocks_down"] == 0
+    assert m["cache.hit_rate.disk"] < disk["cache.hit_rate.disk"] / 2
+    assert m["cache.hit_rate.cpu"] > 0
+    assert capsys.readouterr().err.count("No space left on device") == 1
+
+
+def test_disk_blocks_damaged_mid_run_are_computed_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every disk-tier file rots as soon as it is written (issue #55): each is dropped at
+    the lookup that finds it and computed again (a block loaded in the step that wrote it
+    is loaded from the bytes written); the run ends with the same tokens as without
+    tiers."""
+    from harness.backends.tier_storage import DiskTier
+
+    real = DiskTier.write
+
+    def write_then_rot(self: DiskTier, slot: int, payload: bytes) -> None:
+        real(self, slot, payload)
+        p = self.path(slot)
+        data = bytearray(p.read_bytes())
+        data[-1] ^= 0xFF
+        p.write_bytes(bytes(data))
+
+    common = ("cache.kv_budget=700KiB", *LOAD)
+    off = run(tiny(*common))
+    monkeypatch.setattr(DiskTier, "write", write_then_rot)
+    on = run(tiny(*common, *TIERS))
+    assert outputs(on) == outputs(off)
+    assert on.metrics["cache.tier.disk.damaged_blocks"] > 0
+    assert on.metrics["cache.tier.disk.write_failures"] == 0
 
 
 @pytest.mark.parametrize("write", ["evict", "through"])

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from harness.kv.block_pool import BlockPool
 from harness.kv.eviction import EVICTIONS
-from harness.kv.tiers import CPU, LowerTiers
+from harness.kv.tiers import CPU, DISK, LowerTiers
 
 N, BS = 8, 2
 
@@ -195,6 +195,7 @@ class RefTiers:
     name: list[dict[int, int]] = field(default_factory=lambda: [{}, {}])  # slot -> name
     depth: list[dict[int, int]] = field(default_factory=lambda: [{}, {}])  # slot -> depth
     fresh: list[int] = field(default_factory=lambda: [0, 0])
+    spare: list[list[int]] = field(default_factory=lambda: [[], []])  # slots lost blocks left
     dropped: int = 0
 
     def store(self, name: int, depth: int) -> None:
@@ -208,6 +209,8 @@ class RefTiers:
             self.put(0, name, slot, depth)
 
     def take(self, i: int) -> int | None:
+        if self.spare[i]:
+            return self.spare[i].pop()
         if self.fresh[i] < self.caps[i]:
             self.fresh[i] += 1
             return self.fresh[i] - 1
@@ -237,6 +240,12 @@ class RefTiers:
         self.refs[i].remove(self.held[i][name])
         self.refs[i].insert(self.held[i][name], name)
 
+    def lose(self, i: int, name: int) -> None:
+        """``name``'s copy in tier ``i`` is lost (a failed disk write): its slot is spare."""
+        slot = self.held[i].pop(name)
+        self.refs[i].remove(slot)
+        self.spare[i].append(slot)
+
     def lookup(self, name: int) -> int | None:
         """The tier holding ``name`` (None: none); the tiers above it missed it."""
         for i in range(len(self.caps)):
@@ -247,8 +256,10 @@ class RefTiers:
 
 
 # Stores (new content, or content seen before), loads (a lookup, the block pinned while
-# ``k - 1`` more stores run, then unpinned) and lookups of content no tier holds.
-TIER_OPS = st.lists(st.tuples(st.sampled_from(["store", "store", "store", "load", "miss"]),
+# ``k - 1`` more stores run, then unpinned), lookups of content no tier holds, and disk
+# blocks lost (a failed write: LowerTiers.lose, issue #55).
+TIER_OPS = st.lists(st.tuples(st.sampled_from(["store", "store", "store", "load", "miss",
+                                               "lose"]),
                               st.integers(0, 10 ** 6), st.integers(1, 3)),
                     min_size=20, max_size=150)
 CAPS = [4, 3]  # a CPU tier of 4 slots, a disk tier of 3
@@ -298,6 +309,10 @@ def test_every_eviction_order_over_a_tiers_slots_equals_its_reference(
             if all(name not in t for t in ref.held):
                 assert tiers.lookup(name) is None
                 ref.lookup(name)
+        elif op == "lose" and ref.held[1]:
+            name = sorted(ref.held[1])[r % len(ref.held[1])]
+            tiers.lose(DISK, ref.held[1][name])
+            ref.lose(1, name)
         for t, rf, held in zip(tiers.tiers, ref.refs, ref.held):
             assert [s for _, s in t.order()] == rf.order(), (policies, op, t.name)
             assert t.slots == held and t.num_cached_free == len(rf.order())
