@@ -3,6 +3,11 @@
 TensorRT-LLM online table's light / saturated split, and every figure.
 
     python scripts/whatif_validation_doc.py rows.json > tables.md
+    python scripts/whatif_validation_doc.py --compare before=a.json after=b.json ...
+
+``--compare`` puts several runs of the same points side by side (one column per labelled
+rows file: median / worst absolute error by set, source and metric kind), e.g. a change's
+ablation, each variant run with ``validate --set all --fit`` from its own snapshot.
 """
 
 from __future__ import annotations
@@ -44,7 +49,30 @@ def light_vs_saturated(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def compare(named: list[tuple[str, list[dict[str, Any]]]]) -> list[str]:
+    """One row per (set, source, metric kind), one "median / worst" column per variant."""
+    order = {"fit": 0, "calibration": 1, "validation": 2}
+    keys = sorted({(r["set"], r["source"], r["kind"]) for _, rows in named for r in rows},
+                  key=lambda k: (order.get(k[0], 3), k[1], k[2]))
+    out = ["| set | source | kind | n | " + " | ".join(n for n, _ in named) + " |",
+           "|---|---|---|---|" + "---|" * len(named)]
+    for key in [*keys, ("validation", "all", "throughput"), ("validation", "all", "tpot")]:
+        cells, n = [], 0
+        for _, rows in named:
+            errs = [abs(r["error_pct"]) for r in rows if r["set"] == key[0]
+                    and key[1] in ("all", r["source"]) and r["kind"] == key[2]]
+            n = max(n, len(errs))
+            cells.append(f"{statistics.median(errs):.1f} / {max(errs):.1f}" if errs else "-")
+        out.append(f"| {key[0]} | {key[1]} | {key[2]} | {n} | " + " | ".join(cells) + " |")
+    return out
+
+
 def main() -> None:
+    if sys.argv[1] == "--compare":
+        named = [(a.split("=", 1)[0], json.loads(Path(a.split("=", 1)[1]).read_text()))
+                 for a in sys.argv[2:]]
+        print("\n".join(compare(named)))
+        return
     rows = json.loads(Path(sys.argv[1]).read_text())
     print("\n".join(["## Summary by set, source, engine and metric kind", "", *summary(rows),
                      "", "## Light vs saturated load (TensorRT-LLM online table)", "",

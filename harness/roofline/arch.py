@@ -40,6 +40,10 @@ class ArchSpec:
     prefill_qk_dim: int = 0
     prefill_v_dim: int = 0
     prefill_upproj_params: int = 0
+    # Its FP8 checkpoint's scales are block-wise (DeepSeek-V3's 128x128; a config.json's
+    # quantization_config.weight_block_size): such GEMMs reach less of the fp8 peak than
+    # per-tensor ones (HardwareSpec.gemm_eff).
+    fp8_block_scaled: bool = False
 
     def prefill_dims(self) -> tuple[int, int]:
         """The per-head dims of q.k and of the values in prefill (chunks included)."""

@@ -94,9 +94,13 @@ class HardwareSpec:
         """Whether GEMMs in ``dtype`` are timed by the profile (else by the roofline)."""
         return bool(self.gemm_profile) and _dtype_key(dtype) == _dtype_key(self.profile_dtype)
 
-    def gemm_eff(self, dtype: str) -> float:
-        """Share of ``dtype``'s peak FLOP/s a large weight GEMM reaches on this spec."""
-        return self.eff_gemm_dtype.get(_dtype_key(dtype), self.eff_gemm)
+    def gemm_eff(self, dtype: str, block_scaled: bool = False) -> float:
+        """Share of ``dtype``'s peak FLOP/s a large weight GEMM reaches on this spec
+        (``block_scaled``: fp8 with block-wise scales, where the spec knows its share)."""
+        key = _dtype_key(dtype)
+        if block_scaled and f"{key}_block" in self.eff_gemm_dtype:
+            return self.eff_gemm_dtype[f"{key}_block"]
+        return self.eff_gemm_dtype.get(key, self.eff_gemm)
 
     def flops(self, dtype: str) -> float:
         key = _dtype_key(dtype)
@@ -172,11 +176,13 @@ def _cited(name: str, sheet: str) -> dict[str, Any]:
     return {"mem_bytes": mem, "cited": {"peaks": sheet, "mem_bw": sheet, "mem_bytes": why}}
 
 
-# FP8 GEMMs on Hopper reach a smaller share of their (doubled) peak than bf16 ones:
-# fitted to DeepSeek's published H800 FP8 GEMM table (its CUTLASS 3.6 baseline: what
-# TensorRT-LLM and vLLM's scaled-mm kernels are; harness/roofline_tools/data/deepgemm) by
-# `python -m harness.roofline_tools.kernel_fit --fp8`: 0.50 of 1,979 TFLOP/s at M = 4096.
-HOPPER_FP8 = {"fp8": 0.50}
+# FP8 GEMMs on Hopper, by how their scales are laid out (`python -m
+# harness.roofline_tools.kernel_fit --fp8`): per-tensor / per-row scales (Llama-class FP8
+# checkpoints) run 1.92x bf16 on one H100 (FBGEMM's table, harness/roofline_tools/data/
+# fbgemm): 0.67 of the fp8 peak; block-wise scales (DeepSeek-V3's format) 0.50, fitted to
+# DeepSeek's published H800 table (its CUTLASS baseline; data/deepgemm), 0.52 by FBGEMM's
+# block-wise ratio.
+HOPPER_FP8 = {"fp8": 0.67, "fp8_block": 0.50}
 
 HARDWARE: dict[str, HardwareSpec] = {h.name: h for h in (
     # H100 SXM5; NCCL all-reduce bus bandwidth 340 GB/s (Vidur, h100_dgx) of NVLink's 450

@@ -105,9 +105,13 @@ def from_hf_config(path: str | Path) -> ArchSpec:
                           kv_heads, **common)  # type: ignore[arg-type]
     else:
         spec = _moe(c, name, model_type, experts, layers, hidden, heads, kv_heads, common)
-    # What each layer's cache must hold (sliding / chunked layers: harness.layer_types).
+    # What each layer's cache must hold (sliding / chunked layers: harness.layer_types);
+    # an FP8 checkpoint with block-wise scales (quantization_config.weight_block_size).
+    quant = raw.get("quantization_config")
+    block = isinstance(quant, dict) and bool(quant.get("weight_block_size"))
     return dataclasses.replace(
-        spec, layer_attention=layer_types.compact(layer_types.from_hf(raw, layers)))
+        spec, layer_attention=layer_types.compact(layer_types.from_hf(raw, layers)),
+        fp8_block_scaled=block)
 
 
 def _moe(c: _Config, name: str, model_type: str, experts: dict[str, Any], layers: int,

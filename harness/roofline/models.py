@@ -43,7 +43,8 @@ def _deepseek_v3() -> ArchSpec:
                     layers * attn + dense_ffn + shared + router, 163840,
                     expert_params=routed, num_experts=256, experts_per_token=8,
                     prefill_qk_dim=128 + 64,
-                    prefill_v_dim=128, prefill_upproj_params=512 * heads * (128 + 128))
+                    prefill_v_dim=128, prefill_upproj_params=512 * heads * (128 + 128),
+                    fp8_block_scaled=True)
 
 
 def _hybrid(name: str, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int,

@@ -40,7 +40,8 @@ work (launch, sampling, output processing); without a profile, the spec's
 GEMMs run at ``gemm_dtype``'s peak (``roofline.compute_dtype=fp8``: W8A8 on the fp8 units).
 
 ``eff_g`` is the GEMM dtype's share of its peak (``HardwareSpec.gemm_eff``: bf16 from
-Vidur's profiles, fp8 from an FP8 kernel profile, harness.roofline_tools.kernel_fit).
+Vidur's profiles, fp8 from FP8 kernel profiles, by how the checkpoint's scales are laid
+out: per-tensor, or block-wise as DeepSeek-V3's; harness.roofline_tools.kernel_fit).
 Each of the E routed experts (P_e weights each) is a GEMM over its own token count m,
 Binomial(T, k/E) under uniform top-k routing (:func:`expert_load`), its weights read only
 when m > 0: at small counts an expert streams its weights for few tokens, which one
@@ -297,7 +298,8 @@ class StepModel:
         out = 0.0
         if n > 0:
             per = a.expert_params / a.num_experts / self.tp  # one expert's weights, a rank
-            c1 = 2.0 * per / (h.flops(self.gemm_dtype) * h.gemm_eff(self.gemm_dtype))
+            c1 = 2.0 * per / (h.flops(self.gemm_dtype)
+                              * h.gemm_eff(self.gemm_dtype, a.fp8_block_scaled))
             m = self.weight_bytes * per / (h.mem_bw * h.eff_bw)
             counts, prob = expert_load(n, a.num_experts, a.experts_per_token)
             busy = counts > 0
@@ -315,7 +317,9 @@ class StepModel:
         gpeak = self.gemm_peak if hw is None else hw.flops(self.gemm_dtype)
         # Each GEMM at its dtype's share of its peak (fp8 reaches less of its doubled peak
         # than bf16 of its own); the 16-bit lm_head at the activations'.
-        fg, fa, bw = gpeak * h.gemm_eff(self.gemm_dtype), peak * h.eff_attn, h.mem_bw * h.eff_bw
+        block = self.arch.fp8_block_scaled
+        fg, fa = gpeak * h.gemm_eff(self.gemm_dtype, block), peak * h.eff_attn
+        bw = h.mem_bw * h.eff_bw
         fl = peak * h.gemm_eff(self.compute_dtype)
         lap = 1.0 - h.overlap
         p = h.gemm_corner_p

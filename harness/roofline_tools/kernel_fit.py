@@ -19,11 +19,16 @@ by size. Three models come out of them, each a few constants of ``HardwareSpec``
 - **All-reduce** (``tp`` ranks, ``n`` bytes): ``t = lat(tp) + 2 (tp - 1) / tp n / bw_bus``,
   ``lat`` the median of messages up to 1 MiB (they take the same time whatever their size),
   ``bw_bus`` from messages of 8-64 MiB.
-- **FP8 GEMMs on Hopper** (``--fp8``): the same GEMM model on fp8 bytes (weights and
-  activations 1 B, bf16 output) at the fp8 peak, the bf16 fit's bandwidth share, corner
-  and kernel cost kept, its share of the fp8 peak fitted to DeepSeek's published H800
-  table (harness/roofline_tools/data/deepgemm: the CUTLASS 3.6 baseline's times, the
-  kernels engines ship; H800 = H100 SXM's compute and HBM3). Vidur profiles no fp8.
+- **FP8 GEMMs on Hopper** (``--fp8``), two kinds, as the scales are laid out:
+  per-tensor / per-row scales (Llama-class FP8 checkpoints; TensorRT-LLM's and vLLM's
+  FP8 GEMMs): the bf16 share times FP8's speed over bf16's measured on one H100 in one
+  run (harness/roofline_tools/data/fbgemm: FBGEMM's row-wise kernels, median 1.92x) over
+  the peaks' ratio; block-wise scales (DeepSeek-V3's 128x128 format): the same GEMM model
+  on fp8 bytes (weights and activations 1 B, bf16 output) at the fp8 peak, the bf16 fit's
+  bandwidth share, corner and kernel cost kept, its share of the fp8 peak fitted to
+  DeepSeek's published H800 table (harness/roofline_tools/data/deepgemm: the CUTLASS 3.6
+  baseline's times; H800 = H100 SXM's compute and HBM3), checked against FBGEMM's
+  block-wise ratio. Vidur profiles no fp8.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from harness.roofline.arch import nongemm_bytes
 
 DATA = Path(__file__).resolve().parent / "data" / "vidur"
 FP8_TABLE = DATA.parent / "deepgemm" / "fp8_gemm_h800.csv"
+FP8_RATIOS = DATA.parent / "fbgemm" / "fp8_vs_bf16_h100.csv"
 PEAK_FP8_H100 = 1979e12
 PEAK_BF16 = {"h100": 989e12, "a100": 312e12}
 MEM_BW = {"h100": 3.35e12, "a100": 2.039e12}
@@ -160,6 +166,27 @@ def fit_fp8(eff_bw: float, p: float, t0: float) -> tuple[float, np.ndarray]:
     return eff, model(eff) / y - 1.0
 
 
+def fp8_speedups() -> tuple[float, float]:
+    """The median speed of FP8 GEMMs over bf16 ones on one H100 in one run: row-wise
+    scales, block-wise scales (the FBGEMM table)."""
+    with open(FP8_RATIOS, newline="") as f:
+        rows = list(csv.DictReader(f))
+    row = [float(r["fp8_rowwise_tflops"]) / float(r["bf16_tflops"]) for r in rows]
+    block = [float(r["fp8_blockwise_tflops"]) / float(r["bf16_tflops"]) for r in rows]
+    return float(np.median(row)), float(np.median(block))
+
+
+def fp8_shares(eff_bf16: float, eff_bw: float, p: float, t0: float) -> dict[str, float]:
+    """The Hopper specs' fp8 GEMM shares (``HardwareSpec.eff_gemm_dtype``): ``fp8``
+    (per-tensor / per-row scales) from the measured speedup, ``fp8_block`` fitted to the
+    FP8 table; and ``fp8_block_check``, the block-wise share the speedup gives."""
+    row, block = fp8_speedups()
+    ratio = PEAK_FP8_H100 / PEAK_BF16["h100"]
+    fitted, _ = fit_fp8(eff_bw, p, t0)
+    return {"fp8": round(eff_bf16 * row / ratio, 2), "fp8_block": fitted,
+            "fp8_block_check": round(eff_bf16 * block / ratio, 2)}
+
+
 def fit_nongemm(gpu: str) -> tuple[float, float, np.ndarray]:
     """Linear least squares (relative) of t = k t_k + T B_tok / (bw eff_elem)."""
     rows, ys = [], []
@@ -212,11 +239,13 @@ def main(argv: list[str] | None = None) -> None:
                     help="fit the fp8 GEMM share (Hopper) to the FP8 table instead")
     args = ap.parse_args(argv)
     if args.fp8:
-        _, eb, p, t0, _ = fit_gemm("h100")
-        eff, rel = fit_fp8(eb, p, t0)
+        eg, eb, p, t0, _ = fit_gemm("h100")
+        _, rel = fit_fp8(eb, p, t0)
         a = np.abs(rel) * 100
-        print(json.dumps({"eff_gemm_fp8": eff, "median_err_pct": round(float(np.median(a)), 1),
-                          "worst_err_pct": round(float(np.max(a)), 1), "rows": len(rel)}))
+        print(json.dumps({**fp8_shares(eg, eb, p, t0),
+                          "fp8_block_median_err_pct": round(float(np.median(a)), 1),
+                          "fp8_block_worst_err_pct": round(float(np.max(a)), 1),
+                          "fp8_block_rows": len(rel)}))
         return
     for g in args.gpu.split(","):
         print(json.dumps(asdict(fit(g)), indent=1))
