@@ -18,6 +18,7 @@ from harness.metrics.tasks import add_task_scores
 from harness.model import load_model
 from harness.model.tokenizer import Tokenizer
 from harness.quality import load_texts, measure
+from harness.quality_check import quality_prefill
 from harness.stack import Stack, build_stack, kv_plan_label
 from harness.target import ExecutorRecord
 from harness.workloads.base import Workload, request_shapes
@@ -52,6 +53,7 @@ class ModelTarget:
             torch.set_num_threads(rc.cpu_threads)
         self.loaded = load_model(rc.model.source, rc.model.path, rc.model.dtype, self.device)
         self.texts: list[list[int]] | None = None
+        self.quality_prefill: int | None = None  # each quality text's prompt (build)
         self.cuda_graphs = "off"  # what run.cuda_graphs records (set by build)
 
     @property
@@ -70,6 +72,12 @@ class ModelTarget:
         st = build_stack(self.loaded, self.device, rc.backend, rc.cache, rc.scheduler,
                          make_sampler(rc.seed, self.device), request_shapes(workload),
                          quiet=quiet)
+        if rc.quality.enabled:
+            # The evaluation's prompt, from the backend's policy: a method that would keep
+            # every evaluated token is refused here, before the workload runs.
+            self.quality_prefill = quality_prefill(
+                rc.quality, st.backend.full_group_policy(), rc.backend.name,
+                st.sizing.block_size)
         ex = st.engine.executor
         assert isinstance(ex, ModelExecutor)
         ex.graphs, self.cuda_graphs = setup_graphs(
@@ -100,7 +108,8 @@ class ModelTarget:
         add_task_scores(workload, self.loaded.tokenizer, outputs, metrics, rows, rc.seed)
         if not rc.quality.enabled:
             return
-        q = measure(self.loaded, self.device, rc, self.texts, outputs, st.sizing.num_slots)
+        q = measure(self.loaded, self.device, rc, self.texts, outputs, st.sizing.num_slots,
+                    self.quality_prefill)
         metrics.update(q.metrics)
         if rc.quality.generation_agreement:
             rows.add_column("agree_tokens", [q.agree_tokens.get(rid)

@@ -1,11 +1,14 @@
 """Quality of a backend against the exact reference, on real text, through the engine.
 
-Teacher-forced streaming evaluation: each text's first ``prefill_tokens`` are prefilled,
+Teacher-forced streaming evaluation: each text's first ``prefill`` tokens are prefilled,
 then every following true token is fed one at a time through the engine's decode path
 with the backend under test, so quantization and eviction act as they do while
-generating. The same texts run through the exact reference (contiguous storage, fp32).
-Reported: perplexity of both and its delta, mean KL(reference || backend) of the
-next-token distributions, and top-1 agreement. Several texts run as concurrent sequences.
+generating. The prompt is long enough for the method to act on it (a prompt-time
+compressor gets 3/4 of the text), and a setting on which it would keep every token is
+refused before the run (harness/quality_check.py). The same texts run through the exact
+reference (contiguous storage, fp32). Reported: perplexity of both and its delta, mean
+KL(reference || backend) of the next-token distributions, and top-1 agreement. Several
+texts run as concurrent sequences.
 
 Also, for workload runs, greedy-generation agreement: per request, how many generated
 tokens match the reference backend's before the first divergence.
@@ -26,10 +29,12 @@ from harness.backends.contiguous import ContiguousOptions
 from harness.backends.paged import PagedOptions
 from harness.engine.sampler import Sampler, make_sampler
 from harness.errors import UserError
+from harness.kv.policies.base import EvictionPolicy
 from harness.metrics.bootstrap import ci_keys
 from harness.metrics.summary import kv_read_bytes_per_token
 from harness.model import LoadedModel, load_model
-from harness.quality_config import QualityConfig
+from harness.quality_check import check_evicted
+from harness.quality_config import DEFAULT_PREFILL, QualityConfig
 from harness.sched.sequence import SamplingParams, Sequence, SequenceGroup
 from harness.stack import build_stack
 from harness.workloads import make_workload
@@ -149,19 +154,29 @@ class ForcedSampler(Sampler):
                             for t in range(n)])
 
 
+@dataclass
+class Streamed:
+    """What one streaming of the texts held and read, and what its policy gave back."""
+
+    held_mean: float  # KV bytes held per sequence, mean over steps
+    held_peak: float  # ... and the peak
+    reads: float | None  # cache bytes a decode query read (the backend's declared reads)
+    evicted_tokens: int  # tokens the KV manager's eviction policies gave back, all texts
+    policy: EvictionPolicy | None  # the backend's (full layers') eviction policy
+
+
 def _stream(loaded: LoadedModel, device: torch.device, backend: BackendOptions,
             rc: RunConfig, sampler: ForcedSampler, texts: list[list[int]],
-            prefill: int, budget: str | int) -> tuple[float, float, float | None]:
-    """Stream the texts; returns KV bytes held per sequence (mean over steps, peak) and
-    the cache bytes a decode query read (mean; the backend's declared reads)."""
+            prefill: int, budget: str | int) -> Streamed:
+    """Stream the texts through a stack of ``backend``."""
     st = build_stack(loaded, device, backend, rc.cache.without_tiers(), rc.scheduler, sampler,
                      quiet=True, kv_budget=budget)
     st.engine.run(_TextsWorkload(texts, prefill))
     per_seq = [s.reserved_bytes / s.running for s in st.collector.steps if s.running]
     reads = kv_read_bytes_per_token(st.collector.steps)
-    if not per_seq:
-        return 0.0, 0.0, reads
-    return sum(per_seq) / len(per_seq), max(per_seq), reads
+    mean = sum(per_seq) / len(per_seq) if per_seq else 0.0
+    return Streamed(mean, max(per_seq, default=0.0), reads, st.kv.stats.evicted_tokens,
+                    st.backend.full_group_policy())
 
 
 def fp32_bytes_per_token(loaded: LoadedModel) -> int:
@@ -177,24 +192,34 @@ def reference_model(loaded: LoadedModel, rc: RunConfig, device: torch.device) ->
 
 
 def evaluate_quality(loaded: LoadedModel, device: torch.device, rc: RunConfig,
-                     texts: list[list[int]] | None = None) -> dict[str, float]:
+                     texts: list[list[int]] | None = None,
+                     prefill: int | None = None) -> dict[str, float]:
     """Perplexity, KL and top-1 agreement of the run's backend against :data:`REFERENCE`
     on the evaluation texts (``texts``: from :func:`load_texts`, loaded up front by the
-    runner so that a bad quality.* setting fails before the workload runs)."""
+    runner so that a bad quality.* setting fails before the workload runs), each text's
+    first ``prefill`` tokens its prompt (from :func:`harness.quality_check.
+    quality_prefill`, chosen when the run's stack was built; None: quality.prefill_tokens,
+    else the default)."""
     qc = rc.quality
     if texts is None:
         texts = load_texts(qc, loaded)
+    if prefill is None:
+        prefill = qc.prefill_tokens if qc.prefill_tokens is not None else DEFAULT_PREFILL
     ref_model = reference_model(loaded, rc, device)
     # Budgets: the reference holds every text whole; the backend gets the run's budget.
     ref_budget = fp32_bytes_per_token(ref_model) * (qc.text_tokens + 16) * len(texts) * 2
-    ref = ForcedSampler(texts, qc.prefill_tokens)
-    _stream(ref_model, device, reference_backend(ref_model), rc, ref, texts,
-            qc.prefill_tokens, ref_budget)
-    test = ForcedSampler(texts, qc.prefill_tokens, reference=ref.stacked())
-    held_mean, held_peak, reads = _stream(loaded, device, rc.backend, rc, test, texts,
-                                          qc.prefill_tokens, rc.cache.kv_budget)
+    ref = ForcedSampler(texts, prefill)
+    ref_run = _stream(ref_model, device, reference_backend(ref_model), rc, ref, texts,
+                      prefill, ref_budget)
+    test = ForcedSampler(texts, prefill, reference=ref.stacked())
+    run = _stream(loaded, device, rc.backend, rc, test, texts, prefill, rc.cache.kv_budget)
+    # What the method gave back beyond the reference (a hybrid model's reference gives
+    # back its sliding layers' old tokens too).
+    evicted = (run.evicted_tokens - ref_run.evicted_tokens) / len(texts)
+    check_evicted(rc.backend.name, run.policy, evicted, prefill)
     ppl_ref = math.exp(ref.nll / ref.count)
     ppl = math.exp(test.nll / test.count)
+    held_mean, held_peak, reads = run.held_mean, run.held_peak, run.reads
     return {
         "quality.ppl": ppl,
         "quality.ppl_ref": ppl_ref,
@@ -202,6 +227,10 @@ def evaluate_quality(loaded: LoadedModel, device: torch.device, rc: RunConfig,
         "quality.kl_mean": test.kl / test.count,
         "quality.top1_agreement": test.agree / test.count,
         "quality.tokens": float(test.count),
+        "quality.prefill_tokens": float(prefill),
+        # Tokens of each text the method's eviction gave back: 0 for a method that kept
+        # everything (then warned about), or that evicts nothing by design.
+        "quality.evicted_tokens_per_seq": evicted,
         # KV memory one streamed sequence held (all its blocks): what the backend buys.
         "quality.kv_bytes_per_seq_mean": held_mean,
         "quality.kv_bytes_per_seq_peak": held_peak,
@@ -257,9 +286,10 @@ class QualityResult:
 
 def measure(loaded: LoadedModel, device: torch.device, rc: RunConfig,
             texts: list[list[int]] | None, outputs: dict[int, list[int]],
-            capacity: int) -> QualityResult:
-    """The run's quality: streamed-text scores and, if asked, generation agreement."""
-    res = QualityResult(evaluate_quality(loaded, device, rc, texts))
+            capacity: int, prefill: int | None = None) -> QualityResult:
+    """The run's quality: streamed-text scores (each text's first ``prefill`` tokens its
+    prompt) and, if asked, generation agreement."""
+    res = QualityResult(evaluate_quality(loaded, device, rc, texts, prefill))
     if rc.quality.generation_agreement:
         agree = generation_agreement(loaded, device, rc, outputs, capacity)
         res.agree_tokens = agree

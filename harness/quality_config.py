@@ -7,6 +7,11 @@ from dataclasses import dataclass
 
 from harness.errors import UserError
 
+# The prompt of each evaluated text when a run sets none, for methods that act while
+# decoding (h2o, tova, windows) or on every token (quantized caches); a method that
+# compresses only a prompt's end gets a longer one (harness/quality_check.py).
+DEFAULT_PREFILL = 32
+
 
 @dataclass
 class QualityConfig:
@@ -14,12 +19,19 @@ class QualityConfig:
     text_file: str | None = None  # default: Python's own help texts (pydoc_data.topics)
     num_texts: int = 2
     text_tokens: int = 512
-    prefill_tokens: int = 32
+    # Tokens of each text prefilled as its prompt; None: chosen by the method
+    # (DEFAULT_PREFILL, or 3/4 of the text for a prompt-time compressor).
+    prefill_tokens: int | None = None
     generation_agreement: bool = True  # also rerun the workload on the reference
 
     def __post_init__(self) -> None:
         if self.num_texts < 1:
             raise UserError(f"quality.num_texts must be >= 1, got {self.num_texts}")
-        if self.text_tokens <= self.prefill_tokens or self.prefill_tokens < 1:
+        if self.prefill_tokens is None:
+            if self.text_tokens <= DEFAULT_PREFILL:
+                raise UserError(f"quality.text_tokens={self.text_tokens}: must exceed the "
+                                f"default prompt of {DEFAULT_PREFILL} tokens (or set "
+                                "quality.prefill_tokens below it)")
+        elif self.text_tokens <= self.prefill_tokens or self.prefill_tokens < 1:
             raise UserError(f"need 1 <= quality.prefill_tokens < quality.text_tokens, got "
                             f"{self.prefill_tokens} and {self.text_tokens}")
