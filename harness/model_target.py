@@ -14,7 +14,7 @@ from harness.errors import UserError
 from harness.kv.groups import GroupedKVManager
 from harness.metrics.groups import group_metrics
 from harness.metrics.requestlog import RequestLog
-from harness.metrics.tasks import add_task_scores
+from harness.metrics.tasks import ScoresTasks, add_task_scores
 from harness.model import load_model
 from harness.model.tokenizer import Tokenizer
 from harness.quality import load_texts, measure
@@ -106,11 +106,13 @@ class ModelTarget:
               metrics: dict[str, Any], rows: RequestLog) -> None:
         rc = self.rc
         add_task_scores(workload, self.loaded.tokenizer, outputs, metrics, rows, rc.seed)
-        if not rc.quality.enabled:
+        # A workload with right answers is compared with the reference's answers too
+        # (quality.right_to_wrong_share, output_length_ratio), quality.enabled or not.
+        if not (rc.quality.enabled or isinstance(workload, ScoresTasks)):
             return
         q = measure(self.loaded, self.device, rc, self.texts, outputs, st.sizing.num_slots,
-                    self.quality_prefill)
+                    self.quality_prefill, workload)
         metrics.update(q.metrics)
-        if rc.quality.generation_agreement:
+        if rc.quality.enabled and rc.quality.generation_agreement:
             rows.add_column("agree_tokens", [q.agree_tokens.get(rid)
                                              for rid in rows.column("request_id")])

@@ -35,10 +35,11 @@ from harness.metrics.summary import kv_read_bytes_per_token
 from harness.model import LoadedModel, load_model
 from harness.quality_check import check_evicted
 from harness.quality_config import DEFAULT_PREFILL, QualityConfig
+from harness.quality_outputs import lengths_fixed, output_metrics
 from harness.sched.sequence import SamplingParams, Sequence, SequenceGroup
 from harness.stack import build_stack
 from harness.workloads import make_workload
-from harness.workloads.base import Request
+from harness.workloads.base import Request, Workload
 from harness.workloads.text import corpus_text
 
 if TYPE_CHECKING:
@@ -261,11 +262,11 @@ def quality_intervals(test: ForcedSampler, ref: ForcedSampler, seed: int) -> dic
             **ci_keys("quality.kl_mean", kls, seed=seed, block=TOKEN_BLOCK)}
 
 
-def generation_agreement(loaded: LoadedModel, device: torch.device, rc: RunConfig,
-                         outputs: dict[int, list[int]], capacity: int) -> dict[int, int]:
-    """Rerun the workload on :data:`REFERENCE` and count, per request, the generated tokens
-    equal to the reference's before the first difference (requests pair by id, which the
-    workload derives from what a request is, never from scheduling order)."""
+def reference_outputs(loaded: LoadedModel, device: torch.device, rc: RunConfig,
+                      capacity: int) -> dict[int, list[int]]:
+    """Rerun the workload on :data:`REFERENCE`: its output ids by request id (requests
+    pair by id, which the workload derives from what a request is, never from scheduling
+    order)."""
     ref_model = reference_model(loaded, rc, device)
     workload = make_workload(rc.workload, ref_model.tokenizer)
     budget = fp32_bytes_per_token(ref_model) * max(2 * capacity, 4096)
@@ -273,7 +274,14 @@ def generation_agreement(loaded: LoadedModel, device: torch.device, rc: RunConfi
                      rc.cache.without_tiers(), rc.scheduler, make_sampler(rc.seed, device),
                      quiet=True, kv_budget=budget)
     st.engine.run(workload)
-    return agreement(outputs, st.collector.outputs())
+    return st.collector.outputs()
+
+
+def generation_agreement(loaded: LoadedModel, device: torch.device, rc: RunConfig,
+                         outputs: dict[int, list[int]], capacity: int) -> dict[int, int]:
+    """Rerun the workload on :data:`REFERENCE` and count, per request, the generated tokens
+    equal to the reference's before the first difference."""
+    return agreement(outputs, reference_outputs(loaded, device, rc, capacity))
 
 
 @dataclass
@@ -286,17 +294,31 @@ class QualityResult:
 
 def measure(loaded: LoadedModel, device: torch.device, rc: RunConfig,
             texts: list[list[int]] | None, outputs: dict[int, list[int]],
-            capacity: int, prefill: int | None = None) -> QualityResult:
-    """The run's quality: streamed-text scores (each text's first ``prefill`` tokens its
-    prompt) and, if asked, generation agreement."""
-    res = QualityResult(evaluate_quality(loaded, device, rc, texts, prefill))
-    if rc.quality.generation_agreement:
-        agree = generation_agreement(loaded, device, rc, outputs, capacity)
+            capacity: int, prefill: int | None = None,
+            workload: Workload | None = None) -> QualityResult:
+    """The run's quality. With quality.enabled: streamed-text scores (each text's first
+    ``prefill`` tokens its prompt). With quality.generation_agreement (the default), for
+    a quality run or a workload with right answers (``workload``, the run's): the workload
+    rerun on the reference, its agreement keys (quality runs) and the output keys of
+    harness/quality_outputs.py (output length ratio, right-to-wrong share)."""
+    qc = rc.quality
+    res = QualityResult(evaluate_quality(loaded, device, rc, texts, prefill)
+                        if qc.enabled else {})
+    if not qc.generation_agreement:
+        return res
+    ref = reference_outputs(loaded, device, rc, capacity)
+    if qc.enabled:
+        agree = agreement(outputs, ref)
         res.agree_tokens = agree
         n = len(agree)
         res.metrics["quality.gen_agree_tokens_mean"] = sum(agree.values()) / n if n else 0.0
         res.metrics["quality.gen_exact_match_rate"] = (
             sum(agree[r] == len(outputs[r]) for r in agree) / n if n else 0.0)
+    tok = loaded.tokenizer
+    wl = workload if workload is not None else make_workload(rc.workload, tok)
+    # A fresh workload to read the requests' params from: the run's has been consumed.
+    res.metrics.update(output_metrics(wl, tok, outputs, ref,
+                                      lambda: lengths_fixed(make_workload(rc.workload, tok))))
     return res
 
 

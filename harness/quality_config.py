@@ -22,7 +22,9 @@ class QualityConfig:
     # Tokens of each text prefilled as its prompt; None: chosen by the method
     # (DEFAULT_PREFILL, or 3/4 of the text for a prompt-time compressor).
     prefill_tokens: int | None = None
-    generation_agreement: bool = True  # also rerun the workload on the reference
+    # Also rerun the workload on the reference (quality runs, and every run of a workload
+    # with right answers): agreement, output length ratio, right-to-wrong share.
+    generation_agreement: bool = True
 
     def __post_init__(self) -> None:
         if self.num_texts < 1:

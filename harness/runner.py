@@ -285,6 +285,10 @@ def print_summary(m: dict[str, Any], out_dir: Path | None) -> None:
             ("quality: KL mean / top-1 agreement",
              f"{f('quality.kl_mean', '{:.5f}')} / {f('quality.top1_agreement', '{:.4f}')}"),
         ]
+    # Against the reference's outputs (absent where the workload fixes output lengths).
+    out_keys = [("output length / reference's", "quality.output_length_ratio"),
+                ("answers right -> wrong vs reference", "quality.right_to_wrong_share")]
+    lines[-1:-1] = [(k, f(key, "{:.3f}")) for k, key in out_keys if key in m]
     width = max(len(k) for k, _ in lines)
     print()
     for k, v in lines:

@@ -60,12 +60,16 @@ KEY_METRICS: list[tuple[str, str, str]] = [
     ("quality.kl_mean", "KL mean", "{:.2e}"),
     ("quality.top1_agreement", "top-1 agree", "{:.3f}"),
     ("quality.gen_exact_match_rate", "gen exact", "{:.3f}"),
+    # The outputs against the reference's (harness/quality_outputs.py).
+    ("quality.output_length_ratio", "output len / ref", "{:.2f}"),
+    ("quality.right_to_wrong_share", "right -> wrong", "{:.2f}"),
     # A roofline run's validated error (harness.roofline.bands): its times are +- this.
     ("roofline.expected_error_pct", "what-if error %", "{:.1f}"),
 ]
 # Already a comparison with the exact reference, ~0 for exact backends: a ratio to the
 # baseline's ~0 would read 10^6x. Shown as values only.
-NO_RATIO = {"quality.ppl_delta_pct", "quality.kl_mean", "roofline.expected_error_pct"}
+NO_RATIO = {"quality.ppl_delta_pct", "quality.kl_mean", "roofline.expected_error_pct",
+            "quality.output_length_ratio", "quality.right_to_wrong_share"}
 RATIO = ".vs_baseline"  # suffix of a ratio column in the CSV
 # The notice on speeds of single runs (issue #54: block size 48 read 2.13x once, 1.08x
 # [0.96, 1.22] with repeats=3).

@@ -136,8 +136,11 @@ def table(runs: list[Run], keys: list[str]) -> str:
                     and k.split(".")[2] != "all"})
     lengths = sorted({int(k.split(".")[3]) for m in ms for k in m
                       if k.startswith(ACC + ".all.") and "_ci95" not in k})
+    # Against the reference's answers: right ones the run got wrong, output lengths.
+    vs_ref = [("right -> wrong", "quality.right_to_wrong_share"),
+              ("output len / ref", "quality.output_length_ratio")]
     head = (["run", "accuracy [95% CI]", *tasks, *[f"all @{n}" for n in lengths],
-             "KV MiB / seq", "total tok/s", "wall s"])
+             *[h for h, _ in vs_ref], "KV MiB / seq", "total tok/s", "wall s"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r, m in zip(done, ms):
         held = held_logical_bytes(r)
@@ -145,6 +148,7 @@ def table(runs: list[Run], keys: list[str]) -> str:
                  *[f"{float(m[f'{ACC}.{t}']):.2f}" if f"{ACC}.{t}" in m else "-" for t in tasks],
                  *[f"{float(m[f'{ACC}.all.{n}']):.2f}" if f"{ACC}.all.{n}" in m else "-"
                    for n in lengths],
+                 *[f"{float(m[k]):.2f}" if k in m else "-" for _, k in vs_ref],
                  "-" if held is None else f"{held / 2**20:.1f}",
                  f"{float(m.get('throughput.total_tokens_per_s', 0)):.0f}",
                  f"{float(m.get('engine.wall_s', 0)):.0f}"]

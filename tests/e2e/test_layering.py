@@ -355,9 +355,9 @@ LAYERS: list[set[str]] = [
     {"engine"},
     # a run: its typed config, the stack, the executors' targets (the model's, the
     # roofline's with its fast path), clusters of replicas, the results it writes
-    {"sizing", "stack", "target", "quality_config", "quality_check", "quality", "config",
-     "model_target",
-     "results", "repeats", "progress", "runner", "roofline", "cluster"},
+    {"sizing", "stack", "target", "quality_config", "quality_check", "quality_outputs",
+     "quality", "config", "model_target", "results", "repeats", "progress", "runner",
+     "roofline", "cluster"},
     # the application: the CLI, report, gate, SLA search, sweep supervision, sinks, the
     # GPU check, the what-if's calibration and validation tools
     {"app", "__main__", "report", "gate", "sla", "reporting", "sinks", "gpucheck",
