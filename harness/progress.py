@@ -122,7 +122,8 @@ class Progress:
         self._width = 0  # of the bar's last line
         self._backlog: Callable[[], Backlog] | None = None
         self._backlog_hint = self._backlog_clock = ""
-        self._last_look: tuple[int, int, float] = (0, 0, 0.0)  # arrived, done, clock
+        # arrived, done, clock at the previous look (None: not looked yet)
+        self._last_look: tuple[int, int, float] | None = None
         self.backlog_warned: str | None = None  # the warning, once given
 
     def __call__(self, done: int, total: int, tokens_per_s: float) -> None:
@@ -150,12 +151,15 @@ class Progress:
         self._backlog_clock = " (modelled)" if modelled else ""
 
     def _look_at_backlog(self, probe: Callable[[], Backlog]) -> None:
-        # The rates since the previous look (the first: since the start): a queue that
-        # drains (arrivals over, or a burst absorbed) is not one that grows.
+        # The rates since the previous look: a queue that drains (arrivals over, or a burst
+        # absorbed) is not one that grows. The first look only sets the baseline: an
+        # offline batch (workload.rate=0) arrives whole before it and then only drains.
         b = probe()
         arrived = self.done + b.in_flight
-        (arrived0, done0, t0), self._last_look = self._last_look, (arrived, self.done,
-                                                                   b.clock_s)
+        last, self._last_look = self._last_look, (arrived, self.done, b.clock_s)
+        if last is None:
+            return
+        arrived0, done0, t0 = last
         dt = b.clock_s - t0
         if b.waiting < BACKLOG_WAITING or dt <= 0:
             return

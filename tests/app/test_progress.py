@@ -159,6 +159,19 @@ def test_a_queue_that_keeps_up_or_is_small_says_nothing() -> None:
     assert out.getvalue() == "" and p.backlog_warned is None and q.backlog_warned is None
 
 
+def test_an_offline_batch_that_only_drains_says_nothing() -> None:
+    # workload.rate=0: 30,000 requests arrive at once, before the first look, and the
+    # queue then only drains; the first look compared them with the start and warned
+    # "30,000 arrived (417/s)" on every offline validation point.
+    looks = iter([(29000, 30000, 72.0), (27000, 29000, 140.0), (25000, 28000, 210.0)])
+    out = io.StringIO()
+    p = prog.Progress(False, stream=out)
+    p.watch_backlog(lambda: prog.Backlog(*next(looks)))
+    for step in range(1, 3 * prog.BACKLOG_EVERY + 1):
+        p(step * 3, 30000, 0.0)
+    assert out.getvalue() == "" and p.backlog_warned is None
+
+
 @pytest.mark.parametrize("replicas", [1, 3])
 def test_a_what_if_far_beyond_its_capacity_warns_of_its_backlog(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
