@@ -335,6 +335,7 @@ class RunConfig:
         if not 0 <= self.seed < 2**63:
             raise UserError(f"seed must be in [0, 2^63), got {self.seed}")
         check_slo(self.slo, self.quality.enabled, self.quality.generation_agreement)
+        self.cluster.check_executor(self.executor)
 
 
 # Keys a run resolves when the config leaves them unset (null), and config.yaml holds

@@ -15,8 +15,18 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from harness.cluster.disagg import DisaggCluster
+from harness.cluster.disagg_records import goodput_per_gpu, summarize_disaggregated
+from harness.cluster.driver import Cluster
+from harness.cluster.pools import build_pools
 from harness.cluster.records import replica_goodput, summarize_cluster
-from harness.cluster.run import cluster_record, make_cluster
+from harness.cluster.run import (
+    cluster_record,
+    disagg_info,
+    make_cluster,
+    make_disaggregated,
+    pool_gpus,
+)
 from harness.config import RunConfig, run_config
 from harness.engine.gc_quiet import rare_collections
 from harness.errors import UserError
@@ -79,13 +89,20 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
         # A trace truncates or rejects its rows against the length the engine enforces.
         rc.workload.max_model_len = min(rc.scheduler.max_model_len, target.max_position)
     workload = make_workload(rc.workload, target.tokenizer)
-    n = rc.cluster.replicas
-    stacks = build_replicas(target, workload, n)
+    disagg = rc.cluster.mode == "disaggregated"
+    targets: RunTarget | list[RunTarget] = target
+    if disagg:  # a prefill pool and a decode pool (harness.cluster.disagg)
+        targets, stacks = build_pools(target, rc, workload)
+    else:
+        stacks = build_replicas(target, workload, rc.cluster.replicas)
+    n = len(stacks)
     st = stacks[0]
     config_yaml = with_resolved(config_yaml, st, rc)
     for s in stacks:
         s.collector.keep_outputs = rc.records.keep_output_ids
-    cluster = make_cluster(rc.cluster, stacks, rc.seed) if n > 1 else None
+    cluster: Cluster | DisaggCluster | None = (
+        make_disaggregated(rc, stacks) if disagg else
+        make_cluster(rc.cluster, stacks, rc.seed) if n > 1 else None)
     progress = _progress(rc.progress)
     # The total a multi-turn workload will reach (its known requests grow by the turn).
     if hasattr(workload, "expected_requests"):
@@ -103,7 +120,7 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
         s.kv.ledger.finish()
 
     own = target.record(st, sim_s, cpu_s) if cluster is None else \
-        cluster_record(target, stacks, sim_s, cpu_s)
+        cluster_record(targets, stacks, sim_s, cpu_s)
     run_info = {
         "backend": rc.backend.name, "workload": rc.workload.name, "seed": rc.seed,
         "git_sha": sha, "started_at": started, "block_size": st.sizing.block_size,
@@ -115,9 +132,11 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
         **({"tier_eviction": ",".join(f"{t.name}={t.policy}" for t in st.tiers.tiers)}
            if st.tiers is not None else {}),
         **({"prefill": st.backend.trigger} if st.backend.trigger else {}),
-        **({"replicas": n, "router": rc.cluster.router} if cluster is not None else {}),
+        **({"replicas": n, "router": rc.cluster.router}
+           if cluster is not None and not disagg else {}),
         **({"prefix_scorer": rc.cluster.prefix_scorer}
-           if cluster is not None and rc.cluster.router == "prefix_aware" else {}),
+           if cluster is not None and "prefix_aware" in rc.cluster.routers_in_use() else {}),
+        **(disagg_info(rc) if disagg else {}),
     }
     step_extra: dict[str, Sequence[Any]] | None = None
     if cluster is None:
@@ -128,12 +147,22 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
         metrics.update(hit_rates(st.kv, st.tiers))
         steps: Sequence[StepRow] = st.collector.steps
         outputs = st.collector.outputs()
+    elif isinstance(cluster, DisaggCluster):
+        metrics, rows, steps, which = summarize_disaggregated(
+            cluster, run_info, clock_s, rc.records.keep_output_ids, pool_gpus(rc))
+        n_p = rc.cluster.prefill_replicas
+        step_extra = {"replica": which,
+                      "pool": ["prefill" if i < n_p else "decode" for i in which]}
+        outputs = {k: v for s in stacks[n_p:] for k, v in s.collector.outputs().items()}
     else:
         metrics, rows, steps, which = summarize_cluster(
-            cluster, run_info, st.sizing.kv_budget_bytes, st.sizing.num_slots, clock_s,
-            rc.records.keep_output_ids)
+            cluster, run_info, [(st.sizing.kv_budget_bytes, st.sizing.num_slots)] * n,
+            clock_s, rc.records.keep_output_ids)
         step_extra = {"replica": which}
         outputs = {k: v for s in stacks for k, v in s.collector.outputs().items()}
+    if disagg:  # each request's outputs are its decode side's
+        outputs.update({k: v for s in stacks[:rc.cluster.prefill_replicas]
+                        for k, v in s.collector.outputs().items() if k not in outputs})
     metrics.update(own.metrics)
     if isinstance(workload, ReportsMetrics):
         metrics.update(workload.workload_metrics())
@@ -146,6 +175,8 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
     metrics.update(slo_metrics(rows, rc.slo, clock_s))  # after quality: its agreement floor
     if cluster is not None:
         metrics.update(replica_goodput(rows, n, clock_s))
+    if disagg:
+        metrics.update(goodput_per_gpu(metrics))
     out_dir = Path(rc.out_dir) if rc.out_dir else None
     if out_dir is not None:
         write_results(out_dir, config_yaml, metrics, steps, rows, rc.records.format,

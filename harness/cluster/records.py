@@ -18,11 +18,11 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from harness.cluster.driver import Cluster
+from harness.cluster.driver import Replica
 from harness.kv.base import KVStats
 from harness.kv.ledger import LedgerTotals
 from harness.metrics.requestlog import RequestLog
@@ -38,6 +38,18 @@ REPLICA_KEYS = ("cache.prefix_hit_rate", "latency.ttft_ms.p50", "latency.ttft_ms
                 "sched.preemptions_recompute", "sched.steps", "cache.blocks_saved_by_sharing")
 
 
+class ClusterView(Protocol):
+    """What the records read of a cluster (colocated or disaggregated)."""
+
+    @property
+    def replicas(self) -> Sequence[Replica]: ...
+
+    @property
+    def routes(self) -> list[tuple[int, int]]:
+        """(replica, row in its request log) per request, in arrival order."""
+        ...
+
+
 def _sum_fields(objs: Sequence[Any], cls: Any) -> Any:
     """A dataclass of ``cls`` whose every field is the sum of ``objs``' (counters)."""
     out = cls()
@@ -46,7 +58,7 @@ def _sum_fields(objs: Sequence[Any], cls: Any) -> Any:
     return out
 
 
-def merged_steps(cluster: Cluster) -> tuple[StepLog, list[int]]:
+def merged_steps(cluster: ClusterView) -> tuple[StepLog, list[int]]:
     """Every replica's steps in the order they ended (time, then replica), and the
     replica of each."""
     def rows(i: int, log: Sequence[StepRow]) -> Iterator[tuple[float, int, int, StepRow]]:
@@ -61,7 +73,7 @@ def merged_steps(cluster: Cluster) -> tuple[StepLog, list[int]]:
     return out, which
 
 
-def merged_rows(cluster: Cluster, parts: Sequence[RequestLog], outputs: bool) -> RequestLog:
+def merged_rows(cluster: ClusterView, parts: Sequence[RequestLog], outputs: bool) -> RequestLog:
     """The replicas' request rows in the order the requests arrived, with ``replica``."""
     out = RequestLog(outputs)
     for i, k in cluster.routes:
@@ -82,27 +94,45 @@ def cluster_peak(values: np.ndarray, which: np.ndarray, n: int) -> Any:
     return np.cumsum(delta).max().item()
 
 
+# The prefix cache's counters of a prompt's lookup (a disaggregated cluster takes them
+# from the prefill pool alone: the decode side's lookups are the handoff's bookkeeping).
+PROMPT_STATS = ("prefix_query_tokens", "prefix_hit_tokens", "self_hit_tokens",
+                "regret_blocks", "regret_tokens")
+
+
 def summarize_cluster(
-        cluster: Cluster, run_info: dict[str, Any], kv_budget_bytes: int, token_capacity: int,
-        wall_s: float, outputs: bool) -> tuple[dict[str, Any], RequestLog, StepLog, list[int]]:
-    """metrics.json's keys for the cluster (``kv_budget_bytes`` and ``token_capacity``:
-    one replica's), the merged request rows and steps, and each step's replica."""
+        cluster: ClusterView, run_info: dict[str, Any], sizes: Sequence[tuple[int, int]],
+        wall_s: float, outputs: bool, rows: RequestLog | None = None,
+        prompt_replicas: Sequence[int] | None = None,
+        request_replicas: Sequence[int] | None = None,
+) -> tuple[dict[str, Any], RequestLog, StepLog, list[int]]:
+    """metrics.json's keys for the cluster, the merged request rows and steps, and each
+    step's replica. ``sizes``: each replica's KV budget bytes and token capacity.
+    A disaggregated cluster gives its own ``rows`` (one per request, merged from both
+    sides), the replicas whose prefix lookups are the prompts' (``prompt_replicas``: the
+    prefill pool) and those whose finished requests are the run's (``request_replicas``:
+    the decode pool); None: every replica."""
     reps = cluster.replicas
     n = len(reps)
     parts = [records_of(r.stack.collector) for r in reps]
-    rows = merged_rows(cluster, [p.rows for p in parts], outputs)
+    if rows is None:
+        rows = merged_rows(cluster, [p.rows for p in parts], outputs)
     steps, which = merged_steps(cluster)
     itl_v = np.concatenate([p.itl[0] for p in parts])
     itl_n = np.concatenate([p.itl[1] for p in parts])
     stats = _sum_fields([p.stats for p in parts], KVStats)
+    prompt = range(n) if prompt_replicas is None else prompt_replicas
+    for f in PROMPT_STATS:
+        setattr(stats, f, sum(getattr(parts[i].stats, f) for i in prompt))
+    ends = [parts[i] for i in (range(n) if request_replicas is None else request_replicas)]
     merged = Records(
         rows, steps, (itl_v, itl_n), _sum_fields([p.ledger for p in parts], LedgerTotals),
         stats, sum(p.preemptions_recompute for p in parts),
         sum(p.preemptions_swap for p in parts), sum(p.recomputed_tokens for p in parts),
-        np.concatenate([np.asarray(p.span_start, dtype=np.float64) for p in parts]),
-        np.concatenate([np.asarray(p.span_end, dtype=np.float64) for p in parts]),
+        np.concatenate([np.asarray(p.span_start, dtype=np.float64) for p in ends]),
+        np.concatenate([np.asarray(p.span_end, dtype=np.float64) for p in ends]),
         parts[0].block_size, parts[0].bytes_per_slot)
-    m = summarize(merged, run_info, kv_budget_bytes * n, token_capacity * n, wall_s)
+    m = summarize(merged, run_info, sum(b for b, _ in sizes), sum(c for _, c in sizes), wall_s)
     w = np.asarray(which, dtype=np.int64)
     for key, col in (("memory.peak_reserved_bytes", "reserved_bytes"),
                      ("memory.peak_used_bytes", "used_bytes"),
@@ -117,7 +147,7 @@ def summarize_cluster(
     m["cache.blocks_saved_by_sharing"] = float(sum(
         saved[w == i].mean() for i in range(n) if (w == i).any()))
     below = [0, 0]
-    for r in reps:
+    for r in (reps[i] for i in prompt):
         if r.stack.tiers is not None:
             below = [a + b for a, b in zip(below, r.stack.tiers.stats.hit_tokens)]
     m.update(hit_rates_of(stats, below))
@@ -125,7 +155,7 @@ def summarize_cluster(
     # Per replica, and how evenly the load fell.
     running_mean = []
     for i, (r, p) in enumerate(zip(reps, parts)):
-        own = summarize(p, {}, kv_budget_bytes, token_capacity, wall_s)
+        own = summarize(p, {}, *sizes[i], wall_s)
         m.update({f"replica.{i}.{k}": own[k] for k in REPLICA_KEYS})
         m[f"replica.{i}.requests_routed"] = r.routed
         busy = column(p.steps, "running") * column(p.steps, "step_ms") / 1e3

@@ -174,15 +174,19 @@ class PrefixAware:
         return _least(replicas, [i for i, s in enumerate(scores) if s == best])
 
 
-def make_router(cfg: ClusterConfig, run_seed: int) -> Router:
-    """The router ``cluster.router`` names, with its options."""
-    if cfg.router == "round_robin":
+def make_router(cfg: ClusterConfig, run_seed: int, name: str | None = None,
+                offset: int = 0) -> Router:
+    """The router ``name`` names (default ``cluster.router``; a disaggregated cluster's
+    pool may have its own), with the cluster's options; ``random`` draws from its seed
+    plus ``offset`` (a second pool's router: not the first's draws again)."""
+    name = cfg.router if name is None else name
+    if name == "round_robin":
         return RoundRobin()
-    if cfg.router == "random":
-        return RandomRouter(run_seed if cfg.seed is None else cfg.seed)
-    if cfg.router == "least_loaded":
+    if name == "random":
+        return RandomRouter((run_seed if cfg.seed is None else cfg.seed) + offset)
+    if name == "least_loaded":
         return LeastLoaded()
-    assert cfg.router == "prefix_aware", cfg.router  # ClusterConfig checked the name
+    assert name == "prefix_aware", name  # ClusterConfig checked the name
     if cfg.prefix_scorer == "dynamo":
         return DynamoCost(cfg.overlap_weight)
     return PrefixAware(cfg.prefix_weight, cfg.kv_weight, cfg.queue_weight)

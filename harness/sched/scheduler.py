@@ -143,6 +143,10 @@ class Scheduler:
         self._worst_total = 0
         self._capacity = kv.usage().total_slots if cfg.admission == "no_evict" else 0
         self._run_order = 0  # admissions to ``running`` so far: its order, as a key
+        # Requests whose blocks the KV manager holds for a transfer between replicas (a
+        # disaggregated cluster's: harness.cluster.disagg). They come back, so a waiting
+        # head that does not fit beside them now is not stuck.
+        self.loans = 0
 
     # -- queue management --------------------------------------------------------------
     def add(self, group: SequenceGroup) -> bool:
@@ -156,6 +160,11 @@ class Scheduler:
         group.seqs.append(seq)
         self._enqueue(group)
         return True
+
+    def refusal(self, group: SequenceGroup) -> str | None:
+        """Why :meth:`add` would reject ``group`` (None: it would queue it), asked before
+        it is added (a disaggregated cluster's decode side: harness.cluster.disagg)."""
+        return self._rejection(group)
 
     def _rejection(self, group: SequenceGroup) -> str | None:
         if group.rejected_reason:  # the workload knew already (harness.workloads.base)
@@ -185,7 +194,7 @@ class Scheduler:
         cached blocks are held), so it never will be. This happens to a group of several
         sequences preempted by recompute whose sequences, recomputed without the blocks
         they shared, need more than the pool. The run goes on without it."""
-        if self.running or self.swapped or not self.waiting:
+        if self.running or self.swapped or not self.waiting or self.loans:
             return None
         g = self.waiting.pop_head()
         need = sum(s.num_tokens for s in g.live_seqs)
