@@ -126,6 +126,9 @@ def prefill_group(g: SequenceGroup) -> SequenceGroup:
                          extra_key=g.extra_key, rejected_reason=g.rejected_reason)
 
 
+_RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def copy_blocks(src: Stack, dst: Stack, src_blocks: list[int], dst_blocks: list[int]
                 ) -> float:
     """The real engine's transfer: each of ``src``'s block tensors' rows ``src_blocks``
@@ -138,7 +141,9 @@ def copy_blocks(src: Stack, dst: Stack, src_blocks: list[int], dst_blocks: list[
     si = torch.tensor(src_blocks, dtype=torch.long, device=a[0].device)
     di = torch.tensor(dst_blocks, dtype=torch.long, device=b[0].device)
     for s, d in zip(a, b):
-        d.index_copy_(0, di, s.index_select(0, si).to(d.device))
+        # As raw bytes of the element's width: index_copy has no fp8 kernel on the CPU.
+        raw = _RAW[s.element_size()]
+        d.view(raw).index_copy_(0, di, s.view(raw).index_select(0, si).to(d.device))
     if b[0].is_cuda:
         torch.cuda.synchronize(b[0].device)
     return time.perf_counter() - t0
