@@ -219,6 +219,12 @@ def bandwidth_section(ctx: SectionContext) -> dict[str, Any]:
         result["rows"] += rows
         ctx.save(result)
         _empty_cache(p.device)
+    # The weight GEMMs' shares of the peaks, bf16 and FP8 (harness.gpucheck.gemm_profile):
+    # what the what-if's GEMM terms take from published tables until a card measures them.
+    from harness.gpucheck.gemm_profile import gemm_profile
+    result["gemm_profile"] = gemm_profile(dev, p.device == "cuda", p.warmup_ms, p.rep_ms,
+                                          ctx.left)
+    _empty_cache(p.device)
     return result
 
 

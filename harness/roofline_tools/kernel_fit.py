@@ -38,6 +38,7 @@ import csv
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -187,6 +188,19 @@ def fp8_shares(eff_bf16: float, eff_bw: float, p: float, t0: float) -> dict[str,
             "fp8_block_check": round(eff_bf16 * block / ratio, 2)}
 
 
+def device_shares(rows: list[dict[str, Any]], peaks: dict[str, float],
+                  min_rows: int = 1024) -> dict[str, float | None]:
+    """The GEMM shares a GPU check's profile gives (harness.gpucheck.gemm_profile rows):
+    per dtype, the median over shapes of the achieved FLOP/s at ``min_rows`` rows or more
+    over that dtype's peak (``peaks``: FLOP/s by dtype); None where none was timed."""
+    out: dict[str, float | None] = {}
+    for dtype, peak in peaks.items():
+        got = [r["tflops"] * 1e12 / peak for r in rows
+               if r.get("dtype") == dtype and r.get("tflops") and r["m"] >= min_rows]
+        out[dtype] = round(float(np.median(got)), 3) if got else None
+    return out
+
+
 def fit_nongemm(gpu: str) -> tuple[float, float, np.ndarray]:
     """Linear least squares (relative) of t = k t_k + T B_tok / (bw eff_elem)."""
     rows, ys = [], []
@@ -236,8 +250,19 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", default="h100,a100")
     ap.add_argument("--fp8", action="store_true",
-                    help="fit the fp8 GEMM share (Hopper) to the FP8 table instead")
+                    help="fit the fp8 GEMM shares (Hopper) to the FP8 tables instead")
+    ap.add_argument("--gpu-check", metavar="DIR",
+                    help="the GEMM shares a GPU check's kernel-bandwidth.json measured "
+                         "(DIR: its output folder), against the h200 spec's peaks")
     args = ap.parse_args(argv)
+    if args.gpu_check:
+        from harness.roofline.hardware import get_hardware
+
+        report = json.loads((Path(args.gpu_check) / "kernel-bandwidth.json").read_text())
+        h = get_hardware("h200")
+        print(json.dumps(device_shares(report.get("gemm_profile", []),
+                                       {d: h.flops(d) for d in ("bf16", "fp8")})))
+        return
     if args.fp8:
         eg, eb, p, t0, _ = fit_gemm("h100")
         _, rel = fit_fp8(eb, p, t0)

@@ -76,6 +76,12 @@ def test_kernel_sections_check_and_time_every_case(dry_run: Path) -> None:
     providers = {r["provider"] for r in bw["rows"] if r["ms"] is not None}
     assert providers == {"triton", "triton-unsplit", "torch-gather", "contiguous-sdpa"}
     assert all(r["gbps"] > 0 for r in bw["rows"])
+    # The GEMM profile (bf16 and per-tensor FP8, issue #52): every row timed or its error.
+    gemms = bw["gemm_profile"]
+    assert {(r["dtype"], r["m"]) for r in gemms} == {(d, m) for d in ("bf16", "fp8")
+                                                     for m in (1, 16)}
+    assert all((r["ms"] or 0) > 0 or r.get("error") for r in gemms)
+    assert any(r["dtype"] == "bf16" and r["tflops"] > 0 for r in gemms)
 
 
 @pytest.mark.parametrize("shape", DRY.shapes, ids=lambda s: s.name)

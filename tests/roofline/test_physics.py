@@ -225,3 +225,16 @@ def test_overrides_that_ran_before_still_run_with_the_same_metric_names(
         assert m[key] is not None and m[key] > 0, (key, overrides)
     header = (tmp_path / "requests.csv").read_text().splitlines()[0].split(",")
     assert {"ttft_ms", "tpot_ms", "e2e_ms"} <= set(header)
+
+
+def test_a_gpu_checks_gemm_profile_gives_the_shares_it_measured() -> None:
+    # Rows as harness.gpucheck.gemm_profile writes them: the median share over shapes at
+    # 1024 rows or more, per dtype; small row counts (memory-bound) and errors left out.
+    rows = [{"dtype": "bf16", "m": 4096, "n": 1, "k": 1, "tflops": 700.0},
+            {"dtype": "bf16", "m": 8192, "n": 1, "k": 1, "tflops": 760.0},
+            {"dtype": "bf16", "m": 1024, "n": 1, "k": 1, "tflops": 600.0},
+            {"dtype": "bf16", "m": 64, "n": 1, "k": 1, "tflops": 90.0},
+            {"dtype": "fp8", "m": 4096, "n": 1, "k": 1, "tflops": 1300.0},
+            {"dtype": "fp8", "m": 8192, "n": 1, "k": 1, "ms": None, "error": "x"}]
+    got = kernel_fit.device_shares(rows, {"bf16": 1000e12, "fp8": 2000e12, "int8": 2000e12})
+    assert got == {"bf16": 0.7, "fp8": 0.65, "int8": None}
