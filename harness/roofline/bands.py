@@ -10,7 +10,7 @@ from typing import Any
 
 RESULT = Path(__file__).resolve().parent / "published" / "validation_result.json"
 GPU_CLASS = {"h100-sxm": "hopper", "h200": "hopper", "a100-80gb": "ampere",
-             "a100-40gb": "ampere", "l40s": "ada", "cpu": "cpu"}
+             "a100-40gb": "ampere", "l40s": "ada", "b200": "blackwell", "cpu": "cpu"}
 # Metrics whose value is the what-if's modelled time (the band applies to them).
 TIMED = ("throughput.", "latency.", "roofline.", "engine.wall_s", "goodput")
 

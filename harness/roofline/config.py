@@ -12,18 +12,23 @@ from harness.roofline.hardware import ATTENTION, HardwareSpec
 from harness.units import format_bytes, parse_bytes
 from harness.validate import at_least, in_range, one_of
 
+# Bytes per weight, scales included: MXFP4 (OCP microscaling) keeps one 8-bit E8M0 scale
+# per 32 weights, NVFP4 one 8-bit E4M3 scale per 16 (and one fp32 per tensor: nothing a
+# weight); int4 (AWQ / GPTQ) as 0.5, its group scales left out as before.
 WEIGHT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "fp8": 1.0, "int8": 1.0,
-                "int4": 0.5}
+                "int4": 0.5, "mxfp4": 0.5 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
+FP4_WEIGHTS = ("mxfp4", "nvfp4")
 COMPUTE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 @dataclass
 class RooflineConfig:
     model: str = "Llama-3.1-8B"  # a spec (harness.roofline.models) or a config.json path
-    hardware: str = "h100-sxm"  # h100-sxm | h200 | a100-80gb | a100-40gb | l40s | cpu
+    hardware: str = "h100-sxm"  # h100-sxm | h200 | a100-80gb | a100-40gb | l40s | b200 | cpu
     tp: int = 1  # tensor-parallel degree (devices)
     dtype: str = "bfloat16"  # activations and the cache (float32 | bfloat16 | float16)
-    weight_dtype: str = "bfloat16"  # bytes per weight: float32 bfloat16 float16 fp8 int8 int4
+    # bytes per weight: float32 bfloat16 float16 fp8 int8 int4 mxfp4 nvfp4
+    weight_dtype: str = "bfloat16"
     gpu_memory_utilization: float = 0.9  # share of each device's memory the server may use
     # What that share is of: "total" (vLLM's gpu_memory_utilization: of the device's
     # memory, weights included) or "free" (TensorRT-LLM's kv_cache_free_gpu_mem_fraction:
@@ -39,8 +44,10 @@ class RooflineConfig:
     engine: str = "auto"
     # The weight GEMMs' dtype: auto (the activations') or fp8 / int8 (W8A8 on the fp8 or
     # int8 units; needs weight_dtype of the same, as TensorRT-LLM's FP8 and SmoothQuant
-    # checkpoints are; weight_dtype=int8 alone is weight-only, W8A16). int8's share of
-    # its peak has no kernel profile yet: the spec's bf16 share (a prior).
+    # checkpoints are; weight_dtype=int8 alone is weight-only, W8A16), or fp4 (W4A4 on
+    # Blackwell's FP4 units, weight_dtype mxfp4 or nvfp4; elsewhere those weights run
+    # weight-only). int8's and fp4's shares of their peaks have no kernel profile yet: the
+    # spec's bf16 share (a prior).
     compute_dtype: str = "auto"
     # Decode lanes (harness/roofline/fastpath): running decodes advanced as sums, touched only
     # when they take or fill a block, finish or are preempted; every number equals
@@ -51,10 +58,14 @@ class RooflineConfig:
         at_least(self, "roofline", 1, "tp")
         one_of(self, "roofline", "dtype", COMPUTE)
         one_of(self, "roofline", "weight_dtype", WEIGHT_BYTES)
-        one_of(self, "roofline", "compute_dtype", ("auto", "fp8", "int8"))
+        one_of(self, "roofline", "compute_dtype", ("auto", "fp8", "int8", "fp4"))
         one_of(self, "roofline", "engine", ("auto", *PROFILES))
         c = self.compute_dtype
-        if c != "auto" and self.weight_dtype != c:
+        if c == "fp4" and self.weight_dtype not in FP4_WEIGHTS:
+            raise UserError("roofline.compute_dtype=fp4 multiplies FP4 weights on the FP4 "
+                            "units: set roofline.weight_dtype=mxfp4 or nvfp4 (got "
+                            f"{self.weight_dtype})")
+        if c not in ("auto", "fp4") and self.weight_dtype != c:
             raise UserError(f"roofline.compute_dtype={c} multiplies {c} weights on the {c} "
                             f"units: set roofline.weight_dtype={c} (got {self.weight_dtype})")
         in_range(self, "roofline", "gpu_memory_utilization", 0.0, 1.0, lo_open=True)

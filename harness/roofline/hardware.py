@@ -105,8 +105,11 @@ class HardwareSpec:
     def flops(self, dtype: str) -> float:
         key = _dtype_key(dtype)
         if key not in self.peak_flops:
-            raise UserError(f"roofline.hardware={self.name} has no peak for dtype {dtype!r}; "
-                            f"it has {', '.join(self.peak_flops)}")
+            why = (" (FP4 tensor cores are Blackwell's: roofline.hardware=b200; here, "
+                   "mxfp4 / nvfp4 weights run weight-only with roofline.compute_dtype=auto)"
+                   if key == "fp4" else "")
+            raise UserError(f"roofline.hardware={self.name} has no peak for dtype {dtype!r}"
+                            f"{why}; it has {', '.join(self.peak_flops)}")
         return self.peak_flops[key]
 
 
@@ -116,13 +119,16 @@ def _dtype_key(dtype: str) -> str:
 
 
 def _gpu(name: str, bf16: float, fp8: float, int8: float, fp32: float, bw: float,
-         mem_bytes: int, link: float, **kw: Any) -> HardwareSpec:
-    """A GPU spec: dense peaks in TFLOP/s (TOPS for int8), bandwidth in TB/s, memory in
-    bytes as CUDA reports it (``torch.cuda.mem_get_info`` / ``total_memory``: what
-    vLLM's ``gpu_memory_utilization`` and TensorRT-LLM's free fraction are shares of)."""
-    return HardwareSpec(name, {"bf16": bf16 * TB, "fp16": bf16 * TB, "fp8": fp8 * TB,
-                               "int8": int8 * TB, "fp32": fp32 * TB}, bw * TB, mem_bytes,
-                        link_bw=link * GB, **kw)
+         mem_bytes: int, link: float, fp4: float = 0.0, **kw: Any) -> HardwareSpec:
+    """A GPU spec: dense peaks in TFLOP/s (TOPS for int8; ``fp4``: FP4 tensor cores,
+    Blackwell's, 0 = none), bandwidth in TB/s, memory in bytes as CUDA reports it
+    (``torch.cuda.mem_get_info`` / ``total_memory``: what vLLM's
+    ``gpu_memory_utilization`` and TensorRT-LLM's free fraction are shares of)."""
+    peaks = {"bf16": bf16 * TB, "fp16": bf16 * TB, "fp8": fp8 * TB, "int8": int8 * TB,
+             "fp32": fp32 * TB}
+    if fp4:
+        peaks["fp4"] = fp4 * TB
+    return HardwareSpec(name, peaks, bw * TB, mem_bytes, link_bw=link * GB, **kw)
 
 
 # The CPU's priors before calibration: one core of this machine (AVX2 FMA, fp32), whose
@@ -161,6 +167,8 @@ CUDA_MEM: dict[str, tuple[int, str]] = {
                   "A100-SXM4-40GB (bottlerocket-os/bottlerocket#3873, 2024)"),
     "l40s": (int(44.42 * GiB), "44.42 GiB: 'GPU has a total capacity of 44.42 GiB', torch "
              "OOM message on an L40S (stepfun-ai/Step-Video-T2V#8, 2025)"),
+    "b200": (int(178.35 * GiB), "178.35 GiB: cudaDeviceProp totalGlobalMem on a B200 "
+             "(pytorch/ao#4002, 2026-03-05)"),
 }
 H100_DATASHEET = ("NVIDIA H100 Tensor Core GPU datasheet, SXM5 column: 1,979 TFLOPS bf16 / "
                   "3,958 fp8 / 3,958 TOPS int8 with sparsity (halved: dense), 67 TFLOPS "
@@ -210,6 +218,17 @@ HARDWARE: dict[str, HardwareSpec] = {h.name: h for h in (
          **_cited("l40s", "NVIDIA L40S datasheet: 362.05 TFLOPS bf16, 733 fp8, 733 TOPS "
                   "int8 (dense: half the sparsity figures), 91.6 TFLOPS fp32, 864 GB/s "
                   "GDDR6")),
+    # B200 (HGX, 1000 W): an unfitted prior. No kernel profile of a B200 exists here: the
+    # H100's kernel constants and fp8 shares; FP4 GEMMs at the bf16 share. NVLink 5 is
+    # 900 GB/s one way; NCCL's bus bandwidth taken at the H100's share of its link (340 of
+    # 450). HBM3e bandwidth from the bus width CUDA reports (7,680 bits) and the memory
+    # clock (3,996 MHz, double data rate): 7.67 TB/s, not the 8 TB/s once published.
+    _gpu("b200", 2250, 4500, 4500, 80, 7.672, link=680, fp4=9000, **H100_KERNELS,
+         eff_gemm_dtype=HOPPER_FP8,
+         **_cited("b200", "NVIDIA HGX B200 datasheet, per GPU, dense (half the sparsity "
+                  "figures): 2.25 PFLOPS bf16, 4.5 fp8, 4.5 POPS int8, 9 PFLOPS fp4, 80 "
+                  "TFLOPS fp32 (as torchao's roofline_utils carries them); 7.67 TB/s HBM3e "
+                  "from the device query in pytorch/ao#4002")),
 )}
 
 

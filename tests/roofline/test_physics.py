@@ -33,7 +33,7 @@ def test_memory_is_what_cuda_reports_and_every_quantity_is_cited() -> None:
         # Near the datasheet's "GB" (HBM's GiB less what the driver keeps; the L40S's
         # GDDR6 also keeps its ECC), never a round 1e9 multiple.
         nominal = {"h100-sxm": 80, "h200": 141, "a100-80gb": 80, "a100-40gb": 40,
-                   "l40s": 48}[h.name] * 1e9
+                   "l40s": 48, "b200": 180}[h.name] * 1e9
         assert 0.95 * nominal < h.mem_bytes < 1.10 * nominal and h.mem_bytes % 10**9, h.name
 
 
@@ -238,3 +238,30 @@ def test_a_gpu_checks_gemm_profile_gives_the_shares_it_measured() -> None:
             {"dtype": "fp8", "m": 8192, "n": 1, "k": 1, "ms": None, "error": "x"}]
     got = kernel_fit.device_shares(rows, {"bf16": 1000e12, "fp8": 2000e12, "int8": 2000e12})
     assert got == {"bf16": 0.7, "fp8": 0.65, "int8": None}
+
+
+def test_b200_and_fp4_weights() -> None:
+    # Issue #53's finding 9, in part: a B200 spec (cited; its memory as CUDA reports it,
+    # 178.35 GiB) and MXFP4 / NVFP4 weights: bytes with their scales, weight-only on any
+    # card, W4A4 on the B200's FP4 units; int4 keeps working.
+    b200 = get_hardware("b200")
+    assert b200.mem_bytes == int(178.35 * 2**30) and b200.flops("fp4") == 9000e12
+    assert WEIGHT_BYTES["mxfp4"] == 0.5 + 1 / 32 and WEIGHT_BYTES["nvfp4"] == 0.5 + 1 / 16
+    assert WEIGHT_BYTES["int4"] == 0.5
+    a = MODEL_SPECS["llama-3.1-70b"]
+    w4a4 = RooflineConfig(hardware="b200", weight_dtype="nvfp4", compute_dtype="fp4")
+    work = dict(tokens=8192, rows=1, seqs=1, pairs=0.0, ctx_prefill=8192.0, ctx_decode=0.0)
+    fp4 = StepModel(a, b200, 65536, weight_bytes=WEIGHT_BYTES["nvfp4"],
+                    gemm_dtype=w4a4.gemm_dtype())
+    fp8 = StepModel(a, b200, 65536, weight_bytes=1.0, gemm_dtype="fp8")
+    ratio = fp8.time(fp8.work(**work)).gemm / fp4.time(fp4.work(**work)).gemm  # type: ignore[arg-type]
+    assert ratio == pytest.approx(9000 * 0.70 / (4500 * 0.67), rel=0.02)
+    # Decode reads the weights: nvfp4 reads 0.5625 B a weight where fp8 reads 1.
+    d4, d8 = (m.work(1, 1, 1, 0.0, 0.0, 1.0) for m in (fp4, fp8))
+    assert d4.gemm_bytes / d8.gemm_bytes == pytest.approx(0.5625)
+    # Weight-only on a Hopper card; W4A4 refused there, with where FP4 units are.
+    assert RooflineConfig(weight_dtype="mxfp4").gemm_dtype() == "bf16"
+    with pytest.raises(UserError, match=r"Blackwell's: roofline\.hardware=b200"):
+        StepModel(a, get_hardware("h100-sxm"), 65536, weight_bytes=0.5625, gemm_dtype="fp4")
+    with pytest.raises(UserError, match="weight_dtype=mxfp4 or nvfp4"):
+        RooflineConfig(hardware="b200", compute_dtype="fp4", weight_dtype="fp8")
