@@ -179,11 +179,13 @@ class ClusterConfig:
     def _refuse_pool_keys(self) -> None:
         """The disaggregated cluster's keys set on a colocated one: read by nothing."""
         cls = ClusterConfig
-        keys = [k for k in ("prefill_replicas", "decode_replicas", "link", "link_gbs",
-                            "link_latency_us", "transfer") if getattr(self, k) != getattr(cls, k)]
-        keys += [k for k in ("prefill", "decode") if not getattr(self, k).is_default()]
+        keys = [f"cluster.{k}={getattr(self, k)}" for k in (
+            "prefill_replicas", "decode_replicas", "link", "link_gbs", "link_latency_us",
+            "transfer") if getattr(self, k) != getattr(cls, k)]
+        keys += [f"cluster.{k}.*" for k in ("prefill", "decode")
+                 if not getattr(self, k).is_default()]
         if keys:
-            given = ", ".join(f"cluster.{k}={getattr(self, k)}" for k in keys)
+            given = ", ".join(keys)
             raise UserError(
                 f"{given}: ignored, as they size and link "
                 "the pools of cluster.mode=disaggregated and this cluster is colocated; set "

@@ -200,6 +200,21 @@ def test_nothing_stays_held_and_every_request_lands(more: list[str]) -> None:
     assert asked == sum(len(h.group.prompt_ids) for h in c.handoffs)
 
 
+def test_a_request_the_decode_side_refuses_moves_nothing_and_ends_there() -> None:
+    """A decode pool whose max_model_len is shorter than a prompt: that request is
+    prefilled, nothing is held or moved for it, and the decode replica rejects it on
+    landing with its reason (its row the decode side's); the others run as usual."""
+    c = _cluster(*MULTITURN, "cluster.decode.scheduler.max_model_len=1400")
+    refused = [h for h in c.handoffs if h.refused is not None]
+    assert refused and len(refused) < len(c.handoffs)
+    for h in refused:
+        assert h.held is None and h.slot is None and h.sent is None
+        assert "max_model_len=1400" in (h.group.rejected_reason or "")
+        assert h.d_row >= 0 and h.landed == h.prefill_end
+    for r in c.replicas:
+        assert all(sid >= 0 for sid in r.kv._seqs) and r.stack.scheduler.loans == 0
+
+
 def test_each_pool_takes_its_own_hardware_and_scheduler() -> None:
     c = _cluster(*ONE, "cluster.prefill.hardware=h200", "cluster.decode.tp=2",
                      "cluster.prefill.scheduler.max_num_batched_tokens=4096",
@@ -223,6 +238,7 @@ def test_scheduler_overrides_name_every_scheduler_option() -> None:
     ([*DIS, "cluster.replicas=4"], r"cluster\.replicas=4 sizes a colocated cluster"),
     (["cluster.link=nvlink"], r"cluster\.link=nvlink: ignored.*colocated"),
     (["cluster.decode_replicas=2"], r"cluster\.decode_replicas=2: ignored"),
+    (["cluster.prefill.tp=2"], r"cluster\.prefill\.\*: ignored.*colocated"),
     ([*DIS, "cluster.link=carrier_pigeon"], r"cluster\.link='carrier_pigeon'"),
     ([*DIS, "cluster.link_gbs=0"], r"cluster\.link_gbs=0\.0 must be"),
     ([*DIS, "cluster.transfer=bulk"], r"cluster\.transfer='bulk'"),
