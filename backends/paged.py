@@ -18,12 +18,12 @@ import torch
 
 from harness.backends.base import AttentionBatch, BackendOptions, KVLayout
 from harness.backends.costs import KVCosts, WindowCosts
+from harness.backends.kernel_option import KERNELS, check_kernel
 from harness.backends.paged_storage import PagedStorageBackend
 from harness.errors import UserError
 from harness.kernels.runtime import triton_for
-from harness.validate import one_of
 
-KERNELS = ("auto", "torch", "triton")
+__all__ = ["KERNELS", "PagedBackend", "PagedOptions", "PrefillTables"]
 MIN_TRITON_BLOCK = 8  # the kernels' smallest block (kernels/runtime.py check_cache)
 
 
@@ -33,7 +33,7 @@ class PagedOptions(BackendOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        one_of(self, "backend", "kernel", KERNELS)
+        check_kernel(self, triton_built=True)
         if self.kernel == "triton" and self.block_size < MIN_TRITON_BLOCK:
             raise UserError(f"backend.kernel=triton needs backend.block_size >= "
                             f"{MIN_TRITON_BLOCK}, got {self.block_size}: raise the block size "

@@ -45,6 +45,7 @@ from harness.backends.base import (
     LayerSlot,
     PrefillChunk,
 )
+from harness.backends.kernel_option import check_kernel
 from harness.backends.slotted import SlottedBackend
 from harness.kv.base import StepScores
 from harness.kv.policies.base import EvictionPolicy
@@ -63,11 +64,15 @@ class ScorerOptions(BackendOptions):
     budget: int = 0  # tokens per sequence; or
     budget_ratio: float = 0.2  # share of the request (set exactly one)
     prefill: str = "streaming"  # the trigger: full | streaming
+    # auto | torch | triton: the scored methods have the torch path only for now (triton
+    # refused, naming where it is planned; backends.kernel_option)
+    kernel: str = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_budget_options(self.budget, self.budget_ratio)
         one_of(self, "backend", "prefill", PREFILL)
+        check_kernel(self, triton_built=False)
 
 
 @dataclass

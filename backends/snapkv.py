@@ -3,7 +3,7 @@ frees given back.
 
 At the end of a prompt's prefill, the attention the prompt's last ``window`` queries (the
 observation window) pay to each earlier prompt token, summed over those queries, is pooled
-over ``kernel`` neighbouring positions per query head (``pooling``: max, as the paper's
+over ``pool_width`` neighbouring positions per query head (``pooling``: max, as the paper's
 code, or avg), then summed over the heads and layers (one selection per sequence: the
 variant that frees memory; harness.kv.policies.snapkv). The KV manager keeps the top
 ``budget`` (or ``budget_ratio`` of the prompt) and the window, gives back the rest and
@@ -44,17 +44,27 @@ class SnapKVOptions(ScorerOptions):
     # kept prompt, each chunk's own last `window` queries selecting after it ran)
     prefill: str = "full"
     window: int = 32  # observation window: the prompt's last queries
-    kernel: int = 7  # pooling width over neighbouring positions (odd; not an attention kernel)
+    pool_width: int = 7  # max/avg pooling over neighbouring positions (odd; the paper's kernel)
     pooling: str = "max"  # max | avg
     max_tokens: int = 0  # cap on tokens held while decoding (0: none)
 
     def __post_init__(self) -> None:
+        refuse_old_pool_width(self.kernel)
         super().__post_init__()
         check_snapkv_options(self.budget, self.budget_ratio, self.window, self.max_tokens)
-        if self.kernel < 1 or self.kernel % 2 == 0:
-            raise UserError(f"backend.kernel (SnapKV's pooling width) must be odd and >= 1, "
-                            f"got {self.kernel}")
+        if self.pool_width < 1 or self.pool_width % 2 == 0:
+            raise UserError(f"backend.pool_width (SnapKV's pooling width) must be odd and "
+                            f">= 1, got {self.pool_width}")
         one_of(self, "backend", "pooling", POOLING)
+
+
+def refuse_old_pool_width(kernel: object) -> None:
+    """``backend.kernel`` was snapkv's pooling width until issue #56 made it the attention
+    kernel of every method: a number there is the old key, refused with the new one."""
+    if isinstance(kernel, int) or str(kernel).strip().lstrip("+-").isdigit():
+        raise UserError(f"backend.kernel={kernel}: snapkv's pooling width is now "
+                        f"backend.pool_width (backend.kernel is the attention kernel: auto | "
+                        f"torch | triton); use backend.pool_width={kernel}")
 
 
 class SnapKVBackend(ScoredBackend):
@@ -75,10 +85,10 @@ class SnapKVBackend(ScoredBackend):
 
     def pool(self, acc: torch.Tensor) -> torch.Tensor:
         """acc: (layers, heads, P - window) summed window weights by position -> the
-        score of each position: pooled per head over ``kernel`` neighbours, summed over
+        score of each position: pooled per head over ``pool_width`` neighbours, summed over
         heads and layers. (P - window,)"""
         o = self.opts
         assert isinstance(o, SnapKVOptions)
         x = acc.flatten(0, 1).unsqueeze(1)  # (layers * heads, 1, positions)
         pool = F.max_pool1d if o.pooling == "max" else F.avg_pool1d
-        return pool(x, o.kernel, stride=1, padding=o.kernel // 2).sum((0, 1))
+        return pool(x, o.pool_width, stride=1, padding=o.pool_width // 2).sum((0, 1))

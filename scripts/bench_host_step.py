@@ -54,14 +54,14 @@ TRITON = ("paged", "fp8", "int8", "sliding_window", "streaming_llm")
 
 
 def has_kernel_option(backend: str) -> bool:
-    """Whether ``backend`` takes ``backend.kernel`` as an attention kernel (snapkv's
-    ``kernel`` is its pooling width)."""
+    """Whether ``backend`` takes ``backend.kernel`` (every method does since issue #56;
+    contiguous, flex and flash_attn do not)."""
     import dataclasses
 
     from harness.backends import get_backend
 
     fields = {f.name for f in dataclasses.fields(get_backend(backend).Options)}
-    return "kernel" in fields and backend != "snapkv"
+    return "kernel" in fields
 
 
 def overrides(backend: str, kernel: str, a: argparse.Namespace) -> list[str]:

@@ -77,7 +77,7 @@ def check_scores(fixture: dict[str, Any]) -> list[ScoreCheck]:
         # snapkv: the window's queries over the keys before it, pooled (avg, as kvpress).
         win, kern = int(meta["snapkv"]["window"]), int(meta["snapkv"]["kernel"])
         snap = SnapKVBackend(layout, CPU, budget=8, budget_ratio=0.0, window=win,
-                             kernel=kern, pooling="avg")
+                             pool_width=kern, pooling="avg")
         ww = w[0][:, :, t - win:, :t - win]  # (KV, G, W, T - W)
         acc = snap.score(ww, k[:t - win])[None]  # (1, H, T - W)
         out.append(_compare("snapkv", layer, snap.pool(acc), ref["snapkv"][:t - win]))

@@ -45,7 +45,7 @@ def _brute_force_snapkv(d: Driver, seq_id: int, q: dict[int, list[torch.Tensor]]
                                             ("max", [85, 15])])
 def test_kept_tokens_equal_a_brute_force_snapkv(pooling: str, chunks: list[int]) -> None:
     p, window, kernel, budget = 100, 16, 5, 20
-    opts = {"budget": budget, "budget_ratio": 0.0, "window": window, "kernel": kernel,
+    opts = {"budget": budget, "budget_ratio": 0.0, "window": window, "pool_width": kernel,
             "pooling": pooling}
     d = Driver("snapkv", block_size=BS, options=opts, seed=len(chunks))
     s = d.add(p, max_tokens=8)
@@ -81,7 +81,7 @@ def test_streaming_selects_after_each_chunk_by_its_own_window(pooling: str) -> N
     # still held (the first chunk brought no more than the kept count), so what stays is a
     # brute-force SnapKV over the first 40 positions; never more than kept + a chunk.
     p, window, kernel, budget = 60, 8, 5, 12
-    opts = {"budget": budget, "budget_ratio": 0.0, "window": window, "kernel": kernel,
+    opts = {"budget": budget, "budget_ratio": 0.0, "window": window, "pool_width": kernel,
             "pooling": pooling, "prefill": "streaming"}
     d = Driver("snapkv", block_size=BS, options=opts, seed=7)
     s = d.add(p, max_tokens=4)
