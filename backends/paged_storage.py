@@ -182,16 +182,18 @@ class PagedStorageBackend(KVBackend):
         backend that stores other bytes (scales, overlays, codes) overrides it."""
         self.touch_full_keys(mask.sum() * layers)
 
-    def touch_by_bounds(self, layer: int, window: int | None = None, sinks: int = 0) -> None:
+    def touch_by_bounds(self, layer: int, window: int | None = None, sinks: int = 0, *,
+                        decodes: bool = True) -> None:
         """For a kernel whose masks are not visible here (Triton, flex, flash-attn): the
         keys it reads from the bounds it is given, each decode's length and each chunk's
-        start and length (and the window), which it reads exactly."""
+        start and length (and the window), which it reads exactly. ``decodes=False``: the
+        prefill chunks only (a method that counts its decodes' reads itself)."""
         b = self.batch
         assert b is not None
         f = self.touch_factor(layer)
         if not f:
             return
-        if b.num_decode:
+        if b.num_decode and decodes:
             width = b.decode_tables.shape[1] * self.block_size
             self.touch_decode_mask(b.decode_tables,
                                    decode_mask(b.decode_lens, width, window, sinks), f)

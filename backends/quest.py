@@ -7,7 +7,13 @@ of the keys' bytes again). At each decode, every block of the context gets an up
 of the attention logit any of its keys can give the query,
 ``sum_d max(q_d * min_d, q_d * max_d)``, and attention reads only the top
 ``token_budget // block_size`` blocks (the last, partly filled block always among them).
-Prefill attends densely, as in the paper.
+Prefill attends densely, as in the paper. Ties rank the lower block first.
+
+``backend.kernel``: ``torch`` gathers the chosen blocks and runs one masked SDPA call;
+``triton`` (harness.kernels.quest) chooses the blocks in one kernel (bounds in float32,
+as the torch path's) and attends with the paged decode kernel over each KV head's chosen
+table, reading only those blocks; prefill is the paged prefill kernel, dense. ``auto``:
+triton on CUDA, torch elsewhere (backends.paged).
 
 GQA: the query heads of a KV group share one selection (a kernel reads K/V per KV head),
 ranked by the largest bound over the group's heads: a block that could matter most to any
@@ -43,9 +49,6 @@ class QuestOptions(PagedOptions):
         if self.token_budget < self.block_size:
             raise UserError(f"backend.token_budget={self.token_budget} must be at least one "
                             f"block (backend.block_size={self.block_size})")
-        if self.kernel == "triton":
-            raise UserError("quest's block selection runs on the torch path: use "
-                            "backend.kernel=torch or auto")
 
 
 class QuestBackend(PagedBackend):
@@ -58,9 +61,6 @@ class QuestBackend(PagedBackend):
         super().__init__(layout, device, **options)
         assert isinstance(self.opts, QuestOptions)
         self.token_budget = self.opts.token_budget
-
-    def requested_kernel(self) -> str:
-        return "torch"  # recorded in run.kernel; triton is refused in QuestOptions
 
     def meta_bytes_per_block(self) -> int:
         """k_min and k_max of one block, every layer and KV head."""
@@ -107,9 +107,32 @@ class QuestBackend(PagedBackend):
         slots += (s for c in batch.prefills for s in c.sched.slots)
         fresh = [s // bs for s in slots if s % bs == 0]
         self._fresh = self.staging.put("fresh", fresh, len(fresh)) if fresh else None
+        self._select: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if self._kernel == "triton" and batch.num_decode:
+            # The selection's scratch bounds and its per-KV-head tables and lengths, shared
+            # by every layer of the step (each layer's selection is read by its own decode
+            # launch before the next layer writes).
+            nd, width = batch.decode_tables.shape
+            kv, dev = self.layout.num_kv_heads, self.device
+            self._select = (
+                torch.empty((nd, kv, width), dtype=torch.float32, device=dev),
+                torch.empty((nd, kv, self.blocks_read(width)), dtype=torch.int64, device=dev),
+                torch.empty((nd, kv), dtype=torch.int64, device=dev))
+
+    def blocks_read(self, width: int) -> int:
+        """Blocks each KV head of a decode reads, of a table ``width`` blocks wide (the last
+        one among them): ``token_budget // block_size``, at most the table."""
+        return min(max(1, self.token_budget // self.block_size), width)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        super().store(layer, k, v)
+        if self._kernel == "triton":
+            # Imported here: importing triton fixes the interpreter switch for the
+            # process, which triton_for() had to decide first (backends.paged).
+            import harness.kernels.ops  # noqa: F401  (registers torch.ops.kvbench.*)
+
+            self.store_triton(layer, k, v)
+        else:
+            super().store(layer, k, v)
         b = self.batch
         assert b is not None
         blocks = b.slot_mapping // self.block_size
@@ -127,13 +150,54 @@ class QuestBackend(PagedBackend):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
         self.store(layer, k, v)
-        out = torch.empty_like(q)
         b = self.batch
         assert b is not None
+        if self._kernel == "triton":
+            return self.triton_attend(layer, q)
+        out = torch.empty_like(q)
         if b.num_decode:
             out[:b.num_decode] = self.sparse_decode(layer, q[:b.num_decode])
         self.torch_prefills(layer, q, out)
         return out
+
+    def triton_attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """The Triton path, after the store: the decodes' selection and sparse decode, the
+        prefill chunks dense (two launches and one). q: (T, H, D) -> (T, H, D)."""
+        from harness.kernels.decode import default_splits
+
+        b = self.batch
+        assert b is not None
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        out = torch.empty_like(q)
+        nd = b.num_decode
+        if nd:
+            assert self._select is not None
+            bounds, sel, sel_lens = self._select
+            k_sel = sel.shape[2]
+            torch.ops.kvbench.quest_select(q[:nd], self.k_min[layer], self.k_max[layer],
+                                           b.decode_tables, b.decode_num_blocks, b.decode_lens,
+                                           k_sel, self.block_size, bounds, sel, sel_lens)
+            splits = default_splits(nd, kc.shape[2], k_sel * self.block_size, q.device)
+            torch.ops.kvbench.paged_decode(q[:nd], kc, vc, sel, sel_lens, out[:nd], splits,
+                                           0, 0, None, None)
+            if self.track_touches:
+                self.touch_sparse(sel_lens.sum())
+        self.touch_by_bounds(layer, decodes=False)
+        if self._prefill is not None:
+            p = self._prefill
+            torch.ops.kvbench.paged_prefill(q, kc, vc, p.cu_rows, p.starts, p.tables,
+                                            p.max_tokens, out, 0, 0, None, None)
+        return out
+
+    def touch_sparse(self, keys: torch.Tensor) -> None:
+        """One layer's decodes read ``keys`` (key, KV head) pairs of K and V, and every
+        context block's bounds."""
+        b = self.batch
+        assert b is not None
+        lay = self.layout
+        meta = self.meta_bytes_per_block() // lay.num_layers
+        self.touch_decode(keys, keys * 2 * lay.head_dim * lay.elem_bytes
+                          + b.decode_num_blocks.sum() * meta)
 
     def select_blocks(self, layer: int, q: torch.Tensor) -> tuple[torch.Tensor,
                                                                   torch.Tensor]:
@@ -145,16 +209,19 @@ class QuestBackend(PagedBackend):
         tables, nblk = b.decode_tables, b.decode_num_blocks
         bsz, width = tables.shape
         kv_heads = self.layout.num_kv_heads
-        qg = q.view(bsz, 1, kv_heads, -1, q.shape[-1])  # (B, 1, KV, G, D)
-        lo = self.k_min[layer][tables].unsqueeze(3).to(q.dtype)  # (B, W, KV, 1, D)
-        hi = self.k_max[layer][tables].unsqueeze(3).to(q.dtype)
+        # In float32 whatever the model's dtype (as the Triton selection): a 16-bit bound
+        # would tie blocks that differ.
+        qg = q.float().view(bsz, 1, kv_heads, -1, q.shape[-1])  # (B, 1, KV, G, D)
+        lo = self.k_min[layer][tables].unsqueeze(3).float()  # (B, W, KV, 1, D)
+        hi = self.k_max[layer][tables].unsqueeze(3).float()
         bound = torch.maximum(qg * lo, qg * hi).sum(-1).amax(-1)  # (B, W, KV)
         col = torch.arange(width, device=tables.device)[None, :, None]
         n = nblk[:, None, None]
         bound = bound.masked_fill(col >= n, float("-inf")).masked_fill(col == n - 1,
                                                                        float("inf"))
-        k = min(max(1, self.token_budget // self.block_size), width)
-        top = bound.topk(k, dim=1).indices
+        # The k largest, ties to the lower column (a stable sort; topk's order among equal
+        # values is unspecified).
+        top = bound.sort(dim=1, descending=True, stable=True).indices[:, :self.blocks_read(width)]
         return top, top < n
 
     def sparse_decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
@@ -179,10 +246,5 @@ class QuestBackend(PagedBackend):
                                              vals.to(q.dtype), attn_mask=mask,
                                              enable_gqa=True)
         if self.track_touches:
-            # Read: the chosen tokens' K and V (per KV head), and every context block's
-            # bounds.
-            keys = valid.sum()
-            meta = self.meta_bytes_per_block() // lay.num_layers
-            self.touch_decode(keys, keys * 2 * lay.head_dim * lay.elem_bytes
-                              + b.decode_num_blocks.sum() * meta)
+            self.touch_sparse(valid.sum())  # the chosen tokens, per KV head
         return out.squeeze(2)

@@ -23,7 +23,7 @@ from typing import Any
 
 
 def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
-    from harness.kernels import decode, prefill, store
+    from harness.kernels import decode, prefill, quest, store
 
     def dec(dt: str, cache: str, out: str, **c: Any) -> tuple[dict[str, str], dict[str, Any]]:
         ptrs = {"q_ptr": dt, "k_ptr": cache, "v_ptr": cache, "ks_ptr": "fp32",
@@ -46,6 +46,11 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
         return {"k_ptr": src, "v_ptr": src, "kc_ptr": cache, "vc_ptr": cache,
                 "ks_ptr": "fp32", "vs_ptr": "fp32", "slot_ptr": "i64"}
 
+    def qsel(dt: str) -> dict[str, str]:
+        return {"q_ptr": dt, "kmin_ptr": dt, "kmax_ptr": dt, "table_ptr": "i64",
+                "nblk_ptr": "i64", "lens_ptr": "i64", "bound_ptr": "fp32", "sel_ptr": "i64",
+                "sel_lens_ptr": "i64"}
+
     sizes = {"KV": 8, "D": 128, "BLOCK_T": 2, "BLOCK_KV": 8, "BLOCK_D": 128}
     return [
         ("decode-bf16", decode._decode_kernel, *dec("bf16", "bf16", "bf16")),
@@ -63,6 +68,10 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
         ("prefill-bf16", prefill._prefill_kernel, *pre("bf16", "bf16")),
         ("prefill-bf16-fp8-window-odd", prefill._prefill_kernel,
          *pre("bf16", "fp8e4nv", G=3, D=80, PAGE=24, QUANT=True, HAS_WINDOW=True)),
+        ("quest-select-bf16", quest._quest_select_kernel, qsel("bf16"),
+         {"G": 4, "D": 128, "PAGE": 16, "BLOCK_D": 128, "BLOCK_W": quest.BLOCK_W}),
+        ("quest-select-fp32-odd", quest._quest_select_kernel, qsel("fp32"),
+         {"G": 3, "D": 80, "PAGE": 24, "BLOCK_D": 128, "BLOCK_W": quest.BLOCK_W}),
         ("store-bf16", store._store_kv_kernel, sto("bf16", "bf16"), sizes),
         ("store-fp8", store._store_kv_quant_kernel, sto("bf16", "fp8e4nv"),
          {**sizes, "QMAX": 448.0, "IS_INT8": False}),

@@ -44,7 +44,7 @@ def _decode_kernel(
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_sb, stride_st,
-    stride_tb,
+    stride_tb, stride_th, stride_cb, stride_ch,
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
     qk_scale, window, sinks, num_splits,
@@ -56,7 +56,10 @@ def _decode_kernel(
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    ctx = tl.load(lens_ptr + b).to(tl.int32)
+    # Per-(sequence, KV head) tables and lengths when stride_th / stride_ch are not 0
+    # (quest's chosen blocks: every KV head its own).
+    ctx = tl.load(lens_ptr + b * stride_cb + kvh * stride_ch).to(tl.int32)
+    table_row = table_ptr + b * stride_tb + kvh * stride_th
     if HAS_WINDOW:
         lo = tl.maximum(ctx - window, 0)
         n_sink = tl.minimum(sinks, lo)
@@ -85,7 +88,7 @@ def _decode_kernel(
         j = j0 + tl.arange(0, BLOCK_N)
         nmask = j < j_end
         pos = tl.where(j < n_sink, j, j - n_sink + lo)
-        blk = tl.load(table_ptr + b * stride_tb + pos // PAGE, mask=nmask, other=0).to(tl.int64)
+        blk = tl.load(table_row + pos // PAGE, mask=nmask, other=0).to(tl.int64)
         off = pos % PAGE
         kv_mask = nmask[:, None] & dmask[None, :]
         k = tl.load(k_ptr + (blk * stride_kb + off * stride_kt + kvh * stride_kh)[:, None]
@@ -161,8 +164,13 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     batch, h, dq = q.shape
     assert dq == d and h % kv == 0, (q.shape, k_cache.shape)
     assert q.stride(-1) == 1 and out.shape == q.shape and out.stride(-1) == 1
-    assert tables.dim() == 2 and tables.shape[0] == batch and tables.stride(1) == 1
-    assert lens.shape == (batch,) and not tables.is_floating_point()
+    assert tables.shape[0] == batch and tables.stride(-1) == 1 and not tables.is_floating_point()
+    if tables.dim() == 3:  # one table and length per (sequence, KV head)
+        assert tables.shape[1] == kv and lens.shape == (batch, kv), (tables.shape, lens.shape)
+        t_strides = (tables.stride(0), tables.stride(1), lens.stride(0), lens.stride(1))
+    else:
+        assert tables.dim() == 2 and lens.shape == (batch,), (tables.shape, lens.shape)
+        t_strides = (tables.stride(0), 0, lens.stride(0), 0)
     assert num_splits >= 1 and window >= 0 and sinks >= 0
     if batch == 0:
         return
@@ -190,7 +198,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        *s_strides, tables.stride(0), *o_strides, *l_strides,
+        *s_strides, *t_strides, *o_strides, *l_strides,
         d ** -0.5 * _LOG2E, window, sinks, num_splits,
         G=g, D=d, PAGE=page, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
         HAS_WINDOW=window > 0, QUANT=quant, FP32_DOT=fp32_dot, SPLIT=split,
@@ -230,7 +238,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
     q: (B, H, D), the token at position ``lens[b] - 1``, already in the cache;
     k_cache, v_cache: (num_blocks, block_size, KV, D), H a multiple of KV;
-    tables: int (B, max_blocks) block ids; lens: int (B,) context lengths >= 1.
+    tables: int (B, max_blocks) block ids; lens: int (B,) context lengths >= 1. Or one
+    table and length per KV head: tables (B, KV, max_blocks), lens (B, KV) (quest's
+    chosen blocks, :mod:`harness.kernels.quest`).
     num_splits: 1 = one program per (sequence, KV head); > 1 = split-K with a reduction;
     None = :func:`default_splits`. window / sinks: see the module docstring (0 = full).
     k_scale, v_scale: float32 (num_blocks, block_size, KV) for fp8 / int8 caches.
@@ -240,7 +250,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         out = torch.empty_like(q)
     if num_splits is None:
         num_splits = default_splits(q.shape[0], k_cache.shape[2],
-                                    tables.shape[1] * k_cache.shape[1], q.device)
+                                    tables.shape[-1] * k_cache.shape[1], q.device)
     _launch(q, k_cache, v_cache, tables, lens, out, num_splits, window, sinks, k_scale,
             v_scale)
     return out

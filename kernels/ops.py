@@ -71,6 +71,15 @@ def _paged_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_rows: Tensor,
                           out=out)
 
 
+def _quest_select(q: Tensor, k_min: Tensor, k_max: Tensor, tables: Tensor, num_blocks: Tensor,
+                  lens: Tensor, k_sel: int, block_size: int, bounds: Tensor, sel: Tensor,
+                  sel_lens: Tensor) -> None:
+    from harness.kernels import quest
+
+    quest.quest_select(q, k_min, k_max, tables, num_blocks, lens, k_sel, block_size, bounds,
+                       sel, sel_lens)
+
+
 def _rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
     from harness.kernels import layers
 
@@ -114,6 +123,12 @@ _op("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tenso
 _op("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_rows, Tensor starts, "
     "Tensor tables, int max_tokens, Tensor(a!) out, int window, int sinks, Tensor? k_scale, "
     "Tensor? v_scale) -> ()", _paged_prefill)
+# harness.kernels.quest.quest_select: each (decode, KV head)'s chosen blocks into sel (B, KV,
+# k_sel) and sel_lens (B, KV), through the scratch bounds (B, KV, W); paged_decode then
+# reads them (its per-KV-head tables)
+_op("quest_select(Tensor q, Tensor k_min, Tensor k_max, Tensor tables, Tensor num_blocks, "
+    "Tensor lens, int k_sel, int block_size, Tensor(a!) bounds, Tensor(b!) sel, "
+    "Tensor(c!) sel_lens) -> ()", _quest_select)
 # harness.kernels.layers: RMSNorm (without, then with the residual add), RoPE on the q and
 # k of a fused projection's output (T, (H + 2 KV) x D) in place, SiLU x mul
 _op("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()", _rms_norm)

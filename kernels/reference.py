@@ -107,6 +107,49 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
+def quest_blocks_ref(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor,
+                     table: torch.Tensor, n: int, k_sel: int) -> list[list[int]]:
+    """Quest's chosen table columns of one sequence, per KV head: the last (``n - 1``)
+    and the ``k_sel - 1`` others with the largest bound ``sum_d max(q_d min_d, q_d max_d)``
+    (the largest over the KV head's query heads), ties to the lower column.
+
+    q: (H, D) its query; k_min, k_max: (num_blocks, KV, D); table: int (>= n,) block ids.
+    """
+    kv = k_min.shape[1]
+    g = q.shape[0] // kv
+    out = []
+    for h in range(kv):
+        lo = k_min[table[:n - 1], h].float()  # (n - 1, D)
+        hi = k_max[table[:n - 1], h].float()
+        qs = q[h * g:(h + 1) * g].float()[:, None, :]  # (G, 1, D)
+        bound = torch.maximum(qs * lo, qs * hi).sum(-1).amax(0)  # (n - 1,)
+        order = sorted(range(n - 1), key=lambda c: (-float(bound[c]), c))
+        out.append([*order[:k_sel - 1], n - 1])
+    return out
+
+
+def quest_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     tables: torch.Tensor, num_blocks: torch.Tensor, lens: torch.Tensor,
+                     k_min: torch.Tensor, k_max: torch.Tensor, k_sel: int) -> torch.Tensor:
+    """Each KV head of each decode attends only to its :func:`quest_blocks_ref` blocks'
+    tokens (explicit float32 softmax). q: (B, H, D); k_cache, v_cache: (num_blocks,
+    block_size, KV, D); tables: int (B, W); num_blocks, lens: int (B,). -> (B, H, D)."""
+    out = torch.empty_like(q)
+    bs, kv = k_cache.shape[1], k_cache.shape[2]
+    g = q.shape[1] // kv
+    for b in range(q.shape[0]):
+        n, ctx = int(num_blocks[b]), int(lens[b])
+        for h, cols in enumerate(quest_blocks_ref(q[b], k_min, k_max, tables[b], n, k_sel)):
+            pos = torch.tensor([c * bs + o for c in cols for o in range(bs)
+                                if c * bs + o < ctx])
+            blk, off = tables[b][pos // bs], pos % bs
+            k, v = k_cache[blk, off, h].float(), v_cache[blk, off, h].float()  # (T, D)
+            qs = q[b, h * g:(h + 1) * g].float()  # (G, D)
+            w = torch.softmax(qs @ k.T / q.shape[-1] ** 0.5, dim=-1)
+            out[b, h * g:(h + 1) * g] = (w @ v).to(q.dtype)
+    return out
+
+
 def paged_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       cu_rows: torch.Tensor, starts: torch.Tensor, tables: torch.Tensor, *,
                       window: int = 0, sinks: int = 0, k_scale: torch.Tensor | None = None,

@@ -13,6 +13,7 @@ import torch
 from harness.backends import BACKENDS
 from harness.backends.base import KVLayout
 from harness.backends.kernel_option import KERNELS
+from harness.backends.snapkv import SnapKVBackend, SnapKVOptions
 from harness.config import run_config
 from harness.errors import UserError
 from harness.runner import run
@@ -62,11 +63,11 @@ def test_snapkv_pool_width_is_checked_and_read() -> None:
         run_config(compose_cfg(["backend=snapkv", "backend.pool_width=4"]))
     rc = run_config(compose_cfg(["backend=snapkv", "backend.pool_width=3",
                                  "backend.kernel=torch"]))
-    assert rc.backend.pool_width == 3  # type: ignore[attr-defined]
-    be = BACKENDS["snapkv"](LAYOUT, torch.device("cpu"), pool_width=3)
+    assert isinstance(rc.backend, SnapKVOptions) and rc.backend.pool_width == 3
+    be = SnapKVBackend(LAYOUT, torch.device("cpu"), pool_width=3)
     acc = torch.zeros(1, 1, 9)
     acc[0, 0, 4] = 1.0  # a max-pool of width 3 spreads it to its two neighbours
-    assert be.pool(acc).tolist() == [0, 0, 0, 1, 1, 1, 0, 0, 0]  # type: ignore[attr-defined]
+    assert be.pool(acc).tolist() == [0, 0, 0, 1, 1, 1, 0, 0, 0]
 
 
 def test_kernels_are_the_three_choices() -> None:
