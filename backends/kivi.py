@@ -5,7 +5,11 @@ Keys are quantized per channel, in groups of one block's tokens (outlier channel
 their own range); values per token (one group per token and KV head); scale and zero point
 in float16 (backends.kivi_quant). A block is quantized when it fills: until then it lives
 in full precision in a residual block, KIVI's residual of recent tokens. Attention
-dequantizes (torch path) and reads the residual as it is.
+reads the residual as it is and dequantizes the rest: ``backend.kernel=torch`` in torch,
+every block a decode reads, per layer; ``triton`` inside the decode kernel
+(harness.kernels.kivi: codes, scales and zeros into registers, nothing dequantized in
+memory); prefill chunks dequantize in torch on both (its kernel is not built). ``auto``:
+triton on CUDA, torch elsewhere (backends.paged).
 
 Bytes, all charged: per slot, the packed codes of K and V, the values' scale and zero, and
 a block's share of the keys' per-channel scale and zero (:meth:`bytes_per_slot`); and
@@ -56,8 +60,6 @@ class KIVIOptions(PagedOptions):
         if self.residual_blocks < 1:
             raise UserError(f"backend.residual_blocks must be >= 1, got "
                             f"{self.residual_blocks}")
-        if self.kernel == "triton":
-            raise UserError("kivi runs on the torch path: use backend.kernel=torch or auto")
 
 
 class KIVIBackend(PagedBackend):
@@ -71,9 +73,6 @@ class KIVIBackend(PagedBackend):
         o = self.opts
         assert isinstance(o, KIVIOptions)
         self.bits, self.residual_blocks = o.bits, o.residual_blocks
-
-    def requested_kernel(self) -> str:
-        return "torch"
 
     # -- bytes ----------------------------------------------------------------------------
     def _token_bytes(self) -> int:
@@ -155,6 +154,36 @@ class KIVIBackend(PagedBackend):
     def begin_step(self, batch: AttentionBatch) -> None:
         super().begin_step(batch)
         self._plan = self.residual.plan(batch)
+
+    def _prefill_tables(self, batch: AttentionBatch) -> None:
+        return None  # prefill chunks run the torch path (dequantized in torch) on both
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        if self.kernel != "triton":
+            return super().attend(layer, q, k, v)
+        # Imported here: importing triton fixes the interpreter switch for the process,
+        # which triton_for() had to decide first (backends.paged).
+        import harness.kernels.ops  # noqa: F401  (registers torch.ops.kvbench.*)
+        from harness.kernels.decode import default_splits
+
+        b = self.batch
+        assert b is not None
+        self.store(layer, k, v)
+        out = torch.empty_like(q)
+        nd = b.num_decode
+        if nd:
+            res = self.residual
+            splits = default_splits(nd, self.layout.num_kv_heads,
+                                    b.decode_tables.shape[1] * self.block_size, q.device)
+            torch.ops.kvbench.kivi_decode(
+                q[:nd], self.k_q[layer], self.v_q[layer], self.k_scale[layer],
+                self.k_zero[layer], self.v_scale[layer], self.v_zero[layer], res.slab_map,
+                res.k[layer], res.v[layer], b.decode_tables, b.decode_lens, out[:nd],
+                self.bits, splits)
+            self.touch_by_bounds(layer, prefills=False)  # torch_prefills counts its own
+        self.torch_prefills(layer, q, out)
+        return out
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         p, lay, bs = self._plan, self.layout, self.block_size

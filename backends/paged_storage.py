@@ -183,11 +183,12 @@ class PagedStorageBackend(KVBackend):
         self.touch_full_keys(mask.sum() * layers)
 
     def touch_by_bounds(self, layer: int, window: int | None = None, sinks: int = 0, *,
-                        decodes: bool = True) -> None:
+                        decodes: bool = True, prefills: bool = True) -> None:
         """For a kernel whose masks are not visible here (Triton, flex, flash-attn): the
         keys it reads from the bounds it is given, each decode's length and each chunk's
-        start and length (and the window), which it reads exactly. ``decodes=False``: the
-        prefill chunks only (a method that counts its decodes' reads itself)."""
+        start and length (and the window), which it reads exactly. ``decodes`` /
+        ``prefills`` False: leave those out (counted elsewhere: a method's own selection,
+        a torch path that counts its own masks)."""
         b = self.batch
         assert b is not None
         f = self.touch_factor(layer)
@@ -197,6 +198,6 @@ class PagedStorageBackend(KVBackend):
             width = b.decode_tables.shape[1] * self.block_size
             self.touch_decode_mask(b.decode_tables,
                                    decode_mask(b.decode_lens, width, window, sinks), f)
-        for c in b.prefills:
+        for c in b.prefills if prefills else ():
             self.touch_prefill(chunk_mask(c.start, c.num_tokens, c.start + c.num_tokens,
                                           window, sinks, self.device).sum() * f)

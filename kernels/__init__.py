@@ -11,6 +11,8 @@ public function.
 - :mod:`.decode`: ``paged_decode`` — one query per sequence, GQA-grouped, plain or split-K,
   windows + sinks, 1-byte caches.
 - :mod:`.prefill`: ``paged_prefill`` — query chunks over cached prefix + themselves.
+- :mod:`.kivi`: ``kivi_decode`` — decode over KIVI's 2/4-bit codes, dequantized in the
+  kernel, and its full-precision residual blocks.
 - :mod:`.quest`: ``quest_select`` / ``quest_decode`` — quest's per-KV-head block choice
   by the key bounds, then ``paged_decode`` over the chosen blocks only.
 - :mod:`.reference`: the plain torch version of each (no triton needed).

@@ -23,7 +23,7 @@ from typing import Any
 
 
 def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
-    from harness.kernels import decode, prefill, quest, store
+    from harness.kernels import decode, kivi, prefill, quest, store
 
     def dec(dt: str, cache: str, out: str, **c: Any) -> tuple[dict[str, str], dict[str, Any]]:
         ptrs = {"q_ptr": dt, "k_ptr": cache, "v_ptr": cache, "ks_ptr": "fp32",
@@ -51,6 +51,14 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
                 "nblk_ptr": "i64", "lens_ptr": "i64", "bound_ptr": "fp32", "sel_ptr": "i64",
                 "sel_lens_ptr": "i64"}
 
+    def kiv(dt: str, out: str) -> dict[str, str]:
+        return {"q_ptr": dt, "kq_ptr": "u8", "vq_ptr": "u8", "ks_ptr": "fp16", "kz_ptr": "fp16",
+                "vs_ptr": "fp16", "vz_ptr": "fp16", "slab_ptr": "i64", "rk_ptr": dt,
+                "rv_ptr": dt, "table_ptr": "i64", "lens_ptr": "i64", "out_ptr": out,
+                "lse_ptr": "fp32"}
+
+    kconst = {"G": 4, "D": 128, "PAGE": 16, "BLOCK_H": 16, "BLOCK_D": 128,
+              "BLOCK_N": decode.BLOCK_N, "FP32_DOT": False, "SPLIT": False}
     sizes = {"KV": 8, "D": 128, "BLOCK_T": 2, "BLOCK_KV": 8, "BLOCK_D": 128}
     return [
         ("decode-bf16", decode._decode_kernel, *dec("bf16", "bf16", "bf16")),
@@ -72,6 +80,17 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
          {"G": 4, "D": 128, "PAGE": 16, "BLOCK_D": 128, "BLOCK_W": quest.BLOCK_W}),
         ("quest-select-fp32-odd", quest._quest_select_kernel, qsel("fp32"),
          {"G": 3, "D": 80, "PAGE": 24, "BLOCK_D": 128, "BLOCK_W": quest.BLOCK_W}),
+        ("kivi-decode-bf16-2bit", kivi._kivi_decode_kernel, kiv("bf16", "bf16"),
+         {**kconst, "BITS": 2}),
+        ("kivi-decode-bf16-4bit-split", kivi._kivi_decode_kernel, kiv("bf16", "fp32"),
+         {**kconst, "BITS": 4, "SPLIT": True}),
+        ("kivi-decode-bf16-2bit-odd", kivi._kivi_decode_kernel, kiv("bf16", "bf16"),
+         {**kconst, "G": 3, "D": 80, "PAGE": 24, "BITS": 2}),
+        ("kivi-decode-fp16-4bit-mha", kivi._kivi_decode_kernel, kiv("fp16", "fp32"),
+         {**kconst, "G": 1, "BITS": 4, "SPLIT": True}),
+        # (A float32 cache compiles but spills: 0.5-2.4 KB of stack at head_dim 64-128,
+        # the float32 dot's operands beside the dequantized tiles; models run 16-bit on a
+        # GPU, so it is not a variant here.)
         ("store-bf16", store._store_kv_kernel, sto("bf16", "bf16"), sizes),
         ("store-fp8", store._store_kv_quant_kernel, sto("bf16", "fp8e4nv"),
          {**sizes, "QMAX": 448.0, "IS_INT8": False}),

@@ -80,6 +80,15 @@ def _quest_select(q: Tensor, k_min: Tensor, k_max: Tensor, tables: Tensor, num_b
                        sel, sel_lens)
 
 
+def _kivi_decode(q: Tensor, k_q: Tensor, v_q: Tensor, k_scale: Tensor, k_zero: Tensor,
+                 v_scale: Tensor, v_zero: Tensor, slab_map: Tensor, res_k: Tensor, res_v: Tensor,
+                 tables: Tensor, lens: Tensor, out: Tensor, bits: int, num_splits: int) -> None:
+    from harness.kernels import kivi
+
+    kivi.kivi_decode(q, k_q, v_q, k_scale, k_zero, v_scale, v_zero, slab_map, res_k, res_v,
+                     tables, lens, bits, num_splits=num_splits, out=out)
+
+
 def _rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
     from harness.kernels import layers
 
@@ -129,6 +138,12 @@ _op("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_rows, Ten
 _op("quest_select(Tensor q, Tensor k_min, Tensor k_max, Tensor tables, Tensor num_blocks, "
     "Tensor lens, int k_sel, int block_size, Tensor(a!) bounds, Tensor(b!) sel, "
     "Tensor(c!) sel_lens) -> ()", _quest_select)
+# harness.kernels.kivi.kivi_decode into out (B, H, D): 2/4-bit codes dequantized in the
+# kernel, the residual slabs read as they are
+_op("kivi_decode(Tensor q, Tensor k_q, Tensor v_q, Tensor k_scale, Tensor k_zero, "
+    "Tensor v_scale, Tensor v_zero, Tensor slab_map, Tensor res_k, Tensor res_v, "
+    "Tensor tables, Tensor lens, Tensor(a!) out, int bits, int num_splits) -> ()",
+    _kivi_decode)
 # harness.kernels.layers: RMSNorm (without, then with the residual add), RoPE on the q and
 # k of a fused projection's output (T, (H + 2 KV) x D) in place, SiLU x mul
 _op("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()", _rms_norm)

@@ -150,6 +150,46 @@ def quest_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
+def kivi_unpack_ref(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 (..., D * bits / 8) -> int64 (..., D) codes: byte i holds codes
+    ``i * 8 / bits ...`` from its low bits up."""
+    per = 8 // bits
+    out = torch.empty((*packed.shape[:-1], packed.shape[-1] * per), dtype=torch.int64)
+    for j in range(per):
+        out[..., j::per] = (packed.long() >> (j * bits)) & ((1 << bits) - 1)
+    return out
+
+
+def kivi_decode_ref(q: torch.Tensor, k_q: torch.Tensor, v_q: torch.Tensor,
+                    k_scale: torch.Tensor, k_zero: torch.Tensor, v_scale: torch.Tensor,
+                    v_zero: torch.Tensor, slab_map: torch.Tensor, res_k: torch.Tensor,
+                    res_v: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                    bits: int) -> torch.Tensor:
+    """:func:`paged_decode_ref` over a KIVI cache, one token at a time: a token of a block
+    with a residual slab (``slab_map[block] >= 0``) reads it in full precision, any other
+    ``code * scale + zero`` in float32 (keys' scale and zero per (block, KV head, channel),
+    values' per (slot, KV head)). Shapes: :func:`harness.kernels.kivi.kivi_decode`."""
+    out = torch.empty_like(q)
+    bs = k_q.shape[1]
+    for b in range(q.shape[0]):
+        ctx = int(lens[b])
+        ks, vs = [], []
+        for p in range(ctx):
+            blk, off = int(tables[b, p // bs]), p % bs
+            slab = int(slab_map[blk])
+            if slab >= 0:
+                ks.append(res_k[slab, off].float())
+                vs.append(res_v[slab, off].float())
+                continue
+            kc = kivi_unpack_ref(k_q[blk, off], bits).float()  # (KV, D)
+            vc = kivi_unpack_ref(v_q[blk, off], bits).float()
+            ks.append(kc * k_scale[blk].float() + k_zero[blk].float())
+            vs.append(vc * v_scale[blk, off].float()[:, None] + v_zero[blk, off].float()[:, None])
+        qpos = torch.tensor([ctx - 1])
+        out[b] = _attend(q[b:b + 1], torch.stack(ks), torch.stack(vs), qpos, 0, 0)[0].to(q.dtype)
+    return out
+
+
 def paged_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       cu_rows: torch.Tensor, starts: torch.Tensor, tables: torch.Tensor, *,
                       window: int = 0, sinks: int = 0, k_scale: torch.Tensor | None = None,
