@@ -96,6 +96,17 @@ def test_the_triton_path_syncs_once_a_step(counts: dict, backend: str) -> None:
     assert row["launches_per_decode_step"] == 2 * 6
 
 
+@pytest.mark.parametrize("backend,per_layer", [("quest", 7), ("kivi", 5)])
+def test_quest_and_kivi_on_triton_sync_once_a_step(counts: dict, backend: str,
+                                                   per_layer: int) -> None:
+    """Issue #56: their Triton paths keep the step's one sync. A layer: paged's 6 with
+    quest's block selection beside its decode (7); kivi's decode in place of paged's and
+    its store in torch (5)."""
+    row = counts[(backend, "triton")]
+    assert row["max_syncs_decode_step"] <= 1 and row["syncs_per_step"] <= 1, row
+    assert row["launches_per_decode_step"] == 2 * per_layer, row
+
+
 def test_a_triton_layer_launches_at_most_20_kernels(counts: dict) -> None:
     """Non-view ATen ops + Triton launches per layer of a decode step, at 30 layers (the
     torch path's ~41 before the fused kernels): 4 matmuls, the output buffer, 6 launches."""
