@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.cluster.driver import Replica
+from harness.cluster.driver import Replica, serve
 from harness.cluster.handoff import Reservation, full_blocks, hold, movable_manager, reserve
 from harness.cluster.link import Link
 from harness.cluster.router import Router
@@ -186,19 +186,8 @@ class DisaggCluster:
     def run(self, workload: Workload, progress: ProgressFn | None = None) -> float:
         """Serve every request of ``workload``; returns the seconds until the last
         replica finished (the latest replica clock)."""
-        pending: Pending = []
-        arrivals = Arrivals(pending, workload)
-        try:
-            self._loop(workload, arrivals, pending, progress)
-        except BaseException:
-            for r in self.replicas:
-                r.engine.leave_lane(stopped=True)
-            raise
-        for r in self.replicas:
-            r.engine.leave_lane()
-        return max(r.now() for r in self.replicas)
+        return serve(self.replicas, self._loop, workload, progress)
 
-    # -- the loop ------------------------------------------------------------------------
     def _loop(self, workload: Workload, arrivals: Arrivals, pending: Pending,
               progress: ProgressFn | None) -> None:
         counts = Counts(arrivals.total)

@@ -20,7 +20,8 @@ from __future__ import annotations
 import contextlib
 import heapq
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from harness.cluster.clock import ReplicaClock
 from harness.cluster.router import Router, cached_prefix_tokens
@@ -92,6 +93,25 @@ class Replica:
             clock.pause()
 
 
+def serve(replicas: Sequence[Replica],
+          loop: Callable[[Workload, Arrivals, list[Any], ProgressFn | None], None],
+          workload: Workload, progress: ProgressFn | None) -> float:
+    """Run a cluster's ``loop`` over ``workload`` (its arrivals built as reached: no clock
+    runs between), every replica's decode lane left at the end, or as stopped when the
+    loop raises (an interrupt included); returns the latest replica clock."""
+    pending: list[Any] = []
+    arrivals = Arrivals(pending, workload)
+    try:
+        loop(workload, arrivals, pending, progress)
+    except BaseException:
+        for r in replicas:
+            r.engine.leave_lane(stopped=True)
+        raise
+    for r in replicas:
+        r.engine.leave_lane()
+    return max(r.now() for r in replicas)
+
+
 class Cluster:
     """Replicas behind a router; :meth:`run` serves a workload over all of them."""
 
@@ -105,17 +125,7 @@ class Cluster:
     def run(self, workload: Workload, progress: ProgressFn | None = None) -> float:
         """Serve every request of ``workload``; returns the seconds until the last
         replica finished (the latest replica clock)."""
-        pending: list[tuple[float, int, Request]] = []
-        arrivals = Arrivals(pending, workload)  # built as reached: no clock runs between
-        try:
-            self._loop(workload, arrivals, pending, progress)
-        except BaseException:
-            for r in self.replicas:
-                r.engine.leave_lane(stopped=True)
-            raise
-        for r in self.replicas:
-            r.engine.leave_lane()
-        return max(r.now() for r in self.replicas)
+        return serve(self.replicas, self._loop, workload, progress)
 
     def _loop(self, workload: Workload, arrivals: Arrivals,
               pending: list[tuple[float, int, Request]], progress: ProgressFn | None) -> None:
