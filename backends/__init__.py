@@ -16,6 +16,7 @@ from harness.backends.kivi import KIVIBackend
 from harness.backends.knorm import KnormBackend
 from harness.backends.observed_attention import ObservedAttentionBackend
 from harness.backends.paged import PagedBackend
+from harness.backends.pyramidkv import PyramidKVBackend
 from harness.backends.quest import QuestBackend
 from harness.backends.sliding_window import SlidingWindowBackend, StreamingLLMBackend
 from harness.backends.snapkv import SnapKVBackend
@@ -39,6 +40,7 @@ BACKENDS: dict[str, type[KVBackend]] = {
     "keydiff": KeyDiffBackend,
     "observed_attention": ObservedAttentionBackend,
     "expected_attention": ExpectedAttentionBackend,
+    "pyramidkv": PyramidKVBackend,
 }
 
 

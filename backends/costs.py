@@ -314,3 +314,30 @@ def step_reads(rec: StepRecord, kv: HeldSource, costs: KVCosts) -> StepReads:
         else:
             out.prefill_pairs += costs.prefill_pairs(s.start, s.num_tokens, held)
     return out
+
+
+class HeadwiseCosts(KVCosts):
+    """Per-head tables (harness.kv.headwise: pyramidkv, adakv, duo_attention): ``held`` is
+    in head-tokens (the tokens each of the ``heads`` = layers x KV heads keeps, summed),
+    one costing ``slot_bytes / heads``. A decode reads every head-token its sequence holds
+    (``tokens``: their mean over the heads, rounded down per decode); a prefill chunk runs
+    before the prompt's selection, every head holding every token, and sees each key at or
+    before its query (dense)."""
+
+    def __init__(self, slot_bytes: int, block_size: int, heads: int) -> None:
+        super().__init__(slot_bytes, block_size)
+        assert slot_bytes % heads == 0, (slot_bytes, heads)
+        self.heads, self.head_bytes = heads, slot_bytes // heads
+
+    def decode_read(self, context: int, held: int) -> Read:
+        return Read(held // self.heads, held * self.head_bytes)
+
+    def prefill_pairs(self, start: int, n: int, held: int) -> int:
+        return super().prefill_pairs(start, n, held // self.heads)
+
+    def gathered(self, context: int, held: int) -> int:
+        # The torch path gathers each head's pages up to the context's blocks.
+        return cdiv(context, self.block_size) * self.block_size
+
+    def summed_decode_read(self, s: LaneSums) -> Read:
+        raise NotImplementedError("per-head tables do not take the what-if's decode lanes")

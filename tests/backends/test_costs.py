@@ -37,6 +37,8 @@ OPTIONS = {
     "tova": ["backend.budget=32", "backend.budget_ratio=0"],
     "quest": ["backend.token_budget=16"],
     "snapkv": ["backend.window=8", "backend.budget=12", "backend.budget_ratio=0"],
+    "pyramidkv": ["backend.window=8", "backend.budget=12", "backend.budget_ratio=0",
+                  "backend.beta=1"],
     "flash_attn": ["model.dtype=bfloat16"],  # the CPU stand-in of tests/flash_attn_standin
 }
 # Forks (n=3 samples share the prompt's blocks) under a budget of ~2 requests' tokens, so

@@ -34,6 +34,8 @@ OPTIONS = {
     "tova": ["backend.budget=120", "backend.budget_ratio=0", "workload.output_tokens=80"],
     "quest": ["backend.token_budget=16"],  # dense prefill, sparse decode: they differ here
     "snapkv": [f"backend.window={WINDOW}", "backend.budget=16", "backend.budget_ratio=0"],
+    "pyramidkv": [f"backend.window={WINDOW}", "backend.budget=16", "backend.budget_ratio=0",
+                  "backend.beta=2"],
 }
 PLANS = {"whole": [P], "n-1+1": [P - 1, 1], "1+n-1": [1, P - 1],
          "one_at_window_start": [P - WINDOW, 1, WINDOW - 1]}
