@@ -3,6 +3,7 @@ backend is listed here by hand, and an unknown name fails with the known ones.""
 
 from __future__ import annotations
 
+from harness.backends.adakv import AdaKVBackend
 from harness.backends.base import AttentionBatch, CacheSizing, KVBackend, KVLayout, PrefillChunk
 from harness.backends.contiguous import ContiguousBackend
 from harness.backends.expected_attention import ExpectedAttentionBackend
@@ -41,6 +42,7 @@ BACKENDS: dict[str, type[KVBackend]] = {
     "observed_attention": ObservedAttentionBackend,
     "expected_attention": ExpectedAttentionBackend,
     "pyramidkv": PyramidKVBackend,
+    "adakv": AdaKVBackend,
 }
 
 

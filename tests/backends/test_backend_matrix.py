@@ -22,6 +22,7 @@ EXTRA = {
     "quest": ["backend.token_budget=16"],  # two blocks of 8: contexts here are longer
     "snapkv": ["backend.window=8"],  # prompts here are short: a window of 32 keeps them
     "pyramidkv": ["backend.window=4", "backend.beta=2"],  # (a window of 64 keeps them all)
+    "adakv": ["backend.window=4"],
 }
 NEEDS_CUDA = {"flash_attn"}  # its adapter is tested on CPU in test_flash_attn.py
 BACKENDS = [(name, EXTRA.get(name, []), cls.exact) for name, cls in REGISTRY.items()]

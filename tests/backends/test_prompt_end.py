@@ -36,6 +36,7 @@ OPTIONS = {
     "snapkv": [f"backend.window={WINDOW}", "backend.budget=16", "backend.budget_ratio=0"],
     "pyramidkv": [f"backend.window={WINDOW}", "backend.budget=16", "backend.budget_ratio=0",
                   "backend.beta=2"],
+    "adakv": [f"backend.window={WINDOW}", "backend.budget=16", "backend.budget_ratio=0"],
 }
 PLANS = {"whole": [P], "n-1+1": [P - 1, 1], "1+n-1": [1, P - 1],
          "one_at_window_start": [P - WINDOW, 1, WINDOW - 1]}
