@@ -6,6 +6,7 @@ from __future__ import annotations
 from harness.backends.adakv import AdaKVBackend
 from harness.backends.base import AttentionBatch, CacheSizing, KVBackend, KVLayout, PrefillChunk
 from harness.backends.contiguous import ContiguousBackend
+from harness.backends.duo_attention import DuoAttentionBackend
 from harness.backends.expected_attention import ExpectedAttentionBackend
 from harness.backends.flash_attn import FlashAttnBackend
 from harness.backends.flex import FlexBackend
@@ -43,6 +44,7 @@ BACKENDS: dict[str, type[KVBackend]] = {
     "expected_attention": ExpectedAttentionBackend,
     "pyramidkv": PyramidKVBackend,
     "adakv": AdaKVBackend,
+    "duo_attention": DuoAttentionBackend,
 }
 
 

@@ -28,6 +28,8 @@ from harness.sched.step import CHECKS, ScheduledSeq, StepRecord
 
 if TYPE_CHECKING:
     from harness.backends.tier_storage import TierStorage
+    from harness.model.llama import LlamaModel
+    from harness.model.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,6 +280,10 @@ class KVBackend(ABC):
         """When an eviction method compresses a prompt (``run.prefill``: ``full``, once
         after the whole prompt; ``streaming``, while it is read); None for the others."""
         return None
+
+    def calibrate(self, model: LlamaModel, tokenizer: Tokenizer) -> None:  # noqa: B027
+        """Measure on the model what the method needs before it serves (executor=model,
+        when the stack is built; duo_attention: its retrieval heads). Default: nothing."""
 
     @abstractmethod
     def allocate(self, sizing: CacheSizing) -> None:

@@ -108,6 +108,10 @@ class HeadwiseBackend(PagedStorageBackend):
         per key position -> each head's score of each position (heads, P - window)."""
         raise NotImplementedError(f"{type(self).__name__} reads no scores")
 
+    @property
+    def trigger(self) -> str | None:
+        return "full"  # a prompt is compressed once, at its end
+
     def make_manager(self, sizing: CacheSizing, **options: Any) -> KVManager:
         return HeadwiseKVManager(sizing.num_blocks, sizing.block_size, self.heads,
                                  self.policy, watermark=float(options.get("watermark", 0.01)),

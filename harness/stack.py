@@ -92,6 +92,7 @@ def build_stack(loaded: LoadedModel, device: torch.device, backend_opts: Backend
     if mc.layer_attention and not layer_types.own_window(mc.layer_attention, backend_opts):
         check_model_groups(mc.name, mc.layer_attention, backend)
         plan = kv_plan(mc.name, mc.layer_attention, backend, cache.kv_groups)
+    backend.calibrate(loaded.model, loaded.tokenizer)  # (duo_attention's heads)
     return assemble_stack(backend, device, cache, sched, sampler,
                           mc.max_position_embeddings, tuple(loaded.tokenizer.eos_ids),
                           model=loaded, shapes=shapes, quiet=quiet, kv_budget=kv_budget,

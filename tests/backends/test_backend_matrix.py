@@ -23,6 +23,8 @@ EXTRA = {
     "snapkv": ["backend.window=8"],  # prompts here are short: a window of 32 keeps them
     "pyramidkv": ["backend.window=4", "backend.beta=2"],  # (a window of 64 keeps them all)
     "adakv": ["backend.window=4"],
+    "duo_attention": ["backend.sink_tokens=2", "backend.recent=4",
+                      "backend.calibration_tokens=64"],
 }
 NEEDS_CUDA = {"flash_attn"}  # its adapter is tested on CPU in test_flash_attn.py
 BACKENDS = [(name, EXTRA.get(name, []), cls.exact) for name, cls in REGISTRY.items()]

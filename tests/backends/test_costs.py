@@ -40,6 +40,8 @@ OPTIONS = {
     "pyramidkv": ["backend.window=8", "backend.budget=12", "backend.budget_ratio=0",
                   "backend.beta=1"],
     "adakv": ["backend.window=8", "backend.budget=12", "backend.budget_ratio=0"],
+    "duo_attention": ["backend.sink_tokens=4", "backend.recent=8",
+                      "backend.calibration_tokens=64"],
     "flash_attn": ["model.dtype=bfloat16"],  # the CPU stand-in of tests/flash_attn_standin
 }
 # Forks (n=3 samples share the prompt's blocks) under a budget of ~2 requests' tokens, so

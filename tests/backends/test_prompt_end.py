@@ -37,6 +37,8 @@ OPTIONS = {
     "pyramidkv": [f"backend.window={WINDOW}", "backend.budget=16", "backend.budget_ratio=0",
                   "backend.beta=2"],
     "adakv": [f"backend.window={WINDOW}", "backend.budget=16", "backend.budget_ratio=0"],
+    "duo_attention": ["backend.sink_tokens=4", f"backend.recent={WINDOW}",
+                      "backend.calibration_tokens=64"],
 }
 PLANS = {"whole": [P], "n-1+1": [P - 1, 1], "1+n-1": [1, P - 1],
          "one_at_window_start": [P - WINDOW, 1, WINDOW - 1]}
