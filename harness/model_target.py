@@ -18,7 +18,7 @@ from harness.metrics.tasks import ScoresTasks, add_task_scores
 from harness.model import load_model
 from harness.model.tokenizer import Tokenizer
 from harness.quality import load_texts, measure
-from harness.quality_check import quality_prefill
+from harness.quality_check import method_policy, quality_prefill
 from harness.stack import Stack, build_stack, kv_plan_label
 from harness.target import ExecutorRecord
 from harness.workloads.base import Workload, request_shapes
@@ -76,7 +76,7 @@ class ModelTarget:
             # The evaluation's prompt, from the backend's policy: a method that would keep
             # every evaluated token is refused here, before the workload runs.
             self.quality_prefill = quality_prefill(
-                rc.quality, st.backend.full_group_policy(), rc.backend.name,
+                rc.quality, method_policy(st.backend), rc.backend.name,
                 st.sizing.block_size)
         ex = st.engine.executor
         assert isinstance(ex, ModelExecutor)

@@ -29,11 +29,10 @@ from harness.backends.contiguous import ContiguousOptions
 from harness.backends.paged import PagedOptions
 from harness.engine.sampler import Sampler, make_sampler
 from harness.errors import UserError
-from harness.kv.policies.base import EvictionPolicy
 from harness.metrics.bootstrap import ci_keys
 from harness.metrics.summary import kv_read_bytes_per_token
 from harness.model import LoadedModel, load_model
-from harness.quality_check import check_evicted
+from harness.quality_check import Policy, check_evicted, method_policy
 from harness.quality_config import DEFAULT_PREFILL, QualityConfig
 from harness.quality_outputs import lengths_fixed, output_metrics
 from harness.sched.sequence import SamplingParams, Sequence, SequenceGroup
@@ -163,7 +162,7 @@ class Streamed:
     held_peak: float  # ... and the peak
     reads: float | None  # cache bytes a decode query read (the backend's declared reads)
     evicted_tokens: int  # tokens the KV manager's eviction policies gave back, all texts
-    policy: EvictionPolicy | None  # the backend's (full layers') eviction policy
+    policy: Policy  # what decides what the backend keeps (quality_check.method_policy)
 
 
 def _stream(loaded: LoadedModel, device: torch.device, backend: BackendOptions,
@@ -177,7 +176,7 @@ def _stream(loaded: LoadedModel, device: torch.device, backend: BackendOptions,
     reads = kv_read_bytes_per_token(st.collector.steps)
     mean = sum(per_seq) / len(per_seq) if per_seq else 0.0
     return Streamed(mean, max(per_seq, default=0.0), reads, st.kv.stats.evicted_tokens,
-                    st.backend.full_group_policy())
+                    method_policy(st.backend))
 
 
 def fp32_bytes_per_token(loaded: LoadedModel) -> int:

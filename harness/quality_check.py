@@ -4,7 +4,8 @@
 The evaluation streams each text: its first ``prefill`` tokens as a prompt, the rest one
 token at a time. A method that compresses a prompt once, at its end, and keeps all it
 generates (snapkv without a cap, the kvpress-style presses: knorm, keydiff,
-observed_attention, expected_attention) does nothing to a 32-token prompt: snapkv once
+observed_attention, expected_attention; the per-head ones: pyramidkv, adakv,
+duo_attention) does nothing to a 32-token prompt: snapkv once
 reported a perplexity delta of 0.00, KL 0 and top-1 agreement 1.0 there, silently. So:
 
 * :func:`quality_prefill`: unless ``quality.prefill_tokens`` is set, such a method gets a
@@ -19,10 +20,14 @@ reported a perplexity delta of 0.00, KL 0 and top-1 agreement 1.0 there, silentl
 from __future__ import annotations
 
 import sys
+from typing import TypeAlias
 
+from harness.backends.base import KVBackend
+from harness.backends.headwise import HeadwiseBackend
 from harness.errors import UserError
 from harness.kv.policies.base import EvictionPolicy
 from harness.kv.policies.budget import BudgetPolicy
+from harness.kv.policies.headwise import HeadPolicy
 from harness.kv.policies.snapkv import SnapKVPolicy
 from harness.kv.policies.window import WindowPolicy
 from harness.quality_config import DEFAULT_PREFILL, QualityConfig
@@ -30,19 +35,37 @@ from harness.quality_config import DEFAULT_PREFILL, QualityConfig
 PROMPT_SHARE = 0.75  # a prompt-time compressor's prompt: 3/4 of the text (768 of 1024)
 MIN_SCORED = 16  # tokens after the prompt, at the least, for a perplexity worth reading
 
+# What decides which tokens a method keeps: a token policy (one table per sequence) or a
+# per-head one (a table per layer and KV head); None: the method keeps every token.
+Policy: TypeAlias = EvictionPolicy | HeadPolicy | None
 
-def compresses_at_prompt_end(policy: EvictionPolicy | None) -> bool:
+
+def method_policy(backend: KVBackend) -> Policy:
+    """``backend``'s policy: its full layers' eviction policy, or its per-head one."""
+    if isinstance(backend, HeadwiseBackend):
+        return backend.policy
+    return backend.full_group_policy()
+
+
+def compresses_at_prompt_end(policy: Policy) -> bool:
     """A method that compresses a prompt once and then keeps all it generates."""
+    if isinstance(policy, HeadPolicy):
+        return True
     if isinstance(policy, SnapKVPolicy):
         return not policy.max_tokens
     return isinstance(policy, BudgetPolicy) and not policy.decode_budget
 
 
-def why_all_kept(policy: EvictionPolicy | None, prefill: int, total: int,
+def why_all_kept(policy: Policy, prefill: int, total: int,
                  block_size: int) -> str | None:
     """Why ``policy`` keeps every token of a ``total``-token text whose first ``prefill``
     are the prompt (None: it drops some, or it is no policy the plan knows)."""
     generated = total - prefill
+    if isinstance(policy, HeadPolicy):
+        if policy.compresses(prefill):
+            return None
+        return (f"it compresses a prompt once, per head, and keeps all it generates; no "
+                f"head gives back a token of a {prefill}-token prompt")
     if isinstance(policy, WindowPolicy):
         # The last forward computes token total - 1; a block goes once that reaches it.
         first = policy.gives_back_at(0, block_size)
@@ -71,7 +94,8 @@ def why_all_kept(policy: EvictionPolicy | None, prefill: int, total: int,
     return None
 
 
-def _shortest_compressed(policy: EvictionPolicy, block_size: int) -> int | None:
+def _shortest_compressed(policy: EvictionPolicy | HeadPolicy,
+                         block_size: int) -> int | None:
     """The shortest prompt a prompt-time compressor shortens (None: none up to 64k)."""
     p = 2
     while p <= 1 << 16:
@@ -81,7 +105,7 @@ def _shortest_compressed(policy: EvictionPolicy, block_size: int) -> int | None:
     return None
 
 
-def quality_prefill(qc: QualityConfig, policy: EvictionPolicy | None, backend: str,
+def quality_prefill(qc: QualityConfig, policy: Policy, backend: str,
                     block_size: int) -> int:
     """The prompt length of the quality evaluation for a run whose backend keeps tokens
     by ``policy`` (its full layers' policy; None: it evicts nothing). Raises a UserError
@@ -111,7 +135,7 @@ def quality_prefill(qc: QualityConfig, policy: EvictionPolicy | None, backend: s
                     "or a smaller budget")
 
 
-def check_evicted(backend: str, policy: EvictionPolicy | None, evicted_per_seq: float,
+def check_evicted(backend: str, policy: Policy, evicted_per_seq: float,
                   prefill: int) -> None:
     """Warn loudly when a method with an eviction policy gave back no token of the
     evaluated text beyond what the exact reference did (``evicted_per_seq``)."""

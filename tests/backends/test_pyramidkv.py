@@ -5,10 +5,13 @@ back to the pool, so more sequences run than paged's at the same budget."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
+from harness.backends.headwise import snapkv_head_scores
 from harness.config import run_config
 from harness.errors import UserError
 from harness.kv.headwise import HeadwiseKVManager
@@ -91,6 +94,27 @@ def test_each_head_keeps_a_brute_force_pyramidkv(chunks: list[int]) -> None:
         check_decode(d, s, d.step([(s, 1)]))
     check_books(kv, [s])
     assert d.reads[-1].decode_tokens == (60 + 60 + 20 + 20 + 4 * 3) // 4
+
+
+def test_head_scores_are_kvpress_snapkv_scores_per_kv_head() -> None:
+    # kvpress 0.5.5's own SnapKVPress.score, recorded per KV head on SmolLM2's layers 0-1
+    # (tests/fixtures/kvpress_scores.pt, scripts/peer_kvpress.sh: window 32, kernel 7):
+    # the per-head score pyramidkv and adakv rank by, to float32 rounding, no constant.
+    fixture = torch.load(Path(__file__).parents[1] / "fixtures" / "kvpress_scores.pt")
+    win, kern = int(fixture["meta"]["snapkv"]["window"]), int(fixture["meta"]["snapkv"]["kernel"])
+    for layer in ("0", "1"):
+        rec = fixture[layer]
+        q, k = rec["q"].float(), rec["k"].float()  # (T, H, D), (T, KV, D) post-RoPE
+        t, kv, d = k.shape
+        qg = q[t - win:].view(win, kv, -1, d)
+        logits = torch.einsum("nkgd,kld->kgnl", qg, k.transpose(0, 1)) * d ** -0.5
+        causal = torch.arange(t)[None, :] <= torch.arange(t - win, t)[:, None]
+        w = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+        acc = w[..., :t - win].sum(dim=2).reshape(1, -1, t - win)  # (1 layer, H, T - W)
+        ours = snapkv_head_scores(acc, win, kern, "avg", kv).double()
+        ref = rec["scores"]["snapkv"][:, :t - win].double()  # (KV, T - W), window cut
+        assert ours.shape == ref.shape
+        assert float((ours - ref).abs().max() / ref.abs().max()) < 1e-5, layer
 
 
 def test_scores_reach_the_policy_by_the_heads_own_slots() -> None:

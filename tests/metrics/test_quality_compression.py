@@ -71,14 +71,15 @@ def test_no_token_given_back_warns_loudly(capsys: pytest.CaptureFixture[str]) ->
     assert capsys.readouterr().err == ""
 
 
-@pytest.mark.parametrize("backend", ["snapkv", "knorm"])
+@pytest.mark.parametrize("backend", ["snapkv", "knorm", "pyramidkv", "adakv"])
 def test_a_prompt_time_compressor_shows_its_compression(backend: str) -> None:
     common = ("quality.enabled=true", "quality.num_texts=2", "quality.text_tokens=96",
               "quality.generation_agreement=false", "workload.conversations=1",
               "workload.turns=1", "cache.kv_budget=1MiB")
     m = run(tiny(f"backend={backend}", *common)).metrics
     # Its prompt: 3/4 of each text (72 tokens), compressed (snapkv keeps its 32-token
-    # window + 20% of 72, knorm 20% of 72); the 24 tokens after it see what is left.
+    # window + 20% of 72, knorm 20% of 72, the per-head ones their heads' shares); the 24
+    # tokens after it see what is left.
     assert m["quality.prefill_tokens"] == 72 and m["quality.tokens"] == 2 * 24
     assert m["quality.evicted_tokens_per_seq"] > 20
     assert m["quality.kl_mean"] > 1e-4 and abs(m["quality.ppl_delta_pct"]) > 1e-3
@@ -87,8 +88,15 @@ def test_a_prompt_time_compressor_shows_its_compression(backend: str) -> None:
     assert exact["quality.evicted_tokens_per_seq"] == 0 and exact["quality.kl_mean"] < 1e-6
 
 
-def test_the_refusal_comes_before_the_workload_runs(tmp_path: Path) -> None:
-    with pytest.raises(UserError, match="backend snapkv would keep every token"):
-        run(tiny("backend=snapkv", "quality.enabled=true", "quality.text_tokens=96",
-                 "quality.prefill_tokens=16", out_dir=tmp_path))
+@pytest.mark.parametrize(("backend", "extra", "why"), [
+    ("snapkv", ["quality.prefill_tokens=16"], "keeps 16 of the 16 prompt tokens"),
+    # duo_attention's streaming heads keep their sinks and recent tokens: a 72-token
+    # prompt (3/4 of 96) fits in them; the way out names the lengths it needs.
+    ("duo_attention", [], r"no head gives back a token of a 72-token prompt.*"
+                          r"quality\.text_tokens>=\d+")])
+def test_the_refusal_comes_before_the_workload_runs(tmp_path: Path, backend: str,
+                                                    extra: list[str], why: str) -> None:
+    with pytest.raises(UserError, match=f"backend {backend} would keep every token.*{why}"):
+        run(tiny(f"backend={backend}", "quality.enabled=true", "quality.text_tokens=96",
+                 *extra, out_dir=tmp_path))
     assert not (tmp_path / "steps.csv").exists() and not (tmp_path / "metrics.json").exists()
