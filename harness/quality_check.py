@@ -9,8 +9,9 @@ duo_attention) does nothing to a 32-token prompt: snapkv once
 reported a perplexity delta of 0.00, KL 0 and top-1 agreement 1.0 there, silently. So:
 
 * :func:`quality_prefill`: unless ``quality.prefill_tokens`` is set, such a method gets a
-  prompt of :data:`PROMPT_SHARE` of the text (longer than its budget), the others the
-  earlier :data:`DEFAULT_PREFILL`; and a prompt (chosen or set) on which the method
+  prompt of :data:`PROMPT_SHARE` of the text (longer than its budget; or the shortest it
+  compresses, if longer still and the text has room), the others the earlier
+  :data:`DEFAULT_PREFILL`; and a prompt (chosen or set) on which the method
   would keep every token of the text is refused before the run, saying what to set;
 * :func:`check_evicted`: after the streaming, a method with an eviction policy that gave
   back no more tokens than the exact reference warns loudly (the policy's arithmetic
@@ -114,8 +115,14 @@ def quality_prefill(qc: QualityConfig, policy: Policy, backend: str,
     if qc.prefill_tokens is not None:
         prefill, how = qc.prefill_tokens, f"quality.prefill_tokens={qc.prefill_tokens}"
     elif compresses_at_prompt_end(policy):
+        assert policy is not None
         prefill = min(total - MIN_SCORED, max(DEFAULT_PREFILL, int(PROMPT_SHARE * total)))
-        how = f"the prompt it gets by default ({PROMPT_SHARE:.0%} of the text: {prefill})"
+        # A method that keeps more than 3/4 of the text gets the shortest prompt it
+        # compresses, where the text has room for it.
+        shortest = _shortest_compressed(policy, block_size)
+        if shortest is not None and prefill < shortest <= total - MIN_SCORED:
+            prefill = shortest
+        how = f"the prompt it gets by default ({prefill} tokens)"
     else:
         prefill, how = DEFAULT_PREFILL, f"the default prompt ({DEFAULT_PREFILL} tokens)"
     why = why_all_kept(policy, prefill, total, block_size)

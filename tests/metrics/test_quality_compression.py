@@ -63,6 +63,16 @@ def test_a_method_that_would_keep_everything_is_refused() -> None:
         quality_prefill(QualityConfig(enabled=True, text_tokens=512), h2o_all, "h2o", 16)
 
 
+def test_a_method_keeping_more_gets_the_shortest_prompt_it_compresses() -> None:
+    # duo_attention's streaming heads keep sinks + recent tokens: 3/4 of a 500-token text
+    # (375) fits in them, so its prompt is the shortest it compresses (389 on model=tiny).
+    m = run(tiny("backend=duo_attention", "quality.enabled=true", "quality.num_texts=1",
+                 "quality.text_tokens=500", "quality.generation_agreement=false",
+                 "workload.conversations=1", "workload.turns=1", "cache.kv_budget=1MiB")).metrics
+    assert 375 < m["quality.prefill_tokens"] <= 500 - 16
+    assert m["quality.evicted_tokens_per_seq"] > 0 and m["quality.kl_mean"] > 0
+
+
 def test_no_token_given_back_warns_loudly(capsys: pytest.CaptureFixture[str]) -> None:
     check_evicted("snapkv", _snapkv(), 0.0, 32)
     assert "WARNING: quality: backend snapkv gave back no token" in capsys.readouterr().err
