@@ -31,12 +31,18 @@ class CopyOp:
     ``move``: the tokens move (compaction), so the source slots hold nothing afterwards (a
     backend with per-slot metadata clears theirs after copying it). The moves of one
     compaction have disjoint sources and destinations, so a backend may apply a run of
-    them as one gather and scatter."""
+    them as one gather and scatter.
+
+    ``share``: the share of a whole token's K/V one slot holds: 1 for the pools whose slot
+    is a token (all layers, all KV heads), 1 / (layers x KV heads) where a slot is one
+    (layer, KV head) of a token (harness.kv.headwise); the what-if charges a copy's bytes
+    by it."""
 
     src: int
     dst: int
     num_slots: int
     move: bool = False
+    share: float = 1.0
 
 
 @dataclass(slots=True)

@@ -240,7 +240,8 @@ class HeadwiseKVManager:
         for i in np.flatnonzero((c % bs > 0) & (self.ref[last] > 1)).tolist():
             new = self._take(1)[0]
             filled = int(c[i] % bs)
-            self._ops.copies.append(CopyOp(int(last[i]) * bs, new * bs, filled))
+            self._ops.copies.append(CopyOp(int(last[i]) * bs, new * bs, filled,
+                                           share=1.0 / h))
             self._add_fill(np.asarray([new]), filled)
             self._release(last[i:i + 1])
             st.pages[i][-1] = new
@@ -394,7 +395,8 @@ class HeadwiseKVManager:
             pos[holes] = movers
             kept.append(pos)
         src, dst = np.concatenate(src_all), np.concatenate(dst_all)
-        self._ops.copies += [CopyOp(s, t, 1, move=True)
+        one = 1.0 / self.heads  # a slot is one (layer, KV head) of a token
+        self._ops.copies += [CopyOp(s, t, 1, move=True, share=one)
                              for s, t in zip(src.tolist(), dst.tolist())]
         # The books: this sequence's private pages are emptied, its pages past the new
         # counts and its shared ones replaced are given back, the destinations filled.

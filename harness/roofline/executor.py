@@ -165,9 +165,10 @@ class RooflineExecutor:
 
     def apply_cache_ops(self, rec: StepRecord) -> None:
         """No tensors to move: the copies' and swaps' bytes are charged as time instead
-        (copies at device bandwidth, read and written; swaps over the host link)."""
+        (copies at device bandwidth, read and written, each slot its share of a token:
+        a per-head page's slot is one (layer, KV head); swaps over the host link)."""
         hw, bps = self.model.hw, self.model.kv_rank_bytes
-        slots = sum(op.num_slots for op in rec.copies)
+        slots = sum(op.num_slots * op.share for op in rec.copies)
         swapped = (len(rec.swap_out) + len(rec.swap_in)) * self.backend.block_size
         self._ops_s = 2 * slots * bps / (hw.mem_bw * hw.eff_bw) + swapped * bps / hw.host_bw
         if rec.tier_ops:
