@@ -112,6 +112,32 @@ def test_start_up_measures_the_model_and_streams_its_least_distant_heads() -> No
     assert np.allclose(measure_heads(model, ids, 4, 32), be.calibration)  # deterministic
 
 
+def test_a_second_stack_on_the_same_model_measures_nothing_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import harness.backends.duo_attention as duo
+
+    calls: list[tuple[int, int]] = []
+    real = duo.measure_heads
+
+    def counted(model: object, ids: list[int], sink: int, recent: int) -> np.ndarray:
+        calls.append((sink, recent))
+        return real(model, ids, sink, recent)
+
+    monkeypatch.setattr(duo, "measure_heads", counted)
+    ovr = ["model=tiny", "backend=duo_attention", "backend.sink_tokens=4",
+           "backend.recent=32", "backend.calibration_tokens=180", "workload=random",
+           "workload.num_requests=1"]
+    target, wl, first = model_stack(ovr)
+    again = target.build(wl, quiet=True)  # the quality evaluation's way: the same model
+    assert calls == [(4, 32)]
+    assert np.array_equal(again.backend.calibration, first.backend.calibration)
+    # Other settings on the same model are measured for themselves.
+    be = again.backend
+    be.opts.recent = 40
+    be.calibrate(target.loaded.model, target.loaded.tokenizer)
+    assert calls == [(4, 32), (4, 40)]
+
+
 @pytest.mark.parametrize("chunks", [[100], [60, 40]])
 def test_streaming_heads_keep_sinks_and_recent_tokens_retrieval_heads_all(
         chunks: list[int]) -> None:
