@@ -253,6 +253,13 @@ def main(argv: list[str] | None = None) -> int:
         if missing and args.write_baseline is not None:
             raise ValueError("cannot take a baseline from a sweep with jobs that never "
                              f"started: {'; '.join(missing)}; finish the sweep first")
+        # A sweep whose multirun.yaml cannot be read may have jobs that never started
+        # which nobody can list: said in the verdict as such, refused as a baseline.
+        unlisted = [f"{sweep} ({why})" for sweep, why in sweeps.unlisted]
+        if unlisted and args.write_baseline is not None:
+            raise ValueError("cannot take a baseline from a sweep whose multirun.yaml could "
+                             f"not be read: {'; '.join(unlisted)}: jobs it never started "
+                             "cannot be listed; restore the file or gate its runs apart")
         if args.write_baseline is not None:
             return _write(args.write_baseline, runs, args.metrics)
         if args.metrics is not None:
@@ -271,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.partial:
             rows += [Row(m, "(run)", None, None, None, "NOT STARTED (a job of its sweep)",
                          True) for m in missing]
+            rows += [Row(u, "(run)", None, None, None, "UNLISTED (multirun.yaml unreadable: "
+                         "jobs never started cannot be listed)", True) for u in unlisted]
     except ValueError as e:
         print(f"kvbench gate: {e}", file=sys.stderr)
         return 2

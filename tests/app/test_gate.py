@@ -313,3 +313,22 @@ def test_a_partial_group_of_repeats_is_no_baseline() -> None:
     with pytest.raises(ValueError, match="partial group of repeats: g: 1 of 3 repeats"):
         take_baseline([group], spec)
     assert take_baseline([member], spec).runs == {"paged/random": {"requests.finished": 4.0}}
+
+
+def test_a_sweep_whose_multirun_yaml_is_unreadable_fails_and_is_no_baseline(
+        copy: Path, baseline: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue #55: the report said a sweep's never-started jobs could not be listed when
+    its multirun.yaml was unreadable; the gate passed it. It names it in the verdict
+    (unless --partial) and refuses it as a baseline."""
+    from harness.results import SWEEP_CLAIM
+
+    (copy / SWEEP_CLAIM).write_text("{}\n")
+    (copy / "multirun.yaml").write_text("hydra: {sweeper: [unclosed\n")
+    assert main([str(copy), "--baseline", str(baseline)]) == 1
+    out = capsys.readouterr().out
+    assert "UNLISTED (multirun.yaml unreadable: jobs never started cannot be listed)" in out
+    assert main([str(copy), "--baseline", str(baseline), "--partial"]) == 0
+    capsys.readouterr()
+    assert main(["--write-baseline", str(tmp_path / "b.json"), str(copy)]) == 2
+    assert "could not be read" in capsys.readouterr().err
