@@ -460,6 +460,15 @@ def write_interrupted(out: Path, text: str) -> Path:
     return out / INTERRUPTED
 
 
+def record_interrupted(out: Path, text: str) -> str:
+    """:func:`write_interrupted`, said for the terminal: where the marker is, or why even
+    it could not be written (a run stopped on a full or read-only disk says so)."""
+    try:
+        return f"recorded in {write_interrupted(out, text)}"
+    except OSError as e:
+        return f"even the INTERRUPTED marker could not be written: {e.strerror or e}"
+
+
 def outcome(folder: Path) -> str | None:
     """The newest of metrics.json, FAILED and INTERRUPTED in ``folder`` (None: none).
     Folders from before claims existed could be rerun into: the newest file tells."""

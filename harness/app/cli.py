@@ -244,18 +244,15 @@ def _mark_failed(out: Path, error: BaseException | str) -> str:
 def _interrupted(out: Path, e: Interrupted) -> int:
     from harness import progress
     from harness.app.supervisor import parent_died
-    from harness.results import write_interrupted
+    from harness.results import record_interrupted
 
     done = progress.describe(snap.snapshot() if (snap := progress.current()) else None)
     if parent_died():  # PR_SET_PDEATHSIG: the process that launched this job is gone
         done += "; the process that launched this job had died"
     text = (f"interrupted by {e}: {done}\nits results are incomplete (metrics.json, "
             "written last, is not there); rerun it into a new folder")
-    try:
-        where = f"recorded in {write_interrupted(out, text)}"
-    except OSError as err:
-        where = f"even the INTERRUPTED marker could not be written: {err.strerror or err}"
-    print(f"\nkvbench: interrupted by {e}: {done}; {where}", file=sys.stderr)
+    print(f"\nkvbench: interrupted by {e}: {done}; {record_interrupted(out, text)}",
+          file=sys.stderr)
     return e.exit_code
 
 

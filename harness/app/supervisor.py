@@ -58,6 +58,7 @@ from harness.results import (
     owner_state,
     pid_alive,
     read_claim,
+    record_interrupted,
     set_aside,
     unmarked_claims,
     write_failure,
@@ -239,11 +240,8 @@ def mark_unstarted(stop: Interrupted) -> None:
     for folder in unmarked_claims():
         text = (f"interrupted by {stop} after its folder was claimed, before the run "
                 "started: nothing was run; rerun it into a new folder")
-        try:
-            where = f"recorded in {write_interrupted(folder, text)}"
-        except OSError as e:
-            where = f"even the INTERRUPTED marker could not be written: {e.strerror or e}"
-        print(f"kvbench: {folder}: {text}; {where}", file=sys.stderr)
+        print(f"kvbench: {folder}: {text}; {record_interrupted(folder, text)}",
+              file=sys.stderr)
 
 
 def as_interrupted(e: KeyboardInterrupt) -> Interrupted:
