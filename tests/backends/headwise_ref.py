@@ -3,6 +3,9 @@ written position by position and head by head, for the tests to hold the backend
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -97,3 +100,40 @@ def check_books(kv: HeadwiseKVManager, live: list[Sequence]) -> None:
             assert kv.pool.fill[b] == int(fill[b * h:(b + 1) * h][ref[b * h:(b + 1) * h] > 0]
                                           .sum()) // h
     assert kv.pages_free() == kv.pool.num_blocks * h - int((ref > 0).sum())
+
+
+# The "frees memory" comparisons every per-head method's tests make with paged: the same
+# long prompts under one tight budget on the real engine, and the same batch in the
+# what-if. Paged's side is run once per process (it does not depend on the method).
+LONG_PROMPTS = ("model=tiny", "workload=random", "workload.num_requests=12",
+                "workload.distribution=uniform", "workload.input_min=300",
+                "workload.input_max=400", "workload.output_min=8", "workload.output_max=16",
+                "workload.rate=0", "cache.kv_budget=512KiB", "backend.block_size=8")
+WHATIF_PROMPT, WHATIF_OUTPUT = 1000, 32
+WHATIF = ("executor=roofline", "roofline.model=Llama-3.1-8B", "roofline.hardware=h100-sxm",
+          "workload=random", "workload.num_requests=12", "workload.distribution=uniform",
+          f"workload.input_min={WHATIF_PROMPT}", f"workload.input_max={WHATIF_PROMPT}",
+          f"workload.output_min={WHATIF_OUTPUT}", f"workload.output_max={WHATIF_OUTPUT}",
+          "workload.rate=0", "cache.kv_budget=512MiB")
+
+
+@functools.cache
+def _metrics(overrides: tuple[str, ...]) -> dict[str, Any]:
+    from harness.runner import run
+    from tests.compose import compose_cfg
+
+    return run(compose_cfg(list(overrides))).metrics
+
+
+def against_paged(*method: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(paged's metrics, the method's) on :data:`LONG_PROMPTS` (``method``: its
+    backend=... and options), paged without prefix caching as the method runs."""
+    paged = _metrics(("backend=paged", "cache.enable_prefix_caching=false", *LONG_PROMPTS))
+    return paged, _metrics((*method, *LONG_PROMPTS))
+
+
+def against_paged_in_the_what_if(backend: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(paged's metrics, ``backend``'s) on :data:`WHATIF` (executor=roofline)."""
+    return (_metrics((*WHATIF, "backend=paged")),
+            _metrics((*WHATIF, f"backend={backend}")))
+

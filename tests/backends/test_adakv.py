@@ -13,9 +13,10 @@ from harness.config import run_config
 from harness.errors import UserError
 from harness.kv.headwise import HeadwiseKVManager
 from harness.kv.policies.adakv import adakv_keep
-from harness.runner import run
 from tests.backend_steps import Driver
 from tests.backends.headwise_ref import (
+    against_paged,
+    against_paged_in_the_what_if,
     check_books,
     check_decode,
     prefill_recording,
@@ -110,13 +111,7 @@ def test_each_head_keeps_a_brute_force_adakv(chunks: list[int]) -> None:
 
 
 def test_freed_pages_let_more_sequences_run_than_paged() -> None:
-    load = ("model=tiny", "workload=random", "workload.num_requests=12",
-            "workload.distribution=uniform", "workload.input_min=300",
-            "workload.input_max=400", "workload.output_min=8", "workload.output_max=16",
-            "workload.rate=0", "cache.kv_budget=512KiB", "backend.block_size=8")
-    paged = run(compose_cfg(["backend=paged", "cache.enable_prefix_caching=false",
-                             *load])).metrics
-    ada = run(compose_cfg(["backend=adakv", "backend.window=16", *load])).metrics
+    paged, ada = against_paged("backend=adakv", "backend.window=16")
     assert ada["requests.finished"] == paged["requests.finished"] == 12
     assert ada["memory.max_running_seqs"] > paged["memory.max_running_seqs"]
     assert ada["cache.evicted_tokens"] > 0
@@ -125,14 +120,7 @@ def test_freed_pages_let_more_sequences_run_than_paged() -> None:
 def test_the_what_if_runs_it_and_frees_the_same() -> None:
     # executor=roofline: no scores (all equal: a stand-in), the same total per layer:
     # 8 KV heads x 200 of 1000 (20%), plus what each decode added.
-    p, out = 1000, 32
-    common = ["executor=roofline", "roofline.model=Llama-3.1-8B",
-              "roofline.hardware=h100-sxm", "workload=random", "workload.num_requests=12",
-              "workload.distribution=uniform", f"workload.input_min={p}",
-              f"workload.input_max={p}", f"workload.output_min={out}",
-              f"workload.output_max={out}", "workload.rate=0", "cache.kv_budget=512MiB"]
-    paged = run(compose_cfg([*common, "backend=paged"])).metrics
-    ada = run(compose_cfg([*common, "backend=adakv"])).metrics
+    paged, ada = against_paged_in_the_what_if("adakv")
     assert ada["requests.finished"] == paged["requests.finished"] == 12
     assert ada["memory.max_running_seqs"] > paged["memory.max_running_seqs"]
     bps = paged["roofline.kv_bytes_per_token"]

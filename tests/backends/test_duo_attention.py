@@ -16,9 +16,14 @@ from harness.config import run_config
 from harness.errors import UserError
 from harness.kv.headwise import HeadwiseKVManager
 from harness.kv.policies.duo import DuoPolicy, choose_streaming
-from harness.runner import run
 from tests.backend_steps import Driver
-from tests.backends.headwise_ref import check_books, check_decode, prefill_recording
+from tests.backends.headwise_ref import (
+    against_paged,
+    against_paged_in_the_what_if,
+    check_books,
+    check_decode,
+    prefill_recording,
+)
 from tests.compose import compose_cfg, model_stack
 
 BS = 8
@@ -163,15 +168,8 @@ def test_streaming_heads_keep_sinks_and_recent_tokens_retrieval_heads_all(
 
 
 def test_freed_pages_let_more_sequences_run_than_paged() -> None:
-    load = ("model=tiny", "workload=random", "workload.num_requests=12",
-            "workload.distribution=uniform", "workload.input_min=300",
-            "workload.input_max=400", "workload.output_min=8", "workload.output_max=16",
-            "workload.rate=0", "cache.kv_budget=512KiB", "backend.block_size=8")
-    paged = run(compose_cfg(["backend=paged", "cache.enable_prefix_caching=false",
-                             *load])).metrics
-    duo = run(compose_cfg(["backend=duo_attention", "backend.sink_tokens=4",
-                           "backend.recent=32", "backend.calibration_tokens=256",
-                           *load])).metrics
+    paged, duo = against_paged("backend=duo_attention", "backend.sink_tokens=4",
+                               "backend.recent=32", "backend.calibration_tokens=256")
     assert duo["requests.finished"] == paged["requests.finished"] == 12
     assert duo["memory.max_running_seqs"] > paged["memory.max_running_seqs"]
     assert duo["cache.evicted_tokens"] > 0
@@ -180,14 +178,7 @@ def test_freed_pages_let_more_sequences_run_than_paged() -> None:
 def test_the_what_if_runs_it_and_frees_the_same() -> None:
     # No model to measure: the first half of the 256 (layer, KV head)s stream (the count
     # is the method's): each holds 128 sinks + 256 recent of 1000, the others all of it.
-    p, out = 1000, 32
-    common = ["executor=roofline", "roofline.model=Llama-3.1-8B",
-              "roofline.hardware=h100-sxm", "workload=random", "workload.num_requests=12",
-              "workload.distribution=uniform", f"workload.input_min={p}",
-              f"workload.input_max={p}", f"workload.output_min={out}",
-              f"workload.output_max={out}", "workload.rate=0", "cache.kv_budget=512MiB"]
-    paged = run(compose_cfg([*common, "backend=paged"])).metrics
-    duo = run(compose_cfg([*common, "backend=duo_attention"])).metrics
+    paged, duo = against_paged_in_the_what_if("duo_attention")
     assert duo["requests.finished"] == paged["requests.finished"] == 12
     assert duo["memory.max_running_seqs"] > paged["memory.max_running_seqs"]
     bps = paged["roofline.kv_bytes_per_token"]

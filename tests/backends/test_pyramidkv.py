@@ -16,9 +16,10 @@ from harness.config import run_config
 from harness.errors import UserError
 from harness.kv.headwise import HeadwiseKVManager
 from harness.kv.policies.pyramidkv import pyramid_budgets
-from harness.runner import run
 from tests.backend_steps import Driver
 from tests.backends.headwise_ref import (
+    against_paged,
+    against_paged_in_the_what_if,
     check_books,
     check_decode,
     prefill_recording,
@@ -139,14 +140,7 @@ def test_scores_reach_the_policy_by_the_heads_own_slots() -> None:
 
 
 def test_freed_pages_let_more_sequences_run_than_paged() -> None:
-    load = ("model=tiny", "workload=random", "workload.num_requests=12",
-            "workload.distribution=uniform", "workload.input_min=300",
-            "workload.input_max=400", "workload.output_min=8", "workload.output_max=16",
-            "workload.rate=0", "cache.kv_budget=512KiB", "backend.block_size=8")
-    paged = run(compose_cfg(["backend=paged", "cache.enable_prefix_caching=false",
-                             *load])).metrics
-    pyr = run(compose_cfg(["backend=pyramidkv", "backend.window=16", "backend.beta=2",
-                           *load])).metrics
+    paged, pyr = against_paged("backend=pyramidkv", "backend.window=16", "backend.beta=2")
     assert pyr["requests.finished"] == paged["requests.finished"] == 12
     assert pyr["memory.kv_budget_bytes"] == paged["memory.kv_budget_bytes"]
     assert pyr["memory.max_running_seqs"] > paged["memory.max_running_seqs"]
@@ -160,14 +154,7 @@ def test_the_what_if_runs_it_and_frees_the_same() -> None:
     # executor=roofline: no scores (each head keeps its first tokens by position, a
     # stand-in), the same counts: 200 of 1000 in every head (the mean budget; 200 / 20 is
     # under the window, so kvpress's uniform fallback), plus what each decode added.
-    p, out = 1000, 32
-    common = ["executor=roofline", "roofline.model=Llama-3.1-8B",
-              "roofline.hardware=h100-sxm", "workload=random", "workload.num_requests=12",
-              "workload.distribution=uniform", f"workload.input_min={p}",
-              f"workload.input_max={p}", f"workload.output_min={out}",
-              f"workload.output_max={out}", "workload.rate=0", "cache.kv_budget=512MiB"]
-    paged = run(compose_cfg([*common, "backend=paged"])).metrics
-    pyr = run(compose_cfg([*common, "backend=pyramidkv"])).metrics
+    paged, pyr = against_paged_in_the_what_if("pyramidkv")
     assert pyr["requests.finished"] == paged["requests.finished"] == 12
     assert pyr["memory.max_running_seqs"] > paged["memory.max_running_seqs"]
     bps = paged["roofline.kv_bytes_per_token"]
