@@ -69,10 +69,6 @@ def run_point(overrides: list[str]) -> dict[str, Any]:
     return run(compose_config([*base, *overrides])).metrics
 
 
-def _get(m: dict[str, Any], key: str) -> Any:
-    return m.get(key)
-
-
 def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         cfg = Path(d) / "config.json"
@@ -82,10 +78,10 @@ def main() -> None:
         print("|---|---|---|---|---|---|")
         for name, ov in points(str(cfg)):
             m = run_point(ov)
-            cap = _get(m, "memory.token_capacity") or _get(m, "memory.num_slots")
-            print(f"| {name} | {cap} | {_get(m, 'memory.max_running_seqs')} | "
+            cap = m.get("memory.token_capacity") or m.get("memory.num_slots")
+            print(f"| {name} | {cap} | {m.get('memory.max_running_seqs')} | "
                   f"{m['throughput.output_tokens_per_s']:.0f} | "
-                  f"{m['latency.ttft_ms.p50']:.1f} | {_fmt(_get(m, 'latency.tpot_ms.p50'))} |",
+                  f"{m['latency.ttft_ms.p50']:.1f} | {_fmt(m.get('latency.tpot_ms.p50'))} |",
                   flush=True)
 
 
