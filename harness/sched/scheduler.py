@@ -15,11 +15,14 @@ Each :meth:`Scheduler.schedule` call decides one engine step under two budgets,
 
 A group's sequences are admitted, scheduled, preempted and finished together.
 
-Three options mirror what published engines do (``SchedulerConfig``): ``mixing=
-prefill_first`` (vLLM V0 without chunked prefill: a step that can admit prompts runs only
-prompts, else only decodes), ``admission=no_evict`` (TensorRT-LLM's GUARANTEED_NO_EVICT:
+Options mirror what published engines do (``SchedulerConfig``): ``mixing=
+prefill_first`` (a step that can prefill runs only prefills, else only decodes: vLLM V0
+without chunked prefill, whole prompts; SGLang with ``chunked_prefill``, whose prefill
+batches take chunks of the budget and continue a chunked prompt before the decodes run
+again), ``admission=no_evict`` (TensorRT-LLM's GUARANTEED_NO_EVICT:
 a request starts only when its prompt plus max_tokens fits beside every running request's
-own worst case, so nothing is ever preempted for room) and ``num_scheduler_steps=k``
+own worst case, so nothing is ever preempted for room), ``admission=reserve`` (SGLang's
+reserved output tokens, harness.sched.admission) and ``num_scheduler_steps=k``
 (vLLM 0.6's multi-step scheduling: a decode-only batch is scheduled once and then runs k
 steps with no admission in between; ``StepRecord.fresh`` says which steps were scheduled
 anew, which is what the roofline's engine profile charges scheduling time to).
@@ -31,8 +34,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from harness.errors import UserError
 from harness.kv.base import Demand, KVManager, StepScores, SwapManager
+from harness.sched.admission import TokenReserve
 from harness.sched.sequence import SeqStatus, Sequence, SequenceGroup
 from harness.sched.step import (
     CHECKS,
@@ -49,7 +52,7 @@ from harness.validate import at_least, one_of
 PREEMPTION_MODES = ("recompute", "swap")
 POLICIES = ("fcfs", "priority")
 MIXING = ("mixed", "prefill_first")
-ADMISSION = ("watermark", "no_evict")
+ADMISSION = ("watermark", "no_evict", "reserve")
 
 
 @dataclass
@@ -63,14 +66,18 @@ class SchedulerConfig:
     policy: str = "fcfs"  # fcfs | priority
     max_model_len: int = 2048
     # How prefills and decodes share a step: "mixed" (decodes first, prefill chunks in
-    # the budget they leave: vLLM V1, SGLang, TensorRT-LLM) or "prefill_first" (vLLM V0
-    # with chunked prefill off: a step that can admit prompts runs only those prompts and
-    # the running decodes wait; otherwise a decode-only step).
+    # the budget they leave: vLLM V1, TensorRT-LLM, SGLang --enable-mixed-chunk) or
+    # "prefill_first" (a step that can prefill runs only prefills and the running decodes
+    # wait; otherwise a decode-only step: vLLM V0 with chunked prefill off, whole prompts;
+    # SGLang's default with chunked prefill on, chunks of the budget, a chunked prompt
+    # continued first).
     mixing: str = "mixed"
     # When a waiting request may start: "watermark" (its prompt fits now, leaving a
-    # watermark of free blocks; its growth may preempt later: vLLM) or "no_evict" (its
+    # watermark of free blocks; its growth may preempt later: vLLM), "no_evict" (its
     # prompt + max_tokens fit beside every running request's worst case: TensorRT-LLM's
-    # GUARANTEED_NO_EVICT, which never preempts for room).
+    # GUARANTEED_NO_EVICT, which never preempts for room) or "reserve" (its prompt + its
+    # output budget fit beside a decaying share of the running requests' outputs: SGLang's
+    # new_token_ratio, harness.sched.admission).
     admission: str = "watermark"
     # Steps one scheduling decision runs (vLLM 0.6's --num-scheduler-steps): a decode-only
     # batch is scheduled once, then decodes k steps with no admission in between.
@@ -84,10 +91,6 @@ class SchedulerConfig:
         at_least(self, "scheduler", 1, "max_num_seqs", "max_num_batched_tokens",
                  "num_scheduler_steps")
         at_least(self, "scheduler", 2, "max_model_len")
-        if self.mixing == "prefill_first" and self.chunked_prefill:
-            raise UserError("scheduler.mixing=prefill_first runs whole prompts in steps of "
-                            "their own (vLLM V0 without chunked prefill): set "
-                            "scheduler.chunked_prefill=false, or use scheduler.mixing=mixed")
 
 
 # What builds a run's scheduler (assemble_stack's ``make_scheduler``): the scheduler
@@ -142,6 +145,9 @@ class Scheduler:
         self._worst: dict[int, int] = {}
         self._worst_total = 0
         self._capacity = kv.usage().total_slots if cfg.admission == "no_evict" else 0
+        # admission=reserve: SGLang's reserved share of the running requests' outputs.
+        self._reserve = TokenReserve(cfg.max_model_len) if cfg.admission == "reserve" \
+            else None
         self._run_order = 0  # admissions to ``running`` so far: its order, as a key
         # Requests whose blocks the KV manager holds for a transfer between replicas (a
         # disaggregated cluster's: harness.cluster.disagg). They come back, so a waiting
@@ -232,10 +238,12 @@ class Scheduler:
         continuing = self._window_left > 0 and bool(self.running)
         self._window_left = self._window_left - 1 if continuing else 0
         rec.fresh = not continuing
-        if (self.cfg.mixing == "prefill_first" and not continuing and self.waiting
-                and not self.swapped):
-            self._admit(rec, self.cfg.max_num_batched_tokens)
-            if rec.seqs:  # a prompt-only step: the running decodes wait for the next
+        if self.cfg.mixing == "prefill_first" and not continuing and not self.swapped:
+            if self.cfg.chunked_prefill:  # SGLang: chunks of the budget, one's rest first
+                self._prefill_step(rec, self.cfg.max_num_batched_tokens)
+            elif self.waiting:  # vLLM V0: whole prompts
+                self._admit(rec, self.cfg.max_num_batched_tokens)
+            if rec.seqs:  # a prefill-only step: the running decodes wait for the next
                 return self._close(rec)
         budget = self._schedule_running(rec, self.cfg.max_num_batched_tokens)
         return self._after_running(rec, budget, continuing)
@@ -297,6 +305,21 @@ class Scheduler:
         run.pending -= 1
         return True
 
+    def _prefill_step(self, rec: StepRecord, budget: int) -> None:
+        """A prefill-only step (``mixing=prefill_first`` with chunked prefill, SGLang's
+        prefill batch): the running groups still in prefill take their next chunks, then
+        waiting groups are admitted in what the budget leaves; no decode runs."""
+        decoding = [self._is_decoding(g) for g in self.running]
+        # No decode shares this step: none holds budget back (``pending`` 0, and no
+        # victim's decode is counted back).
+        run = RunningPass(rec, budget, 0, [False] * len(decoding))
+        while run.i < len(self.running):
+            if not decoding[run.i] and not self._schedule_group(run):
+                break
+            run.i += 1
+        if self.waiting and not rec.preempted:
+            self._admit(rec, run.budget)
+
     def _preempt_in_pass(self, run: RunningPass, victim: SequenceGroup) -> None:
         """Preempt ``victim`` (the back of ``running``) during ``run``: a decoding victim
         not yet scheduled this step gives its share of the budget back to the prefills."""
@@ -325,6 +348,8 @@ class Scheduler:
         """The step's cache operations, usage and stuck-head rejection."""
         ops = self.kv.take_cache_ops()
         rec.copies, rec.invalidated, rec.tier_ops = ops.copies, ops.invalidated, ops.tier_ops
+        if self._reserve is not None:
+            self._reserve.stepped(rec.num_decode_tokens > 0, bool(self.running))
         self._scheduled(rec)
         if not rec.is_empty:
             rec.usage = self.kv.usage()  # what the forward holds (steps.csv, the ledger)
@@ -443,6 +468,8 @@ class Scheduler:
         g.num_preemptions_recompute += 1
         self.preemptions_recompute += 1
         self._enqueue(g)
+        if self._reserve is not None:  # SGLang's retract: admit more carefully from now
+            self._reserve.retracted(self.running)
 
     def _swap_in(self, rec: StepRecord, budget: int) -> None:
         kv, swap = self.kv, self.swap
@@ -470,21 +497,31 @@ class Scheduler:
 
     def _admit(self, rec: StepRecord, budget: int) -> None:
         kv = self.kv
+        reserve, room = self._reserve, 0.0
+        if reserve is not None:
+            room = reserve.room(kv.usage(), kv.block_size, self.running)
         while self.waiting and budget > 0:
             g = self.waiting.head()
             live = g.live_seqs
             if self.num_running_seqs + len(live) > self.cfg.max_num_seqs:
                 return
-            demands, left = [], budget
+            demands, left, prompt_left = [], budget, 0
             for s in live:
                 hit = kv.lookup_prefix(s)
-                n = self._chunk_len(s, s.num_tokens - hit.num_blocks * kv.block_size, left)
+                todo = s.num_tokens - hit.num_blocks * kv.block_size
+                n = self._chunk_len(s, todo, left)
                 if n <= 0:
                     return  # no room this step: later requests wait behind this one
                 left -= n
+                prompt_left += todo
                 demands.append(Demand.after(s, n, hit))
             if not kv.can_allocate(demands, watermark=True):
                 return  # head-of-line: later requests wait behind this one
+            if reserve is not None:  # reserve: its prompt and outputs beside the reserved
+                need = reserve.need(g, prompt_left)
+                if need >= room:
+                    return
+                room -= need
             if self._capacity:  # no_evict: the group's worst case must fit beside the rest
                 worst = self._worst_case(g)
                 if self._worst_total + worst > self._capacity:

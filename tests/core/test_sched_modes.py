@@ -1,13 +1,13 @@
 """The scheduler's modes that mirror published engines: prefill-first steps (vLLM V0
-without chunked prefill), no-evict admission (TensorRT-LLM's GUARANTEED_NO_EVICT) and
-multi-step scheduling (vLLM 0.6's num_scheduler_steps). Each is compared with the default
+without chunked prefill; SGLang's prefill batches with it), no-evict admission
+(TensorRT-LLM's GUARANTEED_NO_EVICT), reserved-output admission (SGLang's
+new_token_ratio) and multi-step scheduling (vLLM 0.6's num_scheduler_steps). Each is compared with the default
 on the same requests, and every run must still produce each request's exact tokens."""
 
 from __future__ import annotations
 
 import pytest
 
-from harness.errors import UserError
 from harness.sched.scheduler import Scheduler, SchedulerConfig
 from harness.sched.step import StepRecord
 from tests.core.test_scheduler import expected_output, paged, prompts, run, step
@@ -23,9 +23,65 @@ def run_exact(s: Scheduler, ps: list[list[int]], max_tokens: int) -> list[StepRe
     return recs
 
 
-def test_prefill_first_needs_chunking_off() -> None:
-    with pytest.raises(UserError, match="chunked_prefill=false"):
-        SchedulerConfig(mixing="prefill_first", chunked_prefill=True)
+def test_chunked_prefill_first_runs_prefill_batches_alone() -> None:
+    # SGLang's default: a prompt longer than the budget is prefilled in chunks, each in a
+    # step of prefills only, and the running decode waits until the chunked prompt is done.
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, chunked_prefill=True,
+                          mixing="prefill_first")
+    s = Scheduler(cfg, paged(200))
+    s.add(make_group(0, prompts(1, 6)[0], max_tokens=10))
+    step(s)  # the first prompt
+    step(s)  # one decode
+    s.add(make_group(1, list(range(100, 140)), max_tokens=5))  # 40 tokens: 16 + 16 + 8
+    recs = [step(s) for _ in range(4)]
+    assert [r.num_prefill_tokens for r in recs[:3]] == [16, 16, 8]
+    assert all(r.num_decode_tokens == 0 for r in recs[:3])  # the decode waited
+    assert {x.seq.group.request_id for x in recs[3].seqs} == {0, 1}  # both decode
+
+
+def test_chunked_prefill_first_keeps_every_request_exact() -> None:
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, chunked_prefill=True,
+                          mixing="prefill_first")
+    recs = run_exact(Scheduler(cfg, paged(60)), prompts(6, 19), 12)
+    assert all(r.num_prefill_tokens == 0 or r.num_decode_tokens == 0 for r in recs)
+    assert max(r.num_prefill_tokens for r in recs) == 8
+
+
+def test_reserve_admits_by_prompt_and_output_budget() -> None:
+    # 30 blocks of 4 = 120 slots; requests of 8 prompt + 24 output. Each new request needs
+    # its prompt and whole output budget (32) in the room the running ones leave: three
+    # start together (96 < 120), a fourth (128) waits. Watermark admission starts all
+    # four and preempts as their outputs grow.
+    ps = [[(5 * r + i) % 40 + 1 for i in range(8)] for r in range(4)]
+    firsts, preempted = {}, {}
+    for admission in ("watermark", "reserve"):
+        cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, admission=admission)
+        s = Scheduler(cfg, paged(30))
+        recs = run_exact(s, ps, 24)
+        firsts[admission] = {x.seq.group.request_id for x in recs[0].seqs}
+        preempted[admission] = s.preemptions_recompute
+    assert firsts == {"watermark": {0, 1, 2, 3}, "reserve": {0, 1, 2}}
+    assert preempted["reserve"] <= preempted["watermark"]
+
+
+def test_reserve_ratio_decays_and_a_retract_raises_it() -> None:
+    from harness.sched.admission import INIT_RATIO, TokenReserve
+
+    r = TokenReserve(max_model_len=4096)
+    for _ in range(600):
+        r.stepped(decoded=True, running=True)
+    assert r.ratio == pytest.approx(INIT_RATIO * 0.14)
+    r.stepped(decoded=False, running=False)
+    assert r.ratio == INIT_RATIO  # idle: reset
+    from harness.sched.sequence import SeqStatus, Sequence
+
+    g = make_group(0, [1, 2, 3, 4], max_tokens=100)
+    seq = Sequence(0, g, [1, 2, 3, 4] + [5] * 30)  # 30 of its 100 outputs done
+    seq.num_prompt_tokens = 4
+    seq.status = SeqStatus.RUNNING
+    g.seqs.append(seq)
+    r.retracted([g])
+    assert r.ratio == pytest.approx((30 + 20) / 100)
 
 
 @pytest.mark.parametrize("mixing", ["mixed", "prefill_first"])

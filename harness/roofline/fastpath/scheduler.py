@@ -36,6 +36,8 @@ def scheduler_blocker(cfg: SchedulerConfig) -> str | None:
         return f"scheduler.mixing={cfg.mixing}"
     if cfg.num_scheduler_steps != 1:
         return f"scheduler.num_scheduler_steps={cfg.num_scheduler_steps}"
+    if cfg.admission == "reserve":  # its ratio moves every step, lane steps included
+        return "scheduler.admission=reserve"
     if cfg.max_num_seqs > cfg.max_num_batched_tokens:
         # Then a decode could be left out of a step for budget, which members never are.
         return "scheduler.max_num_seqs > scheduler.max_num_batched_tokens"
