@@ -7,6 +7,7 @@ into DESIGN.md's metrics.json keys at the end.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,9 @@ class RequestTimes:
     # come every step from there and are added to token_times when it leaves; -1: not one.
     lane_from: int = -1
     row: int = -1  # its place in MetricsCollector.rows (reserved on arrival)
+    # A served engine's front-end seconds (the what-if's: harness.roofline.engines),
+    # added to its TTFT and end-to-end latency.
+    frontend_s: float = 0.0
 
 
 class MetricsCollector:
@@ -55,6 +59,9 @@ class MetricsCollector:
         self.scheduler = scheduler
         self.bytes_per_slot = bytes_per_slot
         self._keep_outputs = keep_outputs
+        # Front-end seconds of a request by its prompt tokens (a served what-if's: set by
+        # harness.roofline.run); None: none.
+        self.frontend: Callable[[int], float] | None = None
         self.steps = StepLog()  # one row per step, as columns
         self.requests: dict[int, RequestTimes] = {}  # running or waiting
         self.groups: dict[int, SequenceGroup] = {}  # running or waiting (or rejected)
@@ -92,7 +99,9 @@ class MetricsCollector:
         return out
 
     def on_arrival(self, group: SequenceGroup, now: float) -> None:
-        self.requests[group.request_id] = RequestTimes(arrival=now, row=self.rows.reserve())
+        t = self.requests[group.request_id] = RequestTimes(arrival=now, row=self.rows.reserve())
+        if self.frontend is not None:
+            t.frontend_s = self.frontend(len(group.prompt_ids))
         self.groups[group.request_id] = group
 
     def on_tokens(self, rec: StepRecord, upd: StepUpdate, sampled_groups: list[SequenceGroup],
@@ -263,7 +272,7 @@ def request_row(rid: int, g: SequenceGroup, t: RequestTimes, block_size: int,
     out_tokens = (len(g.best_output) if g.best_output is not None
                   else sum(s.num_output_tokens for s in g.seqs))
     tt = t.token_times
-    ttft = (tt[0] - t.arrival) * 1e3 if tt else None
+    ttft = (tt[0] - t.arrival + t.frontend_s) * 1e3 if tt else None
     # Each (b - a) * 1e3 as Python computes it (IEEE: the same doubles), the mean by
     # numpy's pairwise sum as before: np.diff and ndarray.mean / max are these ufuncs
     # behind Python wrappers that cost more than the sums (once per request).
@@ -274,7 +283,7 @@ def request_row(rid: int, g: SequenceGroup, t: RequestTimes, block_size: int,
         itls *= 1e3
         tpot = float(np.add.reduce(itls)) / len(itls)
         itl_max = float(np.maximum.reduce(itls))
-    e2e = (t.finished - t.arrival) * 1e3 if t.finished is not None else None
+    e2e = (t.finished - t.arrival + t.frontend_s) * 1e3 if t.finished is not None else None
     best = g.seqs[0] if g.seqs else None
     row = {
         "request_id": rid,

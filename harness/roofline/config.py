@@ -42,6 +42,18 @@ class RooflineConfig:
     # (kvbench on the cpu spec, vllm-0.6 on a GPU) | vllm-0.6 | vllm-v1 | sglang | trtllm
     # | kvbench (the hardware spec's own overheads).
     engine: str = "auto"
+    # Whether requests come through the engine's HTTP server (its front end's time added
+    # to each request's TTFT and end-to-end latency, the profile's request_s and
+    # prompt_token_s) or offline (trtllm-bench, LLM.generate: none). Also picks vLLM V1's
+    # default batch sizes (API server or LLM class).
+    served: bool = True
+    # true: the engine's own scheduling (the profile's mixing, chunked prefill, admission
+    # and prefix caching: harness.roofline.engines) where the command line sets none;
+    # false: kvbench's (the decode lanes stay on), only the batch sizes follow the engine.
+    engine_scheduling: bool = False
+    # The engine's CPU time overlapped with the forward (vLLM's --async-scheduling,
+    # SGLang's overlap scheduler): true | false | null (the profile's default).
+    async_scheduling: bool | None = None
     # The weight GEMMs' dtype: auto (the activations') or fp8 / int8 (W8A8 on the fp8 or
     # int8 units; needs weight_dtype of the same, as TensorRT-LLM's FP8 and SmoothQuant
     # checkpoints are; weight_dtype=int8 alone is weight-only, W8A16), or fp4 (W4A4 on

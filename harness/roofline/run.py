@@ -19,6 +19,7 @@ import torch
 from harness import layer_types
 from harness.backends.base import KVBackend, KVLayout
 from harness.engine.sampler import Sampler
+from harness.errors import UserError
 from harness.metrics.groups import group_metrics
 from harness.metrics.requestlog import RequestLog
 from harness.model import ByteTokenizer, parse_dtype
@@ -26,7 +27,7 @@ from harness.model.tokenizer import Tokenizer
 from harness.roofline.arch import ArchSpec
 from harness.roofline.bands import describe
 from harness.roofline.config import COMPUTE, WEIGHT_BYTES, auto_kv_budget
-from harness.roofline.engines import PROFILES, engine_name, get_engine
+from harness.roofline.engines import PROFILES, EngineProfile, engine_name, get_engine
 from harness.roofline.executor import (
     SYNTHETIC_IDS,
     RooflineExecutor,
@@ -39,6 +40,7 @@ from harness.roofline.models import get_model_spec
 from harness.roofline.profile import kv_dtype_of
 from harness.roofline.sizes import model_len, resolve_sizes
 from harness.roofline.steptime import StepModel
+from harness.sched.scheduler import SchedulerConfig
 from harness.sched.spec import scheduler_unset
 from harness.stack import Stack, assemble_stack, kv_plan, kv_plan_label, make_backend
 from harness.target import ExecutorRecord
@@ -78,14 +80,17 @@ def build_roofline(rc: RunConfig, workload: Workload, quiet: bool = False,
     layers = arch.layer_attention
     plan = kv_plan(arch.name, layers, backend, rc.cache.kv_groups) \
         if layers and not layer_types.own_window(layers, rc.backend) else None
-    sizes = resolve_sizes(rc.scheduler, get_engine(r.engine, r.hardware),
-                          engine_name(r.engine, r.hardware), arch, hw, r, backend, budget,
-                          lambda: request_shapes(workload))
+    profile = get_engine(r.engine, r.hardware)
+    sizes = resolve_sizes(rc.scheduler, profile, engine_name(r.engine, r.hardware), arch, hw,
+                          r, backend, budget, lambda: request_shapes(workload))
     if len_source is not None:
         sizes.source["max_model_len"] = len_source
+    sched = engine_scheduling(sizes.sched, profile, r.engine) if r.engine_scheduling \
+        else sizes.sched
     step = StepModel(arch, hw, backend.bytes_per_slot(), COMPUTE[r.dtype],
                      WEIGHT_BYTES[r.weight_dtype], r.tp, kv_dtype_of(backend),
-                     gemm_dtype=r.gemm_dtype(), engine=get_engine(r.engine, r.hardware))
+                     gemm_dtype=r.gemm_dtype(), engine=profile,
+                     overlap_cpu=r.async_scheduling)
     t = rc.cache.tiers
     links = TierLinks(t.cpu_bw_gbs * 1e9 if t.cpu_bw_gbs else hw.host_bw,
                       t.cpu_latency_us * 1e-6, t.disk_bw_gbs * 1e9, t.disk_latency_us * 1e-6,
@@ -93,13 +98,38 @@ def build_roofline(rc: RunConfig, workload: Workload, quiet: bool = False,
     ex = RooflineExecutor(step, backend, links)
     eos = tuple(ByteTokenizer().eos_ids)
     lanes = LaneChoice(backend.costs(), r.fast_path, synthetic_tokens, SYNTHETIC_IDS)
-    st = assemble_stack(backend, device, rc.cache, sizes.sched, Sampler(rc.seed),
+    st = assemble_stack(backend, device, rc.cache, sched, Sampler(rc.seed),
                         arch.max_position_embeddings, eos, executor=ex,
                         shapes=request_shapes(workload), quiet=quiet, kv_budget=budget,
                         groups=plan, make_scheduler=lanes)
     ex.fast_path = "lanes" if lanes.why is None else f"off: {lanes.why}"
     ex.sizes = sizes.label()
+    if r.served and profile is not None and (profile.request_s or profile.prompt_token_s):
+        a, b = profile.request_s, profile.prompt_token_s
+        st.collector.frontend = lambda n: a + b * n  # TTFT and E2E, not the engine's steps
     return st, ex
+
+
+# kvbench's own scheduling (SchedulerConfig's defaults), what engine_scheduling replaces.
+_OWN = {"mixing": "mixed", "chunked_prefill": True, "admission": "watermark"}
+
+
+def engine_scheduling(sched: SchedulerConfig, profile: EngineProfile | None,
+                      engine: str) -> SchedulerConfig:
+    """``roofline.engine_scheduling=true``: the profile's mixing, chunked prefill and
+    admission in place of kvbench's; a value the command line set otherwise is refused
+    (it would be silently replaced)."""
+    if profile is None:
+        return sched
+    changes: dict[str, Any] = {}
+    for key, own in _OWN.items():
+        want, have = profile.scheduler.get(key, own), getattr(sched, key)
+        if have != own and have != want:
+            raise UserError(f"scheduler.{key}={have} conflicts with "
+                            f"roofline.engine_scheduling=true ({engine} runs {key}={want}): "
+                            f"drop scheduler.{key}, or set roofline.engine_scheduling=false")
+        changes[key] = want
+    return dataclasses.replace(sched, **changes)
 
 
 class RooflineTarget:
@@ -148,7 +178,9 @@ class RooflineTarget:
         prof = PROFILES[eng]
         run.update({"engine": eng, "engine_source": "calibrated" if prof.calibrated
                     else "prior", "compute_dtype": r.gemm_dtype(),
-                    "fast_path": ex.fast_path})
+                    "fast_path": ex.fast_path, "served": r.served,
+                    "allreduce": ex.model.custom_ar or "nccl",
+                    "async_scheduling": ex.model.overlap_cpu})
         # The scheduler's sizes it ran with (the engine's where unset: harness.roofline.sizes)
         cfg = st.scheduler.cfg
         run.update({"max_num_seqs": cfg.max_num_seqs,

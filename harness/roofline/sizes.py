@@ -4,10 +4,13 @@
 - ``max_num_seqs`` and ``max_num_batched_tokens``: the engine profile's
   (harness.roofline.engines, ``roofline.engine``), its rules resolved as
   harness.roofline_tools.validate resolves them for a published point:
-  ``"max(max_model_len, 2048)"`` (vLLM V0) and ``"trtllm-bench"`` (the limits trtllm-bench
+  ``"max(max_model_len, 2048)"`` (vLLM V0), ``"trtllm-bench"`` (the limits trtllm-bench
   derives from the dataset, harness.roofline.trtllm_bench, from the workload's initial
-  requests); the ``kvbench`` profile has none: kvbench's own (harness.config's
-  ``SCHEDULER_SIZES``, 32 and 1024);
+  requests), ``"vllm-v1"`` (vLLM's defaults for the API server, or offline ``LLM`` with
+  ``roofline.served=false``, by card) and ``"sglang"`` (its chunk size by the card's
+  memory, its running cap by the pool); the ``kvbench`` profile has none: kvbench's own
+  (harness.config's ``SCHEDULER_SIZES``, 32 and 1024). Changing a profile's rule changes
+  every what-if's default sizes for that engine (docs/whatif.md says which);
 - ``max_model_len``: what a serving engine allows by default, the model's context
   (``max_position_embeddings``), capped at what one sequence can hold in the KV budget
   (the pool's token slots for this backend), as vLLM refuses a longer one.
@@ -27,7 +30,13 @@ from harness.backends.base import KVBackend
 from harness.errors import UserError
 from harness.roofline.arch import ArchSpec
 from harness.roofline.config import WEIGHT_BYTES, RooflineConfig
-from harness.roofline.engines import EngineProfile
+from harness.roofline.engines import (
+    SGLANG,
+    VLLM_V1,
+    EngineProfile,
+    sglang_sizes,
+    vllm_v1_sizes,
+)
 from harness.roofline.hardware import HardwareSpec
 from harness.roofline.trtllm_bench import batch_limits
 from harness.sched.scheduler import SchedulerConfig
@@ -97,16 +106,28 @@ def trtllm_limits(arch: ArchSpec, hw: HardwareSpec, r: RooflineConfig, backend: 
 
 
 def engine_size(value: int | str, key: str, max_model_len: int,
-                trtllm: tuple[int, int] | None) -> int:
+                trtllm: tuple[int, int] | None,
+                pair: dict[str, tuple[int, int]] | None = None) -> int:
     """One profile value: a number, or a rule resolved (:data:`V0_BUDGET`,
-    :data:`TRTLLM_BENCH` with ``trtllm`` = its limits)."""
+    :data:`TRTLLM_BENCH` with ``trtllm`` = its limits, :data:`VLLM_V1` / :data:`SGLANG`
+    with ``pair[rule]`` = its (max_num_batched_tokens, max_num_seqs))."""
     if isinstance(value, int):
         return value
     if value == V0_BUDGET:
         return max(max_model_len, 2048)
     if value == TRTLLM_BENCH and trtllm is not None:
         return trtllm[0] if key == "max_num_seqs" else trtllm[1]
+    if pair is not None and value in pair:
+        return pair[value][1] if key == "max_num_seqs" else pair[value][0]
     raise ValueError(f"unknown engine profile rule {key}={value!r}")
+
+
+def rule_pairs(hardware: str, mem_bytes: int, served: bool, pool_tokens: int,
+               max_model_len: int) -> dict[str, tuple[int, int]]:
+    """The (max_num_batched_tokens, max_num_seqs) the ``vllm-v1`` and ``sglang`` rules
+    give on this card, front end, pool and max_model_len."""
+    return {VLLM_V1: vllm_v1_sizes(hardware, mem_bytes, served),
+            SGLANG: sglang_sizes(mem_bytes, pool_tokens, max_model_len)}
 
 
 def resolve_sizes(sched: SchedulerConfig, profile: EngineProfile | None, engine: str,
@@ -128,11 +149,14 @@ def resolve_sizes(sched: SchedulerConfig, profile: EngineProfile | None, engine:
     trtllm = trtllm_limits(arch, hw, r, backend, shapes() if shapes else (),
                            sched.chunked_prefill) \
         if TRTLLM_BENCH in rules.values() else None
+    pair = rule_pairs(hw.name, hw.mem_bytes, r.served,
+                      size_cache(backend, kv_budget, 0).num_slots, mml) \
+        if {VLLM_V1, SGLANG} & set(rules.values()) else None
     for k in ("max_num_seqs", "max_num_batched_tokens"):
         if k not in unset:
             continue
         if k in rules:
-            values[k], source[k] = engine_size(rules[k], k, mml, trtllm), engine
+            values[k], source[k] = engine_size(rules[k], k, mml, trtllm, pair), engine
         else:
             values[k], source[k] = SCHEDULER_SIZES[k], "kvbench"
     resolved = sched.resolved(**values) if isinstance(sched, SchedulerSpec) else sched

@@ -20,6 +20,7 @@ less the terms are max + (1 - overlap) x min: one CPU core, ``overlap=0``, adds 
     nongemm  = L (6 t_kernel + T B_tok / (bw eff_elem))
     engine   = [fresh] (schedule_s + schedule_per_seq_s x seqs)
                + step_s + step_per_seq_s x seqs
+               (an engine that overlaps it with the forward: max(0, engine - forward))
     step     = gemm + lm_head + prefill + decode + allreduce + nongemm + engine
 
 On a spec fitted to profiled kernels (harness.roofline_tools.kernel_fit: the GPU specs) the GEMM
@@ -29,14 +30,17 @@ gemm_corner_p``; 0 keeps max(c, m)), so a step near the ridge (~256 tokens) is n
 side alone and small TP8 matrices stream below the bandwidth share. ``nongemm`` is the
 two RMSNorms, RoPE, SiLU-and-mul and two residual adds of each layer: six kernels of
 ``nongemm_kernel_s`` and ``B_tok`` bytes a token (ArchSpec.nongemm_bytes_per_token).
-``latency`` is a small message's all-reduce time: the engine profile's
-``allreduce_latency_s`` where it has one (the custom one-shot all-reduce kernels vLLM and
-TensorRT-LLM use on NVLink below a few MB, fitted), else the spec's NCCL figure at that
-degree (Vidur's tables: 30-45 us on H100 NVLink). ``engine`` is the serving engine's CPU
-time (harness.roofline.engines): a scheduling decision on each step scheduled anew
-(``StepRecord.fresh``; multi-step scheduling makes the others not fresh), and per-step
-work (launch, sampling, output processing); without a profile, the spec's
-``step_overhead_s + per_seq_overhead_s x seqs``.
+``latency`` is a small message's all-reduce time: the engine profile's fitted
+``allreduce_latency_s`` where it has one, else the spec's NCCL figure at that degree
+(Vidur's tables: 30-45 us on H100 NVLink). An engine whose profile names its own kernels
+(``EngineProfile.allreduce``: vLLM's, or the TensorRT-LLM-derived ones TensorRT-LLM and
+SGLang run) takes their published time at the message's size instead, on the cards that
+table was measured on, up to 8 MiB (harness.roofline.allreduce); NCCL's above.
+``engine`` is the serving engine's CPU time (harness.roofline.engines): a scheduling
+decision on each step scheduled anew (``StepRecord.fresh``; multi-step scheduling makes
+the others not fresh), and per-step work (launch, sampling, output processing); without a
+profile, the spec's ``step_overhead_s + per_seq_overhead_s x seqs``; where the engine
+overlaps it with the forward (``overlap_cpu``), only what outlasts the forward.
 GEMMs run at ``gemm_dtype``'s peak (``roofline.compute_dtype=fp8``: W8A8 on the fp8 units).
 
 ``eff_g`` is the GEMM dtype's share of its peak (``HardwareSpec.gemm_eff``: bf16 from
@@ -91,6 +95,7 @@ from typing import Any
 
 import numpy as np
 
+from harness.roofline.allreduce import CUSTOM_MAX_BYTES, applies, custom_allreduce_s
 from harness.roofline.arch import ArchSpec
 from harness.roofline.engines import EngineProfile
 from harness.roofline.hardware import HardwareSpec
@@ -148,7 +153,8 @@ class StepModel:
     def __init__(self, arch: ArchSpec, hw: HardwareSpec, kv_bytes_per_token: int,
                  compute_dtype: str = "bf16", weight_bytes: float = 2.0, tp: int = 1,
                  kv_dtype: str = "", gemm_dtype: str = "",
-                 engine: EngineProfile | None = None) -> None:
+                 engine: EngineProfile | None = None,
+                 overlap_cpu: bool | None = None) -> None:
         """``compute_dtype``: activations and attention; ``gemm_dtype``: the weight GEMMs'
         (default the same; "fp8" for W8A8); ``engine``: the serving engine's CPU time
         (default: the spec's own overheads)."""
@@ -166,6 +172,16 @@ class StepModel:
         self.allreduce_latency = (
             engine.allreduce_latency_s if engine is not None
             and engine.allreduce_latency_s is not None else hw.allreduce_latency(tp))
+        # The engine's own all-reduce kernels, where their table covers this card and tp
+        # (their time replaces the latency and the link term up to CUSTOM_MAX_BYTES).
+        self.custom_ar = engine.allreduce if engine is not None \
+            and applies(engine.allreduce, hw.name, tp) else None
+        if self.custom_ar is not None:
+            self.allreduce_latency = 0.0  # in the kernels' table (the fit reads this)
+        # The engine's CPU time runs beside the forward (SGLang's overlap scheduler, vLLM's
+        # --async-scheduling): only what outlasts the forward shows. None: the profile's.
+        self.overlap_cpu = (engine is not None and engine.overlap_cpu) \
+            if overlap_cpu is None else overlap_cpu
         self.weight_bytes = weight_bytes
         self.act_bytes = 2.0 if compute_dtype in ("bf16", "fp16", "bfloat16", "float16",
                                                   "fp8") else 4.0
@@ -196,6 +212,7 @@ class StepModel:
         self.widen_s_per_key = elems * hw.widen_s_per_elem.get(kv_dtype, 0.0) \
             if quantized else 0.0
         self._lane_base: dict[int, StepTime] = {}  # lane_time's terms of n alone, by n
+        self._lane_cpu: dict[int, float] = {}  # ... and the engine's CPU seconds
 
     def work_of(self, sh: StepShape, fresh: bool = True) -> StepWork:
         """:meth:`work` of a step's shape (``fresh``: scheduled anew)."""
@@ -223,9 +240,7 @@ class StepModel:
         vh = a.vocab_size * a.hidden_size
         ar = 0.0
         if self.allreduces:
-            nbytes = tokens * a.hidden_size * self.act_bytes
-            ar = self.allreduces * (2 * (tp - 1) / tp * nbytes / self.hw.link_bw
-                                    + self.allreduce_latency)
+            ar = self.allreduces * self._allreduce_s(tokens * a.hidden_size * self.act_bytes)
         widen = 0.0
         if self.hw.attention == "gather":
             pairs, kvb = pairs_full, self.gather_rank_bytes
@@ -248,6 +263,20 @@ class StepModel:
             ar_seconds=ar, seqs=seqs, tokens=tokens, rows=rows,
             pre_widen_s=widen * ctx_prefill, dec_widen_s=dec_widen,
             nongemm_bytes=self.nongemm_per_token * tokens)
+
+    def _allreduce_s(self, nbytes: Any) -> Any:
+        """One all-reduce of ``nbytes`` per rank (a float or an array): the engine's own
+        kernels' table up to its size limit, else the link's bandwidth plus a small
+        message's latency (NCCL's, or the fitted one)."""
+        tp = self.tp
+        nccl = 2 * (tp - 1) / tp * nbytes / self.hw.link_bw + self.allreduce_latency
+        if self.custom_ar is None:
+            return nccl
+        nccl = nccl + self.hw.allreduce_latency(tp)  # above the kernels' limit: NCCL's
+        custom = custom_allreduce_s(self.custom_ar, tp, nbytes)
+        if isinstance(nbytes, np.ndarray):
+            return np.where(nbytes <= CUSTOM_MAX_BYTES, custom, nccl)
+        return custom if nbytes <= CUSTOM_MAX_BYTES else nccl
 
     def _decode_side(self, ctx_decode: Any, gather_decode: Any,
                      dec_bytes: Any) -> tuple[Any, Any, Any]:
@@ -274,11 +303,15 @@ class StepModel:
             w = self.work(n, n, n, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
             w.fresh = 1.0
             base = self._lane_base[n] = self.time(w)
+            self._lane_cpu[n] = self._cpu_s(w, self.hw)
         h = self.hw
         decode = _attn_s(*self._decode_side(ctx_decode, gather_decode, dec_bytes),
                          self.peak * h.eff_attn, h.mem_bw * h.eff_bw, 1.0 - h.overlap)
-        return StepTime(base.gemm, base.lm_head, base.prefill_attn, decode, base.allreduce,
-                        base.overhead, base.nongemm)
+        t = StepTime(base.gemm, base.lm_head, base.prefill_attn, decode, base.allreduce,
+                     base.overhead, base.nongemm)
+        if self.overlap_cpu:  # the CPU time hides behind this step's own forward
+            t.overhead = max(0.0, self._lane_cpu[n] - t.forward)
+        return t
 
     def _expert_s(self, tokens: Any, h: HardwareSpec, cache: bool) -> Any:
         """Seconds of the routed experts' GEMMs in a step of ``tokens`` tokens, per rank:
@@ -340,17 +373,25 @@ class StepModel:
         if h.eff_elem > 0:
             nongemm = (6 * self.arch.num_layers * h.nongemm_kernel_s
                        + w.nongemm_bytes / (h.mem_bw * h.eff_elem))
-        e = self.engine
-        if e is None:
-            overhead = h.step_overhead_s + h.per_seq_overhead_s * w.seqs
-        else:
-            overhead = (w.fresh * (e.schedule_s + e.schedule_per_seq_s * w.seqs)
-                        + e.step_s + e.step_per_seq_s * w.seqs)
-        return StepTime(
+        t = StepTime(
             gemm=gemm, lm_head=lm,
             prefill_attn=_attn_s(w.pre_flops, w.pre_bytes, w.pre_widen_s, fa, bw, lap),
             decode_attn=_attn_s(w.dec_flops, w.dec_bytes, w.dec_widen_s, fa, bw, lap),
-            allreduce=w.ar_seconds, overhead=overhead, nongemm=nongemm)
+            allreduce=w.ar_seconds, overhead=self._cpu_s(w, h), nongemm=nongemm)
+        if self.overlap_cpu:  # only what outlasts the forward shows
+            f = t.forward
+            t.overhead = np.maximum(0.0, t.overhead - f) if isinstance(f, np.ndarray) \
+                else max(0.0, t.overhead - f)
+        return t
+
+    def _cpu_s(self, w: StepWork, h: HardwareSpec) -> Any:
+        """The serving engine's CPU seconds of a step (the profile's, or the spec's own
+        overheads without one)."""
+        e = self.engine
+        if e is None:
+            return h.step_overhead_s + h.per_seq_overhead_s * w.seqs
+        return (w.fresh * (e.schedule_s + e.schedule_per_seq_s * w.seqs)
+                + e.step_s + e.step_per_seq_s * w.seqs)
 
 
 def _corner(c: Any, m: Any, p: float, lap: float) -> Any:

@@ -41,7 +41,7 @@ import yaml
 
 from harness.errors import UserError
 from harness.roofline.bands import GPU_CLASS
-from harness.roofline.engines import CONSTANTS, FIT_RESULT
+from harness.roofline.engines import CONSTANTS, FIT_RESULT, SGLANG, VLLM_V1
 
 HERE = Path(__file__).resolve().parents[1] / "roofline" / "published"
 VALIDATION_RESULT = HERE / "validation_result.json"  # read by harness.roofline.bands
@@ -83,9 +83,36 @@ def _scheduler(run: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
         s["max_num_batched_tokens"] = max(run["max_model_len"], 2048)
     if "trtllm-bench" in (s.get("max_num_seqs"), budget):
         s.update(_trtllm_bench(run, s))
+    # Rules the run resolves itself (harness.roofline.sizes: they need its card, front end
+    # and pool): left unset here.
+    for k in ("max_num_seqs", "max_num_batched_tokens"):
+        if s.get(k) in (VLLM_V1, SGLANG):
+            del s[k]
     if "concurrency" in run:  # a closed loop of c clients: at most c in flight
         s["max_num_seqs"] = min(int(run["concurrency"]), int(s.get("max_num_seqs", 256)))
     return s
+
+
+def served(run: dict[str, Any], source: dict[str, Any]) -> bool:
+    """Whether the published run went through an HTTP server (its source's ``served``;
+    offline benchmarks say false)."""
+    return bool(run.get("served", source.get("served", True)))
+
+
+def prefix_caching(run: dict[str, Any], source: dict[str, Any]) -> bool:
+    """The run's prefix caching: its own or its source's setting (per engine), else the
+    engine's default (vLLM V1 and SGLang on, vLLM 0.6 and TensorRT-LLM off)."""
+    from harness.roofline.engines import PROFILES
+
+    if "prefix_caching" in run:
+        return bool(run["prefix_caching"])
+    flags = run.get("flags") or {}
+    if flags.get("disable_radix_cache") or flags.get("enable_prefix_caching") is False:
+        return False
+    by = source.get("prefix_caching", {})
+    if run["engine"] in by:
+        return bool(by[run["engine"]])
+    return PROFILES[run["engine"]].prefix_caching
 
 
 def _trtllm_bench(run: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
@@ -101,13 +128,16 @@ def _trtllm_bench(run: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
     if wl == "sharegpt":  # the lognormal stand-in's means; its prompts stop at 1024
         isl, osl, longest = 220, 200, 1024
     else:
-        isl, osl = int(wl["input"]), int(wl["output"])
-        longest = isl
+        (i0, i1), (o0, o1) = _bounds(wl["input"]), _bounds(wl["output"])
+        isl, osl, longest = (i0 + i1) // 2, (o0 + o1) // 2, i1
     kv_bytes = 1.0 if run["backend"] in ("fp8", "int8") else 2.0
-    bs, tokens = batch_limits(
-        get_model_spec(run["model"]), get_hardware(run["hardware"]).mem_bytes, int(run["tp"]),
-        WEIGHT_BYTES[run["weight_dtype"]], kv_bytes, isl, osl, longest,
-        PROFILES[run["engine"]].memory_utilization, bool(s.get("chunked_prefill")))
+    try:
+        bs, tokens = batch_limits(
+            get_model_spec(run["model"]), get_hardware(run["hardware"]).mem_bytes,
+            int(run["tp"]), WEIGHT_BYTES[run["weight_dtype"]], kv_bytes, isl, osl, longest,
+            PROFILES[run["engine"]].memory_utilization, bool(s.get("chunked_prefill")))
+    except ValueError as e:  # reported as the point's error, never dropped
+        raise UserError(f"roofline.engine=trtllm: {e}") from None
     out: dict[str, Any] = {}
     if s.get("max_num_seqs") == "trtllm-bench":
         out["max_num_seqs"] = bs
@@ -128,20 +158,45 @@ def overrides(run: dict[str, Any], source: dict[str, Any]) -> list[str]:
           f"roofline.gpu_memory_utilization={prof.memory_utilization}",
           f"roofline.memory_utilization_of={prof.memory_utilization_of}",
           f"backend={run['backend']}", "cache.kv_budget=auto",
-          "cache.enable_prefix_caching=false", "workload=random",
+          f"cache.enable_prefix_caching={str(prefix_caching(run, source)).lower()}",
+          f"roofline.served={str(served(run, source)).lower()}",
+          f"roofline.async_scheduling={_async(run, source)}", "workload=random",
           f"workload.num_requests={run['num_prompts']}", f"workload.rate={run['rate']}",
           "progress=false", f"seed={run.get('seed', 0)}"]
     wl = run["workload"]
     if wl == "sharegpt":
         ov += SHAREGPT
-    else:
-        i, o = int(wl["input"]), int(wl["output"])
-        ov += ["workload.distribution=uniform", f"workload.input_min={i}",
-               f"workload.input_max={i}", f"workload.output_min={o}",
-               f"workload.output_max={o}"]
+    else:  # fixed lengths, or [lo, hi]: uniform between (SGLang's random dataset)
+        (i0, i1), (o0, o1) = (_bounds(wl["input"]), _bounds(wl["output"]))
+        ov += ["workload.distribution=uniform", f"workload.input_min={i0}",
+               f"workload.input_max={i1}", f"workload.output_min={o0}",
+               f"workload.output_max={o1}"]
     ov += [f"scheduler.{k}={str(v).lower() if isinstance(v, bool) else v}"
            for k, v in _scheduler(run, source).items()]
     return ov
+
+
+def _async(run: dict[str, Any], source: dict[str, Any]) -> str:
+    """``roofline.async_scheduling`` of a run: its source's setting per engine (vLLM's
+    --async-scheduling), else the profile's default."""
+    v = (run.get("flags") or {}).get("async_scheduling")
+    if v is None:
+        v = source.get("async_scheduling", {}).get(run["engine"])
+    return "null" if v is None else str(bool(v)).lower()
+
+
+def fitted(run: dict[str, Any], source: dict[str, Any]) -> bool:
+    """Whether ``--fit`` fits to ``run``: its source's ``fit`` (default true), which may
+    name the engines whose rows are fitted."""
+    f = source.get("fit", True)
+    return run["engine"] in f if isinstance(f, list) else bool(f)
+
+
+def _bounds(v: Any) -> tuple[int, int]:
+    """A published length: a number (fixed) or ``[lo, hi]`` (uniform between)."""
+    if isinstance(v, list):
+        return int(v[0]), int(v[1])
+    return int(v), int(v)
 
 
 def predicted(result: Any) -> dict[str, float]:
@@ -180,7 +235,8 @@ def _run_point(point: dict[str, Any], source: dict[str, Any], trace: bool) -> di
     cfg = compose_config(overrides(point, source))
     t0 = time.perf_counter()
     traced: list[tuple[float, int, bool, float]] = []
-    allreduce: list[float] = []  # the step model's all-reduces a step and their latency
+    allreduce: list[Any] = []  # the step model's all-reduces a step and their latency
+    front: list[Any] = [None]  # the served front end's seconds by prompt tokens
     if trace:  # record the steps: RooflineTarget.build hands the executor over
         orig = RooflineTarget.build
 
@@ -189,8 +245,12 @@ def _run_point(point: dict[str, Any], source: dict[str, Any], trace: bool) -> di
             assert self.executor is not None
             self.executor.trace = traced
             m = self.executor.model
+            # (the NCCL latency a profile without a fitted one takes: none with the
+            # engine's own kernels, whose time is inside the forward)
             allreduce[:] = [m.allreduces, m.allreduce_latency,
-                            m.hw.allreduce_latency(m.tp)]
+                            0.0 if m.custom_ar else m.hw.allreduce_latency(m.tp),
+                            m.overlap_cpu]
+            front[:] = [st.collector.frontend]
             return st
 
         RooflineTarget.build = build  # type: ignore[method-assign]
@@ -206,12 +266,18 @@ def _run_point(point: dict[str, Any], source: dict[str, Any], trace: bool) -> di
            "duration_s": res.metrics["engine.wall_s"]}
     if trace:
         out["trace"] = traced
-        out["allreduces"], out["allreduce_latency"], out["spec_allreduce_latency"] = allreduce
+        (out["allreduces"], out["allreduce_latency"], out["spec_allreduce_latency"],
+         out["overlap_cpu"]) = allreduce
         out["output_tokens"] = sum(r["output_tokens"] for r in res.requests)
         out["prompt_tokens"] = sum(r["prompt_tokens"] for r in res.requests)
-        out["requests"] = [(r["arrival_s"], r["arrival_s"] + r["ttft_ms"] / 1e3,
-                            r["arrival_s"] + r["e2e_ms"] / 1e3, r["output_tokens"])
-                           for r in res.requests if r["status"] == "finished"]
+        # Each finished request's (arrival, first token, finish, output tokens, prompt
+        # tokens), its times as the engine made them (a served front end's share out).
+        fe = front[0] or (lambda n: 0.0)
+        rows = [r for r in res.requests if r["status"] == "finished"]
+        out["requests"] = [(r["arrival_s"],
+                            r["arrival_s"] + r["ttft_ms"] / 1e3 - fe(r["prompt_tokens"]),
+                            r["arrival_s"] + r["e2e_ms"] / 1e3 - fe(r["prompt_tokens"]),
+                            r["output_tokens"], r["prompt_tokens"]) for r in rows]
     return out
 
 
@@ -240,10 +306,13 @@ def run_all(points: list[dict[str, Any]], sources: dict[str, Any], jobs: int,
 
 
 # -- the fit --------------------------------------------------------------------------
-def _steps(r: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _steps(r: dict[str, Any], c: np.ndarray | None = None
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A traced run's per-step seconds apart from the fitted terms, its per-step linear
     terms in the profile's constants (:data:`CONSTANTS`: fresh, fresh x seqs, 1, seqs, the
-    all-reduces) and each step's end time."""
+    all-reduces) and each step's end time. A run whose engine overlaps its CPU time with
+    the forward (a step is max(forward, CPU)) is linearized at the constants ``c``: a
+    step whose CPU time outlasts its forward is that CPU time, any other its forward."""
     tr = r["trace"]
     n_ar = float(r.get("allreduces", 0))
     fwd = np.array([s[0] for s in tr], dtype=np.float64) \
@@ -252,10 +321,14 @@ def _steps(r: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     fresh = np.array([1.0 if s[2] else 0.0 for s in tr])
     x = np.stack([fresh, fresh * seqs, np.ones_like(seqs), seqs,
                   np.full_like(seqs, n_ar)], axis=1)
+    if r.get("overlap_cpu") and c is not None:
+        cpu_bound = x @ c > fwd
+        fwd = np.where(cpu_bound, 0.0, fwd)
+        x = x * cpu_bound[:, None]
     return fwd, x, np.array([s[3] for s in tr], dtype=np.float64)
 
 
-def _figure_rows(point: dict[str, Any], r: dict[str, Any]
+def _figure_rows(point: dict[str, Any], r: dict[str, Any], c: np.ndarray | None = None
                  ) -> list[tuple[str, float, np.ndarray, float]]:
     """Each fitted figure of a traced all-at-once run as ``(metric, base, a, published)``:
     predicted = base + a . constants, exactly, while the schedule stays the one traced (it
@@ -263,8 +336,10 @@ def _figure_rows(point: dict[str, Any], r: dict[str, Any]
     throughput figure (its tokens or requests over the figure); a request's end-to-end
     time, the sum of the steps up to the one that finished it; a mean TPOT, each request's
     steps after its first token over its output tokens - 1. A median is the median
-    request's (two middle ones averaged)."""
-    fwd, x, t_end = _steps(r)
+    request's (two middle ones averaged). ``c``: the constants an overlapping engine's
+    steps are linearized at (:func:`_steps`; default the run's own)."""
+    now = _current(point, r)
+    fwd, x, t_end = _steps(r, now if c is None else c)
     cf = np.concatenate([[0.0], np.cumsum(fwd)])
     cx = np.vstack([np.zeros((1, x.shape[1])), np.cumsum(x, axis=0)])
     # The steps that ended by time t (a token's time is the clock at the end of the step
@@ -272,7 +347,6 @@ def _figure_rows(point: dict[str, Any], r: dict[str, Any]
     at = lambda t: int(np.searchsorted(t_end, t + 1e-9 * max(1.0, t), side="right"))  # noqa: E731
     reqs = r["requests"]
     fig = point["figures"]
-    now = _current(point, r)
     out: list[tuple[str, float, np.ndarray, float]] = []
     for metric, pub in fig.items():
         kind = CLAIMED.get(metric)
@@ -284,11 +358,11 @@ def _figure_rows(point: dict[str, Any], r: dict[str, Any]
             continue
         if metric.startswith("e2e_ms"):
             per = [(cf[at(fin)] - cf[at(arr)], cx[at(fin)] - cx[at(arr)])
-                   for arr, _, fin, _ in reqs]
+                   for arr, _, fin, _, _ in reqs]
         elif metric.startswith("tpot_ms"):
             per = [((cf[at(fin)] - cf[at(first)]) / (n - 1),
                     (cx[at(fin)] - cx[at(first)]) / (n - 1))
-                   for _, first, fin, n in reqs if n > 1]
+                   for _, first, fin, n, _ in reqs if n > 1]
         else:
             continue  # TTFT and ITL are not fitted
         if metric.endswith("_median"):
@@ -317,10 +391,25 @@ def fit_engine(runs: list[tuple[dict[str, Any], dict[str, Any]]],
     """Non-negative least squares on the relative error of every fitted figure of each
     run (:func:`_figure_rows`), over the constants ``keys`` (indices into
     :data:`CONSTANTS`); each run weighs the same whatever its number of figures."""
+    # An engine that overlaps its CPU time with the forward is not affine in the
+    # constants: solved again at each solution until the steps it linearizes at settle.
+    c = _current(*runs[0]) if runs else np.zeros(len(CONSTANTS))
+    for _ in range(6 if any(r.get("overlap_cpu") for _, r in runs) else 1):
+        out = _fit_at(runs, keys, c)
+        new = np.array([out[k] or 0.0 for k in CONSTANTS])
+        if np.allclose(new, c, rtol=1e-6, atol=1e-12):
+            break
+        c = new
+    return out
+
+
+def _fit_at(runs: list[tuple[dict[str, Any], dict[str, Any]]], keys: tuple[int, ...],
+            c: np.ndarray) -> dict[str, float]:
+    """:func:`fit_engine`'s least squares, overlapping engines linearized at ``c``."""
     rows, target = [], []
     ar = CONSTANTS.index("allreduce_latency_s")
     for point, r in runs:
-        figs = _figure_rows(point, r)
+        figs = _figure_rows(point, r, c)
         for _, base, a, pub in figs:
             if ar not in keys:  # not fitted: the spec's latency (the profile's None)
                 base += a[ar] * r.get("spec_allreduce_latency", 0.0)
@@ -347,13 +436,18 @@ def fit_engine(runs: list[tuple[dict[str, Any], dict[str, Any]]],
 
 
 def do_fit(jobs: int) -> dict[str, Any]:
-    """Fit every engine profile with all-at-once points in :data:`FITTED_SETS`."""
+    """Fit every engine profile with all-at-once points in :data:`FITTED_SETS` (its CPU
+    constants), then its served front end to its served points at light load
+    (:func:`fit_served`)."""
+    from harness.roofline.engines import PROFILES, reload_fit
+
     sources: dict[str, Any] = {}
-    at_once: list[dict[str, Any]] = []
+    fitted_runs: list[dict[str, Any]] = []
     for name in FITTED_SETS:
         s, runs = load(name)
         sources.update(s)
-        at_once += [p for p in runs if p["rate"] == 0 and s[p["source"]].get("fit", True)]
+        fitted_runs += [p for p in runs if fitted(p, s[p["source"]])]
+    at_once = [p for p in fitted_runs if p["rate"] == 0]
     res = {r["id"]: r for r in run_all(at_once, sources, jobs, trace=True)}
     result: dict[str, Any] = {"fitted_at": time.strftime("%Y-%m-%d"), "engines": {}}
     for eng in sorted({p["engine"] for p in at_once}):
@@ -361,12 +455,13 @@ def do_fit(jobs: int) -> dict[str, Any]:
                if p["engine"] == eng and "error" not in res[p["id"]]]
         # An engine whose points all schedule every step cannot tell scheduling from
         # per-step time: fit the per-step pair only. Its all-reduce latency only from
-        # per-token latencies (TPOT, end-to-end) at tp > 1: a throughput at full batch
-        # cannot tell it from the per-step time (fitted to vLLM 0.6's throughput points
-        # alone it went to 0); else the spec's stays (None).
+        # per-token latencies (TPOT, end-to-end) at tp > 1, and only where it runs NCCL's
+        # (its own kernels' times are published: harness.roofline.allreduce): a throughput
+        # at full batch cannot tell it from the per-step time; else the spec's (None).
         multi = any(not s[2] for _, r in pts for s in r["trace"])
-        ar = any(r["allreduces"] and any(CLAIMED.get(m) != "throughput"
-                                         for m in p["figures"]) for p, r in pts)
+        ar = PROFILES[eng].allreduce == "nccl" and any(
+            r["allreduces"] and any(CLAIMED.get(m) != "throughput" for m in p["figures"])
+            for p, r in pts)
         keys = ((0, 1) if multi else ()) + (2, 3) + ((4,) if ar else ())
         fitted: dict[str, Any] = fit_engine(pts, keys)
         if not ar:
@@ -375,7 +470,66 @@ def do_fit(jobs: int) -> dict[str, Any]:
                                   "points": [p["id"] for p, _ in pts],
                                   "sources": sorted({p["source"] for p, _ in pts})}
     FIT_RESULT.write_text(json.dumps(result, indent=1) + "\n")
+    reload_fit()  # the served points run with the CPU constants just fitted
+    light = [p for p in fitted_runs if p["rate"] > 0 and served(p, sources[p["source"]])
+             and any(m.startswith("ttft") for m in p["figures"])]
+    res = {r["id"]: r for r in run_all(light, sources, jobs, trace=True)}
+    for eng in sorted({p["engine"] for p in light}):
+        pts = [(p, res[p["id"]]) for p in light
+               if p["engine"] == eng and "error" not in res[p["id"]]]
+        front = fit_served(pts)
+        if front is None:
+            continue
+        entry = result["engines"].setdefault(eng, {"points": [], "sources": []})
+        entry.update(front)
+        entry["sources"] = sorted(set(entry["sources"]) | {p["source"] for p, _ in pts})
+    FIT_RESULT.write_text(json.dumps(result, indent=1) + "\n")
+    reload_fit()
     return result
+
+
+LIGHT_TTFT_S = 0.2  # a served point's engine-side median TTFT below this: light load
+
+
+def fit_served(runs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any] | None:
+    """A served engine's front end, ``request_s + prompt_token_s x prompt tokens`` added to
+    each request's TTFT (harness.roofline.engines), by non-negative least squares on the
+    relative error of every TTFT figure of its served points at light load (the engine's
+    own median TTFT under :data:`LIGHT_TTFT_S`: no queue, so what the model misses there
+    is the front end, not the schedule). None: no such point."""
+    rows, target, used = [], [], []
+    for point, r in runs:
+        eng = np.array([first - arr for arr, first, _, _, _ in r["requests"]])
+        prompt = np.array([float(q[4]) for q in r["requests"]])
+        if not len(eng) or float(np.median(eng)) >= LIGHT_TTFT_S:
+            continue
+        used.append(point["id"])
+        for metric, pub in point["figures"].items():
+            if not metric.startswith("ttft"):
+                continue
+            y = pub / 1e3
+            if metric.endswith("_median"):
+                k = int(np.argsort(eng)[(len(eng) - 1) // 2])
+                base, p = float(eng[k]), float(prompt[k])
+            else:
+                base, p = float(eng.mean()), float(prompt.mean())
+            rows.append([1.0 / y, p / y])
+            target.append(1.0 - base / y)
+    if not rows:
+        return None
+    A, b = np.array(rows), np.array(target)
+    best: tuple[float, np.ndarray] | None = None
+    for sub in ((0, 1), (0,), (1,)):
+        coef, *_ = np.linalg.lstsq(A[:, sub], b, rcond=None)
+        if (coef < 0).any():
+            continue
+        full = np.zeros(2)
+        full[list(sub)] = coef
+        err = float(np.sum((A @ full - b) ** 2))
+        if best is None or err < best[0]:
+            best = (err, full)
+    a, per = best[1] if best is not None else (0.0, 0.0)
+    return {"request_s": float(a), "prompt_token_s": float(per), "served_points": used}
 
 
 # -- the report -----------------------------------------------------------------------

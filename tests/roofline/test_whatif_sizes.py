@@ -15,7 +15,7 @@ from harness.roofline.config import RooflineConfig
 from harness.roofline.engines import PROFILES
 from harness.roofline.hardware import get_hardware
 from harness.roofline.models import get_model_spec
-from harness.roofline.sizes import engine_size, resolve_sizes, trtllm_limits
+from harness.roofline.sizes import engine_size, resolve_sizes, rule_pairs, trtllm_limits
 from harness.roofline.trtllm_bench import batch_limits
 from harness.runner import run
 from harness.sched.scheduler import SchedulerConfig
@@ -91,10 +91,27 @@ def test_engine_rules() -> None:
     assert engine_size("trtllm-bench", "max_num_batched_tokens", 0, (64, 4096)) == 4096
     with pytest.raises(ValueError, match="unknown engine profile rule"):
         engine_size("twice", "max_num_seqs", 0, None)
+    pair = rule_pairs("h100-sxm", get_hardware("h100-sxm").mem_bytes, True, 500_000, 4096)
     for p in PROFILES.values():  # every profile's rule resolves
         for k in ("max_num_seqs", "max_num_batched_tokens"):
             if k in p.scheduler:
-                assert engine_size(p.scheduler[k], k, 4096, (64, 4096)) > 0
+                assert engine_size(p.scheduler[k], k, 4096, (64, 4096), pair) > 0
+
+
+def test_vllm_v1_and_sglang_sizes_are_their_defaults() -> None:
+    # vLLM (>= 0.9) by usage context and card: the API server on an H100 / H200 takes
+    # 8192 tokens and 1024 sequences, offline LLM 16384; an A100 2048 / 256 (vLLM PR
+    # #17885 keeps A100 small).
+    h100, a100 = get_hardware("h100-sxm"), get_hardware("a100-80gb")
+    assert rule_pairs("h100-sxm", h100.mem_bytes, True, 1, 1)["vllm-v1"] == (8192, 1024)
+    assert rule_pairs("h100-sxm", h100.mem_bytes, False, 1, 1)["vllm-v1"] == (16384, 1024)
+    assert rule_pairs("a100-80gb", a100.mem_bytes, True, 1, 1)["vllm-v1"] == (2048, 256)
+    # SGLang: 8192-token chunks on an 80 GB card, 4096 on 48 GB; the running cap from the
+    # pool (500,000 tokens at 4096 context: 62,500 -> capped 4096; 2,000,000 at 131072 ->
+    # 7,812 -> 4096; 100,000 at 131072 -> 390 -> at least 2048).
+    assert rule_pairs("h100-sxm", h100.mem_bytes, True, 500_000, 4096)["sglang"] == (8192, 4096)
+    assert rule_pairs("l40s", get_hardware("l40s").mem_bytes, True, 100_000, 131072)[
+        "sglang"] == (4096, 2048)
 
 
 def test_trtllm_limits_read_the_workload_and_the_backends_bytes() -> None:
