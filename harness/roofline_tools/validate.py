@@ -619,8 +619,9 @@ def measured_specs() -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--set", default="all",
-                    choices=("fit", "calibration", "validation", "both", "all"),
-                    help="both: fit and validation; all: the three sets")
+                    choices=("fit", "calibration", "validation", "fitted", "both", "all"),
+                    help="fitted: fit and calibration (what --fit reads); both: fit and "
+                         "validation; all: the three sets")
     ap.add_argument("--fit", action="store_true", help="fit the engine profiles first")
     ap.add_argument("--only", default="", help="comma-separated run ids")
     ap.add_argument("--source", default="", help="only the runs of these sources (comma-separated)")
@@ -635,7 +636,8 @@ def main(argv: list[str] | None = None) -> None:
         import harness.roofline.engines as engines
 
         importlib.reload(engines)  # the profiles now read the new fit
-    names = {"both": ("fit", "validation"), "all": tuple(SETS)}.get(args.set, (args.set,))
+    names = {"both": ("fit", "validation"), "fitted": FITTED_SETS,
+             "all": tuple(SETS)}.get(args.set, (args.set,))
     points: list[dict[str, Any]] = []
     sources: dict[str, Any] = {}
     for n in names:
