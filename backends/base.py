@@ -142,6 +142,10 @@ class KVBackend(ABC):
     exact: bool = True  # False for lossy backends (quantized, evicting)
     # False where a block's content stops being what its hash names (H2O rewrites slots).
     supports_prefix_caching: bool = True
+    # Its prefix cache keeps compressed states by name (harness.kv.compressed: a method
+    # that compresses once, at a prompt's end), not blocks by their tokens: no lower
+    # tiers, no KV cache groups, no handoff.
+    compressed_prefixes: bool = False
     # Runs a hybrid-attention model under executor=model: attends each layer through its
     # LayerSlot (its group's tables, its storage tensor, its window).
     supports_groups: ClassVar[bool] = False

@@ -103,6 +103,9 @@ class ScoredBackend(SlottedBackend):
         super().__init__(layout, device, **options)
         assert self.reads in READS, f"{type(self).__name__}.reads: one of {READS}"
         self.policy = type(self).Policy(self.opts)
+        # Compress-once methods keep compressed prefixes (harness.kv.compressed); h2o and
+        # tova re-score every step, so each prompt is compressed anew.
+        self.supports_prefix_caching = self.compressed_prefixes = self.policy.compresses_once
         # The first and last layers that score keys (a selection follows the last): every
         # layer's, or a hybrid model's full layers' (use_layer_slots).
         self.first_scored, self.last_scored = 0, layout.num_layers - 1
@@ -205,8 +208,11 @@ class ScoredBackend(SlottedBackend):
         return out
 
     def selects(self, seq: Sequence) -> bool:
-        """Whether ``seq``'s prompt will be compressed at all (it is longer than what its
-        budget keeps)."""
+        """Whether ``seq``'s prompt will be compressed at all: it is longer than what its
+        budget keeps, and it did not start from a compressed prefix (harness.kv.compressed:
+        compressed already, so not again)."""
+        if seq.compressed_prefix:
+            return False
         p = seq.num_prompt_tokens
         return self.policy.keep(p, seq.group.params.max_tokens) < p
 
@@ -251,8 +257,7 @@ class ScoredBackend(SlottedBackend):
         end = min(c.start + c.num_tokens, p)
         lo = max(c.start, end - win) if self.policy.streaming else p - win
         first = max(c.start, lo)
-        if self.policy.keep(p, seq.group.params.max_tokens) >= p or first >= end \
-                or lo <= 0:
+        if not self.selects(seq) or first >= end or lo <= 0:
             return  # nothing to select, no window query in this chunk, or no key before it
         if layer == self.first_scored and c.start <= lo:  # the window starts: (re)start
             self._obs[seq.seq_id] = torch.zeros(

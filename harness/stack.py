@@ -214,10 +214,15 @@ def assemble_stack(backend: KVBackend, device: torch.device, cache: CacheSpec,
               f"cannot fill ({sizing.block_size - max_model_len}+ slots wasted each); lower "
               "backend.block_size", file=sys.stderr)
     prefix_caching = bool(cache.enable_prefix_caching and backend.supports_prefix_caching
-                          and backend.storage == "paged")
-    if cache.enable_prefix_caching and not backend.supports_prefix_caching and not quiet:
-        print(f"kvbench: backend {backend.name} rewrites cached blocks, so prefix caching "
-              "is off for this run (run.prefix_caching=false)", file=sys.stderr)
+                          and backend.storage == "paged"
+                          and not (groups and backend.compressed_prefixes))
+    if cache.enable_prefix_caching and not prefix_caching and not quiet \
+            and backend.storage == "paged":
+        why = ("caches compressed prefixes (harness.kv.compressed), which KV cache groups "
+               "do not" if backend.supports_prefix_caching else
+               "rewrites its blocks as it runs (each prompt is compressed anew)")
+        print(f"kvbench: backend {backend.name} {why}: prefix caching is off for this run "
+              "(run.prefix_caching=false)", file=sys.stderr)
     kv_opts: dict[str, Any] = ({"enable_prefix_caching": prefix_caching,
                                 "watermark": cache.watermark}
                                if backend.storage == "paged" else
@@ -285,8 +290,11 @@ def make_tiers(cache: CacheSpec, backend: KVBackend, sizing: CacheSizing,
     spec = cache.tiers
     if not spec.enabled:
         return None
-    why = (None if prefix_caching and backend.block_tensors_supported() else
+    why = (None if prefix_caching and backend.block_tensors_supported()
+           and not backend.compressed_prefixes else
            "prefix caching is off for this run" if not prefix_caching else
+           f"backend {backend.name} caches compressed prefixes, not blocks by their tokens"
+           if backend.compressed_prefixes else
            f"backend {backend.name} cannot move whole blocks")
     if why is not None:
         custom = spec.custom_policies(cache.eviction)

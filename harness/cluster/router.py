@@ -84,7 +84,7 @@ def cached_prefix_tokens(kv: KVManager, group: SequenceGroup) -> int:
     hit = kv.lookup_prefix(probe)
     if isinstance(kv, GroupedKVManager):  # it keeps a lookup's plan and hashes by seq id
         kv.forget_lookup(probe)
-    return hit.num_blocks * kv.block_size
+    return hit.num_tokens(kv.block_size)
 
 
 def _least(replicas: Seq[ReplicaView], among: Seq[int]) -> int:

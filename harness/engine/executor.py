@@ -21,6 +21,7 @@ from harness.backends.costs import StepReads, step_reads
 from harness.engine.batch import InputBuilder, group_batch
 from harness.engine.graphs import DecodeGraphs
 from harness.kv.base import KVManager, KVUsage, StepScores
+from harness.kv.evicting import EvictingKVManager
 from harness.kv.groups import GroupedKVManager
 from harness.model.llama import LlamaModel
 from harness.sched.sequence import SequenceGroup
@@ -242,6 +243,8 @@ def check_touched(rec: StepRecord, declared: StepReads, backend: KVBackend,
     held = backend.held_slots()
     used = None if held is None else kv.group_used_slots(0) if isinstance(
         kv, GroupedKVManager) and kv.chooses else kv.usage().used_slots
+    if used is not None and isinstance(kv, EvictingKVManager):
+        used += kv.cached_slots()  # kept compressed prefixes' tokens (harness.kv.compressed)
     assert held == used, (
         f"backend {backend.name}, step {rec.step}: {held} slots hold a live token on the "
         f"device, the KV manager counts {used}")

@@ -49,33 +49,48 @@ class CopyOp:
 class PrefixHit:
     """A prompt's cached prefix: ``blocks``, device blocks holding its first blocks, then
     ``loads``, the blocks after them found in a lower tier (harness.kv.tiers), each to be
-    copied into a fresh device block before the forward."""
+    copied into a fresh device block before the forward.
+
+    ``compressed``: a compressed prefix (harness.kv.compressed) stands for the prompt's
+    first ``compressed`` tokens, and ``blocks`` hold what the method kept of them (fewer);
+    0: each block holds ``block_size`` of the prompt's tokens."""
 
     blocks: list[int] = field(default_factory=list)
     loads: list[TierHit] = field(default_factory=list)
+    compressed: int = 0
 
     @property
     def num_blocks(self) -> int:
         return len(self.blocks) + len(self.loads)
 
+    def num_tokens(self, block_size: int) -> int:
+        """The prompt tokens the hit spares computing."""
+        return self.compressed or self.num_blocks * block_size
+
 
 @dataclass(slots=True)
 class Demand:
     """A sequence asking for ``num_tokens`` more slots, after its prefix hit: the device
-    blocks ``hit_blocks`` reused, then the lower-tier blocks ``loads`` loaded."""
+    blocks ``hit_blocks`` reused, then the lower-tier blocks ``loads`` loaded (or, with
+    ``compressed`` > 0, a compressed prefix standing for that many tokens: PrefixHit)."""
 
     seq: Sequence
     num_tokens: int
     hit_blocks: list[int] = field(default_factory=list)
     loads: list[TierHit] = field(default_factory=list)
+    compressed: int = 0
 
     @classmethod
     def after(cls, seq: Sequence, num_tokens: int, hit: PrefixHit) -> Demand:
-        return cls(seq, num_tokens, hit.blocks, hit.loads)
+        return cls(seq, num_tokens, hit.blocks, hit.loads, hit.compressed)
 
     @property
     def num_hit_blocks(self) -> int:
         return len(self.hit_blocks) + len(self.loads)
+
+    def num_hit_tokens(self, block_size: int) -> int:
+        """The tokens the hit spares computing (where this demand's new tokens start)."""
+        return self.compressed or self.num_hit_blocks * block_size
 
 
 @dataclass(slots=True)

@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from harness.kv.base import CopyOp, Demand, StepScores
+from harness.kv.base import CopyOp, Demand, PrefixHit, StepScores
 from harness.kv.compaction import plan_compaction
+from harness.kv.compressed import CompressedIndex, CompressedPrefix, fingerprint
 from harness.kv.paged import GIVEN_BACK, PagedKVManager, SeqBlocks, cdiv
 from harness.kv.policies.base import Eviction, EvictionPolicy, HeldBlocks, HeldTokens
 
@@ -40,12 +41,26 @@ class BudgetBlocks(SeqBlocks):
     """SeqBlocks of a token-granular policy: ``free`` is the stack of empty slots inside
     the held blocks (the next token takes ``free[-1]``); ``live`` the tokens held;
     ``cap`` the blocks its budget fills; ``owed`` the blocks it may still take to get
-    there (promised at admission, see :meth:`EvictingKVManager.can_allocate`)."""
+    there (promised at admission, see :meth:`EvictingKVManager.can_allocate`);
+    ``marks`` where its state was compressed (its prompt's end, or the marks of the
+    compressed prefix it started from); ``carried`` the tokens that prefix stood for
+    (0: none; a sequence that started from one is not compressed again)."""
 
     free: list[int] = field(default_factory=list)
     live: int = 0
     cap: int = 0
     owed: int = 0
+    marks: tuple[int, ...] = ()
+    carried: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class KeptState:
+    """What a compressed prefix's blocks hold besides their K/V: the empty slots among
+    them (in the stack's order) and how many tokens they hold."""
+
+    free: tuple[int, ...]
+    live: int
 
 
 class PolicyKVManager(PagedKVManager):
@@ -164,14 +179,26 @@ class WindowKVManager(PolicyKVManager):
 class EvictingKVManager(PolicyKVManager):
     """A token-granular policy (h2o, tova, snapkv, knorm): single slots given back and
     reused, per-slot positions, compaction after a one-shot selection. Per-slot state
-    lives beside the cache: blocks do not swap, and rewritten blocks are not cacheable."""
+    lives beside the cache: blocks do not swap.
+
+    Prefix caching: a rewritten block is not what a positional name says, so no block is
+    named by its tokens. Under a policy that compresses once (``compresses_once``) and
+    with ``enable_prefix_caching``, a sequence's compressed state is kept when it ends,
+    named by the method, its parameters and its original tokens (harness.kv.compressed):
+    its blocks are named after that prefix and go to the pool's cache of freed blocks as a
+    paged block does (free to take, evicted in the pool's order; their slots keep their
+    positions until then); a later prompt starting with those tokens copies them. A
+    prefix loses its name with any of its blocks. Otherwise (h2o, tova: they re-score
+    every step) every prompt is compressed anew."""
 
     def __init__(self, num_blocks: int, block_size: int, policy: EvictionPolicy,
                  **options: object) -> None:
         if policy.positional:
             raise ValueError(f"policy {policy.name} is positional: use WindowKVManager")
-        options["enable_prefix_caching"] = False
+        caching = bool(options.get("enable_prefix_caching", False)) and policy.compresses_once
+        options["enable_prefix_caching"] = caching
         options["num_cpu_blocks"] = 0
+        options.pop("tiers", None)  # (no lower tiers: a stack gives none to this backend)
         super().__init__(num_blocks, block_size, policy, **options)
         self.supports_swap = False
         self._pos = np.full(num_blocks * block_size, -1, dtype=np.int64)
@@ -179,11 +206,120 @@ class EvictingKVManager(PolicyKVManager):
         # admission must leave them free, or it over-admits and then thrashes (20 admitted
         # and 65 preemptions recomputing 93% of the prompts, before this was counted).
         self._owed = 0
+        self._index: CompressedIndex | None = None  # made at first use (the policy's
+        # parameters are final then: duo's heads are measured after the stack is built)
+        self._prefix_of: dict[int, CompressedPrefix] = {}  # a kept prefix's blocks
+        self._pinned: list[int] = []  # this step's hits' source blocks, held until its end
+        if caching:
+            self.pool.on_evict = self._evicted
+
+    @property
+    def index(self) -> CompressedIndex:
+        """The kept compressed prefixes (harness.kv.compressed)."""
+        if self._index is None:
+            self._index = CompressedIndex(fingerprint(self.policy.name, self.policy.params()),
+                                          self.block_size)
+        return self._index
 
     def held_tokens(self, seq: Sequence) -> int:
         """Tokens ``seq`` holds now (its budget's count, not a mask)."""
         st = self._seqs.get(seq.seq_id)
         return st.live if isinstance(st, BudgetBlocks) else 0
+
+    def _over(self, seq: Sequence, n: int) -> int:
+        st = self._seqs.get(seq.seq_id)
+        if isinstance(st, BudgetBlocks) and st.carried:
+            return 0  # it started from a compressed prefix: compressed already, all kept
+        return super()._over(seq, n)
+
+    # -- compressed prefixes (harness.kv.compressed) -----------------------------------
+    def lookup_prefix(self, seq: Sequence) -> PrefixHit:
+        """The longest kept compressed prefix of ``seq``'s tokens (all but its last)."""
+        if not self.enable_prefix_caching or self.holds(seq):
+            return PrefixHit()
+        p = self.index.lookup(seq.token_ids, len(seq.token_ids) - 1, self.key_of(seq))
+        return PrefixHit() if p is None else PrefixHit(list(p.blocks), compressed=p.covered)
+
+    def _carried_cap(self, seq: Sequence, p: CompressedPrefix) -> int:
+        """Blocks a sequence starting from ``p`` holds once its prompt is in: the kept
+        tokens and every token after them (nothing is compressed again)."""
+        assert isinstance(p.state, KeptState)
+        rest = len(seq.token_ids) - p.covered
+        return max(len(p.blocks), cdiv(p.state.live + rest, self.block_size))
+
+    def _start_from(self, d: Demand) -> None:
+        """``d.seq`` starts from a copy of the compressed prefix its hit names (its blocks
+        pinned already): fresh blocks, whole-block copies (K/V, positions, scores), the
+        prefix's empty slots, count and marks."""
+        seq, p, pool, bs = d.seq, self._prefix_of[d.hit_blocks[0]], self.pool, self.block_size
+        assert isinstance(p.state, KeptState)
+        st = self.blocks_of(seq)
+        assert isinstance(st, BudgetBlocks) and not st.table, "a hit on a fresh table"
+        new = pool.allocate_all(len(p.blocks))
+        for src, dst in zip(p.blocks, new):
+            self._ops.copies.append(CopyOp(src * bs, dst * bs, bs))
+            self.policy.on_copy(src * bs, dst * bs, bs)
+            self._pos[dst * bs:(dst + 1) * bs] = self._pos[src * bs:(src + 1) * bs]
+            pool.set_fill(dst, pool.fill[src])
+        moved = dict(zip(p.blocks, new))
+        st.table = new
+        st.free = [moved[s // bs] * bs + s % bs for s in p.state.free]
+        st.live, st.marks, st.carried = p.state.live, p.marks, p.covered
+        st.cap = self._carried_cap(seq, p)
+        self._set_owed(seq, st)
+        self.logical_blocks += len(new)
+        if p.owner == seq.group.request_id:  # its own state, kept when it was preempted
+            self.stats.self_hit_tokens += p.covered
+        else:
+            self.stats.prefix_hit_tokens += p.covered
+            seq.group.prefix_hit_tokens += p.covered
+
+    def _keep_prefix(self, seq: Sequence, st: BudgetBlocks) -> bool:
+        """As ``seq`` ends: keep its state as a compressed prefix (its blocks named after
+        it) if it was compressed, is one request's only sequence, holds its blocks alone
+        and is not kept already. Returns whether it was kept."""
+        pool = self.pool
+        if (not self.enable_prefix_caching or not st.marks or not st.table
+                or len(seq.group.seqs) != 1 or seq.num_computed < seq.num_prompt_tokens
+                or any(pool.ref[b] != 1 or pool.block_hash[b] is not None
+                       for b in st.table)):
+            return False
+        index = self.index
+        covered = seq.num_computed
+        name, chain, tail = index.name_of(seq.token_ids, covered, st.marks, self.key_of(seq))
+        if index.get(name) is not None:
+            return False
+        p = CompressedPrefix(name, chain, tail, covered, st.marks, seq.group.request_id,
+                             list(st.table), KeptState(tuple(st.free), st.live))
+        for i, (b, h) in enumerate(zip(p.blocks, index.block_names(p))):
+            pool.name(b, h, p.owner, i)
+            self._prefix_of[b] = p
+        index.add(p)
+        return True
+
+    def _evicted(self, b: int, h: int, owner: int, depth: int) -> None:
+        """The pool evicts cached block ``b`` (to reuse it): the prefix it held is gone
+        (its other blocks stay cached, unfindable, until evicted in turn) and its slots
+        hold nothing from now on."""
+        p = self._prefix_of.pop(b, None)
+        if p is not None:
+            self.index.remove(p)
+            for other in p.blocks:
+                self._prefix_of.pop(other, None)
+        self._clear_block(b)
+
+    def cached_slots(self) -> int:
+        """Slots of the pool's cached blocks (kept compressed prefixes, and blocks of
+        prefixes that lost a block, until evicted) that still hold a token: the device
+        holds them, no sequence does."""
+        pool = self.pool
+        return sum(pool.fill[b] for b in pool.lru_order())
+
+    def end_forward(self) -> None:
+        super().end_forward()
+        if self._pinned:  # the hits' copies are made: their sources go back to the cache
+            self.pool.release_all(self._pinned)
+            self._pinned = []
 
     def held_view(self, seq: Sequence, need: int) -> HeldTokens | None:
         # A token policy is asked only when the sequence is over its limit: building the
@@ -240,6 +376,10 @@ class EvictingKVManager(PolicyKVManager):
         its promise, plus copies of shared blocks it must write."""
         seq, bs = d.seq, self.block_size
         st = self._seqs.get(seq.seq_id)
+        if d.compressed:  # a hit: its cached blocks revived, copied, and what follows
+            p = self._prefix_of[d.hit_blocks[0]]
+            revive = sum(1 for b in p.blocks if self.pool.ref[b] == 0)
+            return revive + self._carried_cap(seq, p)
         if not isinstance(st, BudgetBlocks) or not st.table:
             return max(cdiv(d.num_tokens, bs), self._cap_blocks(seq))
         take = min(d.num_tokens, len(st.free))
@@ -251,20 +391,35 @@ class EvictingKVManager(PolicyKVManager):
         return need
 
     def allocate_group(self, demands: list[Demand]) -> list[list[int]]:
-        return [self._take_slots(d.seq, d.num_tokens) for d in demands]
+        if self.enable_prefix_caching:
+            for d in demands:
+                if not self.holds(d.seq):
+                    self.stats.prefix_query_tokens += d.seq.num_tokens
+            hits = [d for d in demands if d.compressed]
+            for d in hits:  # held before any block is taken (which could evict them)
+                for b in self._prefix_of[d.hit_blocks[0]].blocks:
+                    self.pool.touch(b)
+                    self._pinned.append(b)
+            for d in hits:
+                self._start_from(d)
+        return [self._take_slots(d.seq, d.num_tokens, d.compressed or None)
+                for d in demands]
 
     def append_slot(self, seq: Sequence) -> int | None:
         if not self.can_allocate([Demand(seq, 1)], watermark=False):
             return None
         return self._take_slots(seq, 1)[0]
 
-    def _take_slots(self, seq: Sequence, n: int) -> list[int]:
+    def _take_slots(self, seq: Sequence, n: int, start: int | None = None) -> list[int]:
+        """Slots for ``n`` tokens of ``seq`` from position ``start`` (default: its
+        computed count)."""
         st = self.blocks_of(seq)
         assert isinstance(st, BudgetBlocks)
         over = self._over(seq, n)
         if over:  # a step's eviction could not keep the budget (a victim's copy failed)
             self.evict(seq, self._select(seq, over))
-        pool, bs, pos0 = self.pool, self.block_size, seq.num_computed
+        pool, bs = self.pool, self.block_size
+        pos0 = seq.num_computed if start is None else start
         out = []
         for i in range(n):
             if not st.free:
@@ -312,17 +467,19 @@ class EvictingKVManager(PolicyKVManager):
         if isinstance(src, BudgetBlocks):
             dst = self._seqs[child.seq_id]
             child_st = BudgetBlocks(dst.table, dst.hashes, dst.given_back, dst.cursor,
-                                    list(src.free), src.live, src.cap)
+                                    list(src.free), src.live, src.cap, marks=src.marks,
+                                    carried=src.carried)
             self._seqs[child.seq_id] = child_st
             self._set_owed(child, child_st)
 
     def free(self, seq: Sequence) -> None:
         st = self._seqs.get(seq.seq_id)
         if isinstance(st, BudgetBlocks):
-            pool = self.pool
-            for b in st.table:
-                if pool.ref[b] == 1:  # the last holder: its slots hold nothing any more
-                    self._clear_block(b)
+            if not self._keep_prefix(seq, st):  # (kept: the slots hold it until evicted)
+                pool = self.pool
+                for b in st.table:
+                    if pool.ref[b] == 1:  # the last holder: its slots hold nothing any more
+                        self._clear_block(b)
             self._owed -= st.owed
         super().free(seq)
 
@@ -340,6 +497,8 @@ class EvictingKVManager(PolicyKVManager):
         st = self._seqs[seq.seq_id]
         pool, bs = self.pool, self.block_size
         assert isinstance(st, BudgetBlocks), "single tokens are given back by budget policies"
+        if not st.marks:  # (a compress-once policy evicts only here, at the prompt's end)
+            st.marks = (seq.num_prompt_tokens,)
         by_block: dict[int, list[int]] = {}
         for slot in ev.slots:
             by_block.setdefault(slot // bs, []).append(slot)

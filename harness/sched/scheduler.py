@@ -420,7 +420,9 @@ class Scheduler:
         bs = self.kv.block_size
         for d, sl in zip(demands, slots):
             seq = d.seq
-            seq.num_computed += d.num_hit_blocks * bs
+            seq.num_computed += d.num_hit_tokens(bs)
+            if d.compressed:
+                seq.compressed_prefix = d.compressed
             start = seq.num_computed
             seq.num_computed += d.num_tokens
             sample = seq.num_computed == seq.num_tokens
@@ -464,7 +466,7 @@ class Scheduler:
             g.num_recomputed_tokens += s.num_computed
             self.recomputed_tokens += s.num_computed
             kv.free(s)
-            s.num_computed = 0
+            s.num_computed = s.compressed_prefix = 0
         g.num_preemptions_recompute += 1
         self.preemptions_recompute += 1
         self._enqueue(g)
@@ -508,7 +510,7 @@ class Scheduler:
             demands, left, prompt_left = [], budget, 0
             for s in live:
                 hit = kv.lookup_prefix(s)
-                todo = s.num_tokens - hit.num_blocks * kv.block_size
+                todo = s.num_tokens - hit.num_tokens(kv.block_size)
                 n = self._chunk_len(s, todo, left)
                 if n <= 0:
                     return  # no room this step: later requests wait behind this one
@@ -547,6 +549,7 @@ class Scheduler:
         child = Sequence(self._new_seq_id(), parent.group, list(parent.token_ids))
         child.num_prompt_tokens = parent.num_prompt_tokens
         child.num_computed = parent.num_computed
+        child.compressed_prefix = parent.compressed_prefix
         child.cum_logprob = parent.cum_logprob
         child.status = parent.status
         self.kv.fork(parent, child)

@@ -46,6 +46,7 @@ class Sequence:
     """
 
     __slots__ = (
+        "compressed_prefix",
         "cum_logprob",
         "finish_reason",
         "group",
@@ -62,6 +63,9 @@ class Sequence:
         self.token_ids = token_ids
         self.num_prompt_tokens = len(token_ids)
         self.num_computed = 0
+        # Prompt tokens that came from a compressed prefix (harness.kv.compressed): the
+        # method compressed them already, and this prompt is not compressed again.
+        self.compressed_prefix = 0
         self.status = SeqStatus.WAITING
         self.cum_logprob = 0.0
         self.finish_reason: str | None = None

@@ -50,6 +50,10 @@ FORKS = ["workload=parallel_sampling", "workload.num_requests=4", "workload.prom
          "workload.output_tokens=14", "workload.n=3"]
 PREFIX = ["workload=shared_prefix", "workload.num_requests=4", "workload.prefix_tokens=40",
           "workload.suffix_tokens=5", "workload.output_tokens=9"]
+# A compress-once method's cache holds whole compressed prompts (harness.kv.compressed): its
+# prefix hits are a conversation's later turns.
+TURNS = ["workload=multiturn", "workload.conversations=2", "workload.turns=2",
+         "workload.system_words=20", "workload.user_words=6", "workload.answer_tokens=8"]
 WORKLOADS = {"forks_preempted": FORKS, "prefix_hits": PREFIX}
 TOKENS = {"forks_preempted": 200, "prefix_hits": 400}  # cache tokens each run gets
 
@@ -73,10 +77,20 @@ def _budget(name: str, tokens: int, dtype: torch.dtype) -> int:
     return tokens * be.bytes_per_slot() + be.reserved_bytes()
 
 
+def _compressed_prefixes(name: str) -> bool:
+    if name == "flash_attn":  # (its kernels load at construction: the stand-in's test)
+        return False
+    c = TINY_PRESETS["tiny"]
+    layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32)
+    return get_backend(name)(layout, torch.device("cpu"), block_size=BS).compressed_prefixes
+
+
 def _overrides(name: str, workload: str) -> list[str]:
     dtype = torch.bfloat16 if name == "flash_attn" else torch.float32
+    load = TURNS if workload == "prefix_hits" and _compressed_prefixes(name) else \
+        WORKLOADS[workload]
     return ["model=tiny", f"backend={name}", *OPTIONS.get(name, []), *block_size(name, BS),
-            *WORKLOADS[workload], f"cache.kv_budget={_budget(name, TOKENS[workload], dtype)}"]
+            *load, f"cache.kv_budget={_budget(name, TOKENS[workload], dtype)}"]
 
 
 def _recorded_run(name: str, workload: str,

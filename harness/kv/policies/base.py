@@ -77,6 +77,18 @@ class EvictionPolicy(ABC):
     # return to the pool (a one-shot selection leaves holes in every block: snapkv).
     compacts: bool = False
 
+    @property
+    def compresses_once(self) -> bool:
+        """Whether a prompt is compressed once, at its end, and nothing is given back
+        after: a sequence's state is then a function of its tokens and that one selection,
+        which harness.kv.compressed names for a later prompt to reuse."""
+        return False
+
+    def params(self) -> dict[str, object]:
+        """What decides what the policy keeps (its method's options): part of a compressed
+        prefix's name, so other parameters never share one."""
+        return {}
+
     def budget(self, prompt_len: int, max_tokens: int) -> int | None:
         """Tokens a sequence of this shape holds at most once it runs steadily (None: no
         bound): what admission promises it (blocks kept free for it, ``_owed``). Beyond

@@ -9,6 +9,7 @@ is written there, carried along by copies).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -89,6 +90,16 @@ class BudgetPolicy(EvictionPolicy):
     @property
     def streaming(self) -> bool:
         return self.prefill == "streaming"
+
+    @property
+    def compresses_once(self) -> bool:
+        # A press under the full trigger; a decode budget (h2o, tova) re-scores every step.
+        return self.prefill == "full" and not self.decode_budget
+
+    def params(self) -> dict[str, object]:
+        o = self.opts
+        return dataclasses.asdict(o) if dataclasses.is_dataclass(o) and \
+            not isinstance(o, type) else dict(vars(o))
 
     def budget(self, prompt_len: int, max_tokens: int) -> int:
         if not self.decode_budget:  # the prompt's share, what it is compressed to

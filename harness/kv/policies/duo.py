@@ -55,6 +55,9 @@ class DuoPolicy(HeadPolicy):
         assert mask.shape == (self.heads,) and mask.sum() == self.streaming.sum()
         self.streaming = mask.astype(bool)
 
+    def params(self) -> dict[str, object]:
+        return {**super().params(), "streaming": self.streaming}
+
     def compresses(self, prompt_len: int) -> bool:
         return bool(self.streaming.any()) and prompt_len > self.sink + self.recent
 

@@ -62,6 +62,17 @@ class HeadPolicy(ABC):
         self.num_layers, self.kv_heads = num_layers, kv_heads
         self.heads = num_layers * kv_heads
         self.scores = np.zeros(0)
+        # The method's options (its backend's, set by it): a compressed prefix's name.
+        self.options: dict[str, object] = {}
+
+    @property
+    def compresses_once(self) -> bool:
+        """A prompt is compressed once, at its end; what follows is all kept."""
+        return True
+
+    def params(self) -> dict[str, object]:
+        """What decides what each head keeps: part of a compressed prefix's name."""
+        return dict(self.options)
 
     def reset(self, num_slots: int) -> None:
         """Size the per-slot scores for ``num_slots`` head slots (pages x block size)."""

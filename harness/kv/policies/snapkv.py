@@ -71,6 +71,11 @@ class SnapKVPolicy(BudgetPolicy):
         # per chunk of the kept prompt), so the kept tokens always move together.
         self.compacts = True
 
+    @property
+    def compresses_once(self) -> bool:
+        # Full trigger, and no cap evicting generated tokens while decoding.
+        return self.prefill == "full" and not self.max_tokens
+
     def keep(self, prompt_len: int, max_tokens: int = 0) -> int:
         """Prompt tokens kept after the selection: the window + the selected ones."""
         before = max(0, prompt_len - self.window)
