@@ -15,6 +15,14 @@ module decodes the outputs, asks for the scores and aggregates them. Keys:
   context, say). They are left out of every average: scored 0 they would pass for wrong
   answers (a cell that could not run read 0.5 where what ran scored 1.0), and their
   requests.csv rows carry no score.
+
+A multi-turn workload (``shared_context``: its ``task_meta`` has a ``turn``) also gets,
+per turn k (0 the first): ``quality.turn.<k>.accuracy`` (the mean score of that turn's
+requests, with its bootstrap interval) and ``cache.turn.<k>.hit_rate`` (prompt tokens its
+requests found in the prefix cache, computed by other requests, over their prompt tokens:
+``cache.prefix_hit_rate`` turn by turn); requests.csv gets a ``turn`` column. Its later
+turns are scored too (they are not among ``initial_requests()``: every request with an
+output is).
 """
 
 from __future__ import annotations
@@ -52,20 +60,23 @@ class Scored:
     length: int
     depth: float
     score: float
+    turn: int = -1  # a multi-turn workload's turn (0 the first); -1: none
 
 
 def score_requests(workload: ScoresTasks, outputs: dict[int, list[int]],
                    tok: Tokenizer, not_run: frozenset[int] = frozenset()) -> dict[int, Scored]:
     """Every request of the workload that ran (all but ``not_run``), scored on its decoded
-    output ("" if it had none)."""
+    output ("" if it had none): the initial requests, and any follow-up with an output."""
+    first = [r.request_id for r in workload.initial_requests()]
+    later = sorted(set(outputs) - set(first))
     out = {}
-    for r in workload.initial_requests():
-        if r.request_id in not_run:
+    for rid in [*first, *later]:
+        if rid in not_run:
             continue
-        m = workload.task_meta(r.request_id)
-        text = tok.decode(outputs.get(r.request_id, []))
-        out[r.request_id] = Scored(str(m["task"]), int(m["length"]), float(m["depth"]),
-                                   float(workload.score(r.request_id, text)))
+        m = workload.task_meta(rid)
+        text = tok.decode(outputs.get(rid, []))
+        out[rid] = Scored(str(m["task"]), int(m["length"]), float(m["depth"]),
+                          float(workload.score(rid, text)), int(m.get("turn", -1)))
     return out
 
 
@@ -100,15 +111,39 @@ def task_metrics(scored: dict[int, Scored], seed: int = 0,
         key = f"{base}.all.{length}"
         m[key] = _macro(part)
         m.update(ci_keys(key, part, _macro, seed=seed))
+    for turn in sorted({s.turn for _, s in rows if s.turn >= 0}):
+        xs = [s.score for _, s in rows if s.turn == turn]
+        key = f"quality.turn.{turn}.accuracy"
+        m[key] = float(np.mean(xs))
+        m.update(ci_keys(key, xs, seed=seed))
     return m
 
 
+def turn_hit_rates(rows: RequestLog, scored: dict[int, Scored]) -> dict[str, float]:
+    """``cache.turn.<k>.hit_rate`` of the scored requests with a turn (module docstring)."""
+    turn = {rid: s.turn for rid, s in scored.items() if s.turn >= 0}
+    if not turn:
+        return {}
+    hits: dict[int, int] = defaultdict(int)
+    prompt: dict[int, int] = defaultdict(int)
+    for rid, n, h in zip(rows.column("request_id"), rows.column("prompt_tokens"),
+                         rows.column("prefix_hit_tokens")):
+        k = turn.get(rid)
+        if k is not None:
+            hits[k] += h
+            prompt[k] += n
+    return {f"cache.turn.{k}.hit_rate": hits[k] / prompt[k] if prompt[k] else 0.0
+            for k in sorted(prompt)}
+
+
 def task_columns(rows: RequestLog, scored: dict[int, Scored]) -> None:
-    """Add task, length, depth and score to requests.csv (None on a row not scored)."""
+    """Add task, length, depth and score to requests.csv (None on a row not scored), and
+    turn for a multi-turn workload."""
     if not scored:
         return
     got = [scored.get(rid) for rid in rows.column("request_id")]
-    for k in ("task", "length", "depth", "score"):
+    turns = ("turn",) if any(s.turn >= 0 for s in scored.values()) else ()
+    for k in ("task", "length", "depth", "score", *turns):
         rows.add_column(k, [None if s is None else getattr(s, k) for s in got],
                         every_row=False)  # only on the requests that ran
 
@@ -122,4 +157,5 @@ def add_task_scores(workload: object, tok: Tokenizer, outputs: dict[int, list[in
     not_run = frozenset(rows.values("request_id")[rows.matches("status", "rejected")].tolist())
     scored = score_requests(workload, outputs, tok, not_run)
     metrics.update(task_metrics(scored, seed, len(not_run)))
+    metrics.update(turn_hit_rates(rows, scored))
     task_columns(rows, scored)

@@ -17,6 +17,7 @@ from harness.workloads.sampling import (
     ParallelSamplingWorkload,
     SamplingWorkloadConfig,
 )
+from harness.workloads.shared_context import SharedContextConfig, SharedContextWorkload
 from harness.workloads.shared_prefix import SharedPrefixConfig, SharedPrefixWorkload
 from harness.workloads.trace import TraceConfig, TraceWorkload
 
@@ -29,6 +30,7 @@ WORKLOADS: dict[str, tuple[type, type]] = {
     "random": (RandomConfig, RandomWorkload),
     "trace": (TraceConfig, TraceWorkload),
     "ruler": (RulerConfig, RulerWorkload),
+    "shared_context": (SharedContextConfig, SharedContextWorkload),
 }
 
 

@@ -116,12 +116,12 @@ class Cell:
         return draw_key(self.rng) if self.haystack == "essays" else self.rng.choice(KEYS)
 
 
-def _needle(key: str, value: str) -> str:
+def needle_text(key: str, value: str) -> str:
     return f" One of the special magic numbers for {key} is: {value}."
 
 
-def _prompt(c: Cell, header: str, stream: UnitStream, needles: list[Needle],
-            question: str) -> tuple[list[int], list[float]]:
+def niah_prompt(c: Cell, header: str, stream: UnitStream, needles: list[Needle],
+                question: str) -> tuple[list[int], list[float]]:
     """BOS + header + haystack + question, exactly ``c.length`` tokens."""
     tok = c.tok
     head = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(header, add_bos=False)
@@ -131,12 +131,12 @@ def _prompt(c: Cell, header: str, stream: UnitStream, needles: list[Needle],
     return head + body + tail, depths
 
 
-def _ask_one(key: str) -> str:
+def ask_one(key: str) -> str:
     return (f"What is the special magic number for {key} mentioned in the provided text? "
             f"The special magic number for {key} mentioned in the provided text is")
 
 
-def _ask_all(keys: list[str]) -> str:
+def ask_all(keys: list[str]) -> str:
     names = keys[0] if len(keys) == 1 else ", ".join(keys[:-1]) + " and " + keys[-1]
     return (f"What are all the special magic numbers for {names} mentioned in the provided "
             f"text? The special magic numbers for {names} mentioned in the provided text are")
@@ -147,8 +147,8 @@ def niah_single(c: Cell, essay: bool) -> list[Item]:
     (niah_single_2)."""
     key, value = c.key(), c.value()
     stream = c.essay() if essay else noise_stream(c.tok)
-    ids, d = _prompt(c, NIAH_HEADER, stream, [Needle(c.depth, _needle(key, value))],
-                     _ask_one(key))
+    ids, d = niah_prompt(c, NIAH_HEADER, stream, [Needle(c.depth, needle_text(key, value))],
+                         ask_one(key))
     task = "niah_single_2" if essay else "niah_single_1"
     shared = c.essay_key if essay else "noise"
     return [Item(task, c.length, d[0], c.sample, ids, [value], "all", 16, shared)]
@@ -162,14 +162,14 @@ def _multikey_haystack(c: Cell) -> tuple[list[str], list[str], list[Needle]]:
             else rng.sample(KEYS, len(c.depths)))
     lo = 10 ** (c.value_digits - 1)
     values = [str(rng.randrange(lo, 10 * lo)) for _ in keys]
-    return keys, values, [Needle(d, _needle(k, v)) for d, k, v in zip(c.depths, keys, values)]
+    return keys, values, [Needle(d, needle_text(k, v)) for d, k, v in zip(c.depths, keys, values)]
 
 
 def niah_multikey(c: Cell) -> list[Item]:
     """The question about the needle at the cell's depth, among the others."""
     keys, values, needles = _multikey_haystack(c)
     i = c.index
-    ids, d = _prompt(c, NIAH_HEADER, c.essay(), needles, _ask_one(keys[i]))
+    ids, d = niah_prompt(c, NIAH_HEADER, c.essay(), needles, ask_one(keys[i]))
     return [Item("niah_multikey", c.length, d[i], c.sample, ids, [values[i]], "all", 16,
                  f"mk{c.length}:{c.sample}")]
 
@@ -180,7 +180,7 @@ def niah_multiquery(c: Cell) -> list[Item]:
     keys, values, needles = _multikey_haystack(c)
     n, num_queries = len(keys), c.knobs.num_queries
     pick = [(c.index + j) % n for j in range(min(num_queries, n))]
-    ids, d = _prompt(c, NIAH_HEADER, c.essay(), needles, _ask_all([keys[j] for j in pick]))
+    ids, d = niah_prompt(c, NIAH_HEADER, c.essay(), needles, ask_all([keys[j] for j in pick]))
     return [Item("niah_multiquery", c.length, d[c.index], c.sample, ids,
                  [values[j] for j in pick], "all", 16 * len(pick), f"mk{c.length}:{c.sample}")]
 
@@ -191,8 +191,9 @@ def niah_multivalue(c: Cell) -> list[Item]:
     key, num_values = c.key(), c.knobs.num_values
     values = [c.value() for _ in range(num_values)]
     depths = [c.depth + (1 - c.depth) * j / num_values for j in range(num_values)]
-    ids, d = _prompt(c, NIAH_HEADER, c.essay(),
-                     [Needle(x, _needle(key, v)) for x, v in zip(depths, values)], _ask_all([key]))
+    ids, d = niah_prompt(c, NIAH_HEADER, c.essay(),
+                         [Needle(x, needle_text(key, v)) for x, v in zip(depths, values)],
+                         ask_all([key]))
     return [Item("niah_multivalue", c.length, d[0], c.sample, ids, values, "all",
                  16 * num_values, c.essay_key)]
 
@@ -209,8 +210,8 @@ def variable_tracking(c: Cell) -> list[Item]:
     question = (f"Question: Find all variables that are assigned the value {value} in the "
                 f"text above. Answer: According to the chain(s) of variable assignment in the "
                 f"text above, {len(names)} variables are assigned the value {value}, they are:")
-    ids, d = _prompt(c, VT_HEADER, noise_stream(c.tok),
-                     [Needle(x, t) for x, t in zip(depths, links)], question)
+    ids, d = niah_prompt(c, VT_HEADER, noise_stream(c.tok),
+                         [Needle(x, t) for x, t in zip(depths, links)], question)
     return [Item("vt", c.length, d[0], c.sample, ids, names, "all", 32, "vt-noise")]
 
 
