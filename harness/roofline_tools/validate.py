@@ -185,7 +185,7 @@ def _async(run: dict[str, Any], source: dict[str, Any]) -> str:
     return "null" if v is None else str(bool(v)).lower()
 
 
-def fitted(run: dict[str, Any], source: dict[str, Any]) -> bool:
+def is_fitted(run: dict[str, Any], source: dict[str, Any]) -> bool:
     """Whether ``--fit`` fits to ``run``: its source's ``fit`` (default true), which may
     name the engines whose rows are fitted."""
     f = source.get("fit", True)
@@ -446,7 +446,7 @@ def do_fit(jobs: int) -> dict[str, Any]:
     for name in FITTED_SETS:
         s, runs = load(name)
         sources.update(s)
-        fitted_runs += [p for p in runs if fitted(p, s[p["source"]])]
+        fitted_runs += [p for p in runs if is_fitted(p, s[p["source"]])]
     at_once = [p for p in fitted_runs if p["rate"] == 0]
     res = {r["id"]: r for r in run_all(at_once, sources, jobs, trace=True)}
     result: dict[str, Any] = {"fitted_at": time.strftime("%Y-%m-%d"), "engines": {}}
