@@ -366,7 +366,7 @@ class EvictingKVManager(PolicyKVManager):
         return self._owed
 
     def can_allocate(self, demands: list[Demand], watermark: bool) -> bool:
-        need = sum(self._new_blocks(d) for d in demands)
+        need = self.blocks_needed(demands)
         limit = self.pool.num_free - self._owed - (self.watermark_blocks if watermark else 0)
         return need <= limit
 
@@ -376,10 +376,9 @@ class EvictingKVManager(PolicyKVManager):
         its promise, plus copies of shared blocks it must write."""
         seq, bs = d.seq, self.block_size
         st = self._seqs.get(seq.seq_id)
-        if d.compressed:  # a hit: its cached blocks revived, copied, and what follows
-            p = self._prefix_of[d.hit_blocks[0]]
-            revive = sum(1 for b in p.blocks if self.pool.ref[b] == 0)
-            return revive + self._carried_cap(seq, p)
+        if d.compressed:  # a hit: the copies and what follows them (blocks_needed adds
+            # the cached blocks revived for the copy)
+            return self._carried_cap(seq, self._prefix_of[d.hit_blocks[0]])
         if not isinstance(st, BudgetBlocks) or not st.table:
             return max(cdiv(d.num_tokens, bs), self._cap_blocks(seq))
         take = min(d.num_tokens, len(st.free))
