@@ -113,10 +113,10 @@ class ExpectedAttentionBackend(ScoredBackend):
         # seq id -> [count, sum of q (layers, H, D), sum of q q^T (layers, H, D, D)], f64
         self._qstats: dict[int, list[Any]] = {}
 
-    def attend_chunk(self, layer: int, q: torch.Tensor, c: PrefillChunk,
-                     slots: torch.Tensor) -> torch.Tensor:
-        self.observe_queries(layer, q, c)
-        return super().attend_chunk(layer, q, c, slots)
+    def after_chunk(self, layer: int, q: torch.Tensor, c: PrefillChunk,
+                    slots: torch.Tensor) -> None:
+        self.observe_queries(layer, q, c)  # before the held keys are scored with them
+        super().after_chunk(layer, q, c, slots)
 
     def observe_queries(self, layer: int, q: torch.Tensor, c: PrefillChunk) -> None:
         """Add this chunk's prompt queries at positions >= n_sink, rotated back to before

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -58,6 +58,9 @@ class HeadPressOptions(PressOptions):
     head, the prompt's last ``window`` queries scoring the rest, pooled over ``pool_width``
     positions."""
 
+    # torch only: a kernel reading one table per (layer, KV head) is not built
+    # (backends.kernel_option refuses backend.kernel=triton)
+    triton_built: ClassVar[bool] = False
     window: int = 64  # the observation window (kvpress's windowtsize)
     pool_width: int = 5  # pooling over neighbouring positions (kvpress's kernel_size; odd)
     pooling: str = "avg"  # avg (kvpress) | max (the SnapKV paper's code)

@@ -57,3 +57,6 @@ class ObservedAttentionBackend(ScoredBackend):
         # 1 / num_layers (summed over layers by the base).
         assert w is not None
         return w.sum(dim=3).mean(dim=(1, 2)) / self.layout.num_layers
+
+    def weight_scale(self, num_heads: int) -> float:
+        return 1.0 / (num_heads * self.layout.num_layers)

@@ -18,13 +18,10 @@ import torch
 
 from harness.backends.base import AttentionBatch, BackendOptions, KVLayout
 from harness.backends.costs import KVCosts, WindowCosts
-from harness.backends.kernel_option import KERNELS, check_kernel
+from harness.backends.kernel_option import KERNELS, check_kernel, resolve_kernel
 from harness.backends.paged_storage import PagedStorageBackend
-from harness.errors import UserError
-from harness.kernels.runtime import triton_for
 
-__all__ = ["KERNELS", "PagedBackend", "PagedOptions", "PrefillTables"]
-MIN_TRITON_BLOCK = 8  # the kernels' smallest block (kernels/runtime.py check_cache)
+__all__ = ["KERNELS", "PagedBackend", "PagedOptions", "PrefillTables", "prefill_tables"]
 
 
 @dataclass
@@ -34,10 +31,6 @@ class PagedOptions(BackendOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_kernel(self, triton_built=True)
-        if self.kernel == "triton" and self.block_size < MIN_TRITON_BLOCK:
-            raise UserError(f"backend.kernel=triton needs backend.block_size >= "
-                            f"{MIN_TRITON_BLOCK}, got {self.block_size}: raise the block size "
-                            "or use backend.kernel=torch")
 
 
 @dataclass(slots=True)
@@ -52,6 +45,22 @@ class PrefillTables:
     max_tokens: int
 
 
+def prefill_tables(batch: AttentionBatch, device: torch.device) -> PrefillTables | None:
+    """The Triton prefill kernel's view of ``batch``'s chunks (None without chunks), from
+    host values (no read of a device tensor)."""
+    if not batch.prefills:
+        return None
+    chunks = batch.prefills
+    assert all(a.row + a.num_tokens == b.row for a, b in itertools.pairwise(chunks))
+    rows = [c.row for c in chunks] + [chunks[-1].row + chunks[-1].num_tokens]
+    tables = torch.nn.utils.rnn.pad_sequence([c.table for c in chunks], batch_first=True)
+    return PrefillTables(
+        cu_rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        starts=torch.tensor([c.start for c in chunks], dtype=torch.int64, device=device),
+        tables=tables.clamp_(min=0),
+        max_tokens=max(c.num_tokens for c in chunks))
+
+
 class PagedBackend(PagedStorageBackend):
     name = "paged"
     Options = PagedOptions
@@ -59,11 +68,8 @@ class PagedBackend(PagedStorageBackend):
 
     def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:
         super().__init__(layout, device, **options)
-        kernel = self.requested_kernel()
         # auto with blocks too small for the kernels: the torch path, as without Triton.
-        use_triton = kernel != "torch" and self.block_size >= MIN_TRITON_BLOCK \
-            and triton_for(device, required=kernel == "triton")
-        self._kernel = "triton" if use_triton else "torch"
+        self._kernel = resolve_kernel(self.requested_kernel(), self.block_size, device)
         self._prefill: PrefillTables | None = None
         # KV cache groups: each group's prefill tables this step, built on first use.
         self._group_prefill: dict[int, PrefillTables | None] = {}
@@ -99,18 +105,9 @@ class PagedBackend(PagedStorageBackend):
     def _prefill_tables(self, batch: AttentionBatch) -> PrefillTables | None:
         """The Triton prefill kernel's view of ``batch``'s chunks (None on the torch path
         or without chunks)."""
-        if self._kernel != "triton" or not batch.prefills:
+        if self._kernel != "triton":
             return None
-        chunks = batch.prefills
-        assert all(a.row + a.num_tokens == b.row for a, b in itertools.pairwise(chunks))
-        rows = [c.row for c in chunks] + [chunks[-1].row + chunks[-1].num_tokens]
-        tables = torch.nn.utils.rnn.pad_sequence([c.table for c in chunks], batch_first=True)
-        return PrefillTables(
-            cu_rows=torch.tensor(rows, dtype=torch.int64, device=self.device),
-            starts=torch.tensor([c.start for c in chunks], dtype=torch.int64,
-                                device=self.device),
-            tables=tables.clamp_(min=0),
-            max_tokens=max(c.num_tokens for c in chunks))
+        return prefill_tables(batch, self.device)
 
     # Attention shape knobs the subclasses set: a window (0 = none) with its sink tokens.
     window: int = 0

@@ -25,6 +25,18 @@ selects at the trigger, frees and compacts.
 The trigger (``backend.prefill``): ``full``, the whole prompt under full attention, then
 one compression by the score at its end (the papers' long-context evaluations, kvpress);
 ``streaming``, bounded memory while prefilling (chunks, each followed by an eviction).
+
+``backend.kernel=triton`` (backends.slotted: the paged kernels over slot lists): a method
+that reads ``weights`` declares them as sums (:attr:`ScoredBackend.weight_rows`,
+:meth:`ScoredBackend.weight_scale`, held to :meth:`score` by the tests) and gets them from
+the attention's own launches: the decode writes its logits and log-sum-exp, one launch
+turns them into each slot's weight (harness.kernels.scores.decode_weights); the prefill
+writes each row's log-sum-exp and one launch recomputes q.k for the scoring rows
+(``prefill_weights``). ``window`` (snapkv) adds its window's weights per head with the
+same prefill launch (per head, by position) in the chunk that holds window queries.
+``keys`` (knorm) scores the step's new keys in torch, not the cache; ``held`` (keydiff,
+expected attention) gathers the held keys in torch once, at the selection that ends a
+prompt (or chunk, streaming): prefill work, never a decode's.
 """
 
 from __future__ import annotations
@@ -64,15 +76,16 @@ class ScorerOptions(BackendOptions):
     budget: int = 0  # tokens per sequence; or
     budget_ratio: float = 0.2  # share of the request (set exactly one)
     prefill: str = "streaming"  # the trigger: full | streaming
-    # auto | torch | triton: the scored methods have the torch path only for now (triton
-    # refused, naming where it is planned; backends.kernel_option)
+    # auto | torch | triton (backends.kernel_option; the Triton path: backends.slotted)
     kernel: str = "auto"
+    # Whether the method's storage has a Triton path (the per-head presses' has not).
+    triton_built: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_budget_options(self.budget, self.budget_ratio)
         one_of(self, "backend", "prefill", PREFILL)
-        check_kernel(self, triton_built=False)
+        check_kernel(self, triton_built=self.triton_built)
 
 
 @dataclass
@@ -98,6 +111,11 @@ class ScoredBackend(SlottedBackend):
     supports_groups = True
     Policy: ClassVar[Callable[[Any], BudgetPolicy]]
     reads: ClassVar[str] = "weights"  # weights | keys | window | held (module docstring)
+    # reads == "weights" on the Triton path: which of a prefill chunk's query rows score
+    # ("all", or "last": the chunk's last query; a decode's one row either way); their
+    # weights summed over query heads and rows, times weight_scale(), are the layer's
+    # score(w, k).
+    weight_rows: ClassVar[str] = "all"
 
     def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:
         super().__init__(layout, device, **options)
@@ -136,6 +154,11 @@ class ScoredBackend(SlottedBackend):
         ``window``: w (KV, G, n, L) the window queries' weights (those of this chunk) over
         the L keys before the window, k (L, KV, D) -> (H, L), per query head (pooled by
         :meth:`pool` once the window is complete)."""
+
+    def weight_scale(self, num_heads: int) -> float:
+        """reads == "weights", Triton path: the factor on a key's weights summed over the
+        ``num_heads`` query heads and the scoring rows (:attr:`weight_rows`)."""
+        return 1.0
 
     def pool(self, acc: torch.Tensor) -> torch.Tensor:
         """``window``: acc (layers, H, P) the window's scores by key position, summed over
@@ -198,14 +221,68 @@ class ScoredBackend(SlottedBackend):
         logits = logits.masked_fill(~valid[:, None, None, :, :], float("-inf"))
         return torch.softmax(logits, dim=-1)
 
-    def attend_chunk(self, layer: int, q: torch.Tensor, c: PrefillChunk,
-                     slots: torch.Tensor) -> torch.Tensor:
-        out = super().attend_chunk(layer, q, c, slots)
+    def after_chunk(self, layer: int, q: torch.Tensor, c: PrefillChunk,
+                    slots: torch.Tensor) -> None:
         if self.reads == "window":
             self.observe_window(layer, q, c, slots)
         elif self.reads == "held":
             self.score_held(layer, c, slots)
-        return out
+
+    # -- the Triton path's scores (backends.slotted.attend_triton) ---------------------
+    def begin_triton(self, batch: AttentionBatch) -> None:
+        super().begin_triton(batch)
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._lse: torch.Tensor | None = None
+        self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._window_args: dict[int, torch.Tensor] = {}  # reads == "window": by chunk row
+        if self.reads == "weights" and batch.prefills:
+            # Each chunk's scoring rows (chunk-relative) and no key limit.
+            n = [c.num_tokens for c in batch.prefills]
+            lo = [0 if self.weight_rows == "all" else k - 1 for k in n]
+            dev = self.device
+            self._rows = (torch.tensor(lo, dtype=torch.int64, device=dev),
+                          torch.tensor(n, dtype=torch.int64, device=dev),
+                          torch.full((len(n),), 1 << 62, dtype=torch.int64, device=dev))
+
+    def decode_scratch(self, q: torch.Tensor) -> tuple[torch.Tensor | None,
+                                                        torch.Tensor | None]:
+        b = self.batch
+        if self.reads != "weights" or b is None or not b.num_decode:
+            return None, None
+        if self._scratch is None:  # one per step, every layer's (read before the next)
+            nd, h = b.num_decode, q.shape[1]
+            width = b.decode_tables.shape[1] * self.block_size
+            self._scratch = (
+                torch.empty((nd, h, width), dtype=torch.float32, device=self.device),
+                torch.empty((nd, h), dtype=torch.float32, device=self.device))
+        return self._scratch
+
+    def prefill_lse(self, q: torch.Tensor) -> torch.Tensor | None:
+        b = self.batch
+        if self.reads not in ("weights", "window") or b is None or not b.prefills:
+            return None
+        if self._lse is None:
+            self._lse = torch.empty(q.shape[:2], dtype=torch.float32, device=self.device)
+        return self._lse
+
+    def triton_scores(self, layer: int, q: torch.Tensor, logits: torch.Tensor | None,
+                      lse: torch.Tensor | None) -> None:
+        if self.reads != "weights":
+            return
+        b = self.batch
+        assert b is not None
+        scale = self.weight_scale(q.shape[1])
+        if logits is not None and lse is not None:
+            torch.ops.kvbench.decode_weights(logits, lse, b.decode_tables, self._slot_lens,
+                                             self.slot_pos, self.block_size, self._received,
+                                             scale)
+        p = self._prefill
+        if p is not None and self._rows is not None and self._lse is not None:
+            kc = self.k_cache[self.layer_slots[layer].storage]
+            torch.ops.kvbench.prefill_weights(q, kc, self.slot_pos, p.cu_rows, p.starts,
+                                              p.tables, self._kv_lens, *self._rows,
+                                              self._lse, self._received, self._max_slots,
+                                              scale, False)
 
     def selects(self, seq: Sequence) -> bool:
         """Whether ``seq``'s prompt will be compressed at all: it is longer than what its
@@ -264,14 +341,17 @@ class ScoredBackend(SlottedBackend):
                 (self.layout.num_layers, q.shape[1], lo), dtype=torch.float32,
                 device=self.device)
         kpos = self.slot_pos[slots]
-        k, _ = self.gather(layer, slots, torch.float32)  # (L, KV, D)
-        qpos = torch.arange(first, end, device=q.device)
-        seen = (kpos[None, :] >= 0) & (kpos[None, :] <= qpos[:, None])  # causal (n, L)
-        w = self.weights(q[first - c.start:end - c.start].unsqueeze(0), k.unsqueeze(0),
-                         seen.unsqueeze(0))[0]
         scored = (kpos >= 0) & (kpos < lo)
-        self._obs[seq.seq_id][layer].index_add_(
-            1, kpos[scored], self.score(w[..., scored], k[scored]))
+        if self._kernel == "triton":
+            self.window_triton_weights(layer, q, c, slots, first, end, lo)
+        else:
+            k, _ = self.gather(layer, slots, torch.float32)  # (L, KV, D)
+            qpos = torch.arange(first, end, device=q.device)
+            seen = (kpos[None, :] >= 0) & (kpos[None, :] <= qpos[:, None])  # causal (n, L)
+            w = self.weights(q[first - c.start:end - c.start].unsqueeze(0), k.unsqueeze(0),
+                             seen.unsqueeze(0))[0]
+            self._obs[seq.seq_id][layer].index_add_(
+                1, kpos[scored], self.score(w[..., scored], k[scored]))
         if (end == p or self.policy.streaming) and layer == self.last_scored:
             # Pooled by position; each held key takes its position's score (streaming: the
             # positions evicted by earlier chunks hold nothing, and pool as zeros).
@@ -279,6 +359,25 @@ class ScoredBackend(SlottedBackend):
             held = slots[scored]
             self._received[held] += pooled[kpos[scored]]
             self._selected_slots.append(held)
+
+    def window_triton_weights(self, layer: int, q: torch.Tensor, c: PrefillChunk,
+                              slots: torch.Tensor, first: int, end: int, lo: int) -> None:
+        """``window`` on the Triton path: the weights chunk ``c``'s window queries (positions
+        ``first .. end - 1``) give the keys before position ``lo``, per query head and by
+        position, added to the sequence's window buffer in one launch (the rows'
+        log-sum-exp from the layer's prefill launch; q: (n, H, D) the chunk's)."""
+        assert self._lse is not None
+        args = self._window_args.get(c.row)
+        if args is None:  # made once a step (host values), read by every layer
+            args = torch.tensor([0, c.num_tokens, c.start, slots.numel(), first - c.start,
+                                 end - c.start, lo], dtype=torch.int64, device=self.device)
+            self._window_args[c.row] = args
+        kc = self.k_cache[self.layer_slots[layer].storage]
+        obs = self._obs[c.sched.seq.seq_id][layer].unsqueeze(0)  # (1, H, lo)
+        lse = self._lse[c.row:c.row + c.num_tokens]
+        torch.ops.kvbench.prefill_weights(q, kc, self.slot_pos, args[0:2], args[2:3],
+                                          c.table[None], args[3:4], args[4:5], args[5:6],
+                                          args[6:7], lse, obs, slots.numel(), 1.0, True)
 
     def take_scores(self) -> StepScores | None:
         if self.reads in ("window", "held") and self._selected_slots:

@@ -36,8 +36,13 @@ class TOVABackend(ScoredBackend):
     Options = TOVAOptions
     Policy = TOVAPolicy
 
+    weight_rows = "last"  # the Triton path: a chunk's last query, a decode's own
+
     def score(self, w: torch.Tensor | None, k: torch.Tensor) -> torch.Tensor:
         # The last query's weights (the current token), averaged over the query heads here
         # and over layers by the 1 / num_layers: summed over layers, they are the mean.
         assert w is not None
         return w[:, :, :, -1, :].mean(dim=(1, 2)) / self.layout.num_layers
+
+    def weight_scale(self, num_heads: int) -> float:
+        return 1.0 / (num_heads * self.layout.num_layers)

@@ -23,23 +23,25 @@ from typing import Any
 
 
 def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
-    from harness.kernels import decode, kivi, prefill, quest, store
+    from harness.kernels import decode, kivi, prefill, quest, scores, store
 
     def dec(dt: str, cache: str, out: str, **c: Any) -> tuple[dict[str, str], dict[str, Any]]:
         ptrs = {"q_ptr": dt, "k_ptr": cache, "v_ptr": cache, "ks_ptr": "fp32",
                 "vs_ptr": "fp32", "table_ptr": "i64", "lens_ptr": "i64", "out_ptr": out,
-                "lse_ptr": "fp32"}
+                "lse_ptr": "fp32", "pos_ptr": "i64", "logit_ptr": "fp32",
+                "lse_out_ptr": "fp32"}
         base = {"G": 4, "D": 128, "PAGE": 16, "BLOCK_H": 16, "BLOCK_D": 128, "BLOCK_N": 64,
-                "HAS_WINDOW": False, "QUANT": False, "FP32_DOT": False, "SPLIT": False}
+                "HAS_WINDOW": False, "QUANT": False, "FP32_DOT": False, "SPLIT": False,
+                "HAS_POS": False, "SCORES": False}
         return ptrs, {**base, **c}
 
     def pre(dt: str, cache: str, **c: Any) -> tuple[dict[str, str], dict[str, Any]]:
         ptrs = {"q_ptr": dt, "k_ptr": cache, "v_ptr": cache, "ks_ptr": "fp32",
                 "vs_ptr": "fp32", "table_ptr": "i64", "cu_ptr": "i64", "start_ptr": "i64",
-                "out_ptr": dt}
+                "out_ptr": dt, "pos_ptr": "i64", "kvlen_ptr": "i64", "lse_ptr": "fp32"}
         base = {"G": 4, "D": 128, "PAGE": 16, "BLOCK_M": prefill.BLOCK_M, "BLOCK_D": 128,
                 "BLOCK_N": prefill.BLOCK_N, "HAS_WINDOW": False, "QUANT": False,
-                "FP32_DOT": False}
+                "FP32_DOT": False, "HAS_POS": False, "WRITE_LSE": False}
         return ptrs, {**base, **c}
 
     def sto(src: str, cache: str) -> dict[str, str]:
@@ -57,6 +59,13 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
                 "rv_ptr": dt, "table_ptr": "i64", "lens_ptr": "i64", "out_ptr": out,
                 "lse_ptr": "fp32"}
 
+    def wts(dt: str) -> dict[str, str]:
+        return {"q_ptr": dt, "k_ptr": dt, "pos_ptr": "i64", "table_ptr": "i64",
+                "cu_ptr": "i64", "start_ptr": "i64", "kvlen_ptr": "i64", "rlo_ptr": "i64",
+                "rhi_ptr": "i64", "klim_ptr": "i64", "lse_ptr": "fp32", "out_ptr": "fp32"}
+
+    wconst = {"G": 4, "D": 128, "PAGE": 16, "BLOCK_M": scores.BLOCK_M,
+              "BLOCK_N": scores.BLOCK_N, "BLOCK_D": 128, "PER_HEAD": False, "FP32_DOT": False}
     kconst = {"G": 4, "D": 128, "PAGE": 16, "BLOCK_H": 16, "BLOCK_D": 128,
               "BLOCK_N": decode.BLOCK_N, "FP32_DOT": False, "SPLIT": False}
     sizes = {"KV": 8, "D": 128, "BLOCK_T": 2, "BLOCK_KV": 8, "BLOCK_D": 128}
@@ -70,10 +79,27 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
          *dec("fp16", "i8", "fp32", G=1, QUANT=True, SPLIT=True)),
         ("decode-fp32", decode._decode_kernel,
          *dec("fp32", "fp32", "fp32", G=8, D=64, BLOCK_D=64, PAGE=8, FP32_DOT=True)),
+        # The token-evicting methods' decode: slot lists, logits for the scores (split).
+        ("decode-bf16-slots-scores", decode._decode_kernel,
+         *dec("bf16", "bf16", "bf16", HAS_POS=True, SCORES=True)),
+        ("decode-bf16-slots-scores-split", decode._decode_kernel,
+         *dec("bf16", "bf16", "fp32", HAS_POS=True, SCORES=True, SPLIT=True)),
         ("combine", decode._combine_kernel,
-         {"part_ptr": "fp32", "lse_ptr": "fp32", "out_ptr": "bf16"},
-         {"D": 128, "BLOCK_S": 16, "BLOCK_D": 128}),
+         {"part_ptr": "fp32", "lse_ptr": "fp32", "out_ptr": "bf16", "lse_out_ptr": "fp32"},
+         {"D": 128, "BLOCK_S": 16, "BLOCK_D": 128, "WRITE_LSE": False}),
+        ("combine-lse", decode._combine_kernel,
+         {"part_ptr": "fp32", "lse_ptr": "fp32", "out_ptr": "bf16", "lse_out_ptr": "fp32"},
+         {"D": 128, "BLOCK_S": 16, "BLOCK_D": 128, "WRITE_LSE": True}),
         ("prefill-bf16", prefill._prefill_kernel, *pre("bf16", "bf16")),
+        ("prefill-bf16-slots-lse", prefill._prefill_kernel,
+         *pre("bf16", "bf16", HAS_POS=True, WRITE_LSE=True, BLOCK_M=prefill.BLOCK_M_SLOTS)),
+        ("scores-decode", scores._decode_weights_kernel,
+         {"logit_ptr": "fp32", "lse_ptr": "fp32", "table_ptr": "i64", "lens_ptr": "i64",
+          "pos_ptr": "i64", "out_ptr": "fp32"},
+         {"H": 32, "PAGE": 16, "BLOCK_H": 32, "BLOCK_N": scores.BLOCK_N}),
+        ("scores-prefill-bf16", scores._prefill_weights_kernel, wts("bf16"), wconst),
+        ("scores-prefill-bf16-per-head-odd", scores._prefill_weights_kernel, wts("bf16"),
+         {**wconst, "G": 3, "D": 80, "PAGE": 24, "PER_HEAD": True}),
         ("prefill-bf16-fp8-window-odd", prefill._prefill_kernel,
          *pre("bf16", "fp8e4nv", G=3, D=80, PAGE=24, QUANT=True, HAS_WINDOW=True)),
         ("quest-select-bf16", quest._quest_select_kernel, qsel("bf16"),
@@ -125,7 +151,7 @@ def check(arch: int = 90, only: str = "") -> list[dict[str, Any]]:
         if only not in name:
             continue
         sig = {a: ("constexpr" if a in consts else f"*{ptrs[a]}" if a in ptrs
-                   else "fp32" if a == "qk_scale" else "i32") for a in fn.arg_names}
+                   else "fp32" if a in ("qk_scale", "coef") else "i32") for a in fn.arg_names}
         aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
                    if a.endswith("_ptr") or a.startswith("stride_")}
         try:

@@ -21,6 +21,20 @@ tokens: virtual index j < n_sink maps to position j, the rest to ``lo + j - n_si
 1-byte caches (fp8 e4m3 / int8 with float32 scales per (slot, KV head)): the raw values go
 into the dots and the scales are applied to the scores (K) and the probabilities (V), so a
 tile is dequantized with two vector multiplies instead of two tile multiplies.
+
+Slot lists (``slot_pos``: the token-evicting methods, backends.slotted): a sequence's
+tokens sit in its table's slots out of position order, with holes where tokens were
+evicted. The kernel then walks every slot of the table (``lens`` counts slots, not
+positions), reads each slot's position and skips the holes (position < 0); a decode sees
+every token its sequence holds, so no position is compared. A tile of holes leaves the
+running maximum at -inf, which the update guards (as the prefill kernel's).
+
+Scores (``logits`` and ``lse``, with slot lists): each visited key's logit (log2 units,
+-inf at a hole) is written to a scratch row and each query head's log-sum-exp (split-K:
+the combine kernel's) to ``lse``; :func:`harness.kernels.scores.decode_weights` turns
+them into each slot's attention weight. The logits are 4 bytes per (query head, key): 3%
+of a bf16 8B-shape decode's K/V bytes, written once and read once, where recomputing
+q.k in a second pass would read the keys again (half the K/V bytes).
 """
 
 from __future__ import annotations
@@ -40,6 +54,7 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr,
+    pos_ptr, logit_ptr, lse_out_ptr,
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -47,11 +62,12 @@ def _decode_kernel(
     stride_tb, stride_th, stride_cb, stride_ch,
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
+    stride_gb, stride_gh, stride_eb,
     qk_scale, window, sinks, num_splits,
     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, QUANT: tl.constexpr, FP32_DOT: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_POS: tl.constexpr, SCORES: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -90,23 +106,34 @@ def _decode_kernel(
         pos = tl.where(j < n_sink, j, j - n_sink + lo)
         blk = tl.load(table_row + pos // PAGE, mask=nmask, other=0).to(tl.int64)
         off = pos % PAGE
-        kv_mask = nmask[:, None] & dmask[None, :]
+        live = nmask
+        if HAS_POS:  # a slot list: holes (position < 0) are no keys
+            live = nmask & (tl.load(pos_ptr + blk * PAGE + off, mask=nmask, other=-1) >= 0)
+        kv_mask = live[:, None] & dmask[None, :]
         k = tl.load(k_ptr + (blk * stride_kb + off * stride_kt + kvh * stride_kh)[:, None]
                     + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = dot_f32(q, tl.trans(k), FP32_DOT)
         if QUANT:
             s_off = blk * stride_sb + off * stride_st + kvh
-            ks = tl.load(ks_ptr + s_off, mask=nmask, other=0.0)
+            ks = tl.load(ks_ptr + s_off, mask=live, other=0.0)
             s = s * ks[None, :]
-        s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))
+        s = tl.where(live[None, :], s * qk_scale, float("-inf"))
+        if SCORES:
+            tl.store(logit_ptr + b * stride_gb + heads[:, None] * stride_gh + j[None, :], s,
+                     mask=(g < G)[:, None] & nmask[None, :])
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        # A tile of holes only: keep m at -inf without a NaN (a constexpr branch).
+        if HAS_POS:  # noqa: SIM108
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_safe = m_new
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + (blk * stride_vb + off * stride_vt + kvh * stride_vh)[:, None]
                     + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         if QUANT:
-            vs = tl.load(vs_ptr + s_off, mask=nmask, other=0.0)
+            vs = tl.load(vs_ptr + s_off, mask=live, other=0.0)
             p = p * vs[None, :]
         acc = acc * alpha[:, None] + dot_f32(p.to(q.dtype), v, FP32_DOT)
         m_i = m_new
@@ -121,16 +148,20 @@ def _decode_kernel(
         tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g < G)
     else:
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+        if SCORES:
+            tl.store(lse_out_ptr + b * stride_eb + heads,
+                     tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=g < G)
 
 
 @triton.jit
 def _combine_kernel(
-    part_ptr, lse_ptr, out_ptr,
+    part_ptr, lse_ptr, out_ptr, lse_out_ptr,
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
-    stride_ob, stride_oh,
+    stride_ob, stride_oh, stride_eb,
     num_splits,
     D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -142,12 +173,15 @@ def _combine_kernel(
                   other=float("-inf"))
     # Split 0 always holds the first visible token, so the max is finite; empty splits
     # (lse = -inf) weigh 0.
-    w = tl.exp2(lse - tl.max(lse, axis=0))
+    top = tl.max(lse, axis=0)
+    w = tl.exp2(lse - top)
     part = tl.load(part_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps
                    + d[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
     out = tl.sum(w[:, None] * part, axis=0) / tl.sum(w, axis=0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
              mask=dmask)
+    if WRITE_LSE:  # the whole row's log-sum-exp (log2 units), for the scores
+        tl.store(lse_out_ptr + b * stride_eb + h, top + tl.log2(tl.sum(w, axis=0)))
 
 
 # Tokens per tile. 64 keeps a (64, 128) bf16 K tile and its V twin in registers with
@@ -158,7 +192,8 @@ BLOCK_N = 64
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             tables: torch.Tensor, lens: torch.Tensor, out: torch.Tensor, num_splits: int,
             window: int, sinks: int, k_scale: torch.Tensor | None,
-            v_scale: torch.Tensor | None) -> None:
+            v_scale: torch.Tensor | None, slot_pos: torch.Tensor | None = None,
+            logits: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> None:
     _, page, kv, d = check_cache(k_cache, v_cache)
     quant = check_scales(k_cache, k_scale, v_scale)
     batch, h, dq = q.shape
@@ -172,6 +207,19 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         assert tables.dim() == 2 and lens.shape == (batch,), (tables.shape, lens.shape)
         t_strides = (tables.stride(0), 0, lens.stride(0), 0)
     assert num_splits >= 1 and window >= 0 and sinks >= 0
+    if slot_pos is not None:  # slot lists: every slot of the table, holes skipped
+        assert window == 0 and slot_pos.dim() == 1 and slot_pos.stride(0) == 1
+        assert slot_pos.numel() >= k_cache.shape[0] * page and not slot_pos.is_floating_point()
+    scores = logits is not None
+    assert scores == (lse is not None) and (not scores or slot_pos is not None), (
+        "logits and lse come together, with slot_pos")
+    if logits is not None and lse is not None:
+        assert logits.dtype == lse.dtype == torch.float32 and logits.stride(-1) == 1
+        assert logits.shape[:2] == (batch, h) and lse.shape == (batch, h) and lse.stride(1) == 1
+        assert logits.shape[2] >= tables.shape[-1] * page, (logits.shape, tables.shape)
+        g_strides = (logits.stride(0), logits.stride(1), lse.stride(0))
+    else:
+        g_strides = (0, 0, 0)
     if batch == 0:
         return
     g = h // kv
@@ -187,29 +235,44 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     split = num_splits > 1
     if split:
         part = torch.empty((batch, h, num_splits, d), dtype=torch.float32, device=q.device)
-        lse = torch.empty((batch, h, num_splits), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((batch, h, num_splits), dtype=torch.float32, device=q.device)
         dst, o_strides = part, part.stride()[:3]
-        lse_dst, l_strides = lse, lse.stride()[:2]
+        lse_dst, l_strides = lse_part, lse_part.stride()[:2]
     else:
         dst, o_strides = out, (out.stride(0), out.stride(1), 0)
         lse_dst, l_strides = out, (0, 0)
+    # Unused pointers (no slot list, no scores) get a tensor that is never read.
     _decode_kernel[(batch, kv, num_splits)](
         q, k_cache, v_cache, *scales, tables, lens, dst, lse_dst,
+        slot_pos if slot_pos is not None else lens, logits if scores else lens,
+        lse if scores else lens,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        *s_strides, *t_strides, *o_strides, *l_strides,
+        *s_strides, *t_strides, *o_strides, *l_strides, *g_strides,
         d ** -0.5 * _LOG2E, window, sinks, num_splits,
         G=g, D=d, PAGE=page, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
         HAS_WINDOW=window > 0, QUANT=quant, FP32_DOT=fp32_dot, SPLIT=split,
+        HAS_POS=slot_pos is not None, SCORES=scores,
         num_warps=4,
     )
     if split:
-        _combine_kernel[(batch, h)](
-            part, lse, out, *part.stride()[:3], *lse.stride()[:2], out.stride(0),
-            out.stride(1), num_splits, D=d, BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d,
-            num_warps=4,
-        )
+        combine_splits(part, lse_part, out, lse)
+
+
+def combine_splits(part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor | None = None) -> None:
+    """Merge split-K partials: part float32 (B, H, S, D) normalized outputs and lse_part
+    (B, H, S) their log2-sum-exps -> out (B, H, D); with ``lse`` (B, H), each row's whole
+    log-sum-exp too (the scores'). Shared with kivi's decode."""
+    batch, h, splits, d = part.shape
+    _combine_kernel[(batch, h)](
+        part, lse_part, out, lse if lse is not None else out, *part.stride()[:3],
+        *lse_part.stride()[:2], out.stride(0), out.stride(1),
+        lse.stride(0) if lse is not None else 0, splits,
+        D=d, BLOCK_S=next_pow2(splits), BLOCK_D=max(16, next_pow2(d)),
+        WRITE_LSE=lse is not None, num_warps=4,
+    )
 
 
 @functools.cache
@@ -232,8 +295,9 @@ def default_splits(batch: int, num_kv_heads: int, max_context: int,
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  tables: torch.Tensor, lens: torch.Tensor, *, num_splits: int | None = None,
                  window: int = 0, sinks: int = 0, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 slot_pos: torch.Tensor | None = None, logits: torch.Tensor | None = None,
+                 lse: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged K/V.
 
     q: (B, H, D), the token at position ``lens[b] - 1``, already in the cache;
@@ -244,6 +308,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_splits: 1 = one program per (sequence, KV head); > 1 = split-K with a reduction;
     None = :func:`default_splits`. window / sinks: see the module docstring (0 = full).
     k_scale, v_scale: float32 (num_blocks, block_size, KV) for fp8 / int8 caches.
+    slot_pos: int64 (>= num_blocks x block_size,) each slot's position, -1 = a hole (slot
+    lists, module docstring): ``lens`` then counts the table's slots to scan (its blocks x
+    block_size), and every slot holding a token is a key. logits, lse (with slot_pos):
+    float32 (B, H, >= max_blocks x block_size) and (B, H), written with each scanned
+    slot's logit and each head's log-sum-exp, both in log2 units.
     Returns ``out`` (B, H, D) in q.dtype (allocated when None).
     """
     if out is None:
@@ -252,5 +321,5 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         num_splits = default_splits(q.shape[0], k_cache.shape[2],
                                     tables.shape[-1] * k_cache.shape[1], q.device)
     _launch(q, k_cache, v_cache, tables, lens, out, num_splits, window, sinks, k_scale,
-            v_scale)
+            v_scale, slot_pos, logits, lse)
     return out

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from harness.kernels.common import dot_f32
-from harness.kernels.decode import BLOCK_N, _combine_kernel, default_splits
+from harness.kernels.decode import BLOCK_N, combine_splits, default_splits
 from harness.kernels.runtime import interpreting, next_pow2
 
 _LOG2E = 1.4426950408889634
@@ -182,9 +182,5 @@ def kivi_decode(q: torch.Tensor, k_q: torch.Tensor, v_q: torch.Tensor, k_scale: 
         FP32_DOT=fp32_dot, SPLIT=split, num_warps=4,
     )
     if split:
-        _combine_kernel[(batch, h)](
-            part, lse, out, *part.stride()[:3], *lse.stride()[:2], out.stride(0),
-            out.stride(1), num_splits, D=d, BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d,
-            num_warps=4,
-        )
+        combine_splits(part, lse, out)
     return out

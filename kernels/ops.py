@@ -89,6 +89,42 @@ def _kivi_decode(q: Tensor, k_q: Tensor, v_q: Tensor, k_scale: Tensor, k_zero: T
                      tables, lens, bits, num_splits=num_splits, out=out)
 
 
+def _slotted_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, lens: Tensor,
+                    slot_pos: Tensor, out: Tensor, num_splits: int, logits: Tensor | None,
+                    lse: Tensor | None) -> None:
+    from harness.kernels import decode
+
+    decode.paged_decode(q, k_cache, v_cache, tables, lens, num_splits=num_splits, out=out,
+                        slot_pos=slot_pos, logits=logits, lse=lse)
+
+
+def _slotted_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_rows: Tensor,
+                     starts: Tensor, tables: Tensor, kv_lens: Tensor, slot_pos: Tensor,
+                     max_tokens: int, out: Tensor, lse: Tensor | None) -> None:
+    from harness.kernels import prefill
+
+    prefill.paged_prefill(q, k_cache, v_cache, cu_rows, starts, tables, max_tokens, out=out,
+                          slot_pos=slot_pos, kv_lens=kv_lens, lse=lse)
+
+
+def _decode_weights(logits: Tensor, lse: Tensor, tables: Tensor, lens: Tensor,
+                    slot_pos: Tensor, block_size: int, out: Tensor, coef: float) -> None:
+    from harness.kernels import scores
+
+    scores.decode_weights(logits, lse, tables, lens, slot_pos, block_size, out, coef=coef)
+
+
+def _prefill_weights(q: Tensor, k_cache: Tensor, slot_pos: Tensor, cu_rows: Tensor,
+                     starts: Tensor, tables: Tensor, kv_lens: Tensor, row_lo: Tensor,
+                     row_hi: Tensor, key_limit: Tensor, lse: Tensor, out: Tensor,
+                     max_slots: int, coef: float, per_head: bool) -> None:
+    from harness.kernels import scores
+
+    scores.prefill_weights(q, k_cache, slot_pos, cu_rows, starts, tables, kv_lens, row_lo,
+                           row_hi, key_limit, lse, out, max_slots, coef=coef,
+                           per_head=per_head)
+
+
 def _rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
     from harness.kernels import layers
 
@@ -144,6 +180,22 @@ _op("kivi_decode(Tensor q, Tensor k_q, Tensor v_q, Tensor k_scale, Tensor k_zero
     "Tensor v_scale, Tensor v_zero, Tensor slab_map, Tensor res_k, Tensor res_v, "
     "Tensor tables, Tensor lens, Tensor(a!) out, int bits, int num_splits) -> ()",
     _kivi_decode)
+# The token-evicting methods (harness.kernels.decode / prefill over slot lists: every slot
+# of the table, holes skipped), with each row's log-sum-exp (and a decode's logits) for
+# harness.kernels.scores, which adds the attention weights to the slots (or, per_head, to
+# (chunk, head, position): snapkv's window)
+_op("slotted_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor lens, "
+    "Tensor slot_pos, Tensor(a!) out, int num_splits, Tensor(b!)? logits, "
+    "Tensor(c!)? lse) -> ()", _slotted_decode)
+_op("slotted_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_rows, "
+    "Tensor starts, Tensor tables, Tensor kv_lens, Tensor slot_pos, int max_tokens, "
+    "Tensor(a!) out, Tensor(b!)? lse) -> ()", _slotted_prefill)
+_op("decode_weights(Tensor logits, Tensor lse, Tensor tables, Tensor lens, Tensor slot_pos, "
+    "int block_size, Tensor(a!) out, float coef) -> ()", _decode_weights)
+_op("prefill_weights(Tensor q, Tensor k_cache, Tensor slot_pos, Tensor cu_rows, "
+    "Tensor starts, Tensor tables, Tensor kv_lens, Tensor row_lo, Tensor row_hi, "
+    "Tensor key_limit, Tensor lse, Tensor(a!) out, int max_slots, float coef, "
+    "bool per_head) -> ()", _prefill_weights)
 # harness.kernels.layers: RMSNorm (without, then with the residual add), RoPE on the q and
 # k of a fused projection's output (T, (H + 2 KV) x D) in place, SiLU x mul
 _op("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()", _rms_norm)

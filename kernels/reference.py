@@ -213,6 +213,100 @@ def paged_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out
 
 
+def _held(k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, n_slots: int,
+          slot_pos: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
+    """A slot list's keys: (slots, positions, float32 K and V (L, KV, D)) of the tokens in
+    the first ``n_slots`` slots of ``table`` (holes, position < 0, left out), table order."""
+    bs = k_cache.shape[1]
+    slots = [int(table[j // bs]) * bs + j % bs for j in range(n_slots)]
+    slots = [s for s in slots if int(slot_pos[s]) >= 0]
+    pos = [int(slot_pos[s]) for s in slots]
+    idx = torch.tensor(slots, dtype=torch.int64)
+    k = k_cache.flatten(0, 1)[idx].float()
+    v = v_cache.flatten(0, 1)[idx].float()
+    return slots, pos, k, v
+
+
+def _weights(q: torch.Tensor, k: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """float32 softmax weights (n, H, L) of q (n, H, D) over k (L, KV, D) where seen (n, L)."""
+    g = q.shape[1] // k.shape[1]
+    s = torch.einsum("nhd,lhd->nhl", q.float(), k.repeat_interleave(g, dim=1))
+    s = s / q.shape[-1] ** 0.5
+    return torch.softmax(s.masked_fill(~seen[:, None, :], float("-inf")), dim=-1)
+
+
+def slotted_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       tables: torch.Tensor, lens: torch.Tensor,
+                       slot_pos: torch.Tensor) -> torch.Tensor:
+    """:func:`paged_decode_ref` over slot lists: each decode attends to every token its
+    table's first ``lens[b]`` slots hold (``slot_pos >= 0``), whatever their order.
+    q: (B, H, D); tables: int (B, W); lens: int (B,) slots; slot_pos: int64 (slots,)."""
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        _, _, k, v = _held(k_cache, v_cache, tables[b], int(lens[b]), slot_pos)
+        w = _weights(q[b:b + 1], k, torch.ones(1, k.shape[0], dtype=torch.bool))
+        g = q.shape[1] // k.shape[1]
+        out[b] = torch.einsum("nhl,lhd->nhd", w, v.repeat_interleave(g, dim=1))[0].to(q.dtype)
+    return out
+
+
+def decode_weights_ref(q: torch.Tensor, k_cache: torch.Tensor, tables: torch.Tensor,
+                       lens: torch.Tensor, slot_pos: torch.Tensor, num_slots: int,
+                       coef: float = 1.0) -> torch.Tensor:
+    """Each slot's attention weight from its decode, summed over query heads, times
+    ``coef``: float32 (num_slots,), 0 where no decode reads. Shapes: as
+    :func:`slotted_decode_ref`."""
+    out = torch.zeros(num_slots)
+    for b in range(q.shape[0]):
+        slots, _, k, _ = _held(k_cache, k_cache, tables[b], int(lens[b]), slot_pos)
+        w = _weights(q[b:b + 1], k, torch.ones(1, k.shape[0], dtype=torch.bool))
+        out.index_add_(0, torch.tensor(slots), w[0].sum(0) * coef)
+    return out
+
+
+def slotted_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        cu_rows: torch.Tensor, starts: torch.Tensor, tables: torch.Tensor,
+                        kv_lens: torch.Tensor, slot_pos: torch.Tensor) -> torch.Tensor:
+    """:func:`paged_prefill_ref` over slot lists: a row at position p of chunk c sees the
+    tokens of its table's first ``kv_lens[c]`` slots at positions <= p. -> (T, H, D)."""
+    out = torch.zeros_like(q)
+    for c in range(tables.shape[0]):
+        r0, r1, start = int(cu_rows[c]), int(cu_rows[c + 1]), int(starts[c])
+        _, pos, k, v = _held(k_cache, v_cache, tables[c], int(kv_lens[c]), slot_pos)
+        qpos = torch.arange(start, start + r1 - r0)
+        w = _weights(q[r0:r1], k, torch.tensor(pos)[None, :] <= qpos[:, None])
+        g = q.shape[1] // k.shape[1]
+        out[r0:r1] = torch.einsum("nhl,lhd->nhd", w, v.repeat_interleave(g, dim=1)).to(q.dtype)
+    return out
+
+
+def prefill_weights_ref(q: torch.Tensor, k_cache: torch.Tensor, slot_pos: torch.Tensor,
+                        cu_rows: torch.Tensor, starts: torch.Tensor, tables: torch.Tensor,
+                        kv_lens: torch.Tensor, row_lo: torch.Tensor, row_hi: torch.Tensor,
+                        key_limit: torch.Tensor, out_shape: tuple[int, ...],
+                        coef: float = 1.0, per_head: bool = False) -> torch.Tensor:
+    """The weights chunk rows ``[row_lo[c], row_hi[c])`` give the keys at positions below
+    ``key_limit[c]`` (softmax over every key the row sees, as
+    :func:`slotted_prefill_ref`), times ``coef``: summed over heads and rows by slot
+    (``per_head=False``, out (num_slots,)) or over rows by (chunk, head, position) (out
+    (C, H, P)). Shapes: :func:`harness.kernels.scores.prefill_weights`."""
+    out = torch.zeros(out_shape)
+    for c in range(tables.shape[0]):
+        r0, r1, start = int(cu_rows[c]), int(cu_rows[c + 1]), int(starts[c])
+        slots, pos, k, _ = _held(k_cache, k_cache, tables[c], int(kv_lens[c]), slot_pos)
+        qpos = torch.arange(start, start + r1 - r0)
+        kpos = torch.tensor(pos)
+        w = _weights(q[r0:r1], k, kpos[None, :] <= qpos[:, None])  # (n, H, L)
+        lo, hi = int(row_lo[c]), int(row_hi[c])
+        w = w[lo:hi].sum(0) * coef  # (H, L)
+        keep = kpos < int(key_limit[c])
+        if per_head:
+            out[c].index_add_(1, kpos[keep], w[:, keep])
+        else:
+            out.index_add_(0, torch.tensor(slots)[keep], w[:, keep].sum(0))
+    return out
+
+
 def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) * weight, x + residual); x, residual (T, C), weight (C,).

@@ -157,7 +157,8 @@ def _patch_host_methods(counter: HostSyncCounter) -> Callable[[], None]:
 
 
 KERNEL_MODULES = ("harness.kernels.store", "harness.kernels.decode", "harness.kernels.prefill",
-                  "harness.kernels.layers", "harness.kernels.quest", "harness.kernels.kivi")
+                  "harness.kernels.layers", "harness.kernels.quest", "harness.kernels.kivi",
+                  "harness.kernels.scores")
 
 
 class _StubKernel:

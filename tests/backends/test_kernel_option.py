@@ -1,6 +1,6 @@
 """``backend.kernel=auto|torch|triton`` on every method backend (issue #56): the methods
-without a Triton path refuse ``triton`` naming where it is planned and run torch under
-``auto``; snapkv's old ``backend.kernel=<width>`` is refused with ``backend.pool_width``;
+without a Triton path (the per-head presses) refuse ``triton`` saying why and run torch
+under ``auto``; snapkv's old ``backend.kernel=<width>`` is refused with ``backend.pool_width``;
 ``run.kernel`` records what ran."""
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from tests.compose import compose_cfg, tiny
 # Backends that are an attention implementation or a storage, not a method.
 NOT_METHODS = {"contiguous", "flex", "flash_attn"}
 METHODS = sorted(set(BACKENDS) - NOT_METHODS)
-# Methods whose Triton path comes in issue #56's second stage.
-TORCH_ONLY = ["h2o", "tova", "snapkv", "knorm", "keydiff", "observed_attention",
-              "expected_attention"]
+# Methods without a Triton path: the per-head tables of issue #59.
+TORCH_ONLY = ["pyramidkv", "adakv", "duo_attention"]
 LAYOUT = KVLayout(2, 2, 16, torch.float32, rope_inv_freq=(1.0,) * 8)
 
 
@@ -43,7 +42,7 @@ def test_methods_without_a_triton_path_refuse_it_and_auto_is_torch(name: str) ->
         run_config(compose_cfg([f"backend={name}", "backend.kernel=triton"]))
     msg = str(e.value)
     assert f"backend={name} has no Triton path yet" in msg
-    assert "issue #56's second stage" in msg and "backend.kernel=torch" in msg
+    assert "(layer, KV head)" in msg and "backend.kernel=torch" in msg
     for kernel in ("auto", "torch"):
         assert BACKENDS[name](LAYOUT, torch.device("cpu"), kernel=kernel).kernel == "torch"
 

@@ -33,4 +33,5 @@ def test_every_variant_compiles_for_sm90_without_spills() -> None:
     # Register spills to local memory would cost the decode kernel its bandwidth.
     assert all(x["stack_bytes"] == 0 for x in rows), rows
     assert {x["variant"].split("-")[0] for x in rows} == {"decode", "combine", "prefill",
-                                                          "store", "quest", "kivi"}
+                                                          "store", "quest", "kivi",
+                                                          "scores"}

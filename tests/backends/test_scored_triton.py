@@ -1,0 +1,99 @@
+"""The token-evicting methods on their Triton path (issue #56, second stage), under the
+interpreter, step by step against their torch path: the same attention outputs, the same
+scores handed to the policy every step (so the same tokens evicted and compacted), and
+the same declared reads (which the step driver holds to what the attention touched), for
+both triggers; the per-head methods still refuse ``backend.kernel=triton``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from harness.backends.base import KVLayout
+from harness.backends.scored import ScoredBackend
+from harness.errors import UserError
+from harness.kv.evicting import EvictingKVManager
+from harness.model.rope import inverse_frequencies
+from tests.backend_steps import LAYOUT, Driver
+
+pytest.importorskip("triton")
+
+METHODS = ["h2o", "tova", "observed_attention", "snapkv", "knorm", "keydiff",
+           "expected_attention"]
+# expected_attention rotates its queries back: it needs the RoPE speeds.
+ROPE = KVLayout(LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.dtype,
+                rope_inv_freq=tuple(inverse_frequencies(LAYOUT.head_dim, 10000.0).tolist()))
+
+
+def _drive(name: str, kernel: str, prefill: str) -> dict[str, Any]:
+    """Three sequences (prompts over, at and under the 24-token budget): chunks of at most
+    20 tokens (or the policy's streaming chunk), so decodes run beside chunks, then three
+    decode steps; what each step gave and held."""
+    opts: dict[str, Any] = {"kernel": kernel, "budget": 24, "budget_ratio": 0,
+                            "prefill": prefill}
+    if name == "snapkv":
+        opts["window"] = 4
+    d = Driver(name, block_size=8, options=opts, seed=3, layout=ROPE)
+    assert isinstance(d.be, ScoredBackend) and d.be.kernel == kernel
+    seqs = [d.add(n, max_tokens=16) for n in (50, 31, 9)]
+    outs, scores, held = [], [], []
+    decodes = 0
+    while decodes < 3:
+        step = []
+        for s in seqs:
+            left = s.num_prompt_tokens - s.num_computed
+            cap = d.kv.max_chunk(s) or (20 if s is seqs[0] else left)
+            step.append((s, min(left, cap) if left > 0 else 1))
+        decodes += all(n == 1 and s.num_computed >= s.num_prompt_tokens for s, n in step)
+        out = d.step(step)
+        outs.append(out.out)
+        sc = d.last_scores
+        scores.append(None if sc is None else (sc.slots.copy(), sc.values.copy()))
+        held.append([d.held(s) for s in seqs])
+    kv = d.kv
+    assert isinstance(kv, EvictingKVManager)
+    return {"outs": outs, "scores": scores, "held": held, "reads": d.reads,
+            "evicted": kv.stats.evicted_tokens}
+
+
+# Every method at its full trigger; streaming where it changes what the kernels score (a
+# chunk's rows, snapkv's window per chunk) or what is held when (keydiff's blocks).
+CASES = [(m, "full") for m in METHODS] + [(m, "streaming") for m in
+                                          ("h2o", "tova", "snapkv", "keydiff")]
+
+
+@pytest.mark.parametrize(("name", "prefill"), CASES)
+def test_the_triton_path_gives_the_torch_paths_outputs_scores_and_choices(
+        name: str, prefill: str) -> None:
+    ref, tri = _drive(name, "torch", prefill), _drive(name, "triton", prefill)
+    assert ref["evicted"] > 0 and tri["evicted"] == ref["evicted"]
+    for a, b in zip(ref["outs"], tri["outs"], strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(y, x, atol=1e-4, rtol=1e-4)
+    for a, b in zip(ref["scores"], tri["scores"], strict=True):
+        assert (a is None) == (b is None)
+        if a is not None and b is not None:
+            assert np.array_equal(a[0], b[0])
+            np.testing.assert_allclose(b[1], a[1], rtol=1e-4, atol=1e-7)
+    assert tri["held"] == ref["held"]  # the same tokens kept, in the same slots
+    assert tri["reads"] == ref["reads"]
+
+
+@pytest.mark.parametrize("name", ["pyramidkv", "adakv"])
+def test_the_per_head_presses_refuse_triton(name: str) -> None:
+    from harness.backends import BACKENDS
+
+    with pytest.raises(UserError, match=rf"backend={name} has no Triton path yet"):
+        BACKENDS[name](LAYOUT, torch.device("cpu"), kernel="triton")
+
+
+def test_triton_needs_blocks_of_eight() -> None:
+    from harness.backends import BACKENDS
+
+    with pytest.raises(UserError, match=r"backend.block_size >= 8, got 4"):
+        BACKENDS["h2o"](LAYOUT, torch.device("cpu"), kernel="triton", block_size=4)
+    assert BACKENDS["h2o"](LAYOUT, torch.device("cpu"), kernel="auto",
+                           block_size=4).kernel == "torch"
