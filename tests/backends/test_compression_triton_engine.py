@@ -1,7 +1,9 @@
-"""quest and kivi on their Triton paths through the engine (issue #56, first stage): on the
+"""The compression methods on their Triton paths through the engine (issue #56): on the
 tiny model and a long-prompt workload they give the torch path's greedy tokens on every
 request, and with every Triton launch counted each decode step launches the method's own
-kernel per layer while no torch op reads the K/V cache (the store, a write path, aside)."""
+kernel per layer while no torch op reads the K/V cache (the store, a write path, aside):
+quest and kivi (first stage), and the token-evicting methods (second stage: the paged
+decode over their slot lists, plus the weights kernel for those scoring by attention)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from torch.utils._pytree import tree_flatten
 from harness.backends.kivi import KIVIBackend
 from harness.backends.paged_storage import PagedStorageBackend
 from harness.backends.quest import QuestBackend
+from harness.backends.scored import ScoredBackend
+from harness.backends.slotted import SlottedBackend
 from harness.engine.executor import ModelExecutor
 from harness.engine.host_syncs import HostSyncCounter, count_launches
 from harness.runner import run
@@ -35,10 +39,23 @@ LONG_PROMPT = ["model=tiny", "workload=long_prompt", "workload.num_short=2",
 METHODS = {"quest": ["backend=quest", "backend.token_budget=32"],
            "kivi": ["backend=kivi", "backend.bits=2"]}
 OWN = {"quest": ("_quest_select_kernel", "_decode_kernel"), "kivi": ("_kivi_decode_kernel",)}
+# The token-evicting methods at their defaults (budget 20% of the request or prompt: the
+# long prompt keeps 24-27 of its 120 tokens, the chats 7-8 of 32; each trigger is met). The
+# decode over their slot lists is the paged decode's slot-list form; those scoring by
+# attention weights add one weights launch a layer.
+EVICTING = ["h2o", "tova", "observed_attention", "snapkv", "knorm", "keydiff",
+            "expected_attention"]
+WEIGHTS = {"h2o", "tova", "observed_attention"}
+# Each ~5 s interpreted (the model's fused layers run there too): the default run keeps one
+# method per kind of score (weights, window, keys), the rest run with -m slow.
+DEFAULT = {"h2o", "snapkv", "knorm"}
+EVICTING_CASES = [m if m in DEFAULT else pytest.param(m, marks=pytest.mark.slow)
+                  for m in EVICTING]
 
 
 def _run(method: str, kernel: str) -> Any:
-    return run(compose_cfg([*LONG_PROMPT, *METHODS[method], f"backend.kernel={kernel}"]))
+    over = METHODS.get(method, [f"backend={method}"])
+    return run(compose_cfg([*LONG_PROMPT, *over, f"backend.kernel={kernel}"]))
 
 
 @pytest.mark.parametrize("method", list(METHODS))
@@ -60,7 +77,8 @@ def _cache_tensors(be: PagedStorageBackend) -> list[torch.Tensor]:
         r = be.residual
         return [*be.k_q, *be.v_q, *be.k_scale, *be.k_zero, *be.v_scale, *be.v_zero, *r.k,
                 *r.v]
-    return [*be.k_cache, *be.v_cache]
+    return [*be.k_cache, *be.v_cache]  # paged's layout: quest's and the slot lists'
+
 
 
 class KVReads(TorchDispatchMode):
@@ -84,6 +102,20 @@ class KVReads(TorchDispatchMode):
                    for t in flat):
                 self.reads[func.overloadpacket.__name__] += 1
         return func(*args, **kwargs)
+
+
+def _quiet_store(orig: Any, modes: list[KVReads]) -> Any:
+    """A scored method's store (its own override: knorm scores the new keys there) with
+    the watch quiet, as the storage's."""
+    def store(self: PagedStorageBackend, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if modes:
+            modes[-1].quiet += 1
+        try:
+            orig(self, layer, k, v)
+        finally:
+            if modes:
+                modes[-1].quiet -= 1
+    return store
 
 
 @pytest.fixture
@@ -130,6 +162,8 @@ def watched(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[bool, Counte
     monkeypatch.setattr(ModelExecutor, "forward", forward)
     wrap_attend(QuestBackend)
     wrap_attend(KIVIBackend)
+    wrap_attend(SlottedBackend)
+    monkeypatch.setattr(ScoredBackend, "store", _quiet_store(ScoredBackend.store, modes))
     with count_launches(counter):
         yield rows
 
@@ -155,5 +189,41 @@ def test_the_torch_path_is_seen_reading_kv(method: str,
                                            watched: list[tuple[bool, Counter, Counter]]) -> None:
     """The watch can fail: on the torch path each decode step reads K/V in torch."""
     _run(method, "torch")
+    decodes = [r for only, _, r in watched if only]
+    assert decodes and all(r for r in decodes), decodes
+
+
+@pytest.mark.parametrize("method", EVICTING_CASES)
+def test_evicting_methods_on_triton_give_the_torch_paths_tokens_from_their_own_kernels(
+        method: str, watched: list[tuple[bool, Counter, Counter]]) -> None:
+    """Second stage: the same greedy tokens on every request (scores within rounding, ties
+    broken as on the torch path: the policy is the same code on both), the same tokens
+    evicted and bytes read; and every decode step launches the slot-list decode (and the
+    weights kernel where the score is attention) once per layer, with no torch op reading
+    K/V inside attention, decode or prefill alike for the attention-weight scores."""
+    ref = _run(method, "torch")
+    watched.clear()
+    tri = _run(method, "triton")
+    assert ref.metrics["run.kernel"] == "torch" and tri.metrics["run.kernel"] == "triton"
+    assert set(tri.outputs) == set(ref.outputs) == {0, 1, 2}
+    for rid, ids in ref.outputs.items():
+        assert tri.outputs[rid] == ids, rid
+    for key in ("cache.evicted_tokens", "attention.kv_read_bytes_per_token",
+                "memory.peak_used_bytes"):
+        assert tri.metrics[key] == ref.metrics[key], key
+    assert ref.metrics["cache.evicted_tokens"] > 0
+    decodes = [(n, r) for only, n, r in watched if only]
+    assert len(decodes) >= 5
+    for launches, reads in decodes:
+        assert launches["_decode_kernel"] == LAYERS, launches
+        assert launches["_decode_weights_kernel"] == (LAYERS if method in WEIGHTS else 0)
+        assert not reads, reads  # no torch op read K/V
+    if method in WEIGHTS:  # scored in the kernels while prefilling too
+        assert all(not r for _, _, r in watched), [r for _, _, r in watched if r]
+
+
+def test_the_torch_path_of_an_evicting_method_is_seen_reading_kv(
+        watched: list[tuple[bool, Counter, Counter]]) -> None:
+    _run("h2o", "torch")
     decodes = [r for only, _, r in watched if only]
     assert decodes and all(r for r in decodes), decodes
