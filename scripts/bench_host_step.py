@@ -50,7 +50,8 @@ def _counter_module() -> Any:
 # and flash_attn (CUDA only).
 DEFAULT = ("paged,contiguous,fp8,int8,sliding_window,streaming_llm,h2o,tova,snapkv,knorm,"
            "keydiff,observed_attention,expected_attention,quest,kivi")
-TRITON = ("paged", "fp8", "int8", "sliding_window", "streaming_llm", "quest", "kivi")
+TRITON = ("paged", "fp8", "int8", "sliding_window", "streaming_llm", "quest", "kivi", "h2o", "tova",
+          "snapkv", "knorm", "keydiff", "observed_attention", "expected_attention")
 
 
 def has_kernel_option(backend: str) -> bool:

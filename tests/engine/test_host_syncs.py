@@ -31,6 +31,9 @@ ONE = ("paged", "contiguous", "fp8", "int8", "sliding_window", "streaming_llm", 
 TWO = ("h2o", "tova", "snapkv", "knorm", "keydiff", "observed_attention",
        "expected_attention")
 TRITON = ("paged", "fp8", "int8", "sliding_window", "streaming_llm")
+# Token-evicting methods counted on Triton: a weights score (its weights launch) and a
+# window score (snapkv: nothing more a decode).
+SCORED_TRITON = ("h2o", "snapkv")
 
 
 def test_the_counter_sees_each_kind_of_sync() -> None:
@@ -58,12 +61,18 @@ def counts(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], di
     own process: KVBENCH_CHECK off, as a user's run, so only the measured path counts)."""
     out = tmp_path_factory.mktemp("syncs") / "rows.json"
     env = {**os.environ, "KVBENCH_CHECK": "0"}
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_host_step.py"),
-                           "--model", "tiny", "--batch", "4", "--prompt", "40", "--output",
-                           "8", "--no-time", "--out", str(out)], env=env, cwd=ROOT,
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = {(r["backend"], r["kernel"]): r for r in json.loads(out.read_text())}
+    rows = {}
+    # Every backend on torch; on Triton (interpreted, ~8 s a scored method) the paged
+    # family, quest, kivi and one token-evicting method of each kind of score's launches.
+    for kernels, backends in (("torch", []), ("triton", ["--backends", ",".join(
+            (*TRITON, "quest", "kivi", *SCORED_TRITON))])):
+        done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_host_step.py"),
+                               "--model", "tiny", "--batch", "4", "--prompt", "40",
+                               "--output", "8", "--no-time", "--kernels", kernels, *backends,
+                               "--out", str(out)], env=env, cwd=ROOT, capture_output=True,
+                              text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+        rows.update({(r["backend"], r["kernel"]): r for r in json.loads(out.read_text())})
     # The per-layer count at SmolLM2's depth (30 layers: per-step constants amortized).
     deep = out.with_name("deep.json")
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_host_step.py"),
@@ -104,6 +113,17 @@ def test_quest_and_kivi_on_triton_sync_once_a_step(counts: dict, backend: str,
     its store in torch (5)."""
     row = counts[(backend, "triton")]
     assert row["max_syncs_decode_step"] <= 1 and row["syncs_per_step"] <= 1, row
+    assert row["launches_per_decode_step"] == 2 * per_layer, row
+
+
+@pytest.mark.parametrize("backend,per_layer", [("h2o", 7), ("snapkv", 6)])
+def test_evicting_methods_on_triton_keep_their_syncs(counts: dict, backend: str,
+                                                     per_layer: int) -> None:
+    """Issue #56's second stage: on Triton a token-evicting method's decode step syncs as
+    on torch (the sampled ids, and h2o's scores: one transfer) and launches paged's 6 a
+    layer, its decode the slot-list form, plus h2o's weights kernel (7)."""
+    row = counts[(backend, "triton")]
+    assert row["max_syncs_decode_step"] <= (2 if backend == "h2o" else 1), row
     assert row["launches_per_decode_step"] == 2 * per_layer, row
 
 
