@@ -322,7 +322,10 @@ class HeadwiseCosts(KVCosts):
     one costing ``slot_bytes / heads``. A decode reads every head-token its sequence holds
     (``tokens``: their mean over the heads, rounded down per decode); a prefill chunk runs
     before the prompt's selection, every head holding every token, and sees each key at or
-    before its query (dense)."""
+    before its query (dense); a chunk of a prompt that started from a compressed prefix
+    (harness.kv.compressed) sees in each head what that head holds: the pairs are their
+    mean over the heads, rounded down per chunk (the same count when every head holds
+    every token)."""
 
     def __init__(self, slot_bytes: int, block_size: int, heads: int) -> None:
         super().__init__(slot_bytes, block_size)
@@ -333,7 +336,8 @@ class HeadwiseCosts(KVCosts):
         return Read(held // self.heads, held * self.head_bytes)
 
     def prefill_pairs(self, start: int, n: int, held: int) -> int:
-        return super().prefill_pairs(start, n, held // self.heads)
+        # Head h holding c_h (its chunk's n included) gives n (c_h - n) + n (n + 1) / 2.
+        return (n * held - self.heads * (n * (n - 1) // 2)) // self.heads
 
     def gathered(self, context: int, held: int) -> int:
         # The torch path gathers each head's pages up to the context's blocks.

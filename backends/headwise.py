@@ -11,6 +11,10 @@ every layer, on the device (no value read back): each head's slots in index orde
 which of them hold a token, and where each new token goes in every head. A decode attends
 per KV head over what that head holds (a masked SDPA whose mask differs by head); a prefill
 chunk runs before its prompt's selection, when a head's index is the position: causal SDPA.
+A prompt that started from a compressed prefix (harness.kv.compressed: each head holds
+what the method kept of the prefix, then every token after it) is never selected again;
+its chunk's position ``t`` sits at index ``t - (end - count)`` in each head, and a query
+sees every index up to its own (causal per head, the offset its head's).
 
 A method that ranks by an observation window (``policy.needs_scores``: pyramidkv, adakv)
 has the prompt's last ``window`` queries' float32 softmax weights over the keys before the
@@ -22,6 +26,7 @@ the step's one transfer hands them to the policy by slot (the heads' own slots).
 
 from __future__ import annotations
 
+import dataclasses
 from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -91,13 +96,15 @@ class HeadwiseBackend(PagedStorageBackend):
     policy (:meth:`make_policy`) and, when it reads scores, :meth:`head_scores`."""
 
     exact = False
-    # Compacted pages are not what their hashes name; pages move per head.
-    supports_prefix_caching = False
 
     def __init__(self, layout: KVLayout, device: torch.device, **options: Any) -> None:
         super().__init__(layout, device, **options)
         self.heads = layout.num_layers * layout.num_kv_heads
         self.policy = self.make_policy()
+        # Compressed once, at a prompt's end: its compressed prefixes are cached by name
+        # (harness.kv.compressed), which carries every option of the method.
+        self.policy.options = dataclasses.asdict(self.opts)
+        self.supports_prefix_caching = self.compressed_prefixes = True
         # seq id -> (layers, query heads, P - window) window weights so far (scratch).
         self._obs: dict[int, torch.Tensor] = {}
         self._selected: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -164,12 +171,23 @@ class HeadwiseBackend(PagedStorageBackend):
             self._dec = (slots, valid)
             writes.append(slots.gather(2, (counts - 1).unsqueeze(-1)).squeeze(-1))
         self._chunk_slots: list[torch.Tensor] = []
+        self._chunk_offsets: list[torch.Tensor | None] = []
         for c in batch.prefills:
             end = c.start + c.num_tokens
             # Before its selection a head holds every token, its index the position.
-            s = self.unpack(c.table.unsqueeze(0), cdiv(end, bs))[0][0, :, :end]
+            slots, _, counts = self.unpack(c.table.unsqueeze(0), cdiv(end, bs))
+            s = slots[0, :, :end]
             self._chunk_slots.append(s)
-            writes.append(s[:, c.start:end].T)
+            if not c.sched.seq.compressed_prefix:
+                self._chunk_offsets.append(None)
+                writes.append(s[:, c.start:end].T)
+                continue
+            # From a compressed prefix: each head holds ``count`` of the ``end`` positions,
+            # position t at index t + (count - end) (module docstring).
+            off = counts[0] - end  # (heads,), <= 0
+            self._chunk_offsets.append(off)
+            idx = off[:, None] + torch.arange(c.start, end, device=off.device)
+            writes.append(s.gather(1, idx).T)
         # (T, heads): where each of the step's tokens goes in every head.
         self._write = torch.cat(writes) if writes else torch.zeros(
             (0, self.heads), dtype=torch.int64, device=self.device)
@@ -192,9 +210,10 @@ class HeadwiseBackend(PagedStorageBackend):
         nd = b.num_decode
         if nd:
             out[:nd] = self._attend_decodes(layer, q[:nd])
-        for c, s in zip(b.prefills, self._chunk_slots):
+        for c, s, off in zip(b.prefills, self._chunk_slots, self._chunk_offsets):
             rows = slice(c.row, c.row + c.num_tokens)
-            out[rows] = self._attend_chunk(layer, q[rows], c, s)
+            out[rows] = self._attend_chunk(layer, q[rows], c, s) if off is None else \
+                self._attend_carried(layer, q[rows], c, s, off)
         return out
 
     def _heads_of(self, layer: int) -> slice:
@@ -237,6 +256,25 @@ class HeadwiseBackend(PagedStorageBackend):
             self._observe(layer, q, c, kk, slots)
         return out[0].transpose(0, 1)
 
+    def _attend_carried(self, layer: int, q: torch.Tensor, c: PrefillChunk,
+                        slots: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+        """A chunk of a prompt that started from a compressed prefix: q (n, H, D); slots
+        (heads, end) every head's by index; off (heads,) each head's index minus position.
+        Each query sees its head's indices up to its own; nothing is scored (no selection
+        follows)."""
+        hs = self._heads_of(layer)
+        kk, vv = self._gather(slots[hs], q.dtype)  # (KV, end, D)
+        end = c.start + c.num_tokens
+        last = torch.arange(c.start, end, device=q.device)[None, :, None] + off[:, None, None]
+        seen = torch.arange(end, device=q.device) <= last  # (heads, n, end)
+        if layer == 0 and self.track_touches:  # the mean over heads (HeadwiseCosts)
+            self.touch_prefill(seen.sum() // self.heads * self.layout.num_layers)
+        g = q.shape[1] // kk.shape[0]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), kk.unsqueeze(0), vv.unsqueeze(0),
+            attn_mask=seen[hs].repeat_interleave(g, dim=0).unsqueeze(0), enable_gqa=True)
+        return out[0].transpose(0, 1)
+
     def _observe(self, layer: int, q: torch.Tensor, c: PrefillChunk, k: torch.Tensor,
                  slots: torch.Tensor) -> None:
         """Add this chunk's window queries' weights over the keys before the window, by
@@ -246,7 +284,8 @@ class HeadwiseBackend(PagedStorageBackend):
         p, w = seq.num_prompt_tokens, self.policy.window()
         lo, end = p - w, c.start + c.num_tokens
         first, last = max(c.start, lo), min(end, p)
-        if lo <= 0 or first >= last or not self.policy.compresses(p):
+        if lo <= 0 or first >= last or not self.policy.compresses(p) \
+                or seq.compressed_prefix:
             return
         lay = self.layout
         if layer == 0 and c.start <= lo:  # the window starts in this chunk: (re)start

@@ -24,10 +24,21 @@ the tokens its pages hold over all heads, divided by the heads (rounded down); a
 ``used`` only in the slots holding a token. Slots (``total_slots`` and the rest) are
 tokens of every head, as for every backend; ``held_tokens`` is in head-tokens (one per
 token a head holds), what the declared reads need (backends.costs.HeadwiseCosts).
+
+Compressed prefixes (harness.kv.compressed; ``enable_prefix_caching``): when a sequence
+whose prompt was compressed ends, its pages stay held by the manager's cache under the
+prefix's name instead of going back (a page belongs to one sequence's head, and a block
+holds pages of several sequences, so the pool's own cache of freed blocks cannot hold
+them): in held blocks, counted reserved and used as when the sequence held them, and
+free to take (:meth:`pages_free`), the least recently used prefix evicted first when
+an allocation needs its pages. A prompt that hits one copies its pages (each head's, whole
+pages) into pages of its own and starts from its counts and kept positions; it is not
+compressed again.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import TYPE_CHECKING
@@ -36,6 +47,7 @@ import numpy as np
 
 from harness.kv.base import CacheOps, CopyOp, Demand, KVStats, KVUsage, PrefixHit, StepScores
 from harness.kv.block_pool import BlockPool
+from harness.kv.compressed import CompressedIndex, CompressedPrefix, fingerprint
 from harness.kv.ledger import ReservationLedger
 from harness.kv.paged import cdiv
 from harness.kv.policies.headwise import HeadPolicy
@@ -60,10 +72,23 @@ class HeadTables:
     kept: list[np.ndarray] | None = None
     computed_at_selection: int = 0  # positions past it follow ``kept`` in order
     deferred: int = field(default=0)  # selections put off (no fresh page for a shared one)
+    marks: tuple[int, ...] = ()  # where it was compressed (or the prefix it hit was)
+    carried: int = 0  # tokens of the compressed prefix it started from (0: none)
 
     @property
     def selected(self) -> bool:
         return self.kept is not None
+
+
+@dataclass(slots=True, frozen=True)
+class KeptPages:
+    """A kept compressed prefix's tables: each head's pages, counts, kept positions and
+    the position its selection was made at (HeadTables' fields, frozen)."""
+
+    pages: tuple[tuple[int, ...], ...]
+    count: np.ndarray
+    kept: tuple[np.ndarray, ...]
+    computed_at_selection: int
 
 
 class HeadwiseKVManager:
@@ -74,7 +99,6 @@ class HeadwiseKVManager:
 
     def __init__(self, num_blocks: int, block_size: int, heads: int, policy: HeadPolicy, *,
                  watermark: float = 0.01, enable_prefix_caching: bool = False) -> None:
-        assert not enable_prefix_caching, "compacted pages are not what their hashes name"
         assert policy.heads == heads, (policy.heads, heads)
         self.block_size, self.heads, self.policy = block_size, heads, policy
         self.ledger = ReservationLedger()
@@ -96,15 +120,38 @@ class HeadwiseKVManager:
         self._seqs: dict[int, HeadTables] = {}
         self._ops = CacheOps()
         policy.reset(n * block_size)
+        # Compressed prefixes (module docstring): the index (made at first use: duo's
+        # heads are measured after the stack is built), the kept ones least recently used
+        # first, their pages, the first page of each (a hit's key), this step's sources.
+        self.enable_prefix_caching = enable_prefix_caching and policy.compresses_once
+        self._index: CompressedIndex | None = None
+        self._kept: OrderedDict[int, CompressedPrefix] = OrderedDict()
+        self._kept_pages = 0
+        self._prefix_of: dict[int, CompressedPrefix] = {}
+        self._busy: dict[int, CompressedPrefix] = {}
+
+    @property
+    def index(self) -> CompressedIndex:
+        if self._index is None:
+            self._index = CompressedIndex(fingerprint(self.policy.name, self.policy.params()),
+                                          self.block_size)
+        return self._index
 
     # -- pages -----------------------------------------------------------------------
     def pages_free(self) -> int:
-        """Pages an allocation can take now: free pages of held blocks + free blocks'."""
-        return self.num_free_pages + self.pool.num_free * self.heads
+        """Pages an allocation can take now: free pages of held blocks + free blocks' +
+        the kept compressed prefixes' (evicted for them), but this step's hits'."""
+        busy = sum(len(p.blocks) for p in self._busy.values())
+        return self.num_free_pages + self.pool.num_free * self.heads + self._kept_pages - busy
 
     def _take(self, n: int) -> list[int]:
-        """``n`` pages (the caller checked :meth:`pages_free`), each held once."""
+        """``n`` pages (the caller checked :meth:`pages_free`), each held once; kept
+        compressed prefixes evicted, least recently used first, when the free pages and
+        blocks are short."""
         h = self.heads
+        while n > self.num_free_pages + self.pool.num_free * h:
+            victim = next(p for p in self._kept.values() if p.name not in self._busy)
+            self._evict(victim)
         short = n - self.num_free_pages
         if short > 0:  # fresh blocks, their pages handed out lowest first
             for b in self.pool.allocate_all(cdiv(short, h)):
@@ -192,7 +239,11 @@ class HeadwiseKVManager:
         return self.block_size
 
     def lookup_prefix(self, seq: Sequence) -> PrefixHit:
-        return PrefixHit()  # no prefix caching: compacted pages are not their hashes'
+        """The longest kept compressed prefix of ``seq``'s tokens (all but its last)."""
+        if not self.enable_prefix_caching or self.holds(seq):
+            return PrefixHit()
+        p = self.index.lookup(seq.token_ids, len(seq.token_ids) - 1, seq.group.extra_key)
+        return PrefixHit() if p is None else PrefixHit(list(p.blocks), compressed=p.covered)
 
     def max_chunk(self, seq: Sequence) -> int | None:
         return None
@@ -201,6 +252,14 @@ class HeadwiseKVManager:
         """Pages ``d`` takes: every head's new pages, and a copy of each shared, partly
         filled last page it writes."""
         st, bs = self._seqs.get(d.seq.seq_id), self.block_size
+        if d.compressed:
+            # A hit: its prefix's pages, which pages_free counts as free to evict but the hit
+            # holds through its step; their copies; the new tokens' pages after them.
+            kp = self._prefix_of[d.hit_blocks[0]].state
+            assert isinstance(kp, KeptPages)
+            c = kp.count
+            new = int((_cdiv(c + d.num_tokens, bs) - _cdiv(c, bs)).sum())
+            return 2 * len(d.hit_blocks) + new
         if st is None:
             return self.heads * cdiv(d.num_tokens, bs)
         c = st.count
@@ -216,7 +275,73 @@ class HeadwiseKVManager:
         return sum(self._need(d) for d in demands) <= limit
 
     def allocate_group(self, demands: list[Demand]) -> list[list[int]]:
+        if self.enable_prefix_caching:
+            for d in demands:
+                if not self.holds(d.seq):
+                    self.stats.prefix_query_tokens += d.seq.num_tokens
+            hits = [d for d in demands if d.compressed]
+            for d in hits:  # no page taken this step may evict them
+                p = self._prefix_of[d.hit_blocks[0]]
+                self._busy[p.name] = p
+                self._kept.move_to_end(p.name)
+            for d in hits:
+                self._start_from(d)
         return [self._extend(d.seq, d.num_tokens) for d in demands]
+
+    # -- compressed prefixes (harness.kv.compressed) -----------------------------------
+    def _start_from(self, d: Demand) -> None:
+        """``d.seq`` starts from a copy of the kept prefix its hit names: each head's pages
+        copied whole into fresh ones, its counts, kept positions and marks."""
+        seq, p, bs, h = d.seq, self._prefix_of[d.hit_blocks[0]], self.block_size, self.heads
+        kp = p.state
+        assert isinstance(kp, KeptPages) and seq.seq_id not in self._seqs
+        fresh = iter(self._take(len(p.blocks)))
+        pages = [[next(fresh) for _ in src] for src in kp.pages]
+        src = np.asarray(p.blocks, dtype=np.int64)
+        dst = np.fromiter(chain.from_iterable(pages), dtype=np.int64, count=len(src))
+        self._ops.copies += [CopyOp(s * bs, t * bs, bs, share=1.0 / h)
+                             for s, t in zip(src.tolist(), dst.tolist())]
+        self._add_fill(dst, self.fill[src])
+        self._seqs[seq.seq_id] = HeadTables(pages, kp.count.copy(), [k.copy() for k in kp.kept],
+                                            kp.computed_at_selection, marks=p.marks,
+                                            carried=p.covered)
+        if p.owner == seq.group.request_id:
+            self.stats.self_hit_tokens += p.covered
+        else:
+            self.stats.prefix_hit_tokens += p.covered
+            seq.group.prefix_hit_tokens += p.covered
+
+    def _keep_prefix(self, seq: Sequence, st: HeadTables) -> bool:
+        """As ``seq`` ends: keep its tables as a compressed prefix (the manager holds its
+        pages) if its prompt was compressed, it is its request's only sequence, it holds
+        its pages alone and the same state is not kept already."""
+        pages = np.fromiter(chain.from_iterable(st.pages), dtype=np.int64)
+        if (not self.enable_prefix_caching or not st.marks or st.kept is None
+                or not len(pages) or len(seq.group.seqs) != 1
+                or seq.num_computed < seq.num_prompt_tokens or (self.ref[pages] != 1).any()):
+            return False
+        index, covered = self.index, seq.num_computed
+        name, chain_, tail = index.name_of(seq.token_ids, covered, st.marks,
+                                           seq.group.extra_key)
+        if index.get(name) is not None:
+            return False
+        kp = KeptPages(tuple(tuple(pg) for pg in st.pages), st.count.copy(), tuple(st.kept),
+                       st.computed_at_selection)
+        p = CompressedPrefix(name, chain_, tail, covered, st.marks, seq.group.request_id,
+                             pages.tolist(), kp)
+        index.add(p)
+        self._kept[name] = p
+        self._kept_pages += len(pages)
+        self._prefix_of[p.blocks[0]] = p
+        return True
+
+    def _evict(self, p: CompressedPrefix) -> None:
+        """Give a kept prefix's pages back (its name goes with them)."""
+        self.index.remove(p)
+        del self._kept[p.name]
+        del self._prefix_of[p.blocks[0]]
+        self._kept_pages -= len(p.blocks)
+        self._release(np.asarray(p.blocks, dtype=np.int64))
 
     def append_slot(self, seq: Sequence) -> int | None:
         if self._need(Demand(seq, 1)) > self.pages_free():
@@ -287,11 +412,11 @@ class HeadwiseKVManager:
         self._seqs[child.seq_id] = HeadTables(
             [list(p) for p in src.pages], src.count.copy(),
             None if src.kept is None else [k.copy() for k in src.kept],
-            src.computed_at_selection)
+            src.computed_at_selection, marks=src.marks, carried=src.carried)
 
     def free(self, seq: Sequence) -> None:
         st = self._seqs.pop(seq.seq_id, None)
-        if st is not None:
+        if st is not None and not self._keep_prefix(seq, st):
             self._release(np.fromiter(chain.from_iterable(st.pages), dtype=np.int64))
 
     def holds(self, seq: Sequence) -> bool:
@@ -333,6 +458,7 @@ class HeadwiseKVManager:
 
     def end_forward(self) -> None:
         self.ledger.now += 1
+        self._busy.clear()  # the hits' copies are made
 
     def record_external(self, next_need: int | None) -> int:
         return 0  # any free page serves any head of any sequence
@@ -413,6 +539,7 @@ class HeadwiseKVManager:
         self.stats.evicted_tokens += (h * c - int(m.sum())) // h
         st.count = m.astype(np.int64)
         st.kept, st.computed_at_selection = kept, c
+        st.marks = (p,)
 
     # -- accounting --------------------------------------------------------------------
     def usage(self) -> KVUsage:

@@ -9,10 +9,10 @@ Graham's essays with RULER's keys, Python's help texts, or RULER's noise) holdin
 spread evenly over it; turn k asks for one needle's value (a seeded order per context, so
 every turn asks at every depth across contexts), in RULER's completion form. The first
 turn's prompt is exactly ``length`` tokens; a later turn re-sends the earlier prompt and
-the model's answer token for token (EOS left out) and adds the question, so a prefix cache
-finds the whole history. Scored as RULER scores niah: the value in the answer (1) or not
-(0); harness/metrics/tasks.py reports ``quality.turn.<k>.accuracy`` and the prefix cache's
-``cache.turn.<k>.hit_rate`` beside the usual task keys.
+the model's answer token for token (the EOS that ended it left out) and adds the question,
+so a prefix cache finds the whole history. Scored as RULER scores niah: the value in the
+answer (1) or not (0); harness/metrics/tasks.py reports ``quality.turn.<k>.accuracy`` and
+the prefix cache's ``cache.turn.<k>.hit_rate`` beside the usual task keys.
 
 Every conversation starts at once; a turn arrives when the previous answer is done.
 Request ids follow (context, turn), never the order turns finish.
@@ -129,7 +129,9 @@ class SharedContextWorkload:
         if turn + 1 >= self.cfg.turns:
             return []
         ctx = self.contexts[context]
-        answer = [t for t in group.output_ids if t not in self.tok.eos_ids]
+        answer = list(group.output_ids)
+        if answer and answer[-1] in self.tok.eos_ids and group.seqs[0].finish_reason == "stop":
+            answer.pop()  # the EOS that ended it (under ignore_eos every token is re-sent)
         question = self.tok.encode("\n" + ask_one(ctx.keys[ctx.order[turn + 1]]),
                                    add_bos=False)
         return [self._request(context, turn + 1, list(group.prompt_ids) + answer + question)]

@@ -3,8 +3,9 @@ a later turn that starts with an earlier turn's tokens hits that turn's compress
 and gets the tokens a brute force gives (the model run densely in float32, attending to
 what the method kept of the first prompt and everything after it); the same method
 re-applied per turn (prefix caching off) gets the brute force of one compression of the
-whole prompt. Hit rates per turn: above 0 on later turns for the compress-once methods,
-0 for h2o and tova (they re-score every step)."""
+whole prompt; per head (duo_attention), a hit attends per head to what each head kept.
+Hit rates per turn: above 0 on later turns for the compress-once methods, 0 for h2o and
+tova (they re-score every step)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ TURNS = ["model=tiny", "workload=shared_context", "workload.contexts=1", "worklo
 
 class DenseReference:
     """The model's forward with plain float32 attention over every position computed so
-    far, but for the positions in ``gone`` (what the method dropped); keeps each layer's
-    keys for the brute-force score."""
+    far, but for the positions each (layer, KV head) dropped (``gone[layer][kv_head]``:
+    what the method dropped there); keeps each layer's keys for the brute-force score."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
@@ -35,7 +36,11 @@ class DenseReference:
         self.k: list[torch.Tensor] = [torch.zeros(0, c.num_kv_heads, c.head_dim)
                                       for _ in range(c.num_layers)]
         self.v = [t.clone() for t in self.k]
-        self.gone: set[int] = set()
+        self.gone: list[list[set[int]]] = [[set() for _ in range(c.num_kv_heads)]
+                                           for _ in range(c.num_layers)]
+
+    def dropped(self, layer: int, kv_head: int) -> set[int]:
+        return self.gone[layer][kv_head]
 
     @property
     def computed(self) -> int:
@@ -47,13 +52,16 @@ class DenseReference:
         self.k[layer] = torch.cat([self.k[layer], k.float()])
         self.v[layer] = torch.cat([self.v[layer], v.float()])
         n, ctx = q.shape[0], self.k[layer].shape[0]
+        kv_heads = self.k[layer].shape[1]
         kpos = torch.arange(ctx)
-        seen = torch.ones(ctx, dtype=torch.bool)
-        seen[list(self.gone)] = False
-        mask = (kpos[None, :] <= torch.arange(start, start + n)[:, None]) & seen[None, :]
+        seen = torch.ones(kv_heads, ctx, dtype=torch.bool)
+        for h in range(kv_heads):
+            seen[h, list(self.gone[layer][h])] = False
+        causal = kpos[None, :] <= torch.arange(start, start + n)[:, None]  # (n, ctx)
+        mask = (causal[None] & seen[:, None, :]).repeat_interleave(q.shape[1] // kv_heads, 0)
         out = F.scaled_dot_product_attention(
             q.float().transpose(0, 1)[None], self.k[layer].transpose(0, 1)[None],
-            self.v[layer].transpose(0, 1)[None], attn_mask=mask[None, None], enable_gqa=True)
+            self.v[layer].transpose(0, 1)[None], attn_mask=mask[None], enable_gqa=True)
         return out[0].transpose(0, 1).to(q.dtype)
 
     def feed(self, tokens: list[int]) -> torch.Tensor:
@@ -70,7 +78,18 @@ class DenseReference:
         score = sum(-self.k[layer][:prompt_len].norm(dim=-1).mean(dim=-1)
                     for layer in range(len(self.k))) / len(self.k)
         order = sorted(range(prompt_len), key=lambda j: (float(score[j]), j))
-        self.gone |= set(order[:prompt_len - keep])
+        for per_layer in self.gone:
+            for gone in per_layer:
+                gone |= set(order[:prompt_len - keep])
+
+    def duo_drop(self, prompt_len: int, streaming: list[bool], sink: int,
+                 recent: int) -> None:
+        """DuoAttention's rule at the prompt's end: each streaming (layer, KV head), in
+        layer-major order, drops the prompt's positions [sink, prompt_len - recent)."""
+        kv_heads = self.k[0].shape[1]
+        for i, s in enumerate(streaming):
+            if s:
+                self.gone[i // kv_heads][i % kv_heads] |= set(range(sink, prompt_len - recent))
 
     def check_greedy(self, first: torch.Tensor, answer: list[int]) -> None:
         """``answer`` is the greedy continuation from logits ``first`` (each token within
@@ -115,7 +134,7 @@ def test_a_hit_gives_the_tokens_of_the_recomputed_compressed_prefix() -> None:
     ref.knorm_drop(len(p1), keep)
     # The state the engine kept is the brute force's: knorm's top `keep` of the prompt.
     kept = _kept_positions(kv, p2, covered)
-    assert {j for j in kept if j < len(p1)} == set(range(len(p1))) - ref.gone
+    assert {j for j in kept if j < len(p1)} == set(range(len(p1))) - ref.dropped(0, 0)
     assert {j for j in kept if j >= len(p1)} == set(range(len(p1), covered))
     ref.check_greedy(first, a1)
     # Turn 2 from that state, its prompt not compressed again: the rest of it is fed
@@ -135,11 +154,46 @@ def test_re_applied_per_turn_is_one_compression_of_the_whole_prompt() -> None:
     ref.check_greedy(first, a2)
 
 
+DUO = ["backend=duo_attention", "backend.sink_tokens=8", "backend.recent=32",
+       "backend.calibration_tokens=128"]
+
+
+def test_a_per_head_hit_gives_the_tokens_of_the_recomputed_compressed_prefix() -> None:
+    """duo_attention on the per-head tables (harness.kv.headwise): turn 2 copies each
+    head's kept pages of turn 1 and attends per head to what that head kept."""
+    target, wl, st = model_stack([*TURNS, *DUO, "cache.enable_prefix_caching=true"])
+    st.engine.run(wl)
+    outs = st.collector.outputs()
+    p1, p2, a1, a2 = wl._prompts[0], wl._prompts[1], outs[0], outs[1]
+    covered = len(p1) + len(a1) - 1
+    hits = dict(zip(st.collector.rows.column("request_id"),
+                    st.collector.rows.column("prefix_hit_tokens")))
+    assert hits == {0: 0, 1: covered}
+    streaming = st.backend.policy.streaming.tolist()
+    assert any(streaming) and not all(streaming)
+    ref = DenseReference(target.loaded.model)
+    first = ref.feed(p1)
+    ref.duo_drop(len(p1), streaming, 8, 32)
+    # The kept prefix's heads hold the brute force's positions, each in index order.
+    p = st.kv.index.lookup(p2, covered, None)
+    assert p is not None and p.covered == covered
+    kv_heads = ref.k[0].shape[1]
+    for i, kept in enumerate(p.state.kept):
+        want = sorted(set(range(len(p1))) - ref.dropped(i // kv_heads, i % kv_heads))
+        assert kept.tolist() == want, i
+        assert int(p.state.count[i]) == len(want) + covered - len(p1)
+    ref.check_greedy(first, a1)
+    ref.check_greedy(ref.feed(p2[covered:]), a2)
+
+
 @pytest.mark.parametrize("backend,reused", [
     ("knorm", True), ("snapkv", True), ("keydiff", True), ("observed_attention", True),
-    ("expected_attention", True), ("h2o", False), ("tova", False)])
+    ("expected_attention", True), ("pyramidkv", True), ("adakv", True),
+    ("duo_attention", True), ("h2o", False), ("tova", False)])
 def test_later_turns_hit_the_compressed_context(backend: str, reused: bool) -> None:
-    r = run(compose_cfg([*TURNS, "workload.turns=3", f"backend={backend}",
+    own = DUO[1:] if backend == "duo_attention" else \
+        ["backend.window=16"] if backend in ("pyramidkv", "adakv") else []
+    r = run(compose_cfg([*TURNS, "workload.turns=3", f"backend={backend}", *own,
                          "cache.enable_prefix_caching=true"]))
     m = r.metrics
     assert m["run.prefix_caching"] is reused

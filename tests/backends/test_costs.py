@@ -51,9 +51,11 @@ FORKS = ["workload=parallel_sampling", "workload.num_requests=4", "workload.prom
 PREFIX = ["workload=shared_prefix", "workload.num_requests=4", "workload.prefix_tokens=40",
           "workload.suffix_tokens=5", "workload.output_tokens=9"]
 # A compress-once method's cache holds whole compressed prompts (harness.kv.compressed): its
-# prefix hits are a conversation's later turns.
-TURNS = ["workload=multiturn", "workload.conversations=2", "workload.turns=2",
-         "workload.system_words=20", "workload.user_words=6", "workload.answer_tokens=8"]
+# prefix hits are a conversation's later turns (their prompts the earlier ones' tokens and
+# answers, token for token: the roofline's synthetic answers hit as the model's do).
+TURNS = ["workload=shared_context", "workload.contexts=2", "workload.turns=2",
+         "workload.length=520", "workload.haystack=noise", "workload.answer_tokens=8",
+         "workload.ignore_eos=true", "quality.generation_agreement=false"]
 WORKLOADS = {"forks_preempted": FORKS, "prefix_hits": PREFIX}
 TOKENS = {"forks_preempted": 200, "prefix_hits": 400}  # cache tokens each run gets
 
@@ -87,10 +89,10 @@ def _compressed_prefixes(name: str) -> bool:
 
 def _overrides(name: str, workload: str) -> list[str]:
     dtype = torch.bfloat16 if name == "flash_attn" else torch.float32
-    load = TURNS if workload == "prefix_hits" and _compressed_prefixes(name) else \
-        WORKLOADS[workload]
+    turns = workload == "prefix_hits" and _compressed_prefixes(name)
+    load, tokens = (TURNS, 2000) if turns else (WORKLOADS[workload], TOKENS[workload])
     return ["model=tiny", f"backend={name}", *OPTIONS.get(name, []), *block_size(name, BS),
-            *load, f"cache.kv_budget={_budget(name, TOKENS[workload], dtype)}"]
+            *load, f"cache.kv_budget={_budget(name, tokens, dtype)}"]
 
 
 def _recorded_run(name: str, workload: str,
