@@ -76,7 +76,8 @@ def rotate(x: torch.Tensor, inv_freq: torch.Tensor, positions: torch.Tensor,
            sign: float = 1.0) -> torch.Tensor:
     """x (T, H, D) rotated by each row's position (``sign=-1``: back), rotate-half RoPE
     (the model's own arithmetic, harness.model.rope.rotate_pairs)."""
-    f = positions.to(torch.float64)[:, None] * inv_freq[None, :].to(torch.float64)
+    f = positions.to(x.device, torch.float64)[:, None] \
+        * inv_freq[None, :].to(x.device, torch.float64)
     cos, sin = f.cos()[:, None, :].to(x.dtype), (sign * f.sin())[:, None, :].to(x.dtype)
     return rotate_pairs(x, cos, sin)
 
@@ -84,12 +85,12 @@ def rotate(x: torch.Tensor, inv_freq: torch.Tensor, positions: torch.Tensor,
 def average_rotation(inv_freq: torch.Tensor, start: int, n: int) -> torch.Tensor:
     """The mean over positions ``start .. start+n-1`` of RoPE's rotation matrix (D, D),
     float64: ``R q`` rotates q as ``rotate`` does."""
-    half = inv_freq.shape[0]
-    f = torch.arange(start, start + n, dtype=torch.float64)[:, None] \
+    half, dev = inv_freq.shape[0], inv_freq.device
+    f = torch.arange(start, start + n, dtype=torch.float64, device=dev)[:, None] \
         * inv_freq[None, :].to(torch.float64)
     c, s = f.cos().mean(0), f.sin().mean(0)  # (half,)
-    r = torch.zeros(2 * half, 2 * half, dtype=torch.float64)
-    idx = torch.arange(half)
+    r = torch.zeros(2 * half, 2 * half, dtype=torch.float64, device=dev)
+    idx = torch.arange(half, device=dev)
     r[idx, idx] = c
     r[idx + half, idx + half] = c
     r[idx, idx + half] = -s
@@ -109,7 +110,8 @@ class ExpectedAttentionBackend(ScoredBackend):
         assert isinstance(o, ExpectedAttentionOptions)
         self.n_future, self.n_sink = o.n_future_positions, o.n_sink
         self.use_cov, self.use_vnorm = o.use_covariance, o.use_vnorm
-        self.inv_freq = torch.tensor(layout.rope_inv_freq, dtype=torch.float64)
+        # On the cache's device, as the statistics (the counts stay on the host).
+        self.inv_freq = torch.tensor(layout.rope_inv_freq, dtype=torch.float64, device=device)
         # seq id -> [count, sum of q (layers, H, D), sum of q q^T (layers, H, D, D)], f64
         self._qstats: dict[int, list[Any]] = {}
 
@@ -132,13 +134,14 @@ class ExpectedAttentionBackend(ScoredBackend):
         if hi <= lo or not self.selects(seq):
             return  # no prompt query here, or a prompt within its budget: never scored
         pre = rotate(q[lo - c.start:hi - c.start].to(torch.float64), self.inv_freq,
-                     torch.arange(lo, hi), sign=-1.0)  # (m, H, D)
+                     torch.arange(lo, hi, device=q.device), sign=-1.0)  # (m, H, D)
         st = self._qstats.get(seq.seq_id)
         if st is None:
             lay, h, d = self.layout.num_layers, q.shape[1], q.shape[2]
+            dev = self.device
             st = [torch.zeros(lay, dtype=torch.float64),
-                  torch.zeros(lay, h, d, dtype=torch.float64),
-                  torch.zeros(lay, h, d, d, dtype=torch.float64)]
+                  torch.zeros(lay, h, d, dtype=torch.float64, device=dev),
+                  torch.zeros(lay, h, d, d, dtype=torch.float64, device=dev)]
             self._qstats[seq.seq_id] = st
         st[0][layer] += pre.shape[0]
         st[1][layer] += pre.sum(0)
