@@ -3,7 +3,8 @@ on a pool of 12 blocks of 4 slots: a compress-once press (knorm's policy, 6 prom
 kept) compresses a 20-token prompt, decodes, ends, and its state stays in the pool's cache
 of freed blocks under a name of its own; the next turn's prompt hits it, starts from a
 copy, and is not compressed again; a full pool evicts it; other parameters name the same
-tokens otherwise; h2o (re-scores every step) keeps nothing."""
+tokens otherwise; h2o (re-scores every step) keeps nothing. The per-head tables the same
+way, by pages."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from harness.backends.knorm import KnormOptions, KnormPolicy
 from harness.kv.base import Demand, StepScores
 from harness.kv.compressed import CompressedIndex, CompressedPrefix, fingerprint
 from harness.kv.evicting import BudgetBlocks, EvictingKVManager
+from harness.kv.headwise import HeadwiseKVManager
+from harness.kv.policies.duo import DuoPolicy
 from harness.kv.policies.h2o import H2OPolicy
 from tests.helpers import make_seq
 
@@ -212,3 +215,47 @@ def test_h2o_rescoring_every_step_keeps_nothing() -> None:
     m.free(a)
     assert m.pool.num_cached_free == 0
     assert m.lookup_prefix(make_seq([*a.token_ids, 1])).blocks == []
+
+
+def test_per_head_tables_keep_the_pages_and_evict_them_under_pressure() -> None:
+    """harness.kv.headwise: duo's rule on one layer of 2 KV heads (head 0 streams: 2 sinks
+    + 4 recent of a 20-token prompt; head 1 keeps all), 10 blocks of 4 (20 pages)."""
+    policy = DuoPolicy(1, 2, head_ratio=0.5, sink=2, recent=4)
+    m = HeadwiseKVManager(10, BS, 2, policy, watermark=0.0, enable_prefix_caching=True)
+    a = make_seq(PROMPT, max_tokens=4)
+    m.allocate_group([Demand(a, 20)])
+    a.num_computed = 20
+    a.token_ids.append(7)
+    m.end_forward()
+    m.observe([a], None)
+    assert [p.tolist() for p in m.positions(a)] == [[0, 1, 16, 17, 18, 19], list(range(20))]
+    m.append_slot(a)  # position 20 in both heads: 7 and 21 tokens, 2 + 6 pages
+    a.num_computed += 1
+    a.token_ids.append(8)
+    m.end_forward()
+    pages = [list(pg) for pg in m._seqs[a.seq_id].pages]
+    m.take_cache_ops()  # (the selection's moves: its steps')
+    free_before = m.pages_free()
+    m.free(a)
+    assert m.pages_free() == free_before + 8  # kept, and counted free to take
+    b = make_seq([*a.token_ids, 50], max_tokens=4)
+    hit = m.lookup_prefix(b)
+    assert hit.compressed == 21 and hit.blocks == pages[0] + pages[1]
+    d = Demand.after(b, 2, hit)
+    assert m._need(d) == 2 * 8 + 1  # held, copied, and head 0's 9th token opens a page
+    assert m.can_allocate([d], watermark=False)
+    m.allocate_group([d])
+    b.num_computed, b.compressed_prefix = 23, 21
+    ops = m.take_cache_ops()
+    assert [(c.src // BS, c.num_slots, c.share) for c in ops.copies] == [
+        (pg, BS, 0.5) for pg in pages[0] + pages[1]]
+    assert [p.tolist() for p in m.positions(b)] == [[0, 1, 16, 17, 18, 19, 20, 21, 22],
+                                                    list(range(23))]
+    m.end_forward()
+    m.free(b)  # its own state (marks of a's) kept too: 3 + 6 pages
+    assert len(m.index) == 2
+    # 17 pages kept, 3 free: a 32-token prompt's 16 pages evict both, oldest first.
+    c = make_seq(list(range(500, 532)), max_tokens=1)
+    assert m.pages_free() == 20 and m.can_allocate([Demand(c, 32)], watermark=False)
+    m.allocate_group([Demand(c, 32)])
+    assert len(m.index) == 0 and m.pages_free() == 4
