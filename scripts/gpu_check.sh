@@ -6,7 +6,10 @@
 # status.json (each section: ok / failed / timeout / skipped), <section>.json and .log,
 # install.log. Sections, each in its own process with its own budget (one failing or hanging
 # does not stop the rest): env, kernel-correctness, kernel-bandwidth, engine-<shape> (x2),
-# roofline-h200, gpu-tests, benchmarks, flash-attn. See harness/gpucheck and results/gpu/README.md.
+# roofline-h200, gpu-tests, benchmarks, flash-attn; and, in a call of its own,
+# `--only compression` (every compression method at Llama-3.1-8B's shape under one KV budget,
+# 4k and 32k contexts, and their kernels' bandwidth; < 7 min). See harness/gpucheck and
+# results/gpu/README.md.
 #
 # Python: $PYTHON if set; else .venv/bin/python when it has the deps (CI runners); else a
 # venv at $KVBENCH_GPU_VENV (/tmp/kvbench-gpu-venv, --system-site-packages: the machine's

@@ -79,6 +79,7 @@ def engine_row(metrics: dict[str, Any], steps: Sequence[Any]) -> dict[str, Any]:
         "preemptions": metrics["sched.preemptions_recompute"],
         "max_running": metrics["memory.max_running_seqs"],
         "token_capacity": metrics["memory.token_capacity"],
+        "kv_read_bytes_per_token": metrics.get("attention.kv_read_bytes_per_token"),
         "overhead_pct": metrics["engine.overhead_pct"],
     }
 

@@ -160,12 +160,13 @@ def main(argv: list[str] | None = None) -> int:
         if v is not None and not (math.isfinite(v) and v > 0):
             ap.error(f"{key}={v}: give a positive number of seconds")
     profile = dataclasses.replace(profile, budgets={**profile.budgets, **budgets})
-    names = section_names(profile)
+    known = section_names(profile, profile.on_request)
     unknown = set(_names(a.only)) | set(_names(a.skip)) | set(budgets)
-    if unknown - set(names):
-        ap.error(f"unknown sections {sorted(unknown - set(names))}; known: {names}")
-    names = [n for n in names if (not a.only or n in _names(a.only))
-             and n not in _names(a.skip)]
+    if unknown - set(known):
+        ap.error(f"unknown sections {sorted(unknown - set(known))}; known: {known}")
+    # On-request sections (the GPU profile's compression) only when --only names them.
+    names = [n for n in section_names(profile, _names(a.only))
+             if (not a.only or n in _names(a.only)) and n not in _names(a.skip)]
     status = run_all(profile, a.out, a.root, names,
                      a.total_s if a.total_s is not None else profile.total_s)
     print(f"gpu check: summary in {a.out / 'summary.md'}")

@@ -52,6 +52,43 @@ ENGINE_BACKENDS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
+# The compression section's rows (issue #56): every compression method beside paged and
+# contiguous, at its defaults but quest's budget (64 tokens, the issue's target case).
+COMPRESSION_BACKENDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("paged", ("backend=paged",)),
+    ("contiguous", ("backend=contiguous",)),
+    ("quest-64", ("backend=quest", "backend.token_budget=64")),
+    ("kivi-2bit", ("backend=kivi", "backend.bits=2")),
+    ("h2o", ("backend=h2o",)),
+    ("tova", ("backend=tova",)),
+    ("snapkv", ("backend=snapkv",)),
+    ("knorm", ("backend=knorm",)),
+    ("keydiff", ("backend=keydiff",)),
+    ("observed_attention", ("backend=observed_attention",)),
+    ("expected_attention", ("backend=expected_attention",)),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CompressionPlan:
+    """The ``compression`` section: every row of :data:`COMPRESSION_BACKENDS` at one model
+    (``model``: its overrides) under one KV budget, once per context: ``requests[i]``
+    requests of ``contexts[i]`` tokens (prompt + ``output_tokens``) at once, after a
+    warm-up of the same requests with ``warmup_output`` tokens. Kernel rows: one decode
+    step of each method's kernel at ``timing_sizes`` (batch, context), the token-evicting
+    methods holding ``held_share`` of the context."""
+
+    model: tuple[str, ...]
+    kv_budget: str
+    contexts: tuple[int, ...]
+    requests: tuple[int, ...]
+    output_tokens: int
+    warmup_output: int
+    common: tuple[str, ...]
+    timing_sizes: tuple[Size, ...]
+    held_share: float = 0.2
+
+
 def fixed_lengths(requests: int, prompt: int, output: int) -> tuple[str, ...]:
     """Overrides for the `random` workload with every request the same size, all at once."""
     return uniform_lengths(requests, (prompt, prompt), (output, output))
@@ -97,6 +134,9 @@ class Profile:
     bench_args: tuple[str, ...]
     budgets: dict[str, float] = field(default_factory=dict)
     total_s: float = 445.0
+    compression: CompressionPlan | None = None
+    # Sections run only when named (--only): too long for the default call's budget.
+    on_request: tuple[str, ...] = ()
 
     def budget(self, section: str) -> float:
         return self.budgets.get(section, 30.0)
@@ -133,8 +173,17 @@ GPU = Profile(
     # gpu tests 62, benchmarks 18.
     budgets={"env": 15, "kernel-correctness": 30, "kernel-bandwidth": 30, "engine-smollm2": 70,
              "engine-llama8b": 90, "roofline-h200": 95, "gpu-tests": 70, "benchmarks": 25,
-             "flash-attn": 20},
+             "flash-attn": 20, "compression": 400},
     total_s=445.0,
+    # Llama-3.1-8B (random weights, bf16) under 4 GiB of KV (32k tokens at 128 KiB each:
+    # paged holds 7 sequences of 4k, 1 of 32k; a 20% budget about 5x that). Its own call
+    # (`scripts/gpu_check.sh "$OUT" --only compression`, < 7 min): 11 rows x 2 contexts,
+    # each a warm-up and a measured run, do not fit beside the default sections.
+    compression=CompressionPlan(
+        model=("model=random_llama8b",), kv_budget="4GiB", contexts=(4096, 32768),
+        requests=(16, 3), output_tokens=64, warmup_output=2,
+        common=("device=cuda",), timing_sizes=((16, 4096), (4, 32768))),
+    on_request=("compression",),
 )
 
 DRY = Profile(
@@ -163,8 +212,13 @@ DRY = Profile(
                 "--benchmark-warmup=off", "-k", "kernels"),
     budgets={"env": 20, "gpu-tests": 40, "kernel-correctness": 40, "kernel-bandwidth": 30,
              "engine-tiny": 40, "engine-tiny-bias": 40, "roofline-h200": 30, "benchmarks": 40,
-             "flash-attn": 20},
+             "flash-attn": 20, "compression": 60},
     total_s=270.0,
+    # 512 B a token: 320 KiB (kivi's 32 residual blocks of 16 take 256 of them) holds two
+    # 256-token sequences for paged, all three for a method.
+    compression=CompressionPlan(
+        model=("model=tiny",), kv_budget="320KiB", contexts=(40, 256), requests=(3, 3),
+        output_tokens=4, warmup_output=1, common=("device=cpu",), timing_sizes=((2, 48),)),
 )
 
 PROFILES = {"gpu": GPU, "dry": DRY}

@@ -8,11 +8,14 @@ from harness.gpucheck.context import SectionFn
 from harness.gpucheck.profile import Profile
 
 
-def section_names(profile: Profile) -> list[str]:
-    """The sections in the order they run."""
+def section_names(profile: Profile, requested: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """The sections in the order they run: those of a default run, and of the profile's
+    on-request sections (``profile.on_request``: run only when named) those ``requested``."""
     engines = [f"engine-{s.name}" for s in profile.shapes]
-    return ["env", "kernel-correctness", "kernel-bandwidth", *engines, "roofline-h200",
-            "gpu-tests", "benchmarks", "flash-attn"]
+    compression = ["compression"] if profile.compression is not None else []
+    names = ["env", "kernel-correctness", "kernel-bandwidth", *engines, *compression,
+             "roofline-h200", "gpu-tests", "benchmarks", "flash-attn"]
+    return [n for n in names if n not in profile.on_request or n in requested]
 
 
 def get_section(name: str, profile: Profile) -> SectionFn:
@@ -32,6 +35,9 @@ def get_section(name: str, profile: Profile) -> SectionFn:
     if name == "roofline-h200":
         from harness.gpucheck.roofline_check import roofline_section
         return roofline_section
+    if name == "compression":
+        from harness.gpucheck.compression_check import compression_section
+        return compression_section
     if name == "flash-attn":
         from harness.gpucheck.fa4_check import flash_attn_section
         return flash_attn_section
@@ -39,4 +45,5 @@ def get_section(name: str, profile: Profile) -> SectionFn:
         if name == f"engine-{shape.name}":
             from harness.gpucheck.engine_checks import engine_section
             return lambda ctx, shape=shape: engine_section(ctx, shape)  # type: ignore[misc]
-    raise ValueError(f"unknown section {name!r}; known: {section_names(profile)}")
+    raise ValueError(f"unknown section {name!r}; known: "
+                     f"{section_names(profile, profile.on_request)}")

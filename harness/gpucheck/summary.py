@@ -111,6 +111,35 @@ def engine_lines(d: dict[str, Any]) -> list[str]:
             *_table(head, table)]
 
 
+def compression_lines(d: dict[str, Any]) -> list[str]:
+    """The compression section: its kernels' bandwidth, then the engine per context."""
+    copy = d.get("copy_gbps")
+    lines = [f"Model {' '.join(d.get('model', []))}, KV budget {d.get('kv_budget')}; "
+             f"device copy {_f(copy, '{:,.0f}')} GB/s. Kernels: one decode step, GB/s over "
+             "the bytes the method must read (its K/V and metadata, the queries).", ""]
+    kernels = [[_size(r), str(r.get("kernel")), _f(r.get("must_read_bytes"), "{:,.0f}"),
+                _f(r.get("ms"), "{:.3f}"), _f(r.get("gbps"), "{:,.0f}"),
+                _f(r.get("pct_of_copy"), "{:.0f}"), (r.get("error") or "")[:100]]
+               for r in d.get("kernels", [])]
+    lines += _table(["batch x context", "kernel", "must read (B)", "ms", "GB/s", "% copy",
+                     "error"], kernels)
+    for c in d.get("contexts", []):
+        rows = [r for r in d.get("rows", []) if r.get("context") == c]
+        if not rows:
+            continue
+        table = [[r["backend"], str(r.get("kernel", "-")), _f(r.get("output_tok_s"), "{:.0f}"),
+                  _f(r.get("decode_step_ms_p50")),
+                  _f(r.get("kv_read_bytes_per_token"), "{:,.0f}"),
+                  str(r.get("max_running", "-")), str(r.get("finished", "-")),
+                  str(r.get("preemptions", "-")),
+                  (r.get("error") or "")[:100].replace("|", "/")] for r in rows]
+        lines += ["", f"Context {c} ({rows[0].get('requests')} requests at once):", "",
+                  *_table(["backend", "kernel", "output tok/s", "decode step ms (p50)",
+                           "KV bytes / decode token", "seqs at once", "finished",
+                           "preemptions", "error"], table)]
+    return lines
+
+
 def gpu_tests_lines(d: dict[str, Any]) -> list[str]:
     lines = [f"`pytest -m gpu` over {', '.join(d.get('files', []))}: "
              f"{d.get('passed', '-')} passed, {d.get('failed', '-')} failed, "
@@ -156,6 +185,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]]]] = {
     "env": ("Environment", env_lines),
     "kernel-correctness": ("Triton kernels vs torch references", correctness_lines),
     "kernel-bandwidth": ("Decode attention: time and bandwidth", bandwidth_lines),
+    "compression": ("Compression under one budget", compression_lines),
     "roofline-h200": ("Roofline executor: h200 spec fitted", roofline_lines),
     "gpu-tests": ("gpu tests", gpu_tests_lines),
     "benchmarks": ("Benchmarks", benchmarks_lines),

@@ -21,7 +21,13 @@ import pytest
 from harness.gpucheck import orchestrate
 from harness.gpucheck.context import SectionTimeout, time_limit
 from harness.gpucheck.kernel_checks import correctness_cases
-from harness.gpucheck.profile import DRY, ENGINE_BACKENDS, GPU, EngineShape
+from harness.gpucheck.profile import (
+    COMPRESSION_BACKENDS,
+    DRY,
+    ENGINE_BACKENDS,
+    GPU,
+    EngineShape,
+)
 from harness.gpucheck.sections import section_names
 from harness.gpucheck.summary import render
 
@@ -60,7 +66,8 @@ def test_every_section_ran_ok_within_its_budget(dry_run: Path) -> None:
         assert rec["seconds"] <= rec["budget_s"] + orchestrate.GRACE_S
     summary = (dry_run / "summary.md").read_text()
     for title in ("Environment", "Triton kernels vs torch references", "Decode attention",
-                  "Engine: tiny", "Engine: tiny-bias", "Roofline executor: h200 spec fitted",
+                  "Engine: tiny", "Engine: tiny-bias", "Compression under one budget",
+                  "Roofline executor: h200 spec fitted",
                   "gpu tests", "Benchmarks", "flash-attn"):
         assert f"## {title}" in summary
     assert "install.log" in os.listdir(dry_run)
@@ -140,9 +147,52 @@ def test_pytest_sections_record_skips_and_benchmarks(dry_run: Path) -> None:
 
 def test_gpu_profile_fits_one_call() -> None:
     assert section_names(GPU) == [n for n in section_names(GPU) if n in GPU.budgets]
-    assert sum(GPU.budgets.values()) <= GPU.total_s <= 7.5 * 60 - 5  # the script's 448 s
+    default = sum(GPU.budgets[n] for n in section_names(GPU))
+    assert default <= GPU.total_s <= 7.5 * 60 - 5  # the script's 448 s
     assert {s.name for s in GPU.shapes} == {"smollm2", "llama8b"}
     assert all(s.backends is None for s in GPU.shapes)  # every backend at both shapes
+    # The compression section is its own call (--only compression), within one too.
+    assert "compression" not in section_names(GPU) and GPU.on_request == ("compression",)
+    assert section_names(GPU, ["compression"]) == [*section_names(GPU)[:5], "compression",
+                                                   *section_names(GPU)[5:]]
+    assert GPU.budgets["compression"] <= GPU.total_s - orchestrate.SUMMARY_RESERVE_S \
+        - orchestrate.GRACE_S
+    plan = GPU.compression
+    assert plan is not None and plan.contexts == (4096, 32768)
+    assert plan.model == ("model=random_llama8b",)
+
+
+def test_compression_section_runs_every_method_beside_paged_and_contiguous(
+        dry_run: Path) -> None:
+    """Issue #56: every compression method under one budget at two contexts (tokens/s,
+    decode step, bytes a decode token reads, sequences at once), and one decode step of
+    each method's kernel timed against the bytes it must read."""
+    data = load(dry_run, "compression")
+    plan = DRY.compression
+    assert plan is not None
+    rows = {(r["backend"], r["context"]): r for r in data["rows"]}
+    labels = [label for label, _ in COMPRESSION_BACKENDS]
+    assert list(rows) == [(label, c) for c in plan.contexts for label in labels]
+    for key, r in rows.items():
+        assert r["ok"] is True, (key, r.get("error"))
+        assert r["finished"] == 3 and r["rejected"] == 0 and r["output_tok_s"] > 0
+        assert r["decode_step_ms_p50"] > 0 and r["kv_read_bytes_per_token"] > 0
+    long = plan.contexts[-1]
+    paged = rows[("paged", long)]
+    assert rows[("contiguous", long)]["kv_read_bytes_per_token"] == \
+        paged["kv_read_bytes_per_token"]
+    for label in labels[2:]:  # every method reads less than paged and runs no fewer
+        r = rows[(label, long)]
+        assert r["kv_read_bytes_per_token"] < paged["kv_read_bytes_per_token"], label
+        assert r["max_running"] >= paged["max_running"], label
+    assert paged["max_running"] == 2 and rows[("h2o", long)]["max_running"] == 3
+    kernels = {r["kernel"]: r for r in data["kernels"]}
+    assert list(kernels) == ["paged", "slots", "slots+weights", "quest-64", "kivi-2bit"]
+    for name, r in kernels.items():
+        assert r["ms"] > 0 and r["gbps"] > 0 and r["must_read_bytes"] > 0, name
+    assert kernels["slots"]["must_read_bytes"] < kernels["paged"]["must_read_bytes"]
+    text = (dry_run / "summary.md").read_text()
+    assert "| 2 x 48 | slots+weights |" in text and f"Context {long} (3 requests" in text
 
 
 def test_failing_and_hanging_sections_are_recorded_and_the_rest_runs(
