@@ -49,7 +49,17 @@ def _counter_module() -> Any:
 # Every backend but flex (compiled by torch.compile, which a dispatch mode cannot watch)
 # and flash_attn (CUDA only).
 DEFAULT = ("paged,contiguous,fp8,int8,sliding_window,streaming_llm,h2o,tova,snapkv,knorm,"
-           "keydiff,observed_attention,expected_attention,quest,kivi")
+           "keydiff,observed_attention,expected_attention,quest,kivi,pyramidkv,adakv,"
+           "duo_attention")
+# The per-head presses compress a prompt only past their window (64) or sinks + recent
+# (128 + 256): on the short prompts of the sync test (--prompt 64 or fewer) they get
+# windows that fit, so their decodes read compressed per-head tables.
+SHORT_PROMPT_OPTIONS = {
+    "pyramidkv": ["backend.window=8"],
+    "adakv": ["backend.window=8"],
+    "duo_attention": ["backend.sink_tokens=4", "backend.recent=8",
+                      "backend.calibration_tokens=64"],
+}
 TRITON = ("paged", "fp8", "int8", "sliding_window", "streaming_llm", "quest", "kivi", "h2o", "tova",
           "snapkv", "knorm", "keydiff", "observed_attention", "expected_attention")
 
@@ -73,6 +83,8 @@ def overrides(backend: str, kernel: str, a: argparse.Namespace) -> list[str]:
          f"scheduler.max_num_seqs={a.batch}", "scheduler.max_model_len=2048"]
     if kernel != "default" and has_kernel_option(backend):
         o.append(f"backend.kernel={kernel}")
+    if a.prompt <= 64:
+        o += SHORT_PROMPT_OPTIONS.get(backend, [])
     return o
 
 

@@ -31,6 +31,9 @@ ONE = ("paged", "contiguous", "fp8", "int8", "sliding_window", "streaming_llm", 
 TWO = ("h2o", "tova", "snapkv", "knorm", "keydiff", "observed_attention",
        "expected_attention")
 TRITON = ("paged", "fp8", "int8", "sliding_window", "streaming_llm")
+# The per-head presses (issue #59): they score a prompt once, at its end (pyramidkv, adakv)
+# or not at all (duo_attention), and decode over per-head tables unpacked on the device.
+HEADWISE = ("pyramidkv", "adakv", "duo_attention")
 # Token-evicting methods counted on Triton: a weights score (its weights launch) and a
 # window score (snapkv: nothing more a decode).
 SCORED_TRITON = ("h2o", "snapkv")
@@ -94,6 +97,19 @@ def test_a_decode_step_syncs_once_or_twice(counts: dict, backend: str) -> None:
     assert row["max_syncs_decode_step"] <= budget, row
     if backend in ONE:  # a prefill step too: its first token is the one read
         assert row["syncs_per_step"] <= 1, row
+
+
+@pytest.mark.parametrize("backend", HEADWISE)
+def test_a_per_head_decode_step_syncs_once(counts: dict, backend: str) -> None:
+    """A decode step over compressed per-head tables reads back its sampled tokens only;
+    the run's one other transfer is the prompts' window scores (one step ends every
+    prompt here), none for duo_attention, whose heads keep by rule."""
+    row = counts[(backend, "torch")]
+    assert row["decode_steps"] >= 5
+    assert row["max_syncs_decode_step"] == 1, row
+    transfers = row["sync_causes"].get("Tensor.cpu", 0)
+    assert transfers == (0 if backend == "duo_attention" else 1), row
+    assert set(row["sync_causes"]) <= {"Tensor.tolist", "Tensor.cpu"}, row
 
 
 @pytest.mark.parametrize("backend", TRITON)
