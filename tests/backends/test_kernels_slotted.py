@@ -15,6 +15,7 @@ from harness.kernels.reference import (
     slotted_decode_ref,
     slotted_prefill_ref,
 )
+from harness.kernels.runtime import interpreting
 
 pytest.importorskip("triton")
 
@@ -149,3 +150,49 @@ def test_slotted_prefill_and_its_weights_equal_brute_force(case: int) -> None:
     prefill_weights(*args, lo, n, limit, lse, w, int(kv_lens.max()), per_head=True)
     want = prefill_weights_ref(*args, lo, n, limit, (len(blocks), h, p), per_head=True)
     torch.testing.assert_close(w, want, atol=tol, rtol=tol)
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available() or interpreting(),
+                         reason="needs CUDA and compiled Triton (TRITON_INTERPRET unset)")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("splits", [1, 5, None])
+def test_slot_lists_compiled_at_llama3_8b_geometry(splits: int | None) -> None:
+    """The same checks compiled, 32 query / 8 KV heads of 128 in bf16, blocks of 16: long
+    tables with holes (decode, split-K), a 300-token chunk over 1000 held keys."""
+    bs, kv, d, g, dtype = 16, 8, 128, 4, torch.bfloat16
+    gen = torch.Generator().manual_seed(99)
+    blocks, held = [80, 3, 256], [1000, 40, 3500]
+    c, slot_pos, _ = _slot_lists(blocks, held, [1] * 3, bs, kv, d, dtype, gen)
+    q = torch.randn(3, g * kv, d, generator=gen).to(dtype)
+    lens = torch.tensor(blocks) * bs
+    ref = slotted_decode_ref(q, c.k_cache, c.v_cache, c.tables, lens, slot_pos)
+    want = decode_weights_ref(q, c.k_cache, c.tables, lens, slot_pos, slot_pos.numel())
+    cu = [t.cuda() for t in (q, c.k_cache, c.v_cache, c.tables, lens, slot_pos)]
+    logits = torch.empty(3, g * kv, c.tables.shape[1] * bs, device="cuda")
+    lse = torch.empty(3, g * kv, device="cuda")
+    out = paged_decode(*cu[:5], num_splits=splits, slot_pos=cu[5], logits=logits, lse=lse)
+    torch.testing.assert_close(out.cpu(), ref, **tolerance(dtype, "cuda"))
+    w = torch.zeros(slot_pos.numel(), device="cuda")
+    decode_weights(logits, lse, cu[3], cu[4], cu[5], bs, w)
+    torch.testing.assert_close(w.cpu(), want, atol=2e-2, rtol=3e-2)
+    # A prefill chunk of 300 over 1000 held tokens.
+    c, slot_pos, starts = _slot_lists([70], [1000], [300], bs, kv, d, dtype, gen)
+    q = torch.randn(300, g * kv, d, generator=gen).to(dtype)
+    cu_rows, kv_lens = torch.tensor([0, 300]), torch.tensor([70 * bs])
+    ref = slotted_prefill_ref(q, c.k_cache, c.v_cache, cu_rows, starts, c.tables, kv_lens,
+                              slot_pos)
+    args = [t.cuda() for t in (q, c.k_cache, c.v_cache, cu_rows, starts, c.tables)]
+    lse = torch.empty(300, g * kv, device="cuda")
+    out = paged_prefill(*args, 300, slot_pos=slot_pos.cuda(), kv_lens=kv_lens.cuda(), lse=lse)
+    torch.testing.assert_close(out.cpu(), ref, **tolerance(dtype, "cuda"))
+    n = torch.tensor([300])
+    big = torch.full_like(n, 1 << 40)
+    w = torch.zeros(slot_pos.numel(), device="cuda")
+    prefill_weights(args[0], args[1], slot_pos.cuda(), args[3], args[4], args[5],
+                    kv_lens.cuda(), (n - 1).cuda(), n.cuda(), big.cuda(), lse, w, 70 * bs)
+    want = prefill_weights_ref(q, c.k_cache, slot_pos, cu_rows, starts, c.tables, kv_lens,
+                               n - 1, n, big, (slot_pos.numel(),))
+    torch.testing.assert_close(w.cpu(), want, atol=2e-2, rtol=3e-2)
