@@ -8,7 +8,8 @@
 # 2. writes the prompts (kvbench's RULER niah_single_1/2 at each length, 5 depths x
 #    --samples; kvbench's tokenizer) and kvpress's kept counts (scripts/peer/make_prompts.py);
 # 3. runs kvpress's presses on them, the whole prompt compressed in one prefill, with
-#    kvpress's own per-head selection and with kvbench's per-sequence one, and records the
+#    kvpress's own per-head selection and with kvbench's per-sequence one (pyramidkv, adakv,
+#    duo_attention: per head only, duo with kvbench's measured heads), and records the
 #    fixture of layer inputs and scores (scripts/peer/kvpress_side.py);
 # 4. runs kvbench's backends at the same kept counts through its engine and writes
 #    OUT_DIR/table.md and results.json (scripts/peer/compare.py).
@@ -19,7 +20,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 case "${1:-}" in
     -h|--help)  # (issue #55: --help built a 1.4 GB venv and ran mkdir -p --help)
-        sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+        sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
         exit 0 ;;
     -*)  # an option where the output folder goes: it is the first argument
         if [ "${1:-}" != "--lengths" ] && [ "${1:-}" != "--samples" ] \

@@ -7,11 +7,14 @@ Each kvbench method runs through the real engine (harness.runner.run: RULER prom
 length, ``backend.prefill=full``: the whole prompt, then one selection at its end, as
 kvpress compresses) with ``backend.budget`` = kvpress's kept count (snapkv: the count
 minus its 32-token window, which it keeps besides; streaming_llm: 4 sinks + a window of the
-rest). Writes DIR/table.md and DIR/results.json: accuracy per method and length with 95%
-bootstrap intervals for kvbench, kvpress with kvbench's per-sequence selection
-(``sequence``) and kvpress's own per-head selection (``head``); paired agreement and
-identical outputs between kvbench and kvpress-sequence; the KV bytes kvbench's sequences
-held; and the score check on the fixture (scripts/peer/score_check.py).
+rest; pyramidkv and adakv: the count per head on average; duo_attention: its defaults, the
+heads kvbench measured given to kvpress's side). Writes DIR/table.md and DIR/results.json:
+accuracy per method and length with 95% bootstrap intervals for kvbench, kvpress with
+kvbench's per-sequence selection (``sequence``) and kvpress's own per-head selection
+(``head``); paired agreement and identical outputs between kvbench and kvpress-sequence
+(kvpress's per-head selection for the per-head presses, which select per head on both
+sides); the KV bytes kvbench's sequences held; and the score check on the fixture
+(scripts/peer/score_check.py).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from score_check import check_scores
 
 WINDOW, SINKS = 32, 4  # kvbench's snapkv window; streaming_llm's sinks (kvpress's n_sink)
+# Per head on both sides (harness/kv/headwise.py): paired with kvpress's own selection.
+PER_HEAD = ("pyramidkv", "adakv", "duo_attention")
 
 
 def overrides(method: str, n_kept: int) -> list[str]:
@@ -48,6 +53,10 @@ def overrides(method: str, n_kept: int) -> list[str]:
     if method == "snapkv":
         return ["backend=snapkv", f"backend.budget={n_kept - WINDOW}", "backend.budget_ratio=0",
                 "backend.pooling=avg", "backend.prefill=full"]
+    if method == "duo_attention":  # its heads, sinks and recent tokens, as kvpress's side got
+        return ["backend=duo_attention"]
+    if method in PER_HEAD:  # n_kept per head on average (the window among them, as kvpress)
+        return [f"backend={method}", f"backend.budget={n_kept}", "backend.budget_ratio=0"]
     return [f"backend={method}", f"backend.budget={n_kept}", "backend.budget_ratio=0",
             "backend.prefill=full"]
 
@@ -120,7 +129,7 @@ def main() -> None:
     d = json.loads((a.dir / "prompts.json").read_text())
     tok = load_model("smollm2").tokenizer
     methods = a.methods or ["none", "snapkv", "streaming_llm", "tova", "knorm", "keydiff",
-                            "observed_attention", "expected_attention"]
+                            "observed_attention", "expected_attention", *PER_HEAD]
     ours_all = run_kvbench(d, methods, tok, a.dir / "kvbench.json")
     if a.kvbench_only:
         return
@@ -146,12 +155,14 @@ def main() -> None:
             row: dict[str, Any] = {"method": method, "length": length, "kept": mine["kept"],
                                    "n": len(ours), "kv_held_mib": mine["kv_held_mib"],
                                    "kvbench": ci([ours[r].score for r in sorted(ours)])}
+            # kvbench's selection is kvpress's per-sequence one, or per head for PER_HEAD.
+            paired = "head" if method in PER_HEAD else "sequence"
             for mode, outs in modes.items():
                 # kvpress's side decodes max_tokens; kvbench stops at EOS (kept): as it.
                 mapped = {rid: until_eos(outs[str(pid)], eos) for rid, pid in ids.items()}
                 s = score_requests(wl, mapped, tok)
                 row[f"kvpress_{mode}"] = ci([s[r].score for r in sorted(ours)])
-                if mode == "sequence":
+                if mode == paired:
                     row["agree"] = float(np.mean([(ours[r].score == 1.0) == (s[r].score == 1.0)
                                                   for r in ours]))
                     row["identical"] = sum(ours_out[r] == mapped[r] for r in ours)
@@ -166,8 +177,8 @@ def main() -> None:
     print((a.dir / "table.md").read_text())
 
 
-def _fmt(x: tuple[float, float, float]) -> str:
-    return f"{x[0]:.2f} [{x[1]:.2f}, {x[2]:.2f}]"
+def _fmt(x: tuple[float, float, float] | None) -> str:
+    return "-" if x is None else f"{x[0]:.2f} [{x[1]:.2f}, {x[2]:.2f}]"
 
 
 def to_markdown(rows: list[dict[str, Any]], checks: list[dict[str, Any]],
@@ -177,9 +188,9 @@ def to_markdown(rows: list[dict[str, Any]], checks: list[dict[str, Any]],
            "| method | length | kept | kvbench [95% CI] | kvpress, per-sequence selection | "
            "kvpress, per-head (its own) | paired agreement | identical outputs | kvbench KV "
            "held / seq (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    for r in rows:  # (pyramidkv, adakv, duo_attention: paired with kvpress's per-head)
         out.append(f"| {r['method']} | {r['length']} | {r['kept']} | {_fmt(r['kvbench'])} | "
-                   f"{_fmt(r['kvpress_sequence'])} | {_fmt(r['kvpress_head'])} | "
+                   f"{_fmt(r.get('kvpress_sequence'))} | {_fmt(r['kvpress_head'])} | "
                    f"{r['agree']:.2f} | {r['identical']}/{r['n']} | {r['kv_held_mib']:.1f} |")
     if checks:
         out += ["", "| method | layer | max rel. error | constant (kvbench / kvpress) |",

@@ -14,6 +14,13 @@ the prompt's length (kvpress's pipeline does the same). Two selections:
   set of tokens is kept): the press's scores, averaged over KV heads, summed over layers,
   top ``n_kept`` once, the same tokens kept in every layer and head.
 
+The per-head presses (pyramidkv, adakv, duo_attention) run ``head`` only: kvbench keeps
+per head too (harness/kv/headwise.py). PyramidKVPress and AdaKVPress(SnapKVPress) at
+kvbench's defaults (window 64, kernel 5, average pooling, beta 20, alpha_safeguard 0.20);
+DuoAttentionPress with the heads, sinks and recent tokens kvbench measured on the model
+(prompts.json's ``duo``: kvpress's patterns are downloaded and exist for none of
+SmolLM2's size), so that both sides stream the same heads.
+
 ``--fixture``: the inputs and outputs of every press's ``score`` on the first two layers
 of a short prompt (its first 64 tokens), for tests/backends/test_peer_kvpress.py.
 """
@@ -29,10 +36,13 @@ from typing import Any
 
 import torch
 from kvpress import (
+    AdaKVPress,
+    DuoAttentionPress,
     ExpectedAttentionPress,
     KeyDiffPress,
     KnormPress,
     ObservedAttentionPress,
+    PyramidKVPress,
     SnapKVPress,
     StreamingLLMPress,
     TOVAPress,
@@ -55,6 +65,25 @@ PRESSES: dict[str, Any] = {
 }
 EAGER = {"observed_attention"}  # needs the attention weights (attn_implementation=eager)
 FIXTURE_TOKENS, FIXTURE_LAYERS = 64, (0, 1)
+# Per-head presses (kvpress masks what they drop; kvbench frees it): kvbench's defaults.
+HEAD_PRESSES: dict[str, Any] = {
+    "pyramidkv": lambda r: PyramidKVPress(compression_ratio=r, window_size=64, kernel_size=5),
+    "adakv": lambda r: AdaKVPress(SnapKVPress(compression_ratio=r, window_size=64,
+                                              kernel_size=5)),
+}
+
+
+@dataclass
+class KvbenchHeads(DuoAttentionPress):
+    """DuoAttentionPress with the streaming heads given (kvbench's, measured on the model),
+    not loaded from DuoAttention's published patterns."""
+
+    heads: Any = None  # prompts.json's "duo": streaming (layers x KV heads), sink, recent
+
+    def post_init_from_model(self, model: Any) -> None:
+        self.sink_size, self.recent_size = int(self.heads["sink"]), int(self.heads["recent"])
+        self.streaming_mask = torch.tensor(self.heads["streaming"], dtype=torch.bool,
+                                           device=model.device)
 
 
 @dataclass
@@ -138,7 +167,8 @@ def main() -> None:
     ap.add_argument("prompts", type=Path)
     ap.add_argument("out", type=Path)
     ap.add_argument("--fixture", type=Path, default=None)
-    ap.add_argument("--methods", nargs="+", default=list(PRESSES))
+    ap.add_argument("--methods", nargs="+",
+                    default=[*PRESSES, *HEAD_PRESSES, "duo_attention"])
     a = ap.parse_args()
     d = json.loads(a.prompts.read_text())
     gguf = Path(d["gguf"])
@@ -157,12 +187,20 @@ def main() -> None:
             head, seq = {}, {}
             for p in d["prompts"]:
                 n_kept = d["kept"][str(ratio)][str(p["length"])]
-                head[str(p["id"])] = generate(model, p["ids"], PRESSES[name](ratio),
-                                              p["max_tokens"])
+                if name in PRESSES:
+                    press = PRESSES[name](ratio)
+                elif name in HEAD_PRESSES:
+                    press = HEAD_PRESSES[name](ratio)
+                else:  # duo_attention: kvbench's heads (the ratio is theirs, head_ratio)
+                    press = KvbenchHeads(head_compression_ratio=d["duo"]["head_ratio"],
+                                         heads=d["duo"])
+                head[str(p["id"])] = generate(model, p["ids"], press, p["max_tokens"])
+                if name not in PRESSES:
+                    continue  # per head on both sides: no per-sequence selection
                 rec = RecordScores(inner=PRESSES[name](ratio))
                 seq[str(p["id"])] = generate(model, p["ids"], rec, p["max_tokens"],
                                              (rec, n_kept))
-            res["outputs"][key] = {"head": head, "sequence": seq}
+            res["outputs"][key] = {"head": head, **({"sequence": seq} if seq else {})}
             print(f"{key}: {len(d['prompts'])} prompts, {time.time() - t0:.0f} s", flush=True)
             a.out.write_text(json.dumps(res) + "\n")  # as it goes: a kill keeps the rest
     a.out.write_text(json.dumps(res) + "\n")

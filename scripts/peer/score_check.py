@@ -10,6 +10,14 @@ so kvpress's (KV, T) is averaged over KV heads; kvbench divides by the layer cou
 sums over layers (undone here); snapkv sums over the window's queries and the query heads
 where kvpress averages (a constant factor, fitted and reported). Positions kvpress pads
 (snapkv's window, tova's last token, expected attention's sinks) are left out.
+
+pyramidkv and adakv rank each KV head by SnapKV's score (kvpress's PyramidKVPress is a
+SnapKVPress, AdaKVPress wraps one): the fixture's snapkv scores, per KV head as kvpress
+gives them (not averaged), against backends/headwise.py's ``snapkv_head_scores`` of the
+same window's weights (both average over the window's queries: constant 1).
+duo_attention has no score to compare: its heads are measured by kvbench's own criterion
+(backends/duo_heads.py; kvpress loads published patterns), and scripts/peer_kvpress.sh
+gives kvpress's press kvbench's heads.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import torch
 
 from harness.backends.base import KVLayout
 from harness.backends.expected_attention import ExpectedAttentionBackend, rotate
+from harness.backends.headwise import snapkv_head_scores
 from harness.backends.keydiff import KeyDiffBackend
 from harness.backends.knorm import KnormBackend
 from harness.backends.observed_attention import ObservedAttentionBackend
@@ -81,6 +90,11 @@ def check_scores(fixture: dict[str, Any]) -> list[ScoreCheck]:
         ww = w[0][:, :, t - win:, :t - win]  # (KV, G, W, T - W)
         acc = snap.score(ww, k[:t - win])[None]  # (1, H, T - W)
         out.append(_compare("snapkv", layer, snap.pool(acc), ref["snapkv"][:t - win]))
+        # pyramidkv, adakv: the same window's score, per KV head.
+        per_head = snapkv_head_scores(acc, win, kern, "avg", kv_heads)  # (KV, T - W)
+        theirs = rec["scores"]["snapkv"].double()[:, :t - win]
+        for name in ("pyramidkv", "adakv"):
+            out.append(_compare(name, layer, per_head, theirs))
         # expected attention: the statistics of the pre-RoPE queries past the sinks.
         ea = meta["expected_attention"]
         sink, future = int(ea["n_sink"]), int(ea["n_future_positions"])

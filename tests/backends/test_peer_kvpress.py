@@ -4,7 +4,9 @@ by scripts/peer_kvpress.sh (kvpress 0.5.5 in its own venv, SmolLM2-135M, layers 
 scores). Each kvbench method recomputes its score from those tensors through its own code;
 after the documented constant (kvbench keeps one score per token: kvpress's averaged over
 KV heads; snapkv sums over its window's queries and the query heads where kvpress
-averages) they agree to 1e-5."""
+averages) they agree to 1e-5. pyramidkv and adakv (issue #59) rank per KV head by the same
+window's score as kvpress's PyramidKVPress and AdaKVPress(SnapKVPress): the fixture's
+snapkv scores, head by head, with no constant."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ FIXTURE = ROOT / "tests" / "fixtures" / "kvpress_scores.pt"
 sys.path.insert(0, str(ROOT / "scripts" / "peer"))
 from score_check import check_scores  # noqa: E402
 
-METHODS = {"knorm", "keydiff", "tova", "observed_attention", "snapkv", "expected_attention"}
+METHODS = {"knorm", "keydiff", "tova", "observed_attention", "snapkv", "expected_attention",
+           "pyramidkv", "adakv"}
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +38,7 @@ def test_every_method_scores_as_kvpress_does(fixture: dict[str, object]) -> None
     window = meta["snapkv"]["window"]  # type: ignore[index]
     for c in checks:
         assert c.rel_error <= 1e-5, c
-        want = window * heads if c.method == "snapkv" else 1.0
+        want = window * heads if c.method == "snapkv" else 1.0  # (per head: the mean)
         assert c.constant == pytest.approx(want, rel=1e-5), c
 
 
