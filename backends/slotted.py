@@ -105,6 +105,10 @@ class SlottedBackend(PagedStorageBackend):
         decodes' slots to scan (their blocks x block size), the chunks' tables, starts and
         slots to scan; each layer's sliding-window prefill tables (a hybrid model) on
         first use."""
+        # Imported here: importing triton fixes the interpreter switch for the process,
+        # which resolve_kernel had to decide first (backends.paged).
+        import harness.kernels.ops  # noqa: F401  (registers torch.ops.kvbench.*)
+
         bs = self.block_size
         self._slot_lens = batch.decode_num_blocks * bs if batch.num_decode else None
         self._prefill: PrefillTables | None = prefill_tables(batch, self.device)
@@ -247,10 +251,6 @@ class SlottedBackend(PagedStorageBackend):
         if self._kernel != "triton":
             super().store(i, k, v)
             return
-        # Imported here: importing triton fixes the interpreter switch for the process,
-        # which resolve_kernel had to decide first (backends.paged).
-        import harness.kernels.ops  # noqa: F401  (registers torch.ops.kvbench.*)
-
         b = self.batch
         assert b is not None
         kc = self.k_cache[i]

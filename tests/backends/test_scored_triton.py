@@ -97,3 +97,22 @@ def test_triton_needs_blocks_of_eight() -> None:
         BACKENDS["h2o"](LAYOUT, torch.device("cpu"), kernel="triton", block_size=4)
     assert BACKENDS["h2o"](LAYOUT, torch.device("cpu"), kernel="auto",
                            block_size=4).kernel == "torch"
+
+
+@pytest.mark.slow  # ~7 s interpreted (six layers)
+def test_a_hybrid_models_sliding_layers_run_the_paged_kernels_with_their_window() -> None:
+    """model=tiny_gemma3 (KV cache groups): h2o chooses the full layers' tokens through the
+    slot-list kernels, the sliding layers keep their window through the paged kernels;
+    the torch path's greedy tokens and evictions."""
+    from harness.runner import run
+    from tests.compose import compose_cfg
+
+    over = ["model=tiny_gemma3", "workload=long_prompt", "workload.num_short=0",
+            "workload.long_prompt_tokens=40", "workload.num_long=1", "workload.long_start_s=0",
+            "workload.long_output_tokens=4", "cache.kv_budget=1MiB", "backend.block_size=8",
+            "backend=h2o", "scheduler.max_num_batched_tokens=16"]
+    ref, tri = (run(compose_cfg([*over, f"backend.kernel={k}"])) for k in ("torch", "triton"))
+    assert tri.metrics["run.kernel"] == "triton"
+    assert tri.metrics["run.kv_groups"].startswith("1 full + 2 sliding 24")
+    assert tri.outputs == ref.outputs
+    assert tri.metrics["cache.evicted_tokens"] == ref.metrics["cache.evicted_tokens"] > 0
