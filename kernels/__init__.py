@@ -9,8 +9,11 @@ public function.
 - :mod:`.store`: ``store_kv`` (full precision), ``store_kv_quant`` (fp8 e4m3 / int8 with
   per-(token, KV head) scales) — new K/V into the paged cache through the slot mapping.
 - :mod:`.decode`: ``paged_decode`` — one query per sequence, GQA-grouped, plain or split-K,
-  windows + sinks, 1-byte caches.
-- :mod:`.prefill`: ``paged_prefill`` — query chunks over cached prefix + themselves.
+  windows + sinks, 1-byte caches, slot lists (the token-evicting methods) with their logits.
+- :mod:`.prefill`: ``paged_prefill`` — query chunks over cached prefix + themselves (or
+  over slot lists), with each row's log-sum-exp.
+- :mod:`.scores`: ``decode_weights`` / ``prefill_weights`` — the attention weights per slot
+  the token-evicting methods score by, from those log-sum-exps.
 - :mod:`.kivi`: ``kivi_decode`` — decode over KIVI's 2/4-bit codes, dequantized in the
   kernel, and its full-precision residual blocks.
 - :mod:`.quest`: ``quest_select`` / ``quest_decode`` — quest's per-KV-head block choice

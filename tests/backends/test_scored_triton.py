@@ -6,12 +6,14 @@ both triggers; the per-head methods still refuse ``backend.kernel=triton``."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from harness.backends import BACKENDS
 from harness.backends.base import KVLayout
 from harness.backends.scored import ScoredBackend
 from harness.errors import UserError
@@ -21,8 +23,9 @@ from tests.backend_steps import LAYOUT, Driver
 
 pytest.importorskip("triton")
 
-METHODS = ["h2o", "tova", "observed_attention", "snapkv", "knorm", "keydiff",
-           "expected_attention"]
+# Every scored method with a Triton path, from the registry (a new one is tested here).
+METHODS = sorted(n for n, cls in BACKENDS.items()
+                 if issubclass(cls, ScoredBackend) and cls.Options.triton_built)
 # expected_attention rotates its queries back: it needs the RoPE speeds.
 ROPE = KVLayout(LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.dtype,
                 rope_inv_freq=tuple(inverse_frequencies(LAYOUT.head_dim, 10000.0).tolist()))
@@ -34,8 +37,8 @@ def _drive(name: str, kernel: str, prefill: str) -> dict[str, Any]:
     decode steps; what each step gave and held."""
     opts: dict[str, Any] = {"kernel": kernel, "budget": 24, "budget_ratio": 0,
                             "prefill": prefill}
-    if name == "snapkv":
-        opts["window"] = 4
+    if "window" in {f.name for f in dataclasses.fields(BACKENDS[name].Options)}:
+        opts["window"] = 4  # snapkv's observation window, within the prompts
     d = Driver(name, block_size=8, options=opts, seed=3, layout=ROPE)
     assert isinstance(d.be, ScoredBackend) and d.be.kernel == kernel
     seqs = [d.add(n, max_tokens=16) for n in (50, 31, 9)]
@@ -84,15 +87,11 @@ def test_the_triton_path_gives_the_torch_paths_outputs_scores_and_choices(
 
 @pytest.mark.parametrize("name", ["pyramidkv", "adakv"])
 def test_the_per_head_presses_refuse_triton(name: str) -> None:
-    from harness.backends import BACKENDS
-
     with pytest.raises(UserError, match=rf"backend={name} has no Triton path yet"):
         BACKENDS[name](LAYOUT, torch.device("cpu"), kernel="triton")
 
 
 def test_triton_needs_blocks_of_eight() -> None:
-    from harness.backends import BACKENDS
-
     with pytest.raises(UserError, match=r"backend.block_size >= 8, got 4"):
         BACKENDS["h2o"](LAYOUT, torch.device("cpu"), kernel="triton", block_size=4)
     assert BACKENDS["h2o"](LAYOUT, torch.device("cpu"), kernel="auto",
