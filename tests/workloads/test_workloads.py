@@ -27,6 +27,8 @@ SMALL = {
               "workload.speedup=20"],
     "ruler": ["workload.lengths=[600]", "workload.depths=[50]",
               "workload.tasks=[niah_single_1,niah_multikey]"],
+    "shared_context": ["workload.contexts=2", "workload.turns=2", "workload.length=600",
+                       "workload.haystack=noise", "workload.answer_tokens=6"],
 }
 
 DESIGN_KEYS = """
