@@ -199,13 +199,25 @@ def _bounds(v: Any) -> tuple[int, int]:
     return int(v), int(v)
 
 
-def predicted(result: Any) -> dict[str, float]:
-    """Every metric of :data:`METRICS` from a run's result (``harness.runner.RunResult``)."""
+def predicted(result: Any, concurrency: int = 0) -> dict[str, float]:
+    """Every metric of :data:`METRICS` from a run's result (``harness.runner.RunResult``).
+    ``concurrency``: a closed loop of that many clients, run as a queue at t=0 under
+    ``max_num_seqs`` (:func:`overrides`): a client sends its next request when one
+    finishes, so a request's TTFT and end-to-end time count from the finish that freed
+    its slot (the k-th finish for the (c + k)-th request), not from t=0."""
     m = result.metrics
     rows = [r for r in result.requests if r["status"] == "finished"]
     tpot = [float(r["tpot_ms"]) for r in rows if r["output_tokens"] > 1]
     ttft = [float(r["ttft_ms"]) for r in rows]
     e2e = [float(r["e2e_ms"]) for r in rows]
+    if concurrency:
+        order = sorted(range(len(rows)), key=lambda i: rows[i]["request_id"])
+        done = sorted(r["arrival_s"] * 1e3 + e for r, e in zip(rows, e2e))
+        sent = [0.0] * len(rows)
+        for k, i in enumerate(order[concurrency:]):
+            sent[i] = done[k] - rows[i]["arrival_s"] * 1e3
+        ttft = [t - s for t, s in zip(ttft, sent)]
+        e2e = [t - s for t, s in zip(e2e, sent)]
     return {"requests_per_s": m["throughput.requests_per_s"],
             "output_tokens_per_s": m["throughput.output_tokens_per_s"],
             "total_tokens_per_s": m["throughput.total_tokens_per_s"],
@@ -260,7 +272,8 @@ def _run_point(point: dict[str, Any], source: dict[str, Any], trace: bool) -> di
             RooflineTarget.build = orig  # type: ignore[method-assign]
     else:
         res = run(cfg)
-    out = {"id": point["id"], "pred": predicted(res), "sim_s": time.perf_counter() - t0,
+    out = {"id": point["id"], "pred": predicted(res, int(point.get("concurrency", 0))),
+           "sim_s": time.perf_counter() - t0,
            "preemptions": res.metrics["sched.preemptions_recompute"],
            "max_running_seqs": res.metrics["memory.max_running_seqs"],
            "duration_s": res.metrics["engine.wall_s"]}
@@ -346,6 +359,14 @@ def _figure_rows(point: dict[str, Any], r: dict[str, Any], c: np.ndarray | None 
     # that made it; the requests' times come back through milliseconds: a tolerance).
     at = lambda t: int(np.searchsorted(t_end, t + 1e-9 * max(1.0, t), side="right"))  # noqa: E731
     reqs = r["requests"]
+    # When each request was sent: at t=0, or in a closed loop of c clients when the
+    # finish that freed its slot came (:func:`predicted`), itself a step's end.
+    clients = int(point.get("concurrency", 0))
+    sent = [q[0] for q in reqs]
+    if clients:
+        done = sorted(q[2] for q in reqs)
+        for k in range(clients, len(reqs)):
+            sent[k] = done[k - clients]
     fig = point["figures"]
     out: list[tuple[str, float, np.ndarray, float]] = []
     for metric, pub in fig.items():
@@ -358,7 +379,7 @@ def _figure_rows(point: dict[str, Any], r: dict[str, Any], c: np.ndarray | None 
             continue
         if metric.startswith("e2e_ms"):
             per = [(cf[at(fin)] - cf[at(arr)], cx[at(fin)] - cx[at(arr)])
-                   for arr, _, fin, _, _ in reqs]
+                   for arr, fin in zip(sent, (q[2] for q in reqs))]
         elif metric.startswith("tpot_ms"):
             per = [((cf[at(fin)] - cf[at(first)]) / (n - 1),
                     (cx[at(fin)] - cx[at(first)]) / (n - 1))
@@ -438,15 +459,20 @@ def _fit_at(runs: list[tuple[dict[str, Any], dict[str, Any]]], keys: tuple[int, 
 def do_fit(jobs: int) -> dict[str, Any]:
     """Fit every engine profile with all-at-once points in :data:`FITTED_SETS` (its CPU
     constants), then its served front end to its served points at light load
-    (:func:`fit_served`)."""
+    (:func:`fit_served`). Dense models' points only: a mixture-of-experts point's error
+    is the grouped expert GEMMs' efficiency, which has no kernel profile yet
+    (docs/results/2026-12-05-whatif-physics.md); CPU time fitted to it would hide that
+    and misprice every dense run (reported, never fitted)."""
     from harness.roofline.engines import PROFILES, reload_fit
+    from harness.roofline.models import get_model_spec
 
     sources: dict[str, Any] = {}
     fitted_runs: list[dict[str, Any]] = []
     for name in FITTED_SETS:
         s, runs = load(name)
         sources.update(s)
-        fitted_runs += [p for p in runs if is_fitted(p, s[p["source"]])]
+        fitted_runs += [p for p in runs if is_fitted(p, s[p["source"]])
+                        and not get_model_spec(p["model"]).num_experts]
     at_once = [p for p in fitted_runs if p["rate"] == 0]
     res = {r["id"]: r for r in run_all(at_once, sources, jobs, trace=True)}
     result: dict[str, Any] = {"fitted_at": time.strftime("%Y-%m-%d"), "engines": {}}
