@@ -54,6 +54,12 @@ class RooflineConfig:
     # The engine's CPU time overlapped with the forward (vLLM's --async-scheduling,
     # SGLang's overlap scheduler): true | false | null (the profile's default).
     async_scheduling: bool | None = None
+    # Not modelled yet (issue #53's finding 9): each refused unless at its default, with
+    # a message naming the missing feature. Speculative decoding (none | eagle3 | mtp |
+    # ngram), expert parallelism's degree, SGLang's data-parallel attention.
+    speculative: str = "none"
+    expert_parallel: int = 1
+    dp_attention: bool = False
     # The weight GEMMs' dtype: auto (the activations') or fp8 / int8 (W8A8 on the fp8 or
     # int8 units; needs weight_dtype of the same, as TensorRT-LLM's FP8 and SmoothQuant
     # checkpoints are; weight_dtype=int8 alone is weight-only, W8A16), or fp4 (W4A4 on
@@ -72,6 +78,7 @@ class RooflineConfig:
         one_of(self, "roofline", "weight_dtype", WEIGHT_BYTES)
         one_of(self, "roofline", "compute_dtype", ("auto", "fp8", "int8", "fp4"))
         one_of(self, "roofline", "engine", ("auto", *PROFILES))
+        self._refuse_unmodelled()
         c = self.compute_dtype
         if c == "fp4" and self.weight_dtype not in FP4_WEIGHTS:
             raise UserError("roofline.compute_dtype=fp4 multiplies FP4 weights on the FP4 "
@@ -83,6 +90,20 @@ class RooflineConfig:
         in_range(self, "roofline", "gpu_memory_utilization", 0.0, 1.0, lo_open=True)
         one_of(self, "roofline", "memory_utilization_of", ("total", "free"))
         one_of(self, "roofline", "attention", ("spec", *ATTENTION))
+
+    def _refuse_unmodelled(self) -> None:
+        if self.speculative != "none":
+            raise UserError(f"roofline.speculative={self.speculative} is not modelled: the "
+                            "what-if has no draft model or acceptance rate (EAGLE-3, MTP, "
+                            "n-gram); leave roofline.speculative=none")
+        if self.expert_parallel != 1:
+            raise UserError(f"roofline.expert_parallel={self.expert_parallel} is not "
+                            "modelled: experts are split with the rest by roofline.tp "
+                            "(tensor parallelism) and no all-to-all is priced; leave it 1")
+        if self.dp_attention:
+            raise UserError("roofline.dp_attention=true is not modelled: SGLang's "
+                            "data-parallel attention (one KV cache per DP rank, MLA's "
+                            "latent not replicated) has no step model here; leave it false")
 
     def gemm_dtype(self) -> str:
         """The weight GEMMs' dtype for the step model."""

@@ -282,6 +282,14 @@ def spec_from_calibration(report: dict[str, Any],
     return dataclasses.replace(prior, source="calibrated", **kw)
 
 
+# Cards a published point may name that no spec stands for yet (issue #53's finding 9).
+NOT_MODELLED = {
+    "gb200": "roofline.hardware=gb200 is not modelled: a GB200 NVL72 rack's 72-GPU NVLink "
+             "domain (and its Grace host memory) has no spec or all-reduce profile here; "
+             "roofline.hardware=b200 stands for one 8-GPU B200 node (an unvalidated prior)",
+}
+
+
 def get_hardware(name: str) -> HardwareSpec:
     """A spec by name, with its calibration (``<name>_calibration.json`` next to this
     module) when one has been written: always for ``cpu``, for ``h200`` once a GPU check
@@ -289,6 +297,8 @@ def get_hardware(name: str) -> HardwareSpec:
     key = name.lower()
     if key == "cpu":
         return load_cpu()
+    if key in NOT_MODELLED:
+        raise UserError(NOT_MODELLED[key])
     if key not in HARDWARE:
         raise UserError(f"unknown roofline.hardware {name!r}: use one of "
                         f"{', '.join([*HARDWARE, 'cpu'])}")

@@ -147,3 +147,18 @@ def test_a_served_request_pays_its_front_end_and_an_offline_one_does_not(
         assert s["ttft_ms"] - o["ttft_ms"] == pytest.approx(20.0 + 10.0, abs=1e-6)
         assert s["e2e_ms"] - o["e2e_ms"] == pytest.approx(30.0, abs=1e-6)
         assert s["tpot_ms"] == pytest.approx(o["tpot_ms"])
+
+
+# -- finding 9: what is not built is refused, naming the feature -------------------------
+@pytest.mark.parametrize(("override", "message"), [
+    ("roofline.hardware=gb200", r"gb200 is not modelled.*NVL72"),
+    ("roofline.speculative=eagle3", r"speculative=eagle3 is not modelled"),
+    ("roofline.expert_parallel=8", r"expert_parallel=8 is not modelled"),
+    ("roofline.dp_attention=true", r"dp_attention=true is not modelled"),
+])
+def test_unmodelled_features_are_refused_by_name(override: str, message: str) -> None:
+    from harness.errors import UserError
+
+    with pytest.raises(UserError, match=message):
+        run(compose_config(["executor=roofline", "workload=random",
+                            "workload.num_requests=2", "progress=false", override]))
