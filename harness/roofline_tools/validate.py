@@ -50,8 +50,10 @@ SETS = {"fit": HERE / "fit.yaml", "calibration": HERE / "calibration.yaml",
 FITTED_SETS = ("fit", "calibration")  # what --fit fits to; validation never
 CLAIMED = {"requests_per_s": "throughput", "output_tokens_per_s": "throughput",
            "total_tokens_per_s": "throughput", "tpot_ms_mean": "tpot",
-           "tpot_ms_median": "tpot"}
-METRICS = (*CLAIMED, "ttft_ms_mean", "ttft_ms_median", "e2e_ms_median", "itl_ms_median")
+           "tpot_ms_median": "tpot", "ttft_ms_mean": "ttft", "ttft_ms_median": "ttft",
+           "e2e_ms_median": "e2e"}
+METRICS = (*CLAIMED, "itl_ms_median")
+BLIND_LOG = HERE / "blind_runs.jsonl"  # one line per run of the whole validation set
 # ShareGPT-like lengths (../shared/WHATIF_DATA.md): lognormal, clipped to [4, 1024].
 SHAREGPT = ["workload.distribution=lognormal", "workload.input_mean=220",
             "workload.input_std=230", "workload.input_min=4", "workload.input_max=1024",
@@ -606,6 +608,34 @@ def bands(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _stats(errs: list[float]) -> dict[str, Any]:
+    return {"n": len(errs), "median_abs_pct": round(statistics.median(errs), 1) if errs
+            else None, "worst_abs_pct": round(max(errs), 1) if errs else None}
+
+
+def blind_entry(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One line of :data:`BLIND_LOG`: when, at which commit, and the validation rows'
+    |error| pooled and per metric kind (throughput, TTFT, TPOT, end-to-end)."""
+    val = [r for r in rows if r["set"] == "validation" and r["kind"] != "other"]
+    rev = HERE.parents[2] / "SNAPSHOT_REV"  # scripts/snapshot_run.sh's copy
+    commit = rev.read_text().strip() if rev.is_file() else _git_head()
+    kinds = sorted({r["kind"] for r in val})
+    return {"date": time.strftime("%Y-%m-%d %H:%M"), "commit": commit,
+            "pooled": _stats([abs(r["error_pct"]) for r in val]),
+            **{k: _stats([abs(r["error_pct"]) for r in val if r["kind"] == k])
+               for k in kinds}}
+
+
+def _git_head() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=HERE, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def figure_table(rows: list[dict[str, Any]]) -> list[str]:
     """Every figure as a markdown table: predicted against published."""
     head = ["| set | run | engine | metric | published | predicted | error % |",
@@ -691,6 +721,9 @@ def main(argv: list[str] | None = None) -> None:
         VALIDATION_RESULT.write_text(json.dumps(
             {"validated_at": time.strftime("%Y-%m-%d"), "sources": ran,
              "all_sources": not args.source, "bands": bands(rows)}, indent=1) + "\n")
+        if not args.source:  # the protocol: every run of the blind set is reported
+            with BLIND_LOG.open("a") as f:
+                f.write(json.dumps(blind_entry(rows)) + "\n")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
 
