@@ -1,8 +1,9 @@
 """The scheduler's modes that mirror published engines: prefill-first steps (vLLM V0
 without chunked prefill; SGLang's prefill batches with it), no-evict admission
 (TensorRT-LLM's GUARANTEED_NO_EVICT), reserved-output admission (SGLang's
-new_token_ratio) and multi-step scheduling (vLLM 0.6's num_scheduler_steps). Each is compared with the default
-on the same requests, and every run must still produce each request's exact tokens."""
+new_token_ratio) and multi-step scheduling (vLLM 0.6's num_scheduler_steps). Each is
+compared with the default on the same requests, and every run must still produce each
+request's exact tokens."""
 
 from __future__ import annotations
 
