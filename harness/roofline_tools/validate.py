@@ -626,6 +626,21 @@ def blind_entry(rows: list[dict[str, Any]]) -> dict[str, Any]:
                for k in kinds}}
 
 
+def claim_table(path: Path = BLIND_LOG) -> str:
+    """The README's accuracy table: the last run of the whole blind validation set
+    (:data:`BLIND_LOG`), pooled and per metric kind."""
+    if not path.is_file():
+        return "no run of the blind validation set is logged yet"
+    last = json.loads(path.read_text().splitlines()[-1])
+    lines = [f"Blind validation, {last['date']} (commit {last['commit'][:9]}): |predicted / "
+             "published - 1|", "", "| metric | n | median | worst |", "|---|---|---|---|"]
+    for k in ("pooled", "throughput", "ttft", "tpot", "e2e"):
+        v = last.get(k)
+        if v and v["n"]:
+            lines.append(f"| {k} | {v['n']} | {v['median_abs_pct']}% | {v['worst_abs_pct']}% |")
+    return "\n".join(lines)
+
+
 def _git_head() -> str:
     import subprocess
 
@@ -684,7 +699,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default="", help="also write the rows as JSON here (and, as "
                     "the run goes, those done so far to OUT.partial)")
+    ap.add_argument("--claim", action="store_true", help="print the README's accuracy "
+                    "table (the last logged run of the blind validation set) and exit")
     args = ap.parse_args(argv)
+    if args.claim:
+        print(claim_table())
+        return
     if args.fit:
         print(json.dumps(do_fit(args.jobs), indent=1))
         import importlib
