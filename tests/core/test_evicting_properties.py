@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from harness.backends.h2o import H2OOptions
+from harness.backends.knorm import KnormOptions, KnormPolicy
 from harness.backends.snapkv import SnapKVOptions
 from harness.kv.base import Demand, StepScores
 from harness.kv.evicting import BudgetBlocks, EvictingKVManager, PolicyKVManager, WindowKVManager
@@ -70,6 +71,12 @@ class _Machine(RuleBasedStateMachine):
             self.dev[slot] = (seq.token_ids[start + i], start + i)
             self.slot_pos[slot] = start + i
 
+    def _carried(self, s: Sequence) -> bool:
+        """Whether ``s`` (or the sequence it forked from) started from a compressed prefix:
+        not compressed again, so no budget holds it (harness.kv.compressed)."""
+        st_ = self.m._seqs.get(s.seq_id)
+        return isinstance(st_, BudgetBlocks) and st_.carried > 0
+
     def _demand(self, s: Sequence) -> Demand:
         cap = self.m.max_chunk(s)
         left = s.num_uncomputed
@@ -104,7 +111,7 @@ class _Machine(RuleBasedStateMachine):
             start = s.num_computed
             slots = self.m.allocate(d)
             budget = self.m.policy.held_limit(s, d.num_tokens)
-            if budget is not None:
+            if budget is not None and not self._carried(s):
                 assert self.m.held_tokens(s) <= budget, "over its budget at allocation"
             self._apply_ops()  # copies queued by this allocation precede its writes
             self._write(s, start, slots)
@@ -173,7 +180,7 @@ class _Machine(RuleBasedStateMachine):
                 assert self.dev[slot] == (s.token_ids[p], p), (s, slot, p)
                 assert self.slot_pos.get(slot) == p  # the backend agrees
             budget = self.m.policy.held_limit(s, 0)
-            if budget is not None and not s.num_uncomputed:
+            if budget is not None and not s.num_uncomputed and not self._carried(s):
                 assert len(slots) <= budget
 
     def teardown(self) -> None:
@@ -258,9 +265,68 @@ class SnapKVMachine(_Machine):
                 assert len(table) == -(-len(pos) // BS)
 
 
+class CompressedPrefixMachine(_Machine):
+    """knorm's press (keeps 4 of a prompt, everything generated) with compressed prefixes
+    (issue #59): an ended sequence's state stays cached; a later turn (an ended sequence's
+    tokens, its last, and more) starts from a copy of it. The shadow device follows the
+    copies, so the live-slot invariant holds a hit's copied slots to the turn's own tokens
+    at their positions; evicted cached blocks' slots are invalidated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ended: list[list[int]] = []  # token lists of sequences that ended
+
+    def _manager(self) -> EvictingKVManager:
+        pol = KnormPolicy(KnormOptions(budget=4, budget_ratio=0.0))
+        return EvictingKVManager(NUM_BLOCKS, BS, pol, watermark=0.0,
+                                 enable_prefix_caching=True)
+
+    def _finish(self, s: Sequence) -> None:
+        if s.num_computed >= s.num_prompt_tokens:
+            self.ended.append(list(s.token_ids))
+        super()._finish(s)
+
+    @precondition(lambda self: bool(self.ended))
+    @rule(i=st.integers(0, 100), more=st.integers(1, 6), max_tokens=st.integers(1, 6))
+    def next_turn(self, i: int, more: int, max_tokens: int) -> None:
+        tokens = self.ended[i % len(self.ended)]
+        s = self._new_seq([*tokens, *range(60, 60 + more)], max_tokens)
+        hit = self.m.lookup_prefix(s)
+        covered = hit.num_tokens(BS)
+        d = Demand.after(s, len(s.token_ids) - covered, hit)
+        if not self.m.can_allocate([d], watermark=False):
+            return
+        assert covered <= len(s.token_ids) - 1  # (the longest kept state: any turn's)
+        s.status = SeqStatus.RUNNING
+        self.seqs.append(s)
+        slots = self.m.allocate(d)
+        self._apply_ops()  # the hit's copies, then its new tokens' writes
+        self._write(s, covered, slots)
+        s.num_computed = covered + d.num_tokens
+        s.compressed_prefix = hit.compressed
+        self.m.end_forward()
+        self.m.observe([s], None)
+        self._apply_ops()
+        if hit.compressed:  # not compressed again: every token after the prefix is held
+            _, pos = self.m.live_slots(s)
+            assert set(range(covered, s.num_computed)) <= set(pos.tolist())
+
+    def teardown(self) -> None:
+        for s in list(self.seqs):
+            self._finish(s)
+        m = self.m
+        assert m.pool.num_used == 0 and m.logical_blocks == 0 and not m._seqs and m._owed == 0
+        cached = {b for b in m.pool.lru_order()}
+        live = {int(x) // BS for x in np.flatnonzero(m._pos >= 0)}
+        assert live <= cached, "a slot holds a token outside every cached block"
+        assert m.cached_slots() == int((m._pos >= 0).sum())
+
+
 TestBudgetEviction = BudgetMachine.TestCase
 TestBudgetEviction.settings = SETTINGS
 TestWindowEviction = WindowMachine.TestCase
 TestWindowEviction.settings = SETTINGS
 TestSnapKVEviction = SnapKVMachine.TestCase
 TestSnapKVEviction.settings = SETTINGS
+TestCompressedPrefixes = CompressedPrefixMachine.TestCase
+TestCompressedPrefixes.settings = SETTINGS
