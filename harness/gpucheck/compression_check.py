@@ -38,7 +38,7 @@ from harness.gpucheck.profile import (
     Profile,
     fixed_lengths,
 )
-from harness.gpucheck.timing import copy_gbps, time_ms
+from harness.gpucheck.timing import copy_gbps, time_bandwidth
 
 # Bytes a 2-bit KIVI token costs per KV head beside its codes: the value's float16 scale
 # and zero (the keys' per-channel scale and zero are per block).
@@ -177,16 +177,9 @@ def kernel_rows(ctx: SectionContext, plan: CompressionPlan,
             rows.append({**base, "kernel": "all", "ms": None, "error": error_text(e)})
             continue
         for name, (fn, nbytes) in provs.items():
-            row: dict[str, Any] = {**base, "kernel": name, "must_read_bytes": nbytes,
-                                   "ms": None}
-            try:
-                fn()
-                ms = time_ms(fn, dev, warmup_ms=p.warmup_ms, rep_ms=p.rep_ms)
-                gbps = nbytes / (ms * 1e-3) / 1e9
-                row.update(ms=ms, gbps=gbps, pct_of_copy=100 * gbps / copy if copy else None)
-            except Exception as e:
-                row["error"] = error_text(e)
-            rows.append(row)
+            rows.append(time_bandwidth(
+                {**base, "kernel": name, "must_read_bytes": nbytes, "ms": None}, fn, dev,
+                nbytes, copy, warmup_ms=p.warmup_ms, rep_ms=p.rep_ms, error=error_text))
         del provs
         if p.device == "cuda":
             torch.cuda.empty_cache()

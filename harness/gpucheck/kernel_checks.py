@@ -22,7 +22,7 @@ import torch
 
 from harness.gpucheck.context import SectionContext, error_text
 from harness.gpucheck.profile import Profile, Size
-from harness.gpucheck.timing import copy_gbps, time_ms
+from harness.gpucheck.timing import copy_gbps, time_bandwidth
 
 if TYPE_CHECKING:
     from harness.kernels.cases import PagedCase
@@ -242,13 +242,7 @@ def _time_size(ctx: SectionContext, size: Size, copy: float | None) -> list[dict
     rows = []
     nbytes = kv_bytes(p, *size)
     for name, fn in providers.items():
-        row: dict[str, Any] = {**base, "provider": name, "ms": None}
-        try:
-            fn()
-            ms = time_ms(fn, torch.device(p.device), warmup_ms=p.warmup_ms, rep_ms=p.rep_ms)
-            gbps = nbytes / (ms * 1e-3) / 1e9
-            row.update(ms=ms, gbps=gbps, pct_of_copy=100 * gbps / copy if copy else None)
-        except Exception as e:
-            row["error"] = error_text(e)
-        rows.append(row)
+        rows.append(time_bandwidth({**base, "provider": name, "ms": None}, fn,
+                                   torch.device(p.device), nbytes, copy, warmup_ms=p.warmup_ms,
+                                   rep_ms=p.rep_ms, error=error_text))
     return rows

@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -33,3 +34,19 @@ def copy_gbps(nbytes: int, device: torch.device, *, warmup_ms: int, rep_ms: int)
     dst.copy_(src)
     ms = time_ms(lambda: dst.copy_(src), device, warmup_ms=warmup_ms, rep_ms=rep_ms)
     return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def time_bandwidth(row: dict[str, Any], fn: Callable[[], object], device: torch.device,
+                   nbytes: int, copy: float | None, *, warmup_ms: int, rep_ms: int,
+                   error: Callable[[BaseException], str]) -> dict[str, Any]:
+    """``row`` with ``fn``'s time (one call first, to compile) and the bandwidth of the
+    ``nbytes`` it must read: ms, GB/s and its % of a device copy's ``copy`` GB/s; a
+    failure sets ``row["error"]`` (``error``'s text of it) instead. Returns ``row``."""
+    try:
+        fn()
+        ms = time_ms(fn, device, warmup_ms=warmup_ms, rep_ms=rep_ms)
+        gbps = nbytes / (ms * 1e-3) / 1e9
+        row.update(ms=ms, gbps=gbps, pct_of_copy=100 * gbps / copy if copy else None)
+    except Exception as e:
+        row["error"] = error(e)
+    return row
