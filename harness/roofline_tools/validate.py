@@ -569,7 +569,7 @@ def compare(points: list[dict[str, Any]], results: list[dict[str, Any]]) -> list
     for p in points:
         r = by[p["id"]]
         run = {"set": p["set"], "id": p["id"], "source": p["source"], "engine": p["engine"],
-               "calibrated": PROFILES[p["engine"]].calibrated,
+               "model": p["model"], "calibrated": PROFILES[p["engine"]].calibrated,
                "gpu": GPU_CLASS.get(p["hardware"], p["hardware"])}
         for metric, pub in p["figures"].items():
             row = {**run, "metric": metric, "kind": CLAIMED.get(metric, "other"),
@@ -596,10 +596,15 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def bands(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Validated error per engine profile and GPU class (claimed metrics only)."""
+    """Validated error per engine profile and GPU class (claimed metrics only), from dense
+    models' points: the band is what a dense run records (an MoE or hybrid run records
+    none, harness.roofline.bands)."""
+    from harness.roofline.models import get_model_spec
+
     out: dict[str, Any] = {}
     keyf = lambda r: (r["engine"], r["gpu"], r["kind"])  # noqa: E731
-    claimed = [r for r in rows if r["set"] == "validation" and r["kind"] != "other"]
+    claimed = [r for r in rows if r["set"] == "validation" and r["kind"] != "other"
+               and not get_model_spec(r["model"]).num_experts]
     for (eng, gpu, kind), grp in itertools.groupby(sorted(claimed, key=keyf), key=keyf):
         errs = [abs(r["error_pct"]) for r in grp]
         out.setdefault(eng, {}).setdefault(gpu, {})[kind] = {

@@ -17,7 +17,7 @@ from harness.runner import run
 from tests.compose import compose_cfg
 
 ROOFLINE = ["executor=roofline", "roofline.model=Llama-3.1-8B", "roofline.hardware=a100-80gb",
-            "workload=random", "workload.num_requests=40", "workload.rate=200",
+            "workload=random", "workload.num_requests=40", "workload.rate=50",
             "workload.input_max=600", "workload.output_max=120", "scheduler.max_num_seqs=12",
             "cache.kv_budget=160MiB"]
 

@@ -64,7 +64,9 @@ def test_one_request_worked_by_hand() -> None:
     over a 10 GB/s link with 5 us latency that is 5 us + 130,023,424 B / 1e10 B/s. The
     prefill side's step is the colocated engine's prefill (the same 1,000 tokens); the
     decode side computes the last 8 tokens (1,000 - 62 x 16) and makes the first token."""
-    res = _run(*ONE, *DIS, "cluster.link_gbs=10", "cluster.link_latency_us=5")
+    # Offline (no served front end: the split is the engines' and the link's time alone).
+    res = _run(*ONE, *DIS, "cluster.link_gbs=10", "cluster.link_latency_us=5",
+               "roofline.served=false")
     m, row = res.metrics, res.requests[0]
     moved = 62 * BF16_BLOCK
     assert row["prompt_tokens"] == 1000 and BF16_BLOCK == 2 * 1024 * 1024
@@ -74,7 +76,7 @@ def test_one_request_worked_by_hand() -> None:
     assert m["cluster.transfer_time_ms.mean"] == pytest.approx(link_ms, rel=1e-12)
     assert row["transfer_ms"] == pytest.approx(link_ms, rel=1e-9)
     assert row["prefill_queue_ms"] == 0.0
-    colocated = _run(*ONE).requests[0]
+    colocated = _run(*ONE, "roofline.served=false").requests[0]
     assert row["prefill_ms"] == pytest.approx(colocated["ttft_ms"], rel=1e-9)
     split = sum(row[f"{k}_ms"] for k in ("prefill_queue", "prefill", "transfer",
                                          "decode_queue"))

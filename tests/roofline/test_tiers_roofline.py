@@ -59,13 +59,14 @@ def test_tiers_in_the_what_if() -> None:
 def test_a_tiers_own_eviction_order() -> None:
     """cache.tiers.cpu_policy orders the CPU tier alone: on a CPU tier too small for the
     histories, arc keeps the blocks loaded back (t2) over the ones written once, and
-    serves more of them than lru; the device's order, and its hits, are unchanged."""
+    serves more of them than lru; the device's order is unchanged, and its hits move only
+    as the tier's load times move the conversations' next turns (within a point)."""
     lru = what_if("cache.tiers.cpu=1GiB")
     arc = what_if("cache.tiers.cpu=1GiB", "cache.tiers.cpu_policy=arc")
     assert (lru["run.tier_eviction"], arc["run.tier_eviction"]) == ("cpu=lru", "cpu=arc")
     assert arc["run.eviction"] == "lru"
     assert arc["cache.hit_rate.cpu"] > lru["cache.hit_rate.cpu"] + 0.01
-    assert arc["cache.hit_rate.gpu"] == lru["cache.hit_rate.gpu"]
+    assert arc["cache.hit_rate.gpu"] == pytest.approx(lru["cache.hit_rate.gpu"], abs=0.01)
     # Unset, a tier's order is cache.eviction's; set to it, nothing changes.
     both = what_if("cache.tiers.cpu=1GiB", "cache.eviction=arc")
     same = what_if("cache.tiers.cpu=1GiB", "cache.eviction=arc", "cache.tiers.cpu_policy=arc")
