@@ -58,24 +58,33 @@ def test_the_counter_sees_each_kind_of_sync() -> None:
     assert c.num_syncs == 2, c.syncs
 
 
+def _bench(out: Path, kernels: str, backends: tuple[str, ...] = ()) -> dict:
+    """One run of the benchmark script (its own process: KVBENCH_CHECK off, as a user's
+    run, so only the measured path counts): its rows by (backend, kernel)."""
+    env = {**os.environ, "KVBENCH_CHECK": "0"}
+    pick = ["--backends", ",".join(backends)] if backends else []
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_host_step.py"),
+                           "--model", "tiny", "--batch", "4", "--prompt", "40", "--output",
+                           "8", "--no-time", "--kernels", kernels, *pick, "--out", str(out)],
+                          env=env, cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {(r["backend"], r["kernel"]): r for r in json.loads(out.read_text())}
+
+
+@pytest.fixture(scope="module")
+def method_counts(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict]:
+    """The compression methods' counts on Triton (interpreted, ~8 s each: the slow run's;
+    the default run keeps the paged family's below)."""
+    out = tmp_path_factory.mktemp("syncs") / "methods.json"
+    return _bench(out, "triton", ("quest", "kivi", *SCORED_TRITON))
+
+
 @pytest.fixture(scope="module")
 def counts(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict]:
-    """Every backend's counts on both paths, from one run of the benchmark script (its
-    own process: KVBENCH_CHECK off, as a user's run, so only the measured path counts)."""
+    """Every backend's counts on torch, and the paged family's on Triton."""
     out = tmp_path_factory.mktemp("syncs") / "rows.json"
     env = {**os.environ, "KVBENCH_CHECK": "0"}
-    rows = {}
-    # Every backend on torch; on Triton (interpreted, ~8 s a scored method) the paged
-    # family, quest, kivi and one token-evicting method of each kind of score's launches.
-    for kernels, backends in (("torch", []), ("triton", ["--backends", ",".join(
-            (*TRITON, "quest", "kivi", *SCORED_TRITON))])):
-        done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_host_step.py"),
-                               "--model", "tiny", "--batch", "4", "--prompt", "40",
-                               "--output", "8", "--no-time", "--kernels", kernels, *backends,
-                               "--out", str(out)], env=env, cwd=ROOT, capture_output=True,
-                              text=True)
-        assert done.returncode == 0, done.stderr[-3000:]
-        rows.update({(r["backend"], r["kernel"]): r for r in json.loads(out.read_text())})
+    rows = {**_bench(out, "torch"), **_bench(out, "triton", TRITON)}
     # The per-layer count at SmolLM2's depth (30 layers: per-step constants amortized).
     deep = out.with_name("deep.json")
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_host_step.py"),
@@ -121,24 +130,26 @@ def test_the_triton_path_syncs_once_a_step(counts: dict, backend: str) -> None:
     assert row["launches_per_decode_step"] == 2 * 6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,per_layer", [("quest", 7), ("kivi", 5)])
-def test_quest_and_kivi_on_triton_sync_once_a_step(counts: dict, backend: str,
+def test_quest_and_kivi_on_triton_sync_once_a_step(method_counts: dict, backend: str,
                                                    per_layer: int) -> None:
     """Issue #56: their Triton paths keep the step's one sync. A layer: paged's 6 with
     quest's block selection beside its decode (7); kivi's decode in place of paged's and
     its store in torch (5)."""
-    row = counts[(backend, "triton")]
+    row = method_counts[(backend, "triton")]
     assert row["max_syncs_decode_step"] <= 1 and row["syncs_per_step"] <= 1, row
     assert row["launches_per_decode_step"] == 2 * per_layer, row
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,per_layer", [("h2o", 7), ("snapkv", 6)])
-def test_evicting_methods_on_triton_keep_their_syncs(counts: dict, backend: str,
+def test_evicting_methods_on_triton_keep_their_syncs(method_counts: dict, backend: str,
                                                      per_layer: int) -> None:
     """Issue #56's second stage: on Triton a token-evicting method's decode step syncs as
     on torch (the sampled ids, and h2o's scores: one transfer) and launches paged's 6 a
     layer, its decode the slot-list form, plus h2o's weights kernel (7)."""
-    row = counts[(backend, "triton")]
+    row = method_counts[(backend, "triton")]
     assert row["max_syncs_decode_step"] <= (2 if backend == "h2o" else 1), row
     assert row["launches_per_decode_step"] == 2 * per_layer, row
 

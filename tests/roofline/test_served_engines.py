@@ -78,6 +78,7 @@ def test_prefix_caching_keeps_recompute_preemption_from_thrashing() -> None:
     assert off["cache.prefill_tokens_computed"] > 2 * on["cache.prefill_tokens_computed"]
 
 
+@pytest.mark.slow  # (~12 s: the per-step path; finding 6's default-run test is the one above)
 def test_sglang_reserves_output_room_and_preempts_less_than_admitting_by_prompt() -> None:
     p = _point("sglang", 2000, 1000, 32)
     small = ("cache.kv_budget=4GiB",)
