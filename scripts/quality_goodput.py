@@ -59,8 +59,9 @@ WHATIF = ["+experiment=quality_goodput", "executor=roofline", "model=random_llam
           "slo.ttft_ms=2000", "slo.tpot_ms=50", "logger=none"]
 # Rates searched: (lo, hi) per phase, geometric bisection between them; the what-if's
 # probes take seconds, so it bisects further (5 steps leave the bracket within 19%).
-RANGES = {"cpu": (0.05, 1.6), "whatif": (0.25, 64.0)}
+RANGES = {"cpu": (0.1, 1.6), "whatif": (0.25, 64.0)}
 WHATIF_STEPS = 5
+REFUSED = "refused.txt"  # a search whose probe run failed: its message
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +126,8 @@ def read_search(folder: Path, method: str) -> dict[str, Any] | None:
     """A finished search's answer (the sla.json this script writes per point), or None."""
     f = folder / "sla.json"
     if not f.is_file():
-        return None
+        refused = folder / REFUSED
+        return {"refused": refused.read_text().strip()} if refused.is_file() else None
     b = json.loads(f.read_text())["backends"].get(method)
     return None if b is None else {"best": b["best"], "first_fail": b["first_fail"]}
 
@@ -134,6 +136,8 @@ def fmt_goodput(g: dict[str, Any] | None, hi: float) -> str:
     """'1.2 (fails 1.6)', '>= hi' when even ``hi`` passed, '< lo' when even lo failed."""
     if g is None:
         return "not run"
+    if "refused" in g:
+        return f"run failed ({REFUSED})"
     if g["best"] is None:
         return f"< {g['first_fail']:.3g}"
     if g["first_fail"] is None:
@@ -171,8 +175,7 @@ def frontier(rows: list[Row], phase: str) -> list[str]:
     """Labels of the points on the phase's Pareto frontier (no other point has both higher
     or equal accuracy and goodput, one of them strictly): the points to choose among."""
     pts = [(r.label, r.accuracy, r.goodput[phase]["best"]) for r in rows
-           if r.accuracy is not None and r.goodput.get(phase) is not None
-           and r.goodput[phase]["best"] is not None]
+           if r.accuracy is not None and r.goodput.get(phase, {}).get("best") is not None]
     return [a for a, acc, g in pts
             if not any(acc2 >= acc and g2 >= g and (acc2 > acc or g2 > g)
                        for _, acc2, g2 in pts)]
@@ -206,7 +209,7 @@ def plot(rows: list[Row], path: Path) -> Path | None:
     for ax, phase in zip(axes, RANGES, strict=True):
         for r in rows:
             g = r.goodput.get(phase)
-            if r.accuracy is None or g is None or g["best"] is None:
+            if r.accuracy is None or g is None or g.get("best") is None:
                 continue
             yerr = None if r.ci is None else [[r.accuracy - r.ci[0]], [r.ci[1] - r.accuracy]]
             ax.errorbar(g["best"], r.accuracy, yerr=yerr, fmt="o", ms=5, capsize=2,
@@ -239,7 +242,7 @@ def run_accuracy(out: Path, p: Point) -> None:
 
 
 def run_search(out: Path, phase: str, p: Point, steps: int) -> None:
-    from harness.app.sla import Searcher, check_overrides, write_outputs
+    from harness.app.sla import ProbeFailed, Searcher, check_overrides, write_outputs
 
     base = CPU if phase == "cpu" else WHATIF
     overrides = [*base, *p.overrides(TRAFFIC_PROMPT if phase == "cpu" else WHATIF_PROMPT)]
@@ -247,8 +250,13 @@ def run_search(out: Path, phase: str, p: Point, steps: int) -> None:
     check_overrides(overrides, [p.method], "workload.rate")
     folder = out / phase / p.label
     folder.mkdir(parents=True, exist_ok=True)
-    res = Searcher(folder, overrides, "workload.rate", ATTAINMENT).search(
-        p.method, lo, hi, steps if phase == "cpu" else WHATIF_STEPS)
+    try:
+        res = Searcher(folder, overrides, "workload.rate", ATTAINMENT).search(
+            p.method, lo, hi, steps if phase == "cpu" else WHATIF_STEPS)
+    except ProbeFailed as e:  # a refused point (a budget too small for it) is a result
+        (folder / REFUSED).write_text(str(e) + "\n")
+        print(f"{phase} {p.label}: {e}", flush=True)
+        return
     write_outputs(folder, [res], "workload.rate", ATTAINMENT, overrides)
 
 

@@ -75,6 +75,8 @@ def test_table_and_frontier_from_fake_folders(qg, tmp_path):
     _fake(tmp_path, "snapkv@25", "snapkv", 0.8, (0.4, 0.5), (None, 0.25))  # lo failed
     _fake(tmp_path, "h2o@25", "h2o", 0.3, (0.3, 0.4), (64.0, None))  # hi passed
     _fake(tmp_path, "kivi@2bit", "kivi", None, None, None)
+    (tmp_path / "cpu" / "kivi@2bit").mkdir(parents=True)  # its search's probe was refused
+    (tmp_path / "cpu" / "kivi@2bit" / qg.REFUSED).write_text("the probe run ... exit 2\n")
     pts = [p for p in qg.POINTS if p.label in ("paged@exact", "snapkv@25", "h2o@25",
                                                    "kivi@2bit")]
     rows = qg.collect(tmp_path, pts)
@@ -84,7 +86,7 @@ def test_table_and_frontier_from_fake_folders(qg, tmp_path):
     assert "| 25% | 0.80 [0.70, 0.90] | 0.4 (fails 0.5) | < 0.25 |" in snap
     h2o = next(line for line in md if line.startswith("| h2o"))
     assert h2o.endswith("| >= 64 |")
-    assert md[-1] == "| kivi | 2-bit | not run | not run | not run |"
+    assert md[-1] == "| kivi | 2-bit | not run | run failed (refused.txt) | not run |"
     # CPU: h2o (0.3 req/s, 0.3) is beaten by snapkv on both; what-if: snapkv has no rate
     assert qg.frontier(rows, "cpu") == ["paged@exact", "snapkv@25"]
     assert qg.frontier(rows, "whatif") == ["paged@exact", "h2o@25"]
