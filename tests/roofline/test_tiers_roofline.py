@@ -88,8 +88,10 @@ def test_a_tiers_own_eviction_order() -> None:
      r"the disk tier gives up, but there is none"),
     (["cache.enable_prefix_caching=false", "cache.tiers.cpu=1MiB",
       "cache.tiers.cpu_policy=slru"], r"need cache\.enable_prefix_caching=true"),
-    (["backend=snapkv", "cache.tiers.cpu=1MiB", "cache.tiers.cpu_policy=arc"],
+    (["backend=h2o", "cache.tiers.cpu=1MiB", "cache.tiers.cpu_policy=arc"],
      r"this run has no lower tiers \(prefix caching is off"),
+    (["backend=snapkv", "cache.tiers.cpu=1MiB", "cache.tiers.cpu_policy=arc"],
+     r"no lower tiers \(backend snapkv caches compressed prefixes, not blocks by"),
     (["cache.tiers.cpu=1MiB", "cache.tiers.cpu_policy=mru"],
      r"unknown cache\.tiers\.cpu_policy 'mru'; known: lru, fifo"),
 ])
