@@ -12,7 +12,7 @@ ordinary run folders under ``--out`` (a rerun reuses what is there):
   prompts, 5 depths: 10 greedy requests) on SmolLM2-135M, this CPU: ``quality.task_accuracy``
   and its bootstrap interval (``accuracy/<point>/``);
 - ``cpu``: ``python -m harness.sla``'s search (its :class:`Searcher`, not a second one) on
-  the real engine, same model, ``+experiment=quality_goodput``: Poisson arrivals of 256-token
+  the real engine, same model, ``+experiment=quality_goodput``: 16 Poisson arrivals of 256-token
   prompts (1k ones would make each probe minutes long on this CPU) under 18 MiB of KV,
   which holds ~1.5 of them in paged's fp32 (``cpu/<point>/``);
 - ``whatif``: the same search with ``executor=roofline``, Llama-3.1-8B on one H100 SXM,
@@ -59,7 +59,7 @@ WHATIF = ["+experiment=quality_goodput", "executor=roofline", "model=random_llam
           "slo.ttft_ms=2000", "slo.tpot_ms=50", "logger=none"]
 # Rates searched: (lo, hi) per phase, geometric bisection between them; the what-if's
 # probes take seconds, so it bisects further (5 steps leave the bracket within 19%).
-RANGES = {"cpu": (0.1, 1.6), "whatif": (0.25, 64.0)}
+RANGES = {"cpu": (0.25, 3.2), "whatif": (0.25, 64.0)}
 WHATIF_STEPS = 5
 REFUSED = "refused.txt"  # a search whose probe run failed: its message
 
@@ -207,15 +207,20 @@ def plot(rows: list[Row], path: Path) -> Path | None:
     titles = {"cpu": "real engine, SmolLM2-135M, 2-core CPU",
               "whatif": "what-if, Llama-3.1-8B on H100 (CPU accuracy)"}
     for ax, phase in zip(axes, RANGES, strict=True):
+        tied: dict[tuple[float, float], list[str]] = {}  # one label per spot
         for r in rows:
             g = r.goodput.get(phase)
             if r.accuracy is None or g is None or g.get("best") is None:
                 continue
             yerr = None if r.ci is None else [[r.accuracy - r.ci[0]], [r.ci[1] - r.accuracy]]
-            ax.errorbar(g["best"], r.accuracy, yerr=yerr, fmt="o", ms=5, capsize=2,
+            # ">": never failed, the rate is a lower bound
+            ax.errorbar(g["best"], r.accuracy, yerr=yerr, ms=5, capsize=2,
+                        fmt="o" if g["first_fail"] is not None else ">",
                         color="black" if r.method == "paged" else None)
-            ax.annotate(r.label, (g["best"], r.accuracy), fontsize=7,
-                        xytext=(3, 3), textcoords="offset points")
+            tied.setdefault((g["best"], r.accuracy), []).append(r.label)
+        for (x, y), labels in tied.items():
+            ax.annotate(", ".join(labels), (x, y), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")
         ax.set_xscale("log")
         ax.set_xlabel("max rate within SLOs (req/s)")
         ax.set_ylabel("RULER accuracy (1k prompts)")
