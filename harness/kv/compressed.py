@@ -176,3 +176,9 @@ class CompressedIndex:
             h = block_hash(h, tokens[d * bs:(d + 1) * bs], key)
             d += 1
         return best
+
+
+def index_for(method: str, params: Mapping[str, Any], block_size: int) -> CompressedIndex:
+    """An empty index of ``method``'s compressed prefixes (its name and options as the
+    fingerprint), what the evicting and the per-head managers each keep."""
+    return CompressedIndex(fingerprint(method, params), block_size)

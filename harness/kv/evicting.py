@@ -28,7 +28,7 @@ import numpy as np
 
 from harness.kv.base import CopyOp, Demand, PrefixHit, StepScores
 from harness.kv.compaction import plan_compaction
-from harness.kv.compressed import CompressedIndex, CompressedPrefix, fingerprint
+from harness.kv.compressed import CompressedIndex, CompressedPrefix, index_for
 from harness.kv.paged import GIVEN_BACK, PagedKVManager, SeqBlocks, cdiv
 from harness.kv.policies.base import Eviction, EvictionPolicy, HeldBlocks, HeldTokens
 
@@ -217,8 +217,7 @@ class EvictingKVManager(PolicyKVManager):
     def index(self) -> CompressedIndex:
         """The kept compressed prefixes (harness.kv.compressed)."""
         if self._index is None:
-            self._index = CompressedIndex(fingerprint(self.policy.name, self.policy.params()),
-                                          self.block_size)
+            self._index = index_for(self.policy.name, self.policy.params(), self.block_size)
         return self._index
 
     def held_tokens(self, seq: Sequence) -> int:

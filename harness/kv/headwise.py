@@ -47,7 +47,7 @@ import numpy as np
 
 from harness.kv.base import CacheOps, CopyOp, Demand, KVStats, KVUsage, PrefixHit, StepScores
 from harness.kv.block_pool import BlockPool
-from harness.kv.compressed import CompressedIndex, CompressedPrefix, fingerprint
+from harness.kv.compressed import CompressedIndex, CompressedPrefix, index_for
 from harness.kv.ledger import ReservationLedger
 from harness.kv.paged import cdiv
 from harness.kv.policies.headwise import HeadPolicy
@@ -133,8 +133,7 @@ class HeadwiseKVManager:
     @property
     def index(self) -> CompressedIndex:
         if self._index is None:
-            self._index = CompressedIndex(fingerprint(self.policy.name, self.policy.params()),
-                                          self.block_size)
+            self._index = index_for(self.policy.name, self.policy.params(), self.block_size)
         return self._index
 
     # -- pages -----------------------------------------------------------------------
