@@ -1,7 +1,7 @@
 """The disaggregation experiment's grid, table and plot (conf/experiment/disaggregation.yaml):
 
     .venv/bin/python scripts/disaggregation_table.py [--json results/disaggregation.json] \
-        [--plot docs/img/disaggregation/goodput.png]
+        [--plot docs/img/disaggregation/goodput.png] [--set roofline.served=false ...]
 
 For each configuration of one 8-GPU node (co-located replicas, or a prefill pool and a
 decode pool over a link) and each KV dtype, the highest Poisson rate at which 90% of the
@@ -9,7 +9,8 @@ requests meet the experiment's SLOs, found by bisection (each probe one what-if 
 this process); goodput per GPU is that rate over the configuration's GPUs (DistServe's
 per-GPU goodput). Prints one markdown row per configuration, with its TTFT split and TPOT
 at that rate, and the best disaggregated over the best co-located goodput per GPU. With
---json, the probes are kept there and read back instead of run again.
+--json, the probes are kept there and read back instead of run again; --set adds
+overrides to every probe (a variant of the grid: give it its own --json).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ CONFIGS: list[tuple[str, int, list[str]]] = [
 ]
 BACKENDS = {"paged": "bf16", "fp8": "fp8"}
 KEYS = ("latency.slo_attainment", "latency.goodput_rps", "latency.ttft_ms.p50",
-        "latency.tpot_ms.p50", "latency.ttft_ms.prefill_queue.p50",
+        "latency.tpot_ms.p50", "latency.ttft_ms.frontend.p50",
+        "latency.ttft_ms.prefill_queue.p50",
         "latency.ttft_ms.prefill.p50", "latency.ttft_ms.transfer.p50",
         "latency.ttft_ms.decode_queue.p50", "cluster.prefill.utilization",
         "cluster.decode.utilization", "cluster.transfer_time_ms.p50", "run.engine",
@@ -83,6 +85,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, help="keep (and reuse) every probe's metrics here")
     ap.add_argument("--plot", type=Path, help="goodput per GPU per configuration (png)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="overrides added to every probe (e.g. roofline.served=false)")
     args = ap.parse_args()
     cache: dict[str, Any] = {}
     if args.json is not None and args.json.exists():
@@ -91,18 +95,19 @@ def main() -> None:
     try:
         for backend, kv in BACKENDS.items():
             for label, gpus, ov in CONFIGS:
-                rate, m = highest_rate([f"backend={backend}", *ov], cache)
+                rate, m = highest_rate([f"backend={backend}", *ov, *args.set], cache)
                 rows.append((kv, label, rate / gpus, m))
     finally:
         if args.json is not None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(cache, indent=1, sort_keys=True))
-    print("| KV | configuration | goodput / GPU (req/s) | TTFT p50 (ms): prefill queue / "
-          "prefill / transfer / decode queue | TPOT p50 (ms) | busy: prefill / decode |")
+    print("| KV | configuration | goodput / GPU (req/s) | TTFT p50 (ms): front end / prefill "
+          "queue / prefill / transfer / decode queue | TPOT p50 (ms) | busy: prefill / "
+          "decode |")
     print("|---|---|---|---|---|---|")
     for kv, label, g, m in rows:
         split = " / ".join(ms(m, f"latency.ttft_ms.{k}.p50") for k in (
-            "prefill_queue", "prefill", "transfer", "decode_queue"))
+            "frontend", "prefill_queue", "prefill", "transfer", "decode_queue"))
         busy = (f"{m['cluster.prefill.utilization']:.2f} / {m['cluster.decode.utilization']:.2f}"
                 if m.get("cluster.prefill.utilization") is not None else "-")
         print(f"| {kv} | {label} | {g:.3f} | {ms(m, 'latency.ttft_ms.p50')}"
@@ -114,10 +119,10 @@ def main() -> None:
         print(f"\n{kv}: best P/D {pd:.3f} vs best co-located {co:.3f} req/s per GPU "
               f"({pd / co:.2f}x)" if co else f"\n{kv}: no co-located rate met the SLOs")
     if args.plot is not None:
-        plot(rows, args.plot)
+        plot(rows, args.plot, " ".join(args.set))
 
 
-def plot(rows: list[tuple[str, str, float, dict[str, Any]]], path: Path) -> None:
+def plot(rows: list[tuple[str, str, float, dict[str, Any]]], path: Path, variant: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -134,7 +139,7 @@ def plot(rows: list[tuple[str, str, float, dict[str, Any]]], path: Path) -> None
     ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("goodput per GPU (req/s)")
     ax.set_title("Llama-3.1-70B FP8, 8 x H100, 3000 in / 150 out, TTFT <= 2 s, "
-                 "TPOT <= 50 ms (modelled, preliminary)", fontsize=9)
+                 f"TPOT <= 50 ms (modelled{', ' + variant if variant else ''})", fontsize=9)
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,9 @@ its tokens), with the prefill side's prompt figures (prefix hits, their tier), o
 prefill side's own row for a request that ended there. Columns of its own: the replicas
 it went through, its TTFT split and its transfer. The split adds up to the TTFT:
 
+- ``frontend_ms``: a served engine's front end (HTTP, templating, tokenization:
+  ``roofline.served``, the engine profile's ``request_s + prompt_token_s x prompt``), which
+  a served TTFT includes and no engine step does; 0 offline;
 - ``prefill_queue_ms``: arrival to the start of the prefill step that first computed it;
 - ``prefill_ms``: that start to the end of the step that finished its prompt;
 - ``transfer_ms``: the transfer's time past the later of the prefill's end and the
@@ -34,7 +37,7 @@ from harness.metrics.requestlog import RequestLog
 from harness.metrics.steplog import StepLog
 from harness.metrics.summary import column, request_rows
 
-SPLIT = ("prefill_queue", "prefill", "transfer", "decode_queue")
+SPLIT = ("frontend", "prefill_queue", "prefill", "transfer", "decode_queue")
 # The prompt's own figures, the prefill side's (the decode side's are its handoff's).
 PROMPT_COLUMNS = ("prefix_hit_tokens", "prefix_source", "tier_hit_blocks_cpu",
                   "tier_hit_blocks_disk")
@@ -58,7 +61,10 @@ def merged_rows(c: DisaggCluster, outputs: bool) -> RequestLog:
         extra["replica"].append(h.d.number if h.d_row >= 0 else h.p.number)
         extra["prefill_replica"].append(h.p.index)
         extra["decode_replica"].append(h.d.index if not h.ended else None)
-        for k, v in zip(SPLIT, split_ms(h, row.get("ttft_ms"))):
+        side = h.d if h.d_row >= 0 else h.p
+        front = side.stack.collector.frontend  # what the row's TTFT added for it
+        front_ms = front(int(row["prompt_tokens"])) * 1e3 if front is not None else 0.0
+        for k, v in zip(SPLIT, split_ms(h, row.get("ttft_ms"), front_ms)):
             extra[f"{k}_ms"].append(v)
         moved = h.sent is not None
         extra["transfer_bytes"].append(h.moved_bytes if moved else None)
@@ -69,8 +75,10 @@ def merged_rows(c: DisaggCluster, outputs: bool) -> RequestLog:
     return out
 
 
-def split_ms(h: Handoff, ttft_ms: float | None) -> tuple[float | None, ...]:
-    """``h``'s TTFT split (ms; module docstring), or Nones where it has no first token."""
+def split_ms(h: Handoff, ttft_ms: float | None,
+             frontend_ms: float = 0.0) -> tuple[float | None, ...]:
+    """``h``'s TTFT split (ms; module docstring), or Nones where it has no first token;
+    ``frontend_ms``: the served front end's part of ``ttft_ms``."""
     if ttft_ms is None or ttft_ms != ttft_ms or h.prefill_start is None \
             or h.prefill_end is None:
         return (None,) * len(SPLIT)
@@ -79,7 +87,8 @@ def split_ms(h: Handoff, ttft_ms: float | None) -> tuple[float | None, ...]:
     transfer = 0.0
     if h.landed is not None and h.reserved is not None:
         transfer = (h.landed - max(h.prefill_end, h.reserved)) * 1e3
-    return queue, prefill, transfer, ttft_ms - queue - prefill - transfer
+    return (frontend_ms, queue, prefill, transfer,
+            ttft_ms - frontend_ms - queue - prefill - transfer)
 
 
 def _pct(xs: list[float], q: float) -> float | None:

@@ -33,6 +33,8 @@ ONE = ["workload=random", "workload.num_requests=1", "workload.distribution=unif
        "workload.output_max=8", "cache.kv_budget=4GiB"]
 MULTITURN = ["workload=multiturn", "workload.conversations=12", "workload.turns=4",
              "workload.rate=20", "cache.kv_budget=1GiB"]
+# The TTFT split's parts (requests.csv's <part>_ms add up to ttft_ms).
+PARTS = ("frontend", "prefill_queue", "prefill", "transfer", "decode_queue")
 # Llama-3.1-8B in bf16: 32 layers x 8 KV heads x 128 x (K, V) x 2 bytes a token.
 BF16_BLOCK = 16 * 32 * 8 * 128 * 2 * 2
 
@@ -78,14 +80,31 @@ def test_one_request_worked_by_hand() -> None:
     assert row["prefill_queue_ms"] == 0.0
     colocated = _run(*ONE, "roofline.served=false").requests[0]
     assert row["prefill_ms"] == pytest.approx(colocated["ttft_ms"], rel=1e-9)
-    split = sum(row[f"{k}_ms"] for k in ("prefill_queue", "prefill", "transfer",
-                                         "decode_queue"))
+    split = sum(row[f"{k}_ms"] for k in PARTS)
     assert split == pytest.approx(row["ttft_ms"], rel=1e-12)
     # The decode side's first step: 8 prompt tokens, far less than the prefill's 1,000.
     assert 0 < row["decode_queue_ms"] < row["prefill_ms"] / 2
     assert row["output_tokens"] == 8 and row["status"] == "finished"
     # Both pools' steps are in steps.csv's order, each with its replica and pool.
     assert m["cluster.prefill.replicas"] == 1 and m["cluster.gpus"] == 2
+
+
+def test_a_served_front_end_is_its_own_part_of_the_split() -> None:
+    """Served (the default), the same request's TTFT carries the engine profile's front
+    end, request_s + prompt_token_s x 1,000 tokens: the split shows it as ``frontend``,
+    and every other part is the offline run's (the engines' steps do not change)."""
+    from harness.roofline.engines import PROFILES, engine_name
+
+    prof = PROFILES[engine_name("auto", "h100-sxm")]
+    front_ms = (prof.request_s + prof.prompt_token_s * 1000) * 1e3
+    assert front_ms > 1.0, "the default engine profile has a fitted front end"
+    offline = _run(*ONE, *DIS, "roofline.served=false").requests[0]
+    served = _run(*ONE, *DIS).requests[0]
+    assert offline["frontend_ms"] == 0.0
+    assert served["frontend_ms"] == pytest.approx(front_ms, rel=1e-12)
+    assert served["ttft_ms"] == pytest.approx(offline["ttft_ms"] + front_ms, rel=1e-9)
+    for k in ("prefill_queue", "prefill", "transfer", "decode_queue"):
+        assert served[f"{k}_ms"] == pytest.approx(offline[f"{k}_ms"], rel=1e-9, abs=1e-9), k
 
 
 def test_layerwise_streaming_hides_the_transfer_behind_the_prefill() -> None:
@@ -149,11 +168,9 @@ def test_records_add_up(tmp_path: Path) -> None:
     assert sum(m[f"replica.{i}.requests_routed"] for i in range(2, 5)) == 48
     for r in reqs:  # each request's row is its decode replica's, its TTFT split whole
         assert int(r["replica"]) == 2 + int(r["decode_replica"])
-        parts = sum(float(r[f"{k}_ms"]) for k in ("prefill_queue", "prefill", "transfer",
-                                                  "decode_queue"))
+        parts = sum(float(r[f"{k}_ms"]) for k in PARTS)
         assert parts == pytest.approx(float(r["ttft_ms"]), rel=1e-9)
-        assert min(float(r[f"{k}_ms"]) for k in ("prefill_queue", "prefill", "transfer",
-                                                 "decode_queue")) >= -1e-9
+        assert min(float(r[f"{k}_ms"]) for k in PARTS) >= -1e-9
     assert {s["pool"] for s in steps} == {"prefill", "decode"}
     assert all((s["pool"] == "prefill") == (int(s["replica"]) < 2) for s in steps)
     assert sum(int(r["transfer_bytes"]) for r in reqs) == m["cluster.transfer_bytes"]
@@ -162,7 +179,7 @@ def test_records_add_up(tmp_path: Path) -> None:
         assert 0 < m[f"cluster.{side}.kv_peak_share"] <= 1
     assert m["cluster.goodput_rps_per_gpu"] == pytest.approx(
         m["latency.goodput_rps"] / 5)
-    for k in ("prefill_queue", "prefill", "transfer", "decode_queue"):
+    for k in PARTS:
         assert m[f"latency.ttft_ms.{k}.p50"] <= m[f"latency.ttft_ms.{k}.p99"]
     # The prefix hit rate is the prompts' (the prefill pool's lookups).
     hit = sum(int(r["prefix_hit_tokens"]) for r in reqs)
