@@ -111,6 +111,12 @@ MODEL_SPECS: dict[str, ArchSpec] = {s.name.lower(): s for s in (
     llama_like("Qwen2.5-7B", 28, 3584, 18944, 28, 4, 152064, 32768, qkv_bias=True),
     llama_like("Qwen2.5-72B", 80, 8192, 29568, 64, 8, 152064, 32768, qkv_bias=True),
     llama_like("Mistral-7B", 32, 4096, 14336, 32, 8, 32768, 32768),
+    # Qwen3 dense (Qwen/Qwen3-*/config.json: no qkv bias, q/k RMSNorm (no weights that
+    # matter here), untied, 40960 positions, head_dim 128; 32B's 64 heads x 128 = 8192 >
+    # hidden 5120). 8.19B / 14.77B / 32.76B. GPUStack's vLLM V1 points (fit.yaml).
+    llama_like("Qwen3-8B", 36, 4096, 12288, 32, 8, 151936, 40960),
+    llama_like("Qwen3-14B", 40, 5120, 17408, 40, 8, 151936, 40960),
+    llama_like("Qwen3-32B", 64, 5120, 25600, 64, 8, 151936, 40960),
     llama_like("SmolLM2-135M", 30, 576, 1536, 9, 3, 49152, 8192, head_dim=64, tied=True),
     _deepseek_v3(),
     GPT_OSS_120B, GEMMA_2_27B, GEMMA_3_27B, LLAMA_4_SCOUT,

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -59,6 +60,8 @@ SHAREGPT = ["workload.distribution=lognormal", "workload.input_mean=220",
             "workload.input_std=230", "workload.input_min=4", "workload.input_max=1024",
             "workload.output_mean=200", "workload.output_std=210", "workload.output_min=4",
             "workload.output_max=1024"]
+SHAREGPT_CV = {"input": 230 / 220, "output": 210 / 200}  # the stand-in's std / mean
+SHAREGPT_CLIP = (4, 1024)
 
 
 def load(name: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -127,8 +130,11 @@ def _trtllm_bench(run: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
     from harness.roofline.trtllm_bench import batch_limits
 
     wl = run["workload"]
+    means = _sharegpt_means(wl)
     if wl == "sharegpt":  # the lognormal stand-in's means; its prompts stop at 1024
         isl, osl, longest = 220, 200, 1024
+    elif means is not None:  # the published means, the same stop
+        isl, osl, longest = round(means[0]), round(means[1]), SHAREGPT_CLIP[1]
     else:
         (i0, i1), (o0, o1) = _bounds(wl["input"]), _bounds(wl["output"])
         isl, osl, longest = (i0 + i1) // 2, (o0 + o1) // 2, i1
@@ -166,8 +172,11 @@ def overrides(run: dict[str, Any], source: dict[str, Any]) -> list[str]:
           f"workload.num_requests={run['num_prompts']}", f"workload.rate={run['rate']}",
           "progress=false", f"seed={run.get('seed', 0)}"]
     wl = run["workload"]
+    means = _sharegpt_means(wl)
     if wl == "sharegpt":
         ov += SHAREGPT
+    elif means is not None:  # the stand-in at this run's published means
+        ov += sharegpt_at(*means)
     else:  # fixed lengths, or [lo, hi]: uniform between (SGLang's random dataset)
         (i0, i1), (o0, o1) = (_bounds(wl["input"]), _bounds(wl["output"]))
         ov += ["workload.distribution=uniform", f"workload.input_min={i0}",
@@ -192,6 +201,53 @@ def is_fitted(run: dict[str, Any], source: dict[str, Any]) -> bool:
     name the engines whose rows are fitted."""
     f = source.get("fit", True)
     return run["engine"] in f if isinstance(f, list) else bool(f)
+
+
+def _sharegpt_means(wl: Any) -> tuple[float, float] | None:
+    """``(input_mean, output_mean)`` of a ``{dataset: sharegpt, input_mean, output_mean}``
+    workload (the run's published token totals over its prompts), else None."""
+    if isinstance(wl, dict) and wl.get("dataset") == "sharegpt":
+        return float(wl["input_mean"]), float(wl["output_mean"])
+    return None
+
+
+def _clipped_lognormal_mean(mean: float, cv: float, lo: float, hi: float) -> float:
+    """E[clip(X, lo, hi)] for a lognormal X of mean ``mean`` and std ``cv x mean``
+    (harness.workloads.random_lengths.draw_length's parametrization), in closed form:
+    ``lo P(X < lo) + E[X; lo <= X < hi] + hi P(X >= hi)``."""
+    s2 = math.log(1.0 + cv * cv)
+    s, mu = math.sqrt(s2), math.log(mean) - s2 / 2.0
+    cdf = lambda z: 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))  # noqa: E731
+    a, b = (math.log(lo) - mu) / s, (math.log(hi) - mu) / s
+    return lo * cdf(a) + mean * (cdf(b - s) - cdf(a - s)) + hi * (1.0 - cdf(b))
+
+
+def _lognormal_mean_for(target: float, cv: float, lo: float, hi: float) -> float:
+    """The lognormal mean whose draws, clipped to [lo, hi], average ``target`` tokens
+    (clipping at 1,024 takes ~2.5% off a ShareGPT-like mean; bisection: the clipped
+    mean rises with the parameter)."""
+    if not lo < target < hi:
+        raise UserError(f"a ShareGPT mean of {target} tokens is outside its clip [{lo}, {hi}]")
+    a, b = target, 4.0 * target
+    for _ in range(60):
+        m = 0.5 * (a + b)
+        a, b = (m, b) if _clipped_lognormal_mean(m, cv, lo, hi) < target else (a, m)
+    return 0.5 * (a + b)
+
+
+def sharegpt_at(input_mean: float, output_mean: float) -> list[str]:
+    """The ShareGPT stand-in's overrides (:data:`SHAREGPT`: lognormal, its std / mean,
+    clipped to [4, 1024]) with the means a run published (its total input and generated
+    tokens over its prompts): the parameters are solved so that the clipped draws average
+    those means, which a run's throughput in requests a second depends on directly."""
+    lo, hi = SHAREGPT_CLIP
+    ov = ["workload.distribution=lognormal"]
+    for side, target in (("input", input_mean), ("output", output_mean)):
+        m = _lognormal_mean_for(target, SHAREGPT_CV[side], lo, hi)
+        ov += [f"workload.{side}_mean={m:.2f}", f"workload.{side}_std="
+               f"{SHAREGPT_CV[side] * m:.2f}", f"workload.{side}_min={lo}",
+               f"workload.{side}_max={hi}"]
+    return ov
 
 
 def _bounds(v: Any) -> tuple[int, int]:

@@ -266,3 +266,28 @@ def test_a_long_run_keeps_the_rows_done_so_far(tmp_path: Path,
     rows = json.loads(partial.read_text())
     assert seen == [0, len(pts[0]["figures"]), len(rows)]
     assert {r["id"] for r in rows} == {pts[0]["id"], pts[1]["id"]}
+
+
+def test_a_sharegpt_run_at_its_published_means_draws_those_means() -> None:
+    # The stand-in's lognormal clipped to [4, 1024] averages ~2.5% under its parameter;
+    # a run that states its own token totals gets parameters solved for them.
+    import random
+
+    from harness.workloads.random_lengths import draw_length
+
+    ov = dict(o.split("=") for o in validate.sharegpt_at(232.6, 220.6))
+    assert ov["workload.distribution"] == "lognormal" and ov["workload.input_max"] == "1024"
+    rng = random.Random(0)
+    for side, target in (("input", 232.6), ("output", 220.6)):
+        mean, std = float(ov[f"workload.{side}_mean"]), float(ov[f"workload.{side}_std"])
+        assert mean > target * 1.02  # the clip takes its share off
+        xs = [draw_length(rng, "lognormal", mean, std, 4, 1024) for _ in range(40000)]
+        assert sum(xs) / len(xs) == pytest.approx(target, rel=0.01)
+    # and a run written that way composes with them (the plain 'sharegpt' keeps the old ones)
+    run = {"id": "x", "engine": "vllm-v1", "model": "Qwen3-8B", "hardware": "h100-sxm",
+           "tp": 1, "weight_dtype": "bfloat16", "backend": "paged", "num_prompts": 10,
+           "rate": 0, "max_model_len": 40960, "workload": {
+               "dataset": "sharegpt", "input_mean": 232.6, "output_mean": 220.6}}
+    got = validate.overrides(run, {})
+    assert f"workload.output_mean={ov['workload.output_mean']}" in got
+    assert "workload.output_mean=200" in validate.overrides({**run, "workload": "sharegpt"}, {})
