@@ -27,6 +27,7 @@ class ArchSpec:
     expert_params: int = 0  # routed experts' weights, all layers (MoE)
     num_experts: int = 0
     experts_per_token: int = 0
+    moe_layers: int = 0  # layers with routed experts (0: every layer, when it has experts)
     # The MLP's width a token's activation passes through (MoE: one expert's times the
     # experts it picks, plus a shared one); 0 = unknown: the non-GEMM term then reads it
     # off the dense parameters (:meth:`mlp_width`).

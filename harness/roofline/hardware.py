@@ -71,6 +71,12 @@ class HardwareSpec:
     # Share of a dtype's peak its large weight GEMMs reach, where it differs from
     # eff_gemm (fitted to that dtype's kernel profile: fp8 on Hopper, kernel_fit --fp8).
     eff_gemm_dtype: dict[str, float] = field(default_factory=dict)
+    # MoE expert GEMMs by kernel kind ("bf16", "fp8", "fp8_block"): (a fixed time per MoE
+    # layer, ((lower edge of tokens per busy expert, share of the datasheet roofline),
+    # ...)), fitted to fused / grouped MoE kernel tables (kernel_fit --moe); empty = the
+    # dense GEMM shares (steptime.StepModel._expert_s).
+    moe_profile: dict[str, tuple[float, tuple[tuple[float, float], ...]]] = \
+        field(default_factory=dict)
     source: str = "prior"  # prior | fitted | measured | calibrated (the record says which)
     # Where each physical quantity comes from ("peaks", "mem_bw", "mem_bytes"): datasheets
     # for peaks and bandwidth, what CUDA reports for memory; never a fit.
@@ -101,6 +107,18 @@ class HardwareSpec:
         if block_scaled and f"{key}_block" in self.eff_gemm_dtype:
             return self.eff_gemm_dtype[f"{key}_block"]
         return self.eff_gemm_dtype.get(key, self.eff_gemm)
+
+    def moe_kernels(self, kind: str) -> tuple[float, tuple[tuple[float, float], ...]] | None:
+        """The MoE kernel profile of ``kind`` (HardwareSpec.moe_profile), None where the
+        spec has none. Weight-only kinds ("w4a16": MXFP4 / NVFP4 / int4 weights, "w8a16":
+        int8, each dequantized to bf16 in the kernel) take the bf16 kernels' profile,
+        a prior: no published table times them."""
+        prof = self.moe_profile
+        if kind in prof:
+            return prof[kind]
+        if kind in ("w4a16", "w8a16", "fp16"):
+            return prof.get("bf16")
+        return None
 
     def flops(self, dtype: str) -> float:
         key = _dtype_key(dtype)
@@ -192,26 +210,45 @@ def _cited(name: str, sheet: str) -> dict[str, Any]:
 # block-wise ratio.
 HOPPER_FP8 = {"fp8": 0.67, "fp8_block": 0.50}
 
+# MoE expert GEMMs on Hopper (`python -m harness.roofline_tools.kernel_fit --moe`, from
+# harness/roofline_tools/data/moe and data/deepgemm/grouped_gemm_h800.csv; tests/roofline/
+# test_moe_kernels.py re-fits and checks): t = t0 per MoE layer + the expert GEMMs' roofline
+# at the datasheet peaks / share, the share by the mean tokens per busy expert. bf16: vLLM's
+# Triton fused_moe on Mixtral-8x7B's TP2 shapes (H100, tuned configs; 15 rows, median
+# error 1.0%, worst 10.7%); fp8 per-tensor: vLLM's on Qwen3-30B-A3B (H100, default
+# configs) and SGLang's on Qwen3-235B's TP8 shapes (H200, untuned; 25 rows, 5.4% / 51.4%);
+# fp8 block-wise: vLLM's on DeepSeek-R1's and Qwen3-Next's TP2 shapes (H200) and
+# DeepGEMM's grouped table's CUTLASS baseline (H800; 19 rows, 11.0% / 25.0%), its buckets of
+# 2-256 tokens per expert without rows (their nearest bucket's share: a gap).
+HOPPER_MOE: dict[str, tuple[float, tuple[tuple[float, float], ...]]] = {
+    "bf16": (25.5e-6, ((1, 0.89), (2, 0.92), (4, 0.92), (16, 0.91), (64, 0.74), (256, 0.51))),
+    "fp8": (28e-6, ((1, 0.68), (2, 0.70), (4, 0.74), (16, 0.52), (64, 0.23), (256, 0.11))),
+    "fp8_block": (22.5e-6, ((1, 0.74), (2, 0.74), (4, 0.74), (16, 0.60), (64, 0.60),
+                            (256, 0.60))),
+}
+
 HARDWARE: dict[str, HardwareSpec] = {h.name: h for h in (
     # H100 SXM5; NCCL all-reduce bus bandwidth 340 GB/s (Vidur, h100_dgx) of NVLink's 450
     # one way.
     _gpu("h100-sxm", 989, 1979, 1979, 67, 3.35, link=340, **H100_KERNELS,
-         eff_gemm_dtype=HOPPER_FP8, source="fitted", **_cited("h100-sxm", H100_DATASHEET)),
+         eff_gemm_dtype=HOPPER_FP8, moe_profile=HOPPER_MOE, source="fitted",
+         **_cited("h100-sxm", H100_DATASHEET)),
     # H200: the H100's GH100 die, clocks and NVLink, 4.8 TB/s HBM3e. Vidur profiles
     # no H200: the H100's kernel constants, GEMM share included, and a measured copy share
     # (~4.3 TB/s = 0.90 of 4.8). One bf16 micro-benchmark's GEMM share (~790 TFLOP/s, 0.80)
     # was the prior until 2026-12-03: TensorRT-LLM v1.0's H200 rows (calibration.yaml,
     # trtllm-perf-overview-v1.0-h200) came out +5% to +18% with it, +2% to +10% with 0.70.
     _gpu("h200", 989, 1979, 1979, 67, 4.8, link=340, **H100_KERNELS,
-         eff_gemm_dtype=HOPPER_FP8, source="measured",
+         eff_gemm_dtype=HOPPER_FP8, moe_profile=HOPPER_MOE, source="measured",
          **_cited("h200", "NVIDIA H200 Tensor Core GPU datasheet (SXM): 1,979 TFLOPS bf16 / "
                   "3,958 fp8 / 3,958 TOPS int8 with sparsity (halved: dense), 67 TFLOPS "
                   "fp32, 4.8 TB/s HBM3e")),
-    # A100: NCCL bus bandwidth 190 GB/s (a100_dgx).
+    # A100: NCCL bus bandwidth 190 GB/s (a100_dgx). Its MoE kernels take Hopper's
+    # profile as a prior (no published A100 table here; the shares are of its own peaks).
     _gpu("a100-80gb", 312, 312, 624, 19.5, 2.039, link=190, **A100_KERNELS, source="fitted",
-         **_cited("a100-80gb", A100_DATASHEET)),
+         moe_profile=HOPPER_MOE, **_cited("a100-80gb", A100_DATASHEET)),
     _gpu("a100-40gb", 312, 312, 624, 19.5, 1.555, link=190, **A100_KERNELS, source="fitted",
-         **_cited("a100-40gb", A100_DATASHEET)),
+         moe_profile=HOPPER_MOE, **_cited("a100-40gb", A100_DATASHEET)),
     # PCIe gen4 x16 between cards; an unfitted prior (no kernel profile of the L40S), its
     # fp8 share taken from Hopper's.
     _gpu("l40s", 362, 733, 733, 91.6, 0.864, link=32, eff_gemm_dtype=HOPPER_FP8,

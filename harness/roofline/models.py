@@ -42,7 +42,7 @@ def _deepseek_v3() -> ArchSpec:
     return ArchSpec("DeepSeek-V3", layers, h, 129280, heads, 1, 288, 512 + 64, 512,
                     layers * attn + dense_ffn + shared + router, 163840,
                     expert_params=routed, num_experts=256, experts_per_token=8,
-                    prefill_qk_dim=128 + 64,
+                    moe_layers=moe_layers, prefill_qk_dim=128 + 64,
                     prefill_v_dim=128, prefill_upproj_params=512 * heads * (128 + 128),
                     fp8_block_scaled=True)
 

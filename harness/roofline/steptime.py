@@ -49,7 +49,17 @@ out: per-tensor, or block-wise as DeepSeek-V3's; harness.roofline_tools.kernel_f
 Each of the E routed experts (P_e weights each) is a GEMM over its own token count m,
 Binomial(T, k/E) under uniform top-k routing (:func:`expert_load`), its weights read only
 when m > 0: at small counts an expert streams its weights for few tokens, which one
-aggregated GEMM over P T FLOPs hid. ``d_qk'``, ``d_v'`` are prefill's per-head dims
+aggregated GEMM over P T FLOPs hid. On a spec with a MoE kernel profile
+(``HardwareSpec.moe_profile``, fitted to published fused / grouped MoE kernel tables:
+harness.roofline_tools.kernel_fit --moe) the routed experts' term is instead
+
+    experts = L_moe t0 + E x sum_m Pr(m) max(2 P_e m / tp / peak_g, b_w P_e / tp / bw)
+                         / f(m_busy)
+
+the roofline at the datasheet's peaks over the share ``f`` the MoE kernels of that kind
+reach (bf16, per-tensor fp8, block-wise fp8; weight-only MXFP4 / int4 take bf16's, a
+prior) at the step's mean tokens per busy expert ``m_busy`` (:func:`mean_busy_tokens`),
+plus the fused kernel's floor ``t0`` per MoE layer. ``d_qk'``, ``d_v'`` are prefill's per-head dims
 (ArchSpec.prefill_dims: MLA un-absorbed, 128 + 64 and 128, where decode's absorbed form
 is 576 and 512), and ``U cached`` the up-projection of the cached latents a chunk reads.
 
@@ -202,6 +212,7 @@ class StepModel:
         # AWQ int4 exclude it): its GEMM runs at the activations' dtype on 16-bit weights.
         self.lm_weight_bytes = weight_bytes if weight_bytes >= 2.0 else 2.0
         self._experts: dict[int, float] = {}  # _expert_s by token count, on self.hw
+        self.moe_kind = moe_kind(self.gemm_dtype, weight_bytes, arch.fp8_block_scaled)
         # Bytes a gathered key moves on the torch path (module docstring), per rank.
         full = arch.num_layers * arch.kv_elems_per_layer * self.act_bytes / self.kv_split
         quantized = self.kv_rank_bytes < full
@@ -329,7 +340,20 @@ class StepModel:
         if cache and n in self._experts:
             return self._experts[n]
         out = 0.0
-        if n > 0:
+        prof = h.moe_kernels(self.moe_kind)
+        if n > 0 and prof is not None:
+            # The spec's MoE kernel profile: the experts' roofline at the datasheet
+            # peaks over the profile's share at this step's tokens per busy expert,
+            # plus the fused kernel's floor per MoE layer.
+            t0, buckets = prof
+            per = a.expert_params / a.num_experts / self.tp
+            counts, prob = expert_load(n, a.num_experts, a.experts_per_token)
+            roof = moe_roof_s(counts, prob, a.num_experts, per, self.weight_bytes,
+                              h.flops(self.gemm_dtype), h.mem_bw)
+            share = moe_share(mean_busy_tokens(n, a.num_experts, a.experts_per_token),
+                              buckets)
+            out = (a.moe_layers or a.num_layers) * t0 + roof / share
+        elif n > 0:
             per = a.expert_params / a.num_experts / self.tp  # one expert's weights, a rank
             c1 = 2.0 * per / (h.flops(self.gemm_dtype)
                               * h.gemm_eff(self.gemm_dtype, a.fp8_block_scaled))
@@ -418,6 +442,54 @@ def expert_load(tokens: int, experts: int, per_token: int) -> tuple[np.ndarray, 
     logp = (math.lgamma(tokens + 1) - lg(m + 1) - lg(tokens - m + 1)
             + m * math.log(q) + (tokens - m) * math.log1p(-q))
     return m, np.exp(logp)
+
+
+def moe_kind(gemm_dtype: str, weight_bytes: float, block_scaled: bool) -> str:
+    """Which MoE kernels a model's experts run (HardwareSpec.moe_kernels' key): "fp8" /
+    "fp8_block" (W8A8, by the checkpoint's scale layout), "w4a16" / "w8a16" (weights of
+    under 2 bytes dequantized to 16-bit compute: MXFP4 / NVFP4 / int4, int8), else the
+    GEMM dtype ("bf16", "fp16", "fp4", ...)."""
+    key = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16",
+           "float32": "fp32"}.get(gemm_dtype, gemm_dtype)
+    if key == "fp8":
+        return "fp8_block" if block_scaled else "fp8"
+    if key in ("bf16", "fp16") and weight_bytes < 2.0:
+        return "w4a16" if weight_bytes < 1.0 else "w8a16"
+    return key
+
+
+def mean_busy_tokens(tokens: float, experts: int, per_token: int) -> float:
+    """The mean token count of a routed expert that has any, in a step of ``tokens``
+    tokens under uniform top-k routing: ``T k / (E Pr(busy))``, ``Pr(busy) = 1 - (1 -
+    k/E)^T``; 1.0 at one token. The per-expert M the fused-MoE kernels see (they pick
+    their tiles by the step's token count): the key of a spec's MoE kernel profile."""
+    if tokens <= 0 or experts <= 0:
+        return 0.0
+    q = min(1.0, per_token / experts)
+    busy = 1.0 - (1.0 - q) ** tokens
+    return tokens * q / busy
+
+
+def moe_roof_s(counts: np.ndarray, prob: np.ndarray, experts: int, params: float,
+               weight_bytes: float, peak: float, bw: float) -> float:
+    """Seconds of ``experts`` expert GEMMs at the datasheet's peaks (no efficiency): each
+    expert of ``params`` weights a roofline ``max(2 P m / peak, b_w P / bw)`` over its
+    own token count m (``counts`` with probabilities ``prob``, :func:`expert_load`), its
+    weights read only when m > 0; the expectation over the counts, summed over experts."""
+    busy = counts > 0
+    t = np.maximum(2.0 * params * counts[busy] / peak, weight_bytes * params / bw)
+    return experts * float(np.dot(prob[busy], t))
+
+
+def moe_share(m_mean: float, buckets: tuple[tuple[float, float], ...]) -> float:
+    """A MoE kernel profile's share of the roofline at ``m_mean`` tokens per busy expert
+    (:func:`mean_busy_tokens`): the bucket whose lower edge is the largest at or below
+    it (``buckets``: (lower edge, share), edges ascending; below the first, the first)."""
+    share = buckets[0][1]
+    for lo, f in buckets:
+        if m_mean >= lo:
+            share = f
+    return share
 
 
 def _roof(c: Any, m: Any, lap: float) -> Any:

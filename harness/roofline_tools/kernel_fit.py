@@ -1,6 +1,6 @@
 """Fit a GPU spec's kernel constants to Vidur's profiled kernel times.
 
-    python -m harness.roofline_tools.kernel_fit [--gpu h100|a100]
+    python -m harness.roofline_tools.kernel_fit [--gpu h100|a100] [--fp8] [--moe]
 
 The tables (harness/roofline_tools/data/vidur, from microsoft/vidur) time each decoder layer's
 GEMMs and other kernels per tensor-parallel rank at 1..8192 tokens, and NCCL all-reduces
@@ -29,6 +29,16 @@ by size. Three models come out of them, each a few constants of ``HardwareSpec``
   DeepSeek's published H800 table (harness/roofline_tools/data/deepgemm: the CUTLASS 3.6
   baseline's times; H800 = H100 SXM's compute and HBM3), checked against FBGEMM's
   block-wise ratio. Vidur profiles no fp8.
+- **MoE expert GEMMs on Hopper** (``--moe``): published fused-MoE kernel tables
+  (harness/roofline_tools/data/moe: vLLM's and SGLang's Triton ``fused_experts`` at
+  1-4096 tokens on Mixtral-, Qwen3- and DeepSeek-R1-shaped layers) and DeepGEMM's
+  grouped GEMMs (data/deepgemm/grouped_gemm_h800.csv, the CUTLASS baseline), by kernel
+  kind (bf16, per-tensor fp8, block-wise fp8): ``t = t0 + roof / f(m)``, ``roof`` the
+  expert GEMMs' roofline at the card's datasheet peaks (each expert over its binomial
+  token count, harness.roofline.steptime.moe_roof_s), ``t0`` the fused kernel's floor
+  per layer, ``f`` the share reached per bucket of the mean tokens per busy expert
+  ``m``. Grouped kernels at small ``m`` reach far less than a dense GEMM's share of the
+  compute peak (0.5 at 256+ tokens an expert in bf16, where dense GEMMs reach 0.7).
 """
 
 from __future__ import annotations
@@ -43,11 +53,22 @@ from typing import Any
 import numpy as np
 
 from harness.roofline.arch import nongemm_bytes
+from harness.roofline.steptime import expert_load, mean_busy_tokens, moe_roof_s
 
 DATA = Path(__file__).resolve().parent / "data" / "vidur"
 FP8_TABLE = DATA.parent / "deepgemm" / "fp8_gemm_h800.csv"
 FP8_RATIOS = DATA.parent / "fbgemm" / "fp8_vs_bf16_h100.csv"
 PEAK_FP8_H100 = 1979e12
+MOE_TABLE = DATA.parent / "moe" / "fused_moe_kernels.csv"
+GROUPED_TABLE = DATA.parent / "deepgemm" / "grouped_gemm_h800.csv"
+# Datasheet figures of the cards the MoE tables ran on: dense bf16 and fp8 FLOP/s, HBM
+# bytes/s (the H800 is the H100 SXM's compute and HBM3; the H200 the same die at 4.8 TB/s).
+MOE_CARDS = {"h100": (989e12, 1979e12, 3.35e12), "h800": (989e12, 1979e12, 3.35e12),
+             "h200": (989e12, 1979e12, 4.8e12)}
+MOE_WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0, "fp8_block": 1.0}
+# Lower edges of the buckets of tokens per busy expert (mean_busy_tokens): one token
+# each (decode at small batch), a few, tens, and the compute-bound hundreds and more.
+MOE_BUCKETS = (1.0, 2.0, 4.0, 16.0, 64.0, 256.0)
 PEAK_BF16 = {"h100": 989e12, "a100": 312e12}
 MEM_BW = {"h100": 3.35e12, "a100": 2.039e12}
 NETDEV = {"h100": "h100_dgx", "a100": "a100_dgx"}
@@ -201,6 +222,102 @@ def device_shares(rows: list[dict[str, Any]], peaks: dict[str, float],
     return out
 
 
+@dataclass(frozen=True)
+class MoeRow:
+    """One timed MoE kernel: its roofline at the card's datasheet peaks (seconds), its
+    tokens per busy expert, and what it took (seconds)."""
+
+    kind: str  # bf16 | fp8 (per-tensor) | fp8_block (128x128 scales)
+    source: str
+    roof_s: float
+    m_mean: float
+    time_s: float
+
+
+def moe_rows() -> list[MoeRow]:
+    """Every row of the MoE tables: the fused-MoE kernels (vLLM's / SGLang's Triton
+    ``fused_experts``, both expert GEMMs of a layer at ``tokens`` tokens routed
+    uniformly: their benchmarks draw random gating) and DeepGEMM's grouped GEMMs (one
+    GEMM of ``groups`` experts of ``m_per_group`` tokens each; the CUTLASS baseline's
+    time, as the dense fp8 fit reads that table)."""
+    out = []
+    with open(MOE_TABLE, newline="") as f:
+        for r in csv.DictReader(f):
+            bf16, fp8, bw = MOE_CARDS[r["gpu"]]
+            e, k, n = int(r["experts"]), int(r["topk"]), int(r["tokens"])
+            params = 3.0 * int(r["hidden"]) * int(r["inter"]) / int(r["tp"])
+            counts, prob = expert_load(n, e, k)
+            roof = moe_roof_s(counts, prob, e, params, MOE_WEIGHT_BYTES[r["kind"]],
+                              bf16 if r["kind"] == "bf16" else fp8, bw)
+            out.append(MoeRow(r["kind"], r["source"], roof, mean_busy_tokens(n, e, k),
+                              float(r["time_us"]) * 1e-6))
+    with open(GROUPED_TABLE, newline="") as f:
+        for r in csv.DictReader(f):
+            _, fp8, bw = MOE_CARDS["h800"]
+            g, m = int(r["groups"]), int(r["m_per_group"])
+            params = float(r["n"]) * float(r["k"])
+            flops = 2.0 * g * m * params
+            tflops = float(r["deepgemm_tflops"]) / float(r["speedup_vs_cutlass"])
+            roof = g * max(2.0 * params * m / fp8, params / bw)
+            out.append(MoeRow("fp8_block", f"deepgemm-{r['layout']}", roof, float(m),
+                              flops / (tflops * 1e12)))
+    return out
+
+
+def _bucket(m_mean: float) -> int:
+    """The index of the MoE bucket ``m_mean`` falls in (MOE_BUCKETS' lower edges)."""
+    return max(i for i, lo in enumerate(MOE_BUCKETS) if m_mean >= lo or i == 0)
+
+
+def fit_moe() -> dict[str, Any]:
+    """The MoE kernel profile by kind: a fixed time per MoE layer ``t0`` (routing,
+    sorting, activation quantization and the activation between the two GEMMs: the
+    fused kernel's floor) and, per bucket of tokens per busy expert, the share ``f`` of
+    the datasheet roofline the expert GEMMs reach, ``t = t0 + roof / f``; fitted on each
+    kind's rows by least squares on log time (t0 on a 0.5 us grid, f on a 0.01 grid).
+    A bucket without rows of its kind takes its kind's nearest bucket's share (the
+    lower on a tie): the tables leave that gap, and another kind's kernel (the per-tensor
+    FP8 rows are untuned default configs at large M) is no better a stand-in. Returns
+    {kind: {"t0_s", "buckets": [[edge, f], ..], "filled": [edges borrowed],
+    "median_err_pct", "worst_err_pct", "rows"}}."""
+    rows = moe_rows()
+    fs = np.round(np.arange(0.02, 1.0001, 0.01), 2)
+    own: dict[str, tuple[float, dict[int, float], np.ndarray]] = {}
+    for kind in MOE_WEIGHT_BYTES:
+        rk = [r for r in rows if r.kind == kind]
+        roof = np.array([r.roof_s for r in rk])
+        y = np.array([r.time_s for r in rk])
+        b = np.array([_bucket(r.m_mean) for r in rk])
+        best: tuple[float, float, dict[int, float]] | None = None
+        for t0 in np.arange(0.0, 40.01e-6, 0.5e-6):
+            shares, err = {}, 0.0
+            for i in sorted(set(b.tolist())):
+                sel = b == i
+                e = [float(np.sum(np.log((t0 + roof[sel] / f) / y[sel]) ** 2)) for f in fs]
+                j = int(np.argmin(e))
+                shares[i], err = float(fs[j]), err + e[j]
+            if best is None or err < best[0]:
+                best = (err, round(float(t0), 7), shares)
+        assert best is not None
+        _, t0, shares = best
+        model = t0 + roof / np.array([shares[i] for i in b])
+        own[kind] = (t0, shares, model / y - 1.0)
+    out: dict[str, Any] = {}
+    for kind, (t0, shares, rel) in own.items():
+        buckets, filled = [], []
+        for i, lo in enumerate(MOE_BUCKETS):
+            f = shares.get(i)
+            if f is None:  # no row of this kind here: its nearest bucket's share
+                f = shares[min(shares, key=lambda j: (abs(j - i), j))]
+                filled.append(lo)
+            buckets.append([lo, f])
+        a = np.abs(rel) * 100
+        out[kind] = {"t0_s": t0, "buckets": buckets, "filled": filled,
+                     "median_err_pct": round(float(np.median(a)), 1),
+                     "worst_err_pct": round(float(np.max(a)), 1), "rows": len(rel)}
+    return out
+
+
 def fit_nongemm(gpu: str) -> tuple[float, float, np.ndarray]:
     """Linear least squares (relative) of t = k t_k + T B_tok / (bw eff_elem)."""
     rows, ys = [], []
@@ -251,6 +368,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gpu", default="h100,a100")
     ap.add_argument("--fp8", action="store_true",
                     help="fit the fp8 GEMM shares (Hopper) to the FP8 tables instead")
+    ap.add_argument("--moe", action="store_true",
+                    help="fit the MoE expert GEMMs' kernel profile (Hopper) to the MoE "
+                         "tables instead")
     ap.add_argument("--gpu-check", metavar="DIR",
                     help="the GEMM shares a GPU check's kernel-bandwidth.json measured "
                          "(DIR: its output folder), against the h200 spec's peaks")
@@ -262,6 +382,9 @@ def main(argv: list[str] | None = None) -> None:
         h = get_hardware("h200")
         print(json.dumps(device_shares(report.get("gemm_profile", []),
                                        {d: h.flops(d) for d in ("bf16", "fp8")})))
+        return
+    if args.moe:
+        print(json.dumps(fit_moe(), indent=1))
         return
     if args.fp8:
         eg, eb, p, t0, _ = fit_gemm("h100")
