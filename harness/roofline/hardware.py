@@ -210,21 +210,28 @@ def _cited(name: str, sheet: str) -> dict[str, Any]:
 # block-wise ratio.
 HOPPER_FP8 = {"fp8": 0.67, "fp8_block": 0.50}
 
-# MoE expert GEMMs on Hopper (`python -m harness.roofline_tools.kernel_fit --moe`, from
-# harness/roofline_tools/data/moe and data/deepgemm/grouped_gemm_h800.csv; tests/roofline/
-# test_moe_kernels.py re-fits and checks): t = t0 per MoE layer + the expert GEMMs' roofline
-# at the datasheet peaks / share, the share by the mean tokens per busy expert. bf16: vLLM's
-# Triton fused_moe on Mixtral-8x7B's TP2 shapes (H100, tuned configs; 15 rows, median
-# error 1.0%, worst 10.7%); fp8 per-tensor: vLLM's on Qwen3-30B-A3B (H100, default
-# configs) and SGLang's on Qwen3-235B's TP8 shapes (H200, untuned; 25 rows, 5.4% / 51.4%);
-# fp8 block-wise: vLLM's on DeepSeek-R1's and Qwen3-Next's TP2 shapes (H200) and
-# DeepGEMM's grouped table's CUTLASS baseline (H800; 19 rows, 11.0% / 25.0%), its buckets of
-# 2-256 tokens per expert without rows (their nearest bucket's share: a gap).
+# MoE expert GEMMs (`python -m harness.roofline_tools.kernel_fit --moe`, from harness/
+# roofline_tools/data/moe and data/deepgemm/grouped_gemm_h800.csv; tests/roofline/
+# test_moe_kernels.py re-fits and checks): t = t0 per MoE layer + the expert GEMMs'
+# roofline at the datasheet peaks / share, the share by the mean tokens per busy expert
+# (no share above the dense GEMMs' bandwidth share: 0.90 Hopper, 0.81 Ampere). Hopper:
+# bf16 from vLLM's Triton fused_moe on Mixtral-8x7B's TP2 shapes (H100, tuned configs;
+# 15 rows, median error 1.4%, worst 10.8%); fp8 per-tensor from vLLM's on Qwen3-30B-A3B
+# (H100, default configs) and SGLang's on Qwen3-235B's TP8 shapes (H200, untuned; 25
+# rows, 5.4% / 51.4%); fp8 block-wise from vLLM's on DeepSeek-R1's and Qwen3-Next's TP2
+# shapes (H200) and DeepGEMM's grouped table's CUTLASS baseline (H800; 19 rows, 11.0% /
+# 25.0%), its buckets of 2-256 tokens per expert without rows (their nearest bucket's
+# share: a gap). Ampere: bf16 from vLLM's on Moonlight-16B-A3B's shapes (one A100-SXM4-80GB,
+# default configs; 7 rows, 9.7% / 18.2%; one shape: t0 and the shares trade off, the cap
+# binds).
 HOPPER_MOE: dict[str, tuple[float, tuple[tuple[float, float], ...]]] = {
-    "bf16": (25.5e-6, ((1, 0.89), (2, 0.92), (4, 0.92), (16, 0.91), (64, 0.74), (256, 0.51))),
+    "bf16": (18.5e-6, ((1, 0.86), (2, 0.90), (4, 0.90), (16, 0.89), (64, 0.73), (256, 0.51))),
     "fp8": (28e-6, ((1, 0.68), (2, 0.70), (4, 0.74), (16, 0.52), (64, 0.23), (256, 0.11))),
     "fp8_block": (22.5e-6, ((1, 0.74), (2, 0.74), (4, 0.74), (16, 0.60), (64, 0.60),
                             (256, 0.60))),
+}
+AMPERE_MOE: dict[str, tuple[float, tuple[tuple[float, float], ...]]] = {
+    "bf16": (96.5e-6, ((1, 0.81), (2, 0.81), (4, 0.81), (16, 0.81), (64, 0.59), (256, 0.48))),
 }
 
 HARDWARE: dict[str, HardwareSpec] = {h.name: h for h in (
@@ -243,12 +250,11 @@ HARDWARE: dict[str, HardwareSpec] = {h.name: h for h in (
          **_cited("h200", "NVIDIA H200 Tensor Core GPU datasheet (SXM): 1,979 TFLOPS bf16 / "
                   "3,958 fp8 / 3,958 TOPS int8 with sparsity (halved: dense), 67 TFLOPS "
                   "fp32, 4.8 TB/s HBM3e")),
-    # A100: NCCL bus bandwidth 190 GB/s (a100_dgx). Its MoE kernels take Hopper's
-    # profile as a prior (no published A100 table here; the shares are of its own peaks).
+    # A100: NCCL bus bandwidth 190 GB/s (a100_dgx).
     _gpu("a100-80gb", 312, 312, 624, 19.5, 2.039, link=190, **A100_KERNELS, source="fitted",
-         moe_profile=HOPPER_MOE, **_cited("a100-80gb", A100_DATASHEET)),
+         moe_profile=AMPERE_MOE, **_cited("a100-80gb", A100_DATASHEET)),
     _gpu("a100-40gb", 312, 312, 624, 19.5, 1.555, link=190, **A100_KERNELS, source="fitted",
-         moe_profile=HOPPER_MOE, **_cited("a100-40gb", A100_DATASHEET)),
+         moe_profile=AMPERE_MOE, **_cited("a100-40gb", A100_DATASHEET)),
     # PCIe gen4 x16 between cards; an unfitted prior (no kernel profile of the L40S), its
     # fp8 share taken from Hopper's.
     _gpu("l40s", 362, 733, 733, 91.6, 0.864, link=32, eff_gemm_dtype=HOPPER_FP8,

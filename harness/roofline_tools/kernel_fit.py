@@ -29,9 +29,9 @@ by size. Three models come out of them, each a few constants of ``HardwareSpec``
   DeepSeek's published H800 table (harness/roofline_tools/data/deepgemm: the CUTLASS 3.6
   baseline's times; H800 = H100 SXM's compute and HBM3), checked against FBGEMM's
   block-wise ratio. Vidur profiles no fp8.
-- **MoE expert GEMMs on Hopper** (``--moe``): published fused-MoE kernel tables
-  (harness/roofline_tools/data/moe: vLLM's and SGLang's Triton ``fused_experts`` at
-  1-4096 tokens on Mixtral-, Qwen3- and DeepSeek-R1-shaped layers) and DeepGEMM's
+- **MoE expert GEMMs on Hopper and the A100** (``--moe``): published fused-MoE kernel
+  tables (harness/roofline_tools/data/moe: vLLM's and SGLang's Triton ``fused_experts``
+  at 1-4096 tokens on Mixtral-, Qwen3-, Moonlight- and DeepSeek-R1-shaped layers) and DeepGEMM's
   grouped GEMMs (data/deepgemm/grouped_gemm_h800.csv, the CUTLASS baseline), by kernel
   kind (bf16, per-tensor fp8, block-wise fp8): ``t = t0 + roof / f(m)``, ``roof`` the
   expert GEMMs' roofline at the card's datasheet peaks (each expert over its binomial
@@ -64,7 +64,15 @@ GROUPED_TABLE = DATA.parent / "deepgemm" / "grouped_gemm_h800.csv"
 # Datasheet figures of the cards the MoE tables ran on: dense bf16 and fp8 FLOP/s, HBM
 # bytes/s (the H800 is the H100 SXM's compute and HBM3; the H200 the same die at 4.8 TB/s).
 MOE_CARDS = {"h100": (989e12, 1979e12, 3.35e12), "h800": (989e12, 1979e12, 3.35e12),
-             "h200": (989e12, 1979e12, 4.8e12)}
+             "h200": (989e12, 1979e12, 4.8e12), "a100": (312e12, 312e12, 2.039e12)}
+# The kernels differ by architecture (Hopper's WGMMA / TMA tiles vs Ampere's): a profile
+# per family, from that family's cards' rows.
+MOE_FAMILY = {"h100": "hopper", "h800": "hopper", "h200": "hopper", "a100": "ampere"}
+# The most of the roofline a share may be: the family's dense GEMMs' bandwidth share (the
+# Vidur fit's eff_bw, H100_KERNELS / A100_KERNELS): no MoE kernel streams its weights
+# faster than a dense GEMM. Without it a one-shape table (the A100's) trades its floor
+# t0 against shares near 1.
+MOE_MAX_SHARE = {"hopper": 0.90, "ampere": 0.81}
 MOE_WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0, "fp8_block": 1.0}
 # Lower edges of the buckets of tokens per busy expert (mean_busy_tokens): one token
 # each (decode at small batch), a few, tens, and the compute-bound hundreds and more.
@@ -228,6 +236,7 @@ class MoeRow:
     tokens per busy expert, and what it took (seconds)."""
 
     kind: str  # bf16 | fp8 (per-tensor) | fp8_block (128x128 scales)
+    family: str  # hopper | ampere (MOE_FAMILY)
     source: str
     roof_s: float
     m_mean: float
@@ -249,8 +258,8 @@ def moe_rows() -> list[MoeRow]:
             counts, prob = expert_load(n, e, k)
             roof = moe_roof_s(counts, prob, e, params, MOE_WEIGHT_BYTES[r["kind"]],
                               bf16 if r["kind"] == "bf16" else fp8, bw)
-            out.append(MoeRow(r["kind"], r["source"], roof, mean_busy_tokens(n, e, k),
-                              float(r["time_us"]) * 1e-6))
+            out.append(MoeRow(r["kind"], MOE_FAMILY[r["gpu"]], r["source"], roof,
+                              mean_busy_tokens(n, e, k), float(r["time_us"]) * 1e-6))
     with open(GROUPED_TABLE, newline="") as f:
         for r in csv.DictReader(f):
             _, fp8, bw = MOE_CARDS["h800"]
@@ -259,8 +268,8 @@ def moe_rows() -> list[MoeRow]:
             flops = 2.0 * g * m * params
             tflops = float(r["deepgemm_tflops"]) / float(r["speedup_vs_cutlass"])
             roof = g * max(2.0 * params * m / fp8, params / bw)
-            out.append(MoeRow("fp8_block", f"deepgemm-{r['layout']}", roof, float(m),
-                              flops / (tflops * 1e12)))
+            out.append(MoeRow("fp8_block", "hopper", f"deepgemm-{r['layout']}", roof,
+                              float(m), flops / (tflops * 1e12)))
     return out
 
 
@@ -269,27 +278,28 @@ def _bucket(m_mean: float) -> int:
     return max(i for i, lo in enumerate(MOE_BUCKETS) if m_mean >= lo or i == 0)
 
 
-def fit_moe() -> dict[str, Any]:
-    """The MoE kernel profile by kind: a fixed time per MoE layer ``t0`` (routing,
-    sorting, activation quantization and the activation between the two GEMMs: the
-    fused kernel's floor) and, per bucket of tokens per busy expert, the share ``f`` of
-    the datasheet roofline the expert GEMMs reach, ``t = t0 + roof / f``; fitted on each
-    kind's rows by least squares on log time (t0 on a 0.5 us grid, f on a 0.01 grid).
-    A bucket without rows of its kind takes its kind's nearest bucket's share (the
-    lower on a tie): the tables leave that gap, and another kind's kernel (the per-tensor
-    FP8 rows are untuned default configs at large M) is no better a stand-in. Returns
-    {kind: {"t0_s", "buckets": [[edge, f], ..], "filled": [edges borrowed],
-    "median_err_pct", "worst_err_pct", "rows"}}."""
-    rows = moe_rows()
-    fs = np.round(np.arange(0.02, 1.0001, 0.01), 2)
+def fit_moe(family: str = "hopper") -> dict[str, Any]:
+    """The MoE kernel profile of a GPU ``family`` by kind (those its tables time): a
+    fixed time per MoE layer ``t0`` (routing, sorting, activation quantization and the
+    activation between the two GEMMs: the fused kernel's floor) and, per bucket of
+    tokens per busy expert, the share ``f`` of the datasheet roofline the expert GEMMs
+    reach, ``t = t0 + roof / f``; fitted on each kind's rows by least squares on log
+    time (t0 on a 0.5 us grid to 100 us, f on a 0.01 grid to MOE_MAX_SHARE). A bucket
+    without rows of its kind takes its kind's nearest bucket's share (the lower on a
+    tie): the tables leave that gap, and another kind's kernel (the per-tensor FP8 rows
+    are untuned default configs at large M) is no better a stand-in. Returns {kind:
+    {"t0_s", "buckets": [[edge, f], ..], "filled": [edges borrowed], "median_err_pct",
+    "worst_err_pct", "rows"}}."""
+    rows = [r for r in moe_rows() if r.family == family]
+    fs = np.round(np.arange(0.02, MOE_MAX_SHARE[family] + 1e-4, 0.01), 2)
     own: dict[str, tuple[float, dict[int, float], np.ndarray]] = {}
-    for kind in MOE_WEIGHT_BYTES:
+    for kind in sorted({r.kind for r in rows}):
         rk = [r for r in rows if r.kind == kind]
         roof = np.array([r.roof_s for r in rk])
         y = np.array([r.time_s for r in rk])
         b = np.array([_bucket(r.m_mean) for r in rk])
         best: tuple[float, float, dict[int, float]] | None = None
-        for t0 in np.arange(0.0, 40.01e-6, 0.5e-6):
+        for t0 in np.arange(0.0, 100.01e-6, 0.5e-6):
             shares, err = {}, 0.0
             for i in sorted(set(b.tolist())):
                 sel = b == i
@@ -384,7 +394,7 @@ def main(argv: list[str] | None = None) -> None:
                                        {d: h.flops(d) for d in ("bf16", "fp8")})))
         return
     if args.moe:
-        print(json.dumps(fit_moe(), indent=1))
+        print(json.dumps({f: fit_moe(f) for f in ("hopper", "ampere")}, indent=1))
         return
     if args.fp8:
         eg, eb, p, t0, _ = fit_gemm("h100")
