@@ -259,6 +259,11 @@ class KVBackend(ABC):
         budget is divided into slots (kivi: its full-precision residual blocks)."""
         return self.costs().reserved_bytes
 
+    def reserved_why(self) -> str:
+        """What :meth:`reserved_bytes` holds and the option that sizes it, for a message
+        that says what to change ("" where the backend reserves nothing)."""
+        return ""
+
     def full_slot_bytes(self) -> int:
         """One token's K and V at the layout's dtype, all layers: 2 x L x KV x D x bytes."""
         lay = self.layout

@@ -91,6 +91,10 @@ class KIVIBackend(PagedBackend):
         return KIVICosts(self._block_bytes(), full, self.block_size,
                          self.residual_blocks * self.block_size * full)
 
+    def reserved_why(self) -> str:
+        return (f"backend.residual_blocks={self.residual_blocks} full-precision blocks for "
+                "the sequences' partly filled blocks, one a running sequence")
+
     def touch_decode_mask(self, tables: torch.Tensor, mask: torch.Tensor, layers: int) -> None:
         # As read_blocks reads: a block with a residual slab in full precision, any other
         # as codes + value scales per key and the keys' per-channel scales per block.

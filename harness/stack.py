@@ -340,6 +340,9 @@ def check_budget(shapes: Iterable[RequestShape], kv: KVManager, backend: KVBacke
     fix = f"cache.kv_budget={want} ({format_bytes(want)})"
     holds = (f"cache.kv_budget={format_bytes(sizing.kv_budget_bytes)} holds "
              f"{sizing.num_slots} tokens for backend {backend.name}")
+    if backend.reserved_bytes() and backend.reserved_why():
+        holds += (f" (after {format_bytes(backend.reserved_bytes())} held outside them: "
+                  f"{backend.reserved_why()}; fewer leave more room)")
     if too_big == total:
         raise UserError(f"{holds}, but the smallest request needs {min(needs)}: set {fix} "
                         f"or more to run this workload")

@@ -47,10 +47,15 @@ EVICTING = ["h2o", "tova", "observed_attention", "snapkv", "knorm", "keydiff",
             "expected_attention"]
 WEIGHTS = {"h2o", "tova", "observed_attention"}
 # Each ~5 s interpreted (the model's fused layers run there too): the default run keeps one
-# method per kind of score (weights, window, keys), the rest run with -m slow.
-DEFAULT = {"h2o", "snapkv", "knorm"}
+# method per kind of score that a kernel gives (weights, window), the rest (knorm's keys
+# scored in torch among them) run with -m slow: the suite's time limit.
+DEFAULT = {"h2o", "snapkv"}
 EVICTING_CASES = [m if m in DEFAULT else pytest.param(m, marks=pytest.mark.slow)
                   for m in EVICTING]
+# quest and kivi each ~8 s a run interpreted: the default run checks kivi's tokens and
+# quest's launches, -m slow the other two.
+TOKEN_CASES = ["kivi", pytest.param("quest", marks=pytest.mark.slow)]
+LAUNCH_CASES = ["quest", pytest.param("kivi", marks=pytest.mark.slow)]
 
 
 def _run(method: str, kernel: str) -> Any:
@@ -58,7 +63,7 @@ def _run(method: str, kernel: str) -> Any:
     return run(compose_cfg([*LONG_PROMPT, *over, f"backend.kernel={kernel}"]))
 
 
-@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("method", TOKEN_CASES)
 def test_triton_gives_the_torch_paths_greedy_tokens(method: str) -> None:
     ref, tri = _run(method, "torch"), _run(method, "triton")
     assert ref.metrics["run.kernel"] == "torch" and tri.metrics["run.kernel"] == "triton"
@@ -168,7 +173,7 @@ def watched(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[bool, Counte
         yield rows
 
 
-@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("method", LAUNCH_CASES)
 def test_decode_launches_its_own_kernel_and_gathers_no_kv_in_torch(
         method: str, watched: list[tuple[bool, Counter, Counter]]) -> None:
     _run(method, "triton")

@@ -12,6 +12,7 @@ from harness.backends.attention_ref import attend_decode
 from harness.backends.base import KVLayout
 from harness.backends.kivi import KIVIBackend
 from harness.backends.paged import PagedBackend
+from harness.errors import UserError
 from harness.runner import run
 from harness.sched.sequence import Sequence
 from harness.sched.step import StepRecord
@@ -129,3 +130,15 @@ def test_run_charges_the_residual_and_keeps_prefix_caching() -> None:
         (2**20 - be.reserved_bytes()) // (be.bytes_per_slot() * 16) * 16
     assert m["run.prefix_caching"] is True and m["cache.prefix_hit_rate"] > 0
     assert m["requests.finished"] == len(r.requests)
+
+
+def test_a_budget_the_residual_fills_says_which_option_to_lower() -> None:
+    """Issue #59's refusal at 18 MiB: the residual pool (32 full-precision blocks by
+    default) took the whole budget, and the message named only a bigger budget. It now
+    names backend.residual_blocks too; with fewer residual blocks the same budget runs."""
+    be = KIVIBackend(KVLayout(2, 2, 16, torch.float32), CPU, block_size=16)
+    small = be.reserved_bytes() + 1024  # the residual, and less than one block besides
+    with pytest.raises(UserError, match=r"backend\.residual_blocks=32 full-precision"):
+        run(tiny("backend=kivi", f"cache.kv_budget={small}"))
+    r = run(tiny("backend=kivi", "backend.residual_blocks=1", f"cache.kv_budget={small}"))
+    assert r.metrics["requests.finished"] == len(r.requests) > 0

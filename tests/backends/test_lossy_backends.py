@@ -167,7 +167,10 @@ def test_lossy_backend_quality_is_measured_not_assumed() -> None:
     assert m["quality.kl_mean"] > 0.01 and m["quality.top1_agreement"] < 1.0
 
 
-@pytest.mark.parametrize("backend", ["int8", "sliding_window"])
+# ~20 s a case under the interpreter: int8 (the quantizing store and its scales) in the
+# default run; the window's bound with -m slow (its decode kernel is the paged one).
+@pytest.mark.parametrize("backend", ["int8", pytest.param("sliding_window",
+                                                          marks=pytest.mark.slow)])
 def test_triton_path_gives_the_torch_path_tokens(backend: str) -> None:
     # Under TRITON_INTERPRET (tests/conftest.py): the kernels' scales and window bound.
     extra = ["backend.window=48"] if backend == "sliding_window" else []

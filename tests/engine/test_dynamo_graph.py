@@ -17,6 +17,13 @@ from tests.compose import model_stack
 GRAPH_SAFE = ["paged", "contiguous", "fp8", "int8", "sliding_window", "streaming_llm",
               "h2o", "tova", "snapkv", "knorm", "quest", "kivi"]
 TRITON = ["paged", "fp8", "int8", "sliding_window"]
+# The default run keeps one backend of each seam (paged's, the contiguous one, a scorer's,
+# a selector's) and paged's Triton path; the others share those seams' code and run with
+# -m slow (2-6 s each: the suite's time limit).
+DEFAULT = {("paged", None), ("contiguous", None), ("h2o", None), ("quest", None),
+           ("paged", "triton")}
+CASES = [c if c in DEFAULT else pytest.param(*c, marks=pytest.mark.slow)
+         for c in [*((b, None) for b in GRAPH_SAFE), *((b, "triton") for b in TRITON)]]
 
 
 def explain_decode_steps(backend: str, kernel: str | None, steps: int = 2) -> list[Any]:
@@ -52,8 +59,7 @@ def explain_decode_steps(backend: str, kernel: str | None, steps: int = 2) -> li
     return found
 
 
-@pytest.mark.parametrize("backend,kernel", [*((b, None) for b in GRAPH_SAFE),
-                                            *((b, "triton") for b in TRITON)])
+@pytest.mark.parametrize("backend,kernel", CASES)
 def test_a_decode_forward_is_one_graph(backend: str, kernel: str | None) -> None:
     if kernel is None and backend in ("paged", "fp8", "int8", "sliding_window",
                                       "streaming_llm", "quest", "kivi"):

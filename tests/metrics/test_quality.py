@@ -15,6 +15,9 @@ from tests.compose import compose_cfg, tiny
 CPU = torch.device("cpu")
 
 
+# ~15 s interpreted; the paged kernel's tokens are checked in the default run by
+# tests/backends/test_triton_engine.py.
+@pytest.mark.slow
 def test_exact_paged_triton_kernel_matches_reference_on_tiny() -> None:
     m = run(tiny("backend=paged", "backend.kernel=triton", "quality.enabled=true",
                  "quality.text_tokens=48", "quality.prefill_tokens=16",
