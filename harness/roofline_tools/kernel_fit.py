@@ -241,6 +241,9 @@ class MoeRow:
     roof_s: float
     m_mean: float
     time_s: float
+    # Whether the time holds the whole fused MoE (sorting, activation, the two GEMMs: t0
+    # applies) or one grouped GEMM kernel alone (DeepGEMM's table: only the share).
+    fused: bool = True
 
 
 def moe_rows() -> list[MoeRow]:
@@ -269,7 +272,7 @@ def moe_rows() -> list[MoeRow]:
             tflops = float(r["deepgemm_tflops"]) / float(r["speedup_vs_cutlass"])
             roof = g * max(2.0 * params * m / fp8, params / bw)
             out.append(MoeRow("fp8_block", "hopper", f"deepgemm-{r['layout']}", roof,
-                              float(m), flops / (tflops * 1e12)))
+                              float(m), flops / (tflops * 1e12), fused=False))
     return out
 
 
@@ -283,8 +286,9 @@ def fit_moe(family: str = "hopper") -> dict[str, Any]:
     fixed time per MoE layer ``t0`` (routing, sorting, activation quantization and the
     activation between the two GEMMs: the fused kernel's floor) and, per bucket of
     tokens per busy expert, the share ``f`` of the datasheet roofline the expert GEMMs
-    reach, ``t = t0 + roof / f``; fitted on each kind's rows by least squares on log
-    time (t0 on a 0.5 us grid to 100 us, f on a 0.01 grid to MOE_MAX_SHARE). A bucket
+    reach, ``t = t0 + roof / f`` (a grouped GEMM timed alone: ``roof / f``); fitted on
+    each kind's rows by least squares on log time (t0 on a 0.5 us grid to 100 us, f on
+    a 0.01 grid to MOE_MAX_SHARE). A bucket
     without rows of its kind takes its kind's nearest bucket's share (the lower on a
     tie): the tables leave that gap, and another kind's kernel (the per-tensor FP8 rows
     are untuned default configs at large M) is no better a stand-in. Returns {kind:
@@ -298,19 +302,21 @@ def fit_moe(family: str = "hopper") -> dict[str, Any]:
         roof = np.array([r.roof_s for r in rk])
         y = np.array([r.time_s for r in rk])
         b = np.array([_bucket(r.m_mean) for r in rk])
+        fused = np.array([1.0 if r.fused else 0.0 for r in rk])  # which rows pay t0
         best: tuple[float, float, dict[int, float]] | None = None
         for t0 in np.arange(0.0, 100.01e-6, 0.5e-6):
             shares, err = {}, 0.0
             for i in sorted(set(b.tolist())):
                 sel = b == i
-                e = [float(np.sum(np.log((t0 + roof[sel] / f) / y[sel]) ** 2)) for f in fs]
+                e = [float(np.sum(np.log((t0 * fused[sel] + roof[sel] / f) / y[sel]) ** 2))
+                     for f in fs]
                 j = int(np.argmin(e))
                 shares[i], err = float(fs[j]), err + e[j]
             if best is None or err < best[0]:
                 best = (err, round(float(t0), 7), shares)
         assert best is not None
         _, t0, shares = best
-        model = t0 + roof / np.array([shares[i] for i in b])
+        model = t0 * fused + roof / np.array([shares[i] for i in b])
         own[kind] = (t0, shares, model / y - 1.0)
     out: dict[str, Any] = {}
     for kind, (t0, shares, rel) in own.items():
