@@ -96,11 +96,14 @@ def run_kvbench(d: dict[str, Any], methods: list[str], tok: Any, cache: Path) ->
                                   "progress=false"])
             res = run(cfg)
             busy = [s for s in res.steps if s.running > 0]
+            per_seq = max(1, sum(s.running for s in busy)) * 2**20
+            # Reserved counts whole blocks; used, the tokens in them (the per-head methods
+            # hold a block while any of its pages is: harness/kv/headwise.py).
             done[key] = {"kept": n_kept,
                          "outputs": {str(by_cell[c]["id"]): res.outputs[rid]
                                      for rid, c in cells.items()},
-                         "kv_held_mib": sum(s.reserved_bytes for s in busy)
-                         / max(1, sum(s.running for s in busy)) / 2**20}
+                         "kv_held_mib": sum(s.reserved_bytes for s in busy) / per_seq,
+                         "kv_used_mib": sum(s.used_bytes for s in busy) / per_seq}
             cache.write_text(json.dumps(done) + "\n")
             print(f"kvbench {key}: done", flush=True)
     return done
@@ -154,6 +157,7 @@ def main() -> None:
             ours = score_requests(wl, ours_out, tok)
             row: dict[str, Any] = {"method": method, "length": length, "kept": mine["kept"],
                                    "n": len(ours), "kv_held_mib": mine["kv_held_mib"],
+                                   "kv_used_mib": mine.get("kv_used_mib"),  # newer runs
                                    "kvbench": ci([ours[r].score for r in sorted(ours)])}
             # kvbench's selection is kvpress's per-sequence one, or per head for PER_HEAD.
             paired = "head" if method in PER_HEAD else "sequence"
@@ -187,11 +191,13 @@ def to_markdown(rows: list[dict[str, Any]], checks: list[dict[str, Any]],
            f"{versions.get('transformers', '?')}, torch {versions.get('torch', '?')}", "",
            "| method | length | kept | kvbench [95% CI] | kvpress, per-sequence selection | "
            "kvpress, per-head (its own) | paired agreement | identical outputs | kvbench KV "
-           "held / seq (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
+           "held / seq (MiB) | of it used |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:  # (pyramidkv, adakv, duo_attention: paired with kvpress's per-head)
+        used = "-" if r.get("kv_used_mib") is None else f"{r['kv_used_mib']:.1f}"
         out.append(f"| {r['method']} | {r['length']} | {r['kept']} | {_fmt(r['kvbench'])} | "
                    f"{_fmt(r.get('kvpress_sequence'))} | {_fmt(r['kvpress_head'])} | "
-                   f"{r['agree']:.2f} | {r['identical']}/{r['n']} | {r['kv_held_mib']:.1f} |")
+                   f"{r['agree']:.2f} | {r['identical']}/{r['n']} | {r['kv_held_mib']:.1f} | "
+                   f"{used} |")
     if checks:
         out += ["", "| method | layer | max rel. error | constant (kvbench / kvpress) |",
                 "|---|---|---|---|"]
