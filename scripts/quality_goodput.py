@@ -46,6 +46,11 @@ CPU_PROMPT = 1024  # the accuracy runs' prompt length
 TRAFFIC_PROMPT = 256  # the CPU traffic's (conf/experiment/quality_goodput.yaml)
 WHATIF_PROMPT = 4096
 ATTAINMENT = 0.9
+# kivi's full-precision residual pool, one block a running sequence: its default (32,
+# scheduler.max_num_seqs' default) is 32 fp32 blocks of SmolLM2, 22.5 MiB, more than the
+# CPU budget (18 MiB) itself. 10 covers what either bit width runs at once there (4-bit
+# ~6, 2-bit ~9) and in the what-if's 800 MiB (20 MiB of it).
+KIVI_RESIDUAL = 10
 
 ACCURACY = ["workload=ruler", f"workload.lengths=[{CPU_PROMPT}]", "scheduler.max_model_len=2048",
             "cache.kv_budget=72MiB", "quality.generation_agreement=false", "logger=none"]
@@ -78,7 +83,8 @@ class Point:
         if self.method == "paged":
             return []
         if self.method == "kivi":
-            return [f"backend.bits={round(self.kept * 16)}"]
+            return [f"backend.bits={round(self.kept * 16)}",
+                    f"backend.residual_blocks={KIVI_RESIDUAL}"]
         if self.method == "quest":
             return [f"backend.token_budget={round(self.kept * prompt)}"]
         return ["backend.budget=0", f"backend.budget_ratio={self.kept}"]

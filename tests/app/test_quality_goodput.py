@@ -35,7 +35,7 @@ def test_ratios_map_to_each_method_s_option(qg):
     # quest keeps everything: its ratio is the tokens a decode reads, of the prompt
     assert by["quest@25"].overrides(1024) == ["backend.token_budget=256"]
     assert by["quest@25"].overrides(4096) == ["backend.token_budget=1024"]
-    assert by["kivi@2bit"].overrides(1024) == ["backend.bits=2"]
+    assert by["kivi@2bit"].overrides(1024) == ["backend.bits=2", "backend.residual_blocks=10"]
     assert len(by) == len(qg.POINTS)  # labels name folders: never two alike
 
 
