@@ -98,12 +98,12 @@ class HardwareSpec:
 
     def profiled(self, dtype: str) -> bool:
         """Whether GEMMs in ``dtype`` are timed by the profile (else by the roofline)."""
-        return bool(self.gemm_profile) and _dtype_key(dtype) == _dtype_key(self.profile_dtype)
+        return bool(self.gemm_profile) and dtype_key(dtype) == dtype_key(self.profile_dtype)
 
     def gemm_eff(self, dtype: str, block_scaled: bool = False) -> float:
         """Share of ``dtype``'s peak FLOP/s a large weight GEMM reaches on this spec
         (``block_scaled``: fp8 with block-wise scales, where the spec knows its share)."""
-        key = _dtype_key(dtype)
+        key = dtype_key(dtype)
         if block_scaled and f"{key}_block" in self.eff_gemm_dtype:
             return self.eff_gemm_dtype[f"{key}_block"]
         return self.eff_gemm_dtype.get(key, self.eff_gemm)
@@ -121,7 +121,7 @@ class HardwareSpec:
         return None
 
     def flops(self, dtype: str) -> float:
-        key = _dtype_key(dtype)
+        key = dtype_key(dtype)
         if key not in self.peak_flops:
             why = (" (FP4 tensor cores are Blackwell's: roofline.hardware=b200; here, "
                    "mxfp4 / nvfp4 weights run weight-only with roofline.compute_dtype=auto)"
@@ -131,7 +131,9 @@ class HardwareSpec:
         return self.peak_flops[key]
 
 
-def _dtype_key(dtype: str) -> str:
+def dtype_key(dtype: str) -> str:
+    """A dtype's short name ("bfloat16" -> "bf16", "half" -> "fp16", ...), the key of
+    peak_flops, eff_gemm_dtype and moe_profile; other names as they are."""
     return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16",
             "half": "fp16"}.get(dtype, dtype)
 

@@ -108,7 +108,7 @@ import numpy as np
 from harness.roofline.allreduce import CUSTOM_MAX_BYTES, applies, custom_allreduce_s
 from harness.roofline.arch import ArchSpec
 from harness.roofline.engines import EngineProfile
-from harness.roofline.hardware import HardwareSpec
+from harness.roofline.hardware import HardwareSpec, dtype_key
 from harness.roofline.shape import StepShape
 
 
@@ -340,28 +340,27 @@ class StepModel:
         if cache and n in self._experts:
             return self._experts[n]
         out = 0.0
-        prof = h.moe_kernels(self.moe_kind)
-        if n > 0 and prof is not None:
-            # The spec's MoE kernel profile: the experts' roofline at the datasheet
-            # peaks over the profile's share at this step's tokens per busy expert,
-            # plus the fused kernel's floor per MoE layer.
-            t0, buckets = prof
-            per = a.expert_params / a.num_experts / self.tp
-            counts, prob = expert_load(n, a.num_experts, a.experts_per_token)
-            roof = moe_roof_s(counts, prob, a.num_experts, per, self.weight_bytes,
-                              h.flops(self.gemm_dtype), h.mem_bw)
-            share = moe_share(mean_busy_tokens(n, a.num_experts, a.experts_per_token),
-                              buckets)
-            out = (a.moe_layers or a.num_layers) * t0 + roof / share
-        elif n > 0:
+        if n > 0:
             per = a.expert_params / a.num_experts / self.tp  # one expert's weights, a rank
-            c1 = 2.0 * per / (h.flops(self.gemm_dtype)
-                              * h.gemm_eff(self.gemm_dtype, a.fp8_block_scaled))
-            m = self.weight_bytes * per / (h.mem_bw * h.eff_bw)
             counts, prob = expert_load(n, a.num_experts, a.experts_per_token)
-            busy = counts > 0
-            t = _corner(c1 * counts[busy], m, h.gemm_corner_p, 1.0 - h.overlap)
-            out = a.num_experts * float(np.dot(prob[busy], t))
+            prof = h.moe_kernels(self.moe_kind)
+            if prof is not None:
+                # The spec's MoE kernel profile: the experts' roofline at the datasheet
+                # peaks over the profile's share at this step's tokens per busy expert,
+                # plus the fused kernel's floor per MoE layer.
+                t0, buckets = prof
+                roof = moe_roof_s(counts, prob, a.num_experts, per, self.weight_bytes,
+                                  h.flops(self.gemm_dtype), h.mem_bw)
+                share = moe_share(mean_busy_tokens(n, a.num_experts, a.experts_per_token),
+                                  buckets)
+                out = (a.moe_layers or a.num_layers) * t0 + roof / share
+            else:
+                c1 = 2.0 * per / (h.flops(self.gemm_dtype)
+                                  * h.gemm_eff(self.gemm_dtype, a.fp8_block_scaled))
+                m = self.weight_bytes * per / (h.mem_bw * h.eff_bw)
+                busy = counts > 0
+                t = _corner(c1 * counts[busy], m, h.gemm_corner_p, 1.0 - h.overlap)
+                out = a.num_experts * float(np.dot(prob[busy], t))
         if cache:
             self._experts[n] = out
         return out
@@ -449,8 +448,7 @@ def moe_kind(gemm_dtype: str, weight_bytes: float, block_scaled: bool) -> str:
     "fp8_block" (W8A8, by the checkpoint's scale layout), "w4a16" / "w8a16" (weights of
     under 2 bytes dequantized to 16-bit compute: MXFP4 / NVFP4 / int4, int8), else the
     GEMM dtype ("bf16", "fp16", "fp4", ...)."""
-    key = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16",
-           "float32": "fp32"}.get(gemm_dtype, gemm_dtype)
+    key = dtype_key(gemm_dtype)
     if key == "fp8":
         return "fp8_block" if block_scaled else "fp8"
     if key in ("bf16", "fp16") and weight_bytes < 2.0:

@@ -53,7 +53,8 @@ from typing import Any
 import numpy as np
 
 from harness.roofline.arch import nongemm_bytes
-from harness.roofline.steptime import expert_load, mean_busy_tokens, moe_roof_s
+from harness.roofline.hardware import A100_KERNELS, H100_KERNELS, get_hardware
+from harness.roofline.steptime import expert_load, mean_busy_tokens, moe_roof_s, moe_share
 
 DATA = Path(__file__).resolve().parent / "data" / "vidur"
 FP8_TABLE = DATA.parent / "deepgemm" / "fp8_gemm_h800.csv"
@@ -61,10 +62,9 @@ FP8_RATIOS = DATA.parent / "fbgemm" / "fp8_vs_bf16_h100.csv"
 PEAK_FP8_H100 = 1979e12
 MOE_TABLE = DATA.parent / "moe" / "fused_moe_kernels.csv"
 GROUPED_TABLE = DATA.parent / "deepgemm" / "grouped_gemm_h800.csv"
-# Datasheet figures of the cards the MoE tables ran on: dense bf16 and fp8 FLOP/s, HBM
-# bytes/s (the H800 is the H100 SXM's compute and HBM3; the H200 the same die at 4.8 TB/s).
-MOE_CARDS = {"h100": (989e12, 1979e12, 3.35e12), "h800": (989e12, 1979e12, 3.35e12),
-             "h200": (989e12, 1979e12, 4.8e12), "a100": (312e12, 312e12, 2.039e12)}
+# The specs (datasheet peaks and HBM bandwidth) of the cards the MoE tables ran on (the
+# H800 is the H100 SXM's compute and HBM3).
+MOE_CARDS = {"h100": "h100-sxm", "h800": "h100-sxm", "h200": "h200", "a100": "a100-80gb"}
 # The kernels differ by architecture (Hopper's WGMMA / TMA tiles vs Ampere's): a profile
 # per family, from that family's cards' rows.
 MOE_FAMILY = {"h100": "hopper", "h800": "hopper", "h200": "hopper", "a100": "ampere"}
@@ -72,7 +72,7 @@ MOE_FAMILY = {"h100": "hopper", "h800": "hopper", "h200": "hopper", "a100": "amp
 # Vidur fit's eff_bw, H100_KERNELS / A100_KERNELS): no MoE kernel streams its weights
 # faster than a dense GEMM. Without it a one-shape table (the A100's) trades its floor
 # t0 against shares near 1.
-MOE_MAX_SHARE = {"hopper": 0.90, "ampere": 0.81}
+MOE_MAX_SHARE = {"hopper": H100_KERNELS["eff_bw"], "ampere": A100_KERNELS["eff_bw"]}
 MOE_WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0, "fp8_block": 1.0}
 # Lower edges of the buckets of tokens per busy expert (mean_busy_tokens): one token
 # each (decode at small batch), a few, tens, and the compute-bound hundreds and more.
@@ -246,6 +246,12 @@ class MoeRow:
     fused: bool = True
 
 
+def _card(gpu: str) -> tuple[float, float, float]:
+    """Dense bf16 and fp8 FLOP/s and HBM bytes/s of a MoE table's card, from its spec."""
+    h = get_hardware(MOE_CARDS[gpu])
+    return h.flops("bf16"), h.flops("fp8"), h.mem_bw
+
+
 def moe_rows() -> list[MoeRow]:
     """Every row of the MoE tables: the fused-MoE kernels (vLLM's / SGLang's Triton
     ``fused_experts``, both expert GEMMs of a layer at ``tokens`` tokens routed
@@ -255,7 +261,7 @@ def moe_rows() -> list[MoeRow]:
     out = []
     with open(MOE_TABLE, newline="") as f:
         for r in csv.DictReader(f):
-            bf16, fp8, bw = MOE_CARDS[r["gpu"]]
+            bf16, fp8, bw = _card(r["gpu"])
             e, k, n = int(r["experts"]), int(r["topk"]), int(r["tokens"])
             params = 3.0 * int(r["hidden"]) * int(r["inter"]) / int(r["tp"])
             counts, prob = expert_load(n, e, k)
@@ -265,7 +271,7 @@ def moe_rows() -> list[MoeRow]:
                               mean_busy_tokens(n, e, k), float(r["time_us"]) * 1e-6))
     with open(GROUPED_TABLE, newline="") as f:
         for r in csv.DictReader(f):
-            _, fp8, bw = MOE_CARDS["h800"]
+            _, fp8, bw = _card("h800")
             g, m = int(r["groups"]), int(r["m_per_group"])
             params = float(r["n"]) * float(r["k"])
             flops = 2.0 * g * m * params
@@ -277,8 +283,9 @@ def moe_rows() -> list[MoeRow]:
 
 
 def _bucket(m_mean: float) -> int:
-    """The index of the MoE bucket ``m_mean`` falls in (MOE_BUCKETS' lower edges)."""
-    return max(i for i, lo in enumerate(MOE_BUCKETS) if m_mean >= lo or i == 0)
+    """The index of the MoE bucket ``m_mean`` falls in (MOE_BUCKETS' lower edges), by the
+    step model's own lookup (steptime.moe_share)."""
+    return int(moe_share(m_mean, tuple((lo, float(i)) for i, lo in enumerate(MOE_BUCKETS))))
 
 
 def fit_moe(family: str = "hopper") -> dict[str, Any]:
@@ -392,8 +399,6 @@ def main(argv: list[str] | None = None) -> None:
                          "(DIR: its output folder), against the h200 spec's peaks")
     args = ap.parse_args(argv)
     if args.gpu_check:
-        from harness.roofline.hardware import get_hardware
-
         report = json.loads((Path(args.gpu_check) / "kernel-bandwidth.json").read_text())
         h = get_hardware("h200")
         print(json.dumps(device_shares(report.get("gemm_profile", []),

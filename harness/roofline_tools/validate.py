@@ -56,12 +56,15 @@ CLAIMED = {"requests_per_s": "throughput", "output_tokens_per_s": "throughput",
 METRICS = (*CLAIMED, "itl_ms_median")
 BLIND_LOG = HERE / "blind_runs.jsonl"  # one line per run of the whole validation set
 # ShareGPT-like lengths (../shared/WHATIF_DATA.md): lognormal, clipped to [4, 1024].
-SHAREGPT = ["workload.distribution=lognormal", "workload.input_mean=220",
-            "workload.input_std=230", "workload.input_min=4", "workload.input_max=1024",
-            "workload.output_mean=200", "workload.output_std=210", "workload.output_min=4",
-            "workload.output_max=1024"]
-SHAREGPT_CV = {"input": 230 / 220, "output": 210 / 200}  # the stand-in's std / mean
+SHAREGPT_MEAN_STD = {"input": (220, 230), "output": (200, 210)}
 SHAREGPT_CLIP = (4, 1024)
+SHAREGPT = ["workload.distribution=lognormal",
+            *(o for side, (mean, std) in SHAREGPT_MEAN_STD.items() for o in (
+                f"workload.{side}_mean={mean}", f"workload.{side}_std={std}",
+                f"workload.{side}_min={SHAREGPT_CLIP[0]}",
+                f"workload.{side}_max={SHAREGPT_CLIP[1]}"))]
+# The stand-in's std / mean, kept when sharegpt_at moves its means.
+SHAREGPT_CV = {side: std / mean for side, (mean, std) in SHAREGPT_MEAN_STD.items()}
 
 
 def load(name: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -132,7 +135,8 @@ def _trtllm_bench(run: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
     wl = run["workload"]
     means = _sharegpt_means(wl)
     if wl == "sharegpt":  # the lognormal stand-in's means; its prompts stop at 1024
-        isl, osl, longest = 220, 200, 1024
+        isl, osl = (SHAREGPT_MEAN_STD[side][0] for side in ("input", "output"))
+        longest = SHAREGPT_CLIP[1]
     elif means is not None:  # the published means, the same stop
         isl, osl, longest = round(means[0]), round(means[1]), SHAREGPT_CLIP[1]
     else:

@@ -19,8 +19,6 @@ from harness.roofline.steptime import StepModel, expert_load, mean_busy_tokens, 
 from harness.roofline_tools import kernel_fit
 
 PROFILES = {"hopper": HOPPER_MOE, "ampere": AMPERE_MOE}
-FAMILY = {"h100": "hopper", "h200": "hopper", "a100": "ampere"}
-SPEC_OF = {"h100": "h100-sxm", "h200": "h200", "a100": "a100-80gb"}  # the row's card
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +67,11 @@ def test_step_model_reproduces_every_fused_moe_row_within_the_fit(fit: dict) -> 
                         expert_params=3 * h * inter * e, num_experts=e,
                         experts_per_token=k, fp8_block_scaled=r["kind"] == "fp8_block")
         fp8 = r["kind"] != "bf16"
-        m = StepModel(arch, get_hardware(SPEC_OF[r["gpu"]]), 1024, tp=tp,
+        m = StepModel(arch, get_hardware(kernel_fit.MOE_CARDS[r["gpu"]]), 1024, tp=tp,
                       weight_bytes=1.0 if fp8 else 2.0, gemm_dtype="fp8" if fp8 else "")
         t = m._expert_s(float(r["tokens"]), m.hw, False)
         got = abs(t / (float(r["time_us"]) * 1e-6) - 1)
-        errs.setdefault((FAMILY[r["gpu"]], r["kind"]), []).append(got)
+        errs.setdefault((kernel_fit.MOE_FAMILY[r["gpu"]], r["kind"]), []).append(got)
     for (family, kind), a in errs.items():
         # Every fused row within the kind's worst, and their median no worse than the
         # whole fit's (DeepGEMM's rows included) by more than rounding.
