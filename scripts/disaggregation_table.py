@@ -22,6 +22,7 @@ from typing import Any
 
 from omegaconf import open_dict
 
+from harness.cluster.disagg_records import SPLIT
 from harness.config import compose_config
 from harness.runner import run
 
@@ -41,12 +42,10 @@ CONFIGS: list[tuple[str, int, list[str]]] = [
 ]
 BACKENDS = {"paged": "bf16", "fp8": "fp8"}
 KEYS = ("latency.slo_attainment", "latency.goodput_rps", "latency.ttft_ms.p50",
-        "latency.tpot_ms.p50", "latency.ttft_ms.frontend.p50",
-        "latency.ttft_ms.prefill_queue.p50",
-        "latency.ttft_ms.prefill.p50", "latency.ttft_ms.transfer.p50",
-        "latency.ttft_ms.decode_queue.p50", "cluster.prefill.utilization",
-        "cluster.decode.utilization", "cluster.transfer_time_ms.p50", "run.engine",
-        "run.engine_source", "run.expected_error")
+        "latency.tpot_ms.p50", *(f"latency.ttft_ms.{k}.p50" for k in SPLIT),
+        "cluster.prefill.utilization", "cluster.decode.utilization",
+        "cluster.transfer_time_ms.p50", "run.engine", "run.engine_source",
+        "run.expected_error")
 
 
 def probe(overrides: list[str], rate: float, cache: dict[str, Any]) -> dict[str, Any]:
@@ -106,8 +105,7 @@ def main() -> None:
           "decode |")
     print("|---|---|---|---|---|---|")
     for kv, label, g, m in rows:
-        split = " / ".join(ms(m, f"latency.ttft_ms.{k}.p50") for k in (
-            "frontend", "prefill_queue", "prefill", "transfer", "decode_queue"))
+        split = " / ".join(ms(m, f"latency.ttft_ms.{k}.p50") for k in SPLIT)
         busy = (f"{m['cluster.prefill.utilization']:.2f} / {m['cluster.decode.utilization']:.2f}"
                 if m.get("cluster.prefill.utilization") is not None else "-")
         print(f"| {kv} | {label} | {g:.3f} | {ms(m, 'latency.ttft_ms.p50')}"
