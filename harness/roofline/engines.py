@@ -86,6 +86,16 @@ class EngineProfile:
     fitted_to: tuple[str, ...] = ()  # fit.yaml sources
     note: str = ""
 
+    def frontend_s(self, prompt_tokens: int) -> float:
+        """A served request's front-end seconds: ``request_s + prompt_token_s x
+        prompt_tokens`` (0 for an offline run: the caller decides whether it is served)."""
+        return self.request_s + self.prompt_token_s * prompt_tokens
+
+    @property
+    def has_frontend(self) -> bool:
+        """Whether a served request pays a front end at all (fitted, or set)."""
+        return bool(self.request_s or self.prompt_token_s)
+
 
 VLLM_V1 = "vllm-v1"  # a size rule: vLLM's defaults by usage context and card
 SGLANG = "sglang"  # a size rule: SGLang's server_args by memory and pool

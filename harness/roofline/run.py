@@ -104,9 +104,8 @@ def build_roofline(rc: RunConfig, workload: Workload, quiet: bool = False,
                         groups=plan, make_scheduler=lanes)
     ex.fast_path = "lanes" if lanes.why is None else f"off: {lanes.why}"
     ex.sizes = sizes.label()
-    if r.served and profile is not None and (profile.request_s or profile.prompt_token_s):
-        a, b = profile.request_s, profile.prompt_token_s
-        st.collector.frontend = lambda n: a + b * n  # TTFT and E2E, not the engine's steps
+    if r.served and profile is not None and profile.has_frontend:
+        st.collector.frontend = profile.frontend_s  # TTFT and E2E, not the engine's steps
     return st, ex
 
 

@@ -33,6 +33,7 @@ import json
 import math
 import statistics
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ import yaml
 from harness.errors import UserError
 from harness.roofline.bands import GPU_CLASS
 from harness.roofline.engines import CONSTANTS, FIT_RESULT, SGLANG, VLLM_V1
+from harness.roofline_tools.closed_loop import closed_loop, front_end_extra
 
 HERE = Path(__file__).resolve().parents[1] / "roofline" / "published"
 VALIDATION_RESULT = HERE / "validation_result.json"  # read by harness.roofline.bands
@@ -261,28 +263,37 @@ def _bounds(v: Any) -> tuple[int, int]:
     return int(v), int(v)
 
 
-def predicted(result: Any, concurrency: int = 0) -> dict[str, float]:
+def predicted(result: Any, concurrency: int = 0,
+              frontend: Callable[[int], float] | None = None) -> dict[str, float]:
     """Every metric of :data:`METRICS` from a run's result (``harness.runner.RunResult``).
     ``concurrency``: a closed loop of that many clients, run as a queue at t=0 under
-    ``max_num_seqs`` (:func:`overrides`): a client sends its next request when one
-    finishes, so a request's TTFT and end-to-end time count from the finish that freed
-    its slot (the k-th finish for the (c + k)-th request), not from t=0."""
+    ``max_num_seqs`` (:func:`overrides`; harness.roofline_tools.closed_loop): a client
+    sends its next request when one finishes, so a request's TTFT and end-to-end time
+    count from the finish that freed its slot, and keep its own front end
+    (``frontend``: a served run's seconds by prompt tokens, already in each request's
+    TTFT and end-to-end time); each client's chain of requests pays its front ends."""
     m = result.metrics
     rows = [r for r in result.requests if r["status"] == "finished"]
     tpot = [float(r["tpot_ms"]) for r in rows if r["output_tokens"] > 1]
     ttft = [float(r["ttft_ms"]) for r in rows]
     e2e = [float(r["e2e_ms"]) for r in rows]
-    if concurrency:
+    scale = 1.0  # a closed loop's throughput, its run longer by the front ends
+    if concurrency and rows:
+        fe = [frontend(int(r["prompt_tokens"])) if frontend else 0.0 for r in rows]
         order = sorted(range(len(rows)), key=lambda i: rows[i]["request_id"])
-        done = sorted(r["arrival_s"] * 1e3 + e for r, e in zip(rows, e2e))
-        sent = [0.0] * len(rows)
-        for k, i in enumerate(order[concurrency:]):
-            sent[i] = done[k] - rows[i]["arrival_s"] * 1e3
-        ttft = [t - s for t, s in zip(ttft, sent)]
-        e2e = [t - s for t, s in zip(e2e, sent)]
-    return {"requests_per_s": m["throughput.requests_per_s"],
-            "output_tokens_per_s": m["throughput.output_tokens_per_s"],
-            "total_tokens_per_s": m["throughput.total_tokens_per_s"],
+        # The engine's finishes (the front end out: it delays a request's arrival at the
+        # engine, not the next one's send).
+        fin = [rows[i]["arrival_s"] + e2e[i] / 1e3 - fe[i] for i in order]
+        sent, _ = closed_loop(fin, concurrency)
+        for i, s_at in zip(order, sent):
+            wait = (s_at - rows[i]["arrival_s"]) * 1e3
+            ttft[i] -= wait
+            e2e[i] -= wait
+        wall = len(rows) / m["throughput.requests_per_s"]
+        scale = wall / (wall + front_end_extra(fin, [fe[i] for i in order], concurrency))
+    return {"requests_per_s": m["throughput.requests_per_s"] * scale,
+            "output_tokens_per_s": m["throughput.output_tokens_per_s"] * scale,
+            "total_tokens_per_s": m["throughput.total_tokens_per_s"] * scale,
             "tpot_ms_mean": statistics.fmean(tpot), "tpot_ms_median": statistics.median(tpot),
             "ttft_ms_mean": statistics.fmean(ttft), "ttft_ms_median": statistics.median(ttft),
             "e2e_ms_median": statistics.median(e2e),
@@ -303,14 +314,16 @@ def run_point(args: tuple[dict[str, Any], dict[str, Any], bool]) -> dict[str, An
 
 def _run_point(point: dict[str, Any], source: dict[str, Any], trace: bool) -> dict[str, Any]:
     from harness.config import compose_config
+    from harness.roofline.engines import PROFILES
     from harness.roofline.run import RooflineTarget
     from harness.runner import run
 
     cfg = compose_config(overrides(point, source))
+    prof = PROFILES[point["engine"]]  # (its served front end, as the run adds it)
+    fe = prof.frontend_s if served(point, source) and prof.has_frontend else None
     t0 = time.perf_counter()
     traced: list[tuple[float, int, bool, float]] = []
     allreduce: list[Any] = []  # the step model's all-reduces a step and their latency
-    front: list[Any] = [None]  # the served front end's seconds by prompt tokens
     if trace:  # record the steps: RooflineTarget.build hands the executor over
         orig = RooflineTarget.build
 
@@ -324,7 +337,6 @@ def _run_point(point: dict[str, Any], source: dict[str, Any], trace: bool) -> di
             allreduce[:] = [m.allreduces, m.allreduce_latency,
                             0.0 if m.custom_ar else m.hw.allreduce_latency(m.tp),
                             m.overlap_cpu]
-            front[:] = [st.collector.frontend]
             return st
 
         RooflineTarget.build = build  # type: ignore[method-assign]
@@ -334,7 +346,7 @@ def _run_point(point: dict[str, Any], source: dict[str, Any], trace: bool) -> di
             RooflineTarget.build = orig  # type: ignore[method-assign]
     else:
         res = run(cfg)
-    out = {"id": point["id"], "pred": predicted(res, int(point.get("concurrency", 0))),
+    out = {"id": point["id"], "pred": predicted(res, int(point.get("concurrency", 0)), fe),
            "sim_s": time.perf_counter() - t0,
            "preemptions": res.metrics["sched.preemptions_recompute"],
            "max_running_seqs": res.metrics["memory.max_running_seqs"],
@@ -346,13 +358,14 @@ def _run_point(point: dict[str, Any], source: dict[str, Any], trace: bool) -> di
         out["output_tokens"] = sum(r["output_tokens"] for r in res.requests)
         out["prompt_tokens"] = sum(r["prompt_tokens"] for r in res.requests)
         # Each finished request's (arrival, first token, finish, output tokens, prompt
-        # tokens), its times as the engine made them (a served front end's share out).
-        fe = front[0] or (lambda n: 0.0)
-        rows = [r for r in res.requests if r["status"] == "finished"]
-        out["requests"] = [(r["arrival_s"],
-                            r["arrival_s"] + r["ttft_ms"] / 1e3 - fe(r["prompt_tokens"]),
-                            r["arrival_s"] + r["e2e_ms"] / 1e3 - fe(r["prompt_tokens"]),
-                            r["output_tokens"], r["prompt_tokens"]) for r in rows]
+        # tokens, front end), in the order sent, its times as the engine made them (a
+        # served front end's share out, kept apart: its seconds).
+        rows = sorted((r for r in res.requests if r["status"] == "finished"),
+                      key=lambda r: r["request_id"])
+        out["requests"] = [
+            (r["arrival_s"], r["arrival_s"] + r["ttft_ms"] / 1e3 - f,
+             r["arrival_s"] + r["e2e_ms"] / 1e3 - f, r["output_tokens"], r["prompt_tokens"], f)
+            for r in rows for f in [fe(r["prompt_tokens"]) if fe else 0.0]]
     return out
 
 
@@ -409,9 +422,11 @@ def _figure_rows(point: dict[str, Any], r: dict[str, Any], c: np.ndarray | None 
     predicted = base + a . constants, exactly, while the schedule stays the one traced (it
     does not depend on time when every request is there at t=0). A run's length for a
     throughput figure (its tokens or requests over the figure); a request's end-to-end
-    time, the sum of the steps up to the one that finished it; a mean TPOT, each request's
-    steps after its first token over its output tokens - 1. A median is the median
-    request's (two middle ones averaged). ``c``: the constants an overlapping engine's
+    time, the sum of the steps up to the one that finished it and its served front end; a
+    mean TPOT, each request's steps after its first token over its output tokens - 1. A
+    median is the median request's (two middle ones averaged). A closed loop's run is
+    longer by its clients' front ends (harness.roofline_tools.closed_loop: a constant
+    here, taken at the traced finishes). ``c``: the constants an overlapping engine's
     steps are linearized at (:func:`_steps`; default the run's own)."""
     now = _current(point, r)
     fwd, x, t_end = _steps(r, now if c is None else c)
@@ -425,10 +440,11 @@ def _figure_rows(point: dict[str, Any], r: dict[str, Any], c: np.ndarray | None 
     # finish that freed its slot came (:func:`predicted`), itself a step's end.
     clients = int(point.get("concurrency", 0))
     sent = [q[0] for q in reqs]
+    front = [q[5] for q in reqs]
+    extra = 0.0
     if clients:
-        done = sorted(q[2] for q in reqs)
-        for k in range(clients, len(reqs)):
-            sent[k] = done[k - clients]
+        sent, _ = closed_loop([q[2] for q in reqs], clients)
+        extra = front_end_extra([q[2] for q in reqs], front, clients)
     fig = point["figures"]
     out: list[tuple[str, float, np.ndarray, float]] = []
     for metric, pub in fig.items():
@@ -437,15 +453,15 @@ def _figure_rows(point: dict[str, Any], r: dict[str, Any], c: np.ndarray | None 
             work = {"output_tokens_per_s": r["output_tokens"], "requests_per_s":
                     point["num_prompts"],
                     "total_tokens_per_s": r["output_tokens"] + r["prompt_tokens"]}[metric]
-            out.append((metric, float(cf[-1]), cx[-1], work / pub))
+            out.append((metric, float(cf[-1]) + extra, cx[-1], work / pub))
             continue
         if metric.startswith("e2e_ms"):
-            per = [(cf[at(fin)] - cf[at(arr)], cx[at(fin)] - cx[at(arr)])
-                   for arr, fin in zip(sent, (q[2] for q in reqs))]
+            per = [(cf[at(q[2])] - cf[at(arr)] + fe, cx[at(q[2])] - cx[at(arr)])
+                   for arr, q, fe in zip(sent, reqs, front)]
         elif metric.startswith("tpot_ms"):
             per = [((cf[at(fin)] - cf[at(first)]) / (n - 1),
                     (cx[at(fin)] - cx[at(first)]) / (n - 1))
-                   for _, first, fin, n, _ in reqs if n > 1]
+                   for _, first, fin, n, *_ in reqs if n > 1]
         else:
             continue  # TTFT and ITL are not fitted
         if metric.endswith("_median"):
@@ -521,11 +537,14 @@ def _fit_at(runs: list[tuple[dict[str, Any], dict[str, Any]]], keys: tuple[int, 
 def do_fit(jobs: int) -> dict[str, Any]:
     """Fit every engine profile with all-at-once points in :data:`FITTED_SETS` (its CPU
     constants), then its served front end to its served points at light load
-    (:func:`fit_served`). Dense models' points only: a mixture-of-experts point's error
-    is the grouped expert GEMMs' efficiency, which has no kernel profile yet
+    (:func:`fit_served`: open loops at a finite rate and closed loops), then the CPU
+    constants again with that front end in the all-at-once points' end-to-end times and
+    closed loops' lengths (the same traces: a front end does not change a schedule).
+    Dense models' points only: a mixture-of-experts point's error is the grouped expert
+    GEMMs' efficiency, which has no kernel profile yet
     (docs/results/2026-12-05-whatif-physics.md); CPU time fitted to it would hide that
     and misprice every dense run (reported, never fitted)."""
-    from harness.roofline.engines import PROFILES, reload_fit
+    from harness.roofline.engines import reload_fit
     from harness.roofline.models import get_model_spec
 
     sources: dict[str, Any] = {}
@@ -538,6 +557,41 @@ def do_fit(jobs: int) -> dict[str, Any]:
     at_once = [p for p in fitted_runs if p["rate"] == 0]
     res = {r["id"]: r for r in run_all(at_once, sources, jobs, trace=True)}
     result: dict[str, Any] = {"fitted_at": time.strftime("%Y-%m-%d"), "engines": {}}
+    _fit_cpu(at_once, res, result)
+    FIT_RESULT.write_text(json.dumps(result, indent=1) + "\n")
+    reload_fit()  # the served points run with the CPU constants just fitted
+    light = [p for p in fitted_runs if (p["rate"] > 0 or p.get("concurrency"))
+             and served(p, sources[p["source"]])
+             and any(m.startswith("ttft") for m in p["figures"])]
+    lres = {r["id"]: r for r in run_all(light, sources, jobs, trace=True)}
+    for eng in sorted({p["engine"] for p in light}):
+        pts = [(p, lres[p["id"]]) for p in light
+               if p["engine"] == eng and "error" not in lres[p["id"]]]
+        front = fit_served(pts)
+        if front is None:
+            continue
+        entry = result["engines"].setdefault(eng, {"points": [], "sources": []})
+        entry.update(front)
+        entry["sources"] = sorted(set(entry["sources"]) | {p["source"] for p, _ in pts})
+    # The CPU constants again, each served point's requests paying the front end just
+    # fitted (what its predicted end-to-end times and closed-loop lengths will carry).
+    for p in at_once:
+        r, e = res[p["id"]], result["engines"].get(p["engine"], {})
+        if "requests" in r and served(p, sources[p["source"]]):
+            a, b = e.get("request_s", 0.0), e.get("prompt_token_s", 0.0)
+            r["requests"] = [(*q[:5], a + b * q[4]) for q in r["requests"]]
+    _fit_cpu(at_once, res, result)
+    FIT_RESULT.write_text(json.dumps(result, indent=1) + "\n")
+    reload_fit()
+    return result
+
+
+def _fit_cpu(at_once: list[dict[str, Any]], res: dict[str, dict[str, Any]],
+             result: dict[str, Any]) -> None:
+    """Each engine's CPU constants fitted to its traced all-at-once runs ``res``, into
+    ``result["engines"]`` (a front end fitted before is kept)."""
+    from harness.roofline.engines import PROFILES
+
     for eng in sorted({p["engine"] for p in at_once}):
         pts = [(p, res[p["id"]]) for p in at_once
                if p["engine"] == eng and "error" not in res[p["id"]]]
@@ -554,26 +608,13 @@ def do_fit(jobs: int) -> dict[str, Any]:
         fitted: dict[str, Any] = fit_engine(pts, keys)
         if not ar:
             fitted["allreduce_latency_s"] = None
-        result["engines"][eng] = {**fitted,
+        old = result["engines"].get(eng, {})
+        kept = {k: old[k] for k in ("request_s", "prompt_token_s", "served_points")
+                if k in old}
+        result["engines"][eng] = {**fitted, **kept,
                                   "points": [p["id"] for p, _ in pts],
-                                  "sources": sorted({p["source"] for p, _ in pts})}
-    FIT_RESULT.write_text(json.dumps(result, indent=1) + "\n")
-    reload_fit()  # the served points run with the CPU constants just fitted
-    light = [p for p in fitted_runs if p["rate"] > 0 and served(p, sources[p["source"]])
-             and any(m.startswith("ttft") for m in p["figures"])]
-    res = {r["id"]: r for r in run_all(light, sources, jobs, trace=True)}
-    for eng in sorted({p["engine"] for p in light}):
-        pts = [(p, res[p["id"]]) for p in light
-               if p["engine"] == eng and "error" not in res[p["id"]]]
-        front = fit_served(pts)
-        if front is None:
-            continue
-        entry = result["engines"].setdefault(eng, {"points": [], "sources": []})
-        entry.update(front)
-        entry["sources"] = sorted(set(entry["sources"]) | {p["source"] for p, _ in pts})
-    FIT_RESULT.write_text(json.dumps(result, indent=1) + "\n")
-    reload_fit()
-    return result
+                                  "sources": sorted({p["source"] for p, _ in pts}
+                                                    | set(old.get("sources", ())))}
 
 
 LIGHT_TTFT_S = 0.2  # a served point's engine-side median TTFT below this: light load
@@ -584,10 +625,14 @@ def fit_served(runs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, A
     each request's TTFT (harness.roofline.engines), by non-negative least squares on the
     relative error of every TTFT figure of its served points at light load (the engine's
     own median TTFT under :data:`LIGHT_TTFT_S`: no queue, so what the model misses there
-    is the front end, not the schedule). None: no such point."""
+    is the front end, not the schedule). A closed loop's request counts from when its
+    client sent it (harness.roofline_tools.closed_loop). None: no such point."""
     rows, target, used = [], [], []
     for point, r in runs:
-        eng = np.array([first - arr for arr, first, _, _, _ in r["requests"]])
+        sent = [q[0] for q in r["requests"]]
+        if point.get("concurrency"):
+            sent, _ = closed_loop([q[2] for q in r["requests"]], int(point["concurrency"]))
+        eng = np.array([q[1] - s for q, s in zip(r["requests"], sent)])
         prompt = np.array([float(q[4]) for q in r["requests"]])
         if not len(eng) or float(np.median(eng)) >= LIGHT_TTFT_S:
             continue

@@ -150,6 +150,23 @@ def test_a_served_request_pays_its_front_end_and_an_offline_one_does_not(
         assert s["tpot_ms"] == pytest.approx(o["tpot_ms"])
 
 
+def test_a_closed_loop_client_pays_its_own_front_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two clients, six equal requests: each request's TTFT and end-to-end time carry its
+    # own front end (30 ms: they cancelled against the finish that freed its slot, which
+    # carried one too), and each client's chain of three pays three (the run 90 ms longer).
+    prof = dataclasses.replace(engines.PROFILES["vllm-v1"], request_s=0.02,
+                               prompt_token_s=1e-5)
+    monkeypatch.setitem(engines.PROFILES, "vllm-v1", prof)
+    p = _point("vllm-v1", 1000, 50, 6, concurrency=2)
+    served = validate.run_point((p, {"served": True}, False))["pred"]
+    offline = validate.run_point((p, {"served": False}, False))["pred"]
+    for m in ("ttft_ms_mean", "ttft_ms_median", "e2e_ms_median"):
+        assert served[m] - offline[m] == pytest.approx(30.0, abs=1e-6), m
+    assert served["tpot_ms_mean"] == pytest.approx(offline["tpot_ms_mean"])
+    longer = 6 / served["requests_per_s"] - 6 / offline["requests_per_s"]
+    assert longer == pytest.approx(0.09, rel=1e-6)
+
+
 # -- finding 9: what is not built is refused, naming the feature -------------------------
 @pytest.mark.parametrize(("override", "message"), [
     ("roofline.hardware=gb200", r"gb200 is not modelled.*NVL72"),

@@ -98,7 +98,7 @@ def test_engine_fit_recovers_known_constants() -> None:
                  for f, q, fr, t in zip(fwd, seqs, fresh, ran_t)]
         # One request finishes at each of four steps, its first token at step 10.
         ends = (60, 99, 150, 199)
-        reqs = [(0.0, float(ran_t[10]), float(ran_t[e]), e - 9, 100) for e in ends]
+        reqs = [(0.0, float(ran_t[10]), float(ran_t[e]), e - 9, 100, 0.0) for e in ends]
         tpot = np.mean([(true_t[e] - true_t[10]) / (e - 10) for e in ends])
         e2e = np.median([true_t[e] for e in ends])
         point = {"figures": {"requests_per_s": 100 / true_t[-1], "tpot_ms_mean": 1e3 * tpot,
