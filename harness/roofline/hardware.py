@@ -212,6 +212,25 @@ def _cited(name: str, sheet: str) -> dict[str, Any]:
 # block-wise ratio.
 HOPPER_FP8 = {"fp8": 0.67, "fp8_block": 0.50}
 
+# The B200's GEMM constants (`python -m harness.roofline_tools.kernel_fit --b200`; tests/
+# roofline/test_b200_kernels.py re-fits and checks), fitted by the H100's rules at the
+# b200 spec's datasheet peaks to published B200 kernel tables (harness/roofline_tools/
+# data/vllm_b200: vLLM's GEMM benchmarks on one B200 at Llama-3.1-8B's layer shapes,
+# 1-16384 tokens, 2025-05..07): bf16 (torch / cuBLAS; 24 rows, 3 shapes) reaches 0.64 of
+# its peak (the H100's 0.70), its weights stream at 0.80 of the 7.67 TB/s (0.90), the
+# corner is rounder (p 3.0, 1.5) and a kernel costs 2 us (6 us): median error 4.9%, worst
+# 39.1% (cuBLAS's 4096 x 4096 GEMV at 1 token: 12.3 us). No B200 table times the
+# non-GEMM kernels or NCCL's all-reduce: those stay the H100's, a prior.
+BLACKWELL_KERNELS: dict[str, Any] = dict(
+    H100_KERNELS, eff_gemm=0.64, eff_bw=0.80, gemm_corner_p=3.0, gemm_kernel_s=2e-6)
+# Low-precision GEMMs on the B200, each the share of its own peak that fits (same fit):
+# fp8 per-channel / per-token (vLLM's CUTLASS, tuned for SM100 in vLLM #18778 / #19566;
+# 13 rows to 1024 tokens: median 6.3%, worst 17.6%) 0.54; NVFP4 (vLLM's CUTLASS before
+# its SM100 tuning, #20578; 11 rows: median 21.6%, worst 62.0%, the untuned kernels
+# 45-62% slower than the model up to 256 tokens) 0.36; its 16384-token row alone 0.43.
+# Block-wise fp8 is timed by no B200 table: Hopper's share, a prior.
+BLACKWELL_GEMM = {"fp8": 0.54, "fp8_block": HOPPER_FP8["fp8_block"], "fp4": 0.36}
+
 # MoE expert GEMMs (`python -m harness.roofline_tools.kernel_fit --moe`, from harness/
 # roofline_tools/data/moe and data/deepgemm/grouped_gemm_h800.csv; tests/roofline/
 # test_moe_kernels.py re-fits and checks): t = t0 per MoE layer + the expert GEMMs'
@@ -263,13 +282,15 @@ HARDWARE: dict[str, HardwareSpec] = {h.name: h for h in (
          **_cited("l40s", "NVIDIA L40S datasheet: 362.05 TFLOPS bf16, 733 fp8, 733 TOPS "
                   "int8 (dense: half the sparsity figures), 91.6 TFLOPS fp32, 864 GB/s "
                   "GDDR6")),
-    # B200 (HGX, 1000 W): an unfitted prior. No kernel profile of a B200 exists here: the
-    # H100's kernel constants and fp8 shares; FP4 GEMMs at the bf16 share. NVLink 5 is
-    # 900 GB/s one way; NCCL's bus bandwidth taken at the H100's share of its link (340 of
-    # 450). HBM3e bandwidth from the bus width CUDA reports (7,680 bits) and the memory
-    # clock (3,996 MHz, double data rate): 7.67 TB/s, not the 8 TB/s once published.
-    _gpu("b200", 2250, 4500, 4500, 80, 7.672, link=680, fp4=9000, **H100_KERNELS,
-         eff_gemm_dtype=HOPPER_FP8,
+    # B200 (HGX, 1000 W): GEMMs fitted to published B200 kernel tables (BLACKWELL_KERNELS,
+    # BLACKWELL_GEMM); the non-GEMM kernels, the all-reduce's latency and block-wise fp8
+    # are the H100's (a prior), and MoE experts take the dense shares (no B200 MoE table).
+    # NVLink 5 is 900 GB/s one way; NCCL's bus bandwidth taken at the H100's share of its
+    # link (340 of 450), a prior. HBM3e bandwidth from the bus width CUDA reports (7,680
+    # bits) and the memory clock (3,996 MHz, double data rate): 7.67 TB/s, not the 8 TB/s
+    # once published.
+    _gpu("b200", 2250, 4500, 4500, 80, 7.672, link=680, fp4=9000, **BLACKWELL_KERNELS,
+         eff_gemm_dtype=BLACKWELL_GEMM, source="fitted",
          **_cited("b200", "NVIDIA HGX B200 datasheet, per GPU, dense (half the sparsity "
                   "figures): 2.25 PFLOPS bf16, 4.5 fp8, 4.5 POPS int8, 9 PFLOPS fp4, 80 "
                   "TFLOPS fp32 (as torchao's roofline_utils carries them); 7.67 TB/s HBM3e "

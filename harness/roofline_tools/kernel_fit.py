@@ -1,6 +1,6 @@
 """Fit a GPU spec's kernel constants to Vidur's profiled kernel times.
 
-    python -m harness.roofline_tools.kernel_fit [--gpu h100|a100] [--fp8] [--moe]
+    python -m harness.roofline_tools.kernel_fit [--gpu h100|a100] [--fp8] [--moe] [--b200]
 
 The tables (harness/roofline_tools/data/vidur, from microsoft/vidur) time each decoder layer's
 GEMMs and other kernels per tensor-parallel rank at 1..8192 tokens, and NCCL all-reduces
@@ -29,6 +29,12 @@ by size. Three models come out of them, each a few constants of ``HardwareSpec``
   DeepSeek's published H800 table (harness/roofline_tools/data/deepgemm: the CUTLASS 3.6
   baseline's times; H800 = H100 SXM's compute and HBM3), checked against FBGEMM's
   block-wise ratio. Vidur profiles no fp8.
+- **The B200's GEMMs** (``--b200``): published B200 kernel tables
+  (harness/roofline_tools/data/vllm_b200: vLLM's GEMM benchmarks at Llama-3.1-8B's
+  layer shapes, 1-16384 tokens, torch bf16 / CUTLASS fp8 / CUTLASS NVFP4) fitted by the
+  same rules at the b200 spec's datasheet peaks: the bf16 rows give the GEMM model's
+  four constants, the fp8 and fp4 rows each the share of their peak. No B200 table
+  times the non-GEMM kernels or the all-reduce: those stay the H100's (a prior).
 - **MoE expert GEMMs on Hopper and the A100** (``--moe``): published fused-MoE kernel
   tables (harness/roofline_tools/data/moe: vLLM's and SGLang's Triton ``fused_experts``
   at 1-4096 tokens on Mixtral-, Qwen3-, Moonlight- and DeepSeek-R1-shaped layers) and DeepGEMM's
@@ -53,6 +59,7 @@ from typing import Any
 import numpy as np
 
 from harness.roofline.arch import nongemm_bytes
+from harness.roofline.config import WEIGHT_BYTES
 from harness.roofline.hardware import A100_KERNELS, H100_KERNELS, get_hardware
 from harness.roofline.steptime import expert_load, mean_busy_tokens, moe_roof_s, moe_share
 
@@ -62,6 +69,11 @@ FP8_RATIOS = DATA.parent / "fbgemm" / "fp8_vs_bf16_h100.csv"
 PEAK_FP8_H100 = 1979e12
 MOE_TABLE = DATA.parent / "moe" / "fused_moe_kernels.csv"
 GROUPED_TABLE = DATA.parent / "deepgemm" / "grouped_gemm_h800.csv"
+# Published B200 GEMM tables (vLLM's kernel benchmarks; data/vllm_b200/README.md) and
+# the bytes a value of each low-precision kind's operands take (NVFP4: 4 bits and an
+# fp8 scale per 16 values), as the step model counts them.
+B200_TABLE = DATA.parent / "vllm_b200" / "gemm_b200.csv"
+B200_ELEM_BYTES = {"fp8": WEIGHT_BYTES["fp8"], "fp4": WEIGHT_BYTES["nvfp4"]}
 # The specs (datasheet peaks and HBM bandwidth) of the cards the MoE tables ran on (the
 # H800 is the H100 SXM's compute and HBM3).
 MOE_CARDS = {"h100": "h100-sxm", "h800": "h100-sxm", "h200": "h200", "a100": "a100-80gb"}
@@ -149,10 +161,17 @@ def gemm_time(params: np.ndarray | float, tokens: np.ndarray | float, peak: floa
 
 
 def fit_gemm(gpu: str) -> tuple[float, float, float, float, np.ndarray]:
-    """Grid search over (eff_gemm, eff_bw, p, t0), minimizing the squared log error;
-    returns the constants and each row's relative error."""
+    """The bf16 GEMM constants of Vidur's ``gpu`` tables (:func:`fit_gemm_rows`)."""
     P, T, y = _gemm_rows(gpu)
-    peak, bw = PEAK_BF16[gpu], MEM_BW[gpu]
+    return fit_gemm_rows(P, T, y, PEAK_BF16[gpu], MEM_BW[gpu])
+
+
+def fit_gemm_rows(P: np.ndarray, T: np.ndarray, y: np.ndarray, peak: float,
+                  bw: float) -> tuple[float, float, float, float, np.ndarray]:
+    """Grid search over (eff_gemm, eff_bw, p, t0) of bf16 GEMMs of ``P`` parameters at
+    ``T`` tokens taking ``y`` seconds on a card of ``peak`` FLOP/s and ``bw`` bytes/s,
+    minimizing the squared log error; returns the constants and each row's relative
+    error."""
     best: tuple[float, float, float, float, float] | None = None
     for p in P_GRID:
         for eg in np.arange(0.40, 1.001, 0.01):
@@ -181,13 +200,24 @@ def fp8_rows() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
 
 
 def fit_fp8(eff_bw: float, p: float, t0: float) -> tuple[float, np.ndarray]:
-    """The share of the fp8 peak that fits the FP8 table best (squared log error), with
+    """The share of the fp8 peak that fits the FP8 table best (:func:`fit_share`), with
     the bf16 fit's ``eff_bw``, ``p`` and ``t0``; and each row's relative error."""
     m, n, k, y = fp8_rows()
-    flops, nbytes = 2.0 * m * n * k, n * k + m * k + 2.0 * m * n  # fp8 in, bf16 out
+    return fit_share(m, n, k, y, 1.0, PEAK_FP8_H100, MEM_BW["h100"], eff_bw, p, t0)
+
+
+def fit_share(m: np.ndarray, n: np.ndarray, k: np.ndarray, y: np.ndarray,
+              elem_bytes: float, peak: float, bw: float, eff_bw: float, p: float,
+              t0: float) -> tuple[float, np.ndarray]:
+    """The share of ``peak`` (a low-precision dtype's FLOP/s) that fits GEMMs of M x N x
+    K taking ``y`` seconds best (squared log error, on a 0.01 grid), their operands of
+    ``elem_bytes`` a value (scales included) and a bf16 output, with a bf16 fit's
+    ``eff_bw``, ``p`` and ``t0``; and each row's relative error."""
+    flops = 2.0 * m * n * k
+    nbytes = elem_bytes * (n * k + m * k) + 2.0 * m * n
 
     def model(eff: float) -> np.ndarray:
-        c, mem = flops / (PEAK_FP8_H100 * eff), nbytes / (MEM_BW["h100"] * eff_bw)
+        c, mem = flops / (peak * eff), nbytes / (bw * eff_bw)
         return np.asarray((c ** p + mem ** p) ** (1.0 / p) + t0)
 
     grid = np.arange(0.20, 1.0001, 0.01)
@@ -227,6 +257,47 @@ def device_shares(rows: list[dict[str, Any]], peaks: dict[str, float],
         got = [r["tflops"] * 1e12 / peak for r in rows
                if r.get("dtype") == dtype and r.get("tflops") and r["m"] >= min_rows]
         out[dtype] = round(float(np.median(got)), 3) if got else None
+    return out
+
+
+def b200_rows(kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(M, N, K, seconds) of the B200 table's GEMMs of ``kind`` (bf16: torch's, fp8:
+    vLLM's CUTLASS per-channel / per-token, fp4: vLLM's CUTLASS NVFP4; each without the
+    activations' quantization), timed as TFLOP/s at that shape."""
+    with open(B200_TABLE, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["kind"] == kind]
+    m, n, k = (np.array([float(r[c]) for r in rows]) for c in ("m", "n", "k"))
+    tflops = np.array([float(r["tflops"]) for r in rows])
+    return m, n, k, 2.0 * m * n * k / (tflops * 1e12)
+
+
+def _errs(rel: np.ndarray) -> dict[str, Any]:
+    """A fit's median and worst absolute error (%), its row count and each row's error."""
+    a = np.abs(rel) * 100
+    return {"median_err_pct": round(float(np.median(a)), 1),
+            "worst_err_pct": round(float(np.max(a)), 1), "rows": len(rel),
+            "rel_pct": [round(float(r) * 100, 1) for r in rel]}
+
+
+def fit_b200() -> dict[str, Any]:
+    """The B200's GEMM constants from published B200 kernel tables (harness/roofline_tools/
+    data/vllm_b200), by the H100's rules at the b200 spec's datasheet peaks and HBM
+    bandwidth: the bf16 rows give eff_gemm, eff_bw, the corner p and the kernel cost t0
+    (:func:`fit_gemm_rows`, on the weights' bytes as Vidur's rows are read); fp8 and
+    fp4 rows each the share of their own peak with those kept (:func:`fit_share`, on all
+    operand bytes as DeepGEMM's rows are read). Returns the constants, the
+    ``eff_gemm_dtype`` shares, and each kind's errors (:func:`_errs`)."""
+    h = get_hardware("b200")
+    m, n, k, y = b200_rows("bf16")
+    eg, eb, p, t0, rel = fit_gemm_rows(n * k, m, y, h.flops("bf16"), h.mem_bw)
+    out: dict[str, Any] = {"eff_gemm": round(eg, 3), "eff_bw": round(eb, 3),
+                           "gemm_corner_p": p, "gemm_kernel_s": t0, "eff_gemm_dtype": {},
+                           "errors": {"bf16": _errs(rel)}}
+    for kind, elem in B200_ELEM_BYTES.items():
+        m, n, k, y = b200_rows(kind)
+        eff, rel = fit_share(m, n, k, y, elem, h.flops(kind), h.mem_bw, eb, p, t0)
+        out["eff_gemm_dtype"][kind] = eff
+        out["errors"][kind] = _errs(rel)
     return out
 
 
@@ -394,6 +465,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--moe", action="store_true",
                     help="fit the MoE expert GEMMs' kernel profile (Hopper) to the MoE "
                          "tables instead")
+    ap.add_argument("--b200", action="store_true",
+                    help="fit the B200's GEMM constants and fp8 / fp4 shares to the "
+                         "published B200 tables instead")
     ap.add_argument("--gpu-check", metavar="DIR",
                     help="the GEMM shares a GPU check's kernel-bandwidth.json measured "
                          "(DIR: its output folder), against the h200 spec's peaks")
@@ -403,6 +477,9 @@ def main(argv: list[str] | None = None) -> None:
         h = get_hardware("h200")
         print(json.dumps(device_shares(report.get("gemm_profile", []),
                                        {d: h.flops(d) for d in ("bf16", "fp8")})))
+        return
+    if args.b200:
+        print(json.dumps(fit_b200(), indent=1))
         return
     if args.moe:
         print(json.dumps({f: fit_moe(f) for f in ("hopper", "ampere")}, indent=1))
