@@ -225,11 +225,15 @@ BLACKWELL_KERNELS: dict[str, Any] = dict(
     H100_KERNELS, eff_gemm=0.64, eff_bw=0.80, gemm_corner_p=3.0, gemm_kernel_s=2e-6)
 # Low-precision GEMMs on the B200, each the share of its own peak that fits (same fit):
 # fp8 per-channel / per-token (vLLM's CUTLASS, tuned for SM100 in vLLM #18778 / #19566;
-# 13 rows to 1024 tokens: median 6.3%, worst 17.6%) 0.54; NVFP4 (vLLM's CUTLASS before
-# its SM100 tuning, #20578; 11 rows: median 21.6%, worst 62.0%, the untuned kernels
-# 45-62% slower than the model up to 256 tokens) 0.36; its 16384-token row alone 0.43.
-# Block-wise fp8 is timed by no B200 table: Hopper's share, a prior.
-BLACKWELL_GEMM = {"fp8": 0.54, "fp8_block": HOPPER_FP8["fp8_block"], "fp4": 0.36}
+# 13 rows to 1024 tokens: median 6.3%, worst 17.6%) 0.54. NVFP4 stays the prior (the
+# bf16 share): its only table (#20578) times vLLM's CUTLASS kernel before its SM100
+# configs were tuned (vLLM #20646 shows it as "Before"), not a kernel any engine runs
+# now; it fits 0.36 (11 rows: median 21.6%, worst 62.0%), a lower bound, where a later
+# kernel reports 0.58 (#42235, shape unread). Block-wise fp8 is timed by no B200 table:
+# Hopper's share, a prior.
+BLACKWELL_GEMM = {"fp8": 0.54, "fp8_block": HOPPER_FP8["fp8_block"],
+                  "fp4": BLACKWELL_KERNELS["eff_gemm"]}
+B200_FP4_UNTUNED = 0.36  # kernel_fit --b200's fit of the untuned NVFP4 table (not used)
 
 # MoE expert GEMMs (`python -m harness.roofline_tools.kernel_fit --moe`, from harness/
 # roofline_tools/data/moe and data/deepgemm/grouped_gemm_h800.csv; tests/roofline/
