@@ -45,6 +45,16 @@ class ArchSpec:
     # quantization_config.weight_block_size): such GEMMs reach less of the fp8 peak than
     # per-tensor ones (HardwareSpec.gemm_eff).
     fp8_block_scaled: bool = False
+    # Its quantized checkpoint quantizes only the routed experts: gpt-oss's MXFP4 lists
+    # self_attn, the router, the embeddings and lm_head in modules_to_not_convert (and
+    # vLLM's Mxfp4Config quantizes FusedMoE alone), so the dense path reads 16-bit weights
+    # whatever ``weight_dtype`` says (:meth:`dense_weight_bytes`).
+    experts_only_quant: bool = False
+
+    def dense_weight_bytes(self, weight_bytes: float) -> float:
+        """Bytes a weight of the dense path (attention, router, shared and dense MLPs)
+        takes when the checkpoint's linear layers are at ``weight_bytes``."""
+        return max(weight_bytes, 2.0) if self.experts_only_quant else weight_bytes
 
     def prefill_dims(self) -> tuple[int, int]:
         """The per-head dims of q.k and of the values in prefill (chunks included)."""

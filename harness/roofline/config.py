@@ -120,12 +120,14 @@ class RooflineConfig:
 
 
 def weights_bytes(arch: ArchSpec, cfg: RooflineConfig) -> int:
-    """The weights' bytes over the group: the linear layers at ``weight_dtype``; the
-    embedding and lm_head at 16 bits where that is narrower (quantized checkpoints, FP8,
-    INT8 and AWQ int4, keep them so)."""
+    """The weights' bytes over the group: the linear layers at ``weight_dtype`` (the dense
+    path at 16 bits where the checkpoint quantizes the experts alone:
+    ``ArchSpec.experts_only_quant``); the embedding and lm_head at 16 bits where that is
+    narrower (quantized checkpoints, FP8, INT8 and AWQ int4, keep them so)."""
     wb = WEIGHT_BYTES[cfg.weight_dtype]
     embed = arch.total_params() - arch.dense_params - arch.expert_params
-    return int((arch.dense_params + arch.expert_params) * wb + embed * max(wb, 2.0))
+    return int(arch.dense_params * arch.dense_weight_bytes(wb) + arch.expert_params * wb
+               + embed * max(wb, 2.0))
 
 
 def auto_kv_budget(arch: ArchSpec, hw: HardwareSpec, cfg: RooflineConfig) -> int:

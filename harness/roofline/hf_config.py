@@ -107,11 +107,16 @@ def from_hf_config(path: str | Path) -> ArchSpec:
         spec = _moe(c, name, model_type, experts, layers, hidden, heads, kv_heads, common)
     # What each layer's cache must hold (sliding / chunked layers: harness.layer_types);
     # an FP8 checkpoint with block-wise scales (quantization_config.weight_block_size).
+    # A checkpoint that leaves attention unquantized (modules_to_not_convert, gpt-oss's
+    # MXFP4) quantizes the experts alone.
     quant = raw.get("quantization_config")
     block = isinstance(quant, dict) and bool(quant.get("weight_block_size"))
+    kept = quant.get("modules_to_not_convert") if isinstance(quant, dict) else None
+    experts_only = bool(spec.num_experts) and isinstance(kept, list) \
+        and any("self_attn" in str(m) for m in kept)
     return dataclasses.replace(
         spec, layer_attention=layer_types.compact(layer_types.from_hf(raw, layers)),
-        fp8_block_scaled=block)
+        fp8_block_scaled=block, experts_only_quant=experts_only)
 
 
 def _moe(c: _Config, name: str, model_type: str, experts: dict[str, Any], layers: int,

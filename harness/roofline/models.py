@@ -50,7 +50,7 @@ def _deepseek_v3() -> ArchSpec:
 def _hybrid(name: str, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
             vocab: int, max_pos: int, attention: tuple[LayerAttention, ...], tied: bool,
             dense_ffn: int = 0, experts: int = 0, expert_ffn: int = 0, per_token: int = 0,
-            shared_ffn: int = 0) -> ArchSpec:
+            shared_ffn: int = 0, experts_only_quant: bool = False) -> ArchSpec:
     """A decoder whose layers differ in attention (harness.layer_types): GQA projections,
     then a dense gated MLP of ``dense_ffn``, or ``experts`` gated experts of
     ``expert_ffn`` (``per_token`` of them per token) with a router and a shared expert
@@ -63,7 +63,8 @@ def _hybrid(name: str, layers: int, hidden: int, heads: int, kv_heads: int, head
     return ArchSpec(name, layers, hidden, vocab, heads, kv_heads, head_dim, head_dim, head_dim,
                     dense, max_pos, tied, expert_params=layers * experts * 3 * hidden
                     * expert_ffn, num_experts=experts, experts_per_token=per_token,
-                    intermediate_size=width, layer_attention=attention)
+                    intermediate_size=width, layer_attention=attention,
+                    experts_only_quant=experts_only_quant)
 
 
 def _every(n: int, period: int, odd: LayerAttention, even: LayerAttention) -> tuple[
@@ -76,7 +77,9 @@ def _every(n: int, period: int, odd: LayerAttention, even: LayerAttention) -> tu
 # copies in TensorRT-LLM's and others' tests, transformers' defaults where a key is absent):
 # - gpt-oss-120b: 36 layers alternating sliding (128, layer 0) and full, 64 heads, 8 KV
 #   heads x 64, hidden 2880, 128 experts of 2880 (4 per token), no shared expert,
-#   vocab 201088, 131072 positions, untied. 116.8B parameters (published: 117B).
+#   vocab 201088, 131072 positions, untied. 116.8B parameters (published: 117B). Its
+#   MXFP4 checkpoint keeps attention, the router, embeddings and lm_head in bf16
+#   (quantization_config.modules_to_not_convert).
 # - Gemma-3-27B: 62 layers, 5 sliding (1024) then 1 global (layers 5, 11, .., 59: 10),
 #   32 heads, 16 KV heads x 128, hidden 5376, GeGLU 21504, vocab 262208, 131072
 #   positions, tied. 27.0B.
@@ -87,7 +90,7 @@ def _every(n: int, period: int, odd: LayerAttention, even: LayerAttention) -> tu
 GPT_OSS_120B = _hybrid(
     "gpt-oss-120b", 36, 2880, 64, 8, 64, 201088, 131072,
     _every(36, 2, FULL, LayerAttention("sliding", 128)), tied=False, experts=128,
-    expert_ffn=2880, per_token=4)
+    expert_ffn=2880, per_token=4, experts_only_quant=True)
 GEMMA_3_27B = _hybrid(
     "Gemma-3-27B", 62, 5376, 32, 16, 128, 262208, 131072,
     _every(62, 6, FULL, LayerAttention("sliding", 1024)), tied=True, dense_ffn=21504)

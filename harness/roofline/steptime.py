@@ -264,7 +264,7 @@ class StepModel:
         return StepWork(
             gemm_flops=2.0 * a.dense_params * tokens / tp
             + self.upproj_flops_per_key * pre_cached,
-            gemm_bytes=wb * a.dense_params / tp,
+            gemm_bytes=a.dense_weight_bytes(wb) * a.dense_params / tp,
             lm_flops=2.0 * vh * rows / tp,
             lm_bytes=(self.lm_weight_bytes * vh / tp) if rows else 0.0,
             pre_flops=self.pre_flops_per_pair * pairs,

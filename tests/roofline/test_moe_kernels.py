@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from harness.roofline.arch import ArchSpec
-from harness.roofline.config import WEIGHT_BYTES
+from harness.roofline.config import WEIGHT_BYTES, RooflineConfig, weights_bytes
 from harness.roofline.hardware import AMPERE_MOE, HARDWARE, HOPPER_MOE, get_hardware
 from harness.roofline.models import MODEL_SPECS
 from harness.roofline.steptime import StepModel, expert_load, mean_busy_tokens, moe_kind
@@ -105,6 +105,23 @@ def test_mxfp4_experts_are_weight_only_at_the_bf16_kernels_share() -> None:
     assert m._expert_s(1.0, h, False) == pytest.approx(by_hand, rel=1e-9)
     # A spec without a profile keeps the dense GEMM shares (the L40S).
     assert get_hardware("l40s").moe_kernels("w4a16") is None
+
+
+def test_gpt_oss_keeps_its_dense_path_in_bf16() -> None:
+    # gpt-oss's MXFP4 checkpoint quantizes the experts alone (modules_to_not_convert:
+    # attention, router, embeddings, lm_head). Its weights then come to the checkpoint's
+    # size: llama.cpp's GGUF of gpt-oss-120b (108 mxfp4 tensors, 146 bf16) is 60.87 GiB
+    # (ollama/ollama#16416's load log, 2026); with every linear layer at MXFP4 the
+    # what-if said 59.4 GiB, 2.5% short.
+    a = MODEL_SPECS["gpt-oss-120b"]
+    cfg = RooflineConfig(model="gpt-oss-120b", weight_dtype="mxfp4")
+    assert weights_bytes(a, cfg) / 2**30 == pytest.approx(60.87, rel=0.005)
+    # A decode step reads the dense path's weights at 2 bytes, the experts' at 4.25 bits.
+    m = StepModel(a, get_hardware("h100-sxm"), 1024, weight_bytes=WEIGHT_BYTES["mxfp4"])
+    assert m.work(1, 1, 1, 0.0, 0.0, 1.0).gemm_bytes == pytest.approx(2.0 * a.dense_params)
+    # A dense model's quantized checkpoint quantizes its linear layers (no exception).
+    llama = MODEL_SPECS["llama-3.1-8b"]
+    assert not llama.experts_only_quant and llama.dense_weight_bytes(0.5) == 0.5
 
 
 @pytest.mark.parametrize("dtype,wb,block,kind", [

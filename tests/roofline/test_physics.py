@@ -136,6 +136,29 @@ def test_a_config_json_with_block_scales_is_block_scaled(tmp_path: Path) -> None
     assert from_hf_config(tmp_path / "b").fp8_block_scaled
 
 
+def test_a_config_json_that_leaves_attention_unquantized_quantizes_experts_alone(
+        tmp_path: Path) -> None:
+    import json
+
+    from harness.roofline.hf_config import from_hf_config
+    cfg = {"model_type": "mixtral", "num_hidden_layers": 2, "hidden_size": 256,
+           "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "vocab_size": 1000, "max_position_embeddings": 2048, "num_local_experts": 8,
+           "num_experts_per_tok": 2,
+           "quantization_config": {"quant_method": "mxfp4",
+                                   "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                              "lm_head"]}}
+    for name, c, want in (("moe", cfg, True),
+                          ("all", {**cfg, "quantization_config": {"quant_method": "mxfp4"}},
+                           False),
+                          ("dense", {k: v for k, v in cfg.items() if "experts" not in k},
+                           False)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**c, "model_type": (
+            "llama" if name == "dense" else "mixtral")}))
+        assert from_hf_config(tmp_path / name).experts_only_quant is want, name
+
+
 def test_lm_head_stays_16_bit_in_a_quantized_checkpoint() -> None:
     a = MODEL_SPECS["llama-3.1-8b"]
     m = StepModel(a, get_hardware("h100-sxm"), 65536, weight_bytes=1.0, gemm_dtype="fp8")
