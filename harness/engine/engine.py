@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +66,9 @@ class Engine:
         # a modelled clock: on the wall clock, building a request (its prompt's text)
         # between steps would delay the next step and show in the latencies.
         pending: list[tuple[float, int, Request]] = []
-        arrivals = Arrivals(pending, workload, stream=not isinstance(clock, WallClock))
+        api = self.metrics.api  # a served what-if's API server retimes the arrivals
+        arrivals = Arrivals(pending, workload, stream=not isinstance(clock, WallClock),
+                            retime=api.retime if api is not None else None)
         try:
             self._loop(workload, arrivals, pending, start, progress)
         except BaseException:
@@ -301,16 +303,26 @@ class Arrivals:
     from one heap holding them all, without holding them all."""
 
     def __init__(self, pending: list[tuple[float, int, Request]], workload: Workload,
-                 stream: bool = True) -> None:
+                 stream: bool = True,
+                 retime: Callable[[Iterable[Request]], Iterator[Request]] | None = None
+                 ) -> None:
+        """``retime``: what the initial requests pass through first, in arrival order
+        (harness.metrics.api_server: a served what-if's API server, which keeps the
+        order); follow-ups do not."""
         self.pending = pending
         self._stream: Iterator[Request] | None = None
         self._head: Request | None = None
         if stream and isinstance(workload, StreamsRequests):
             self._stream = workload.stream_requests()
+            if retime is not None:
+                self._stream = retime(self._stream)
             self._head = next(self._stream, None)
             self.total = workload.num_initial
         else:
-            for r in workload.initial_requests():
+            initial: Iterable[Request] = workload.initial_requests()
+            if retime is not None:
+                initial = retime(sorted(initial, key=lambda r: (r.arrival_s, r.request_id)))
+            for r in initial:
                 heapq.heappush(pending, (r.arrival_s, r.request_id, r))
             self.total = len(pending)
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from harness.backends.costs import StepReads
 from harness.kv.base import KVManager, KVUsage
+from harness.metrics.api_server import ApiServer
 from harness.metrics.requestlog import RequestLog
 from harness.metrics.rows import StepRow
 from harness.metrics.steplog import StepLog
@@ -62,6 +63,10 @@ class MetricsCollector:
         # Front-end seconds of a request by its prompt tokens (a served what-if's: set by
         # harness.roofline.run); None: none.
         self.frontend: Callable[[int], float] | None = None
+        # A served what-if's API server as a serial stage (harness.metrics.api_server: set
+        # by harness.roofline.run); None: none. Its queue adds to the front-end seconds
+        # and delays when clients get tokens.
+        self.api: ApiServer | None = None
         self.steps = StepLog()  # one row per step, as columns
         self.requests: dict[int, RequestTimes] = {}  # running or waiting
         self.groups: dict[int, SequenceGroup] = {}  # running or waiting (or rejected)
@@ -102,6 +107,8 @@ class MetricsCollector:
         t = self.requests[group.request_id] = RequestTimes(arrival=now, row=self.rows.reserve())
         if self.frontend is not None:
             t.frontend_s = self.frontend(len(group.prompt_ids))
+        if self.api is not None:
+            t.frontend_s += self.api.wait_s(group.request_id)
         self.groups[group.request_id] = group
 
     def on_tokens(self, rec: StepRecord, upd: StepUpdate, sampled_groups: list[SequenceGroup],
@@ -128,6 +135,8 @@ class MetricsCollector:
                 elif t.last_token_step >= 0:
                     self.itl_other.append((now - self.token_t[t.last_token_step]) * 1e3)
                 t.last_token_step = k
+        if self.api is not None:  # before the rows of the requests this step finished
+            self.api.on_step(now, len(seen) + rec.lane_n)
         self._finished(upd.finished, now)
         for rid in upd.lane_joined:
             reqs[rid].lane_from = k + 1
@@ -163,7 +172,7 @@ class MetricsCollector:
         t = self.requests.pop(rid)
         t.finished = finished
         self.rows.fill(t.row, request_row(rid, g, t, self.kv.block_size,
-                                          self.bytes_per_slot, self.keep_outputs))
+                                          self.bytes_per_slot, self.keep_outputs, self.api))
         del self.groups[rid]
         if self.keep_outputs and g.seqs:
             self._outputs[rid] = g.output_ids
@@ -202,6 +211,8 @@ class MetricsCollector:
         step clock, the members' inter-token latencies, the finished requests' rows."""
         self.token_t.append(now)
         self.itl_next.append(n)
+        if self.api is not None:
+            self.api.on_step(now, n)
         if finished:
             self._finished(finished, now)
 
@@ -264,9 +275,12 @@ class StepFacts:
 
 
 def request_row(rid: int, g: SequenceGroup, t: RequestTimes, block_size: int,
-                bytes_per_slot: int, outputs: bool = True) -> dict[str, Any]:
+                bytes_per_slot: int, outputs: bool = True,
+                api: ApiServer | None = None) -> dict[str, Any]:
     """One request's requests.csv row (latencies in ms, relative to arrival); without
-    ``outputs``, no ``output_ids`` column (records.output_ids=false)."""
+    ``outputs``, no ``output_ids`` column (records.output_ids=false). ``api``: a served
+    what-if's API server: TTFT, TPOT and end-to-end time as its client got the tokens
+    (itl_ms_max stays the engine's)."""
     # Beam search: the chosen beam's tokens (forks copy their parent's outputs, so a
     # sum over beams would count shared history again). Samples: every sample's.
     out_tokens = (len(g.best_output) if g.best_output is not None
@@ -284,6 +298,13 @@ def request_row(rid: int, g: SequenceGroup, t: RequestTimes, block_size: int,
         tpot = float(np.add.reduce(itls)) / len(itls)
         itl_max = float(np.maximum.reduce(itls))
     e2e = (t.finished - t.arrival + t.frontend_s) * 1e3 if t.finished is not None else None
+    if api is not None and tt:  # when the client got its first and last tokens
+        first = api.lag(tt[0]) * 1e3
+        ttft = None if ttft is None else ttft + first
+        if tpot is not None:
+            tpot += (api.lag(tt[-1]) * 1e3 - first) / (len(tt) - 1)
+        if e2e is not None and t.finished is not None:
+            e2e += api.lag(t.finished) * 1e3
     best = g.seqs[0] if g.seqs else None
     row = {
         "request_id": rid,

@@ -64,7 +64,8 @@ def request_rows(col: MetricsCollector) -> RequestLog:
     (again on each call: the same values while nothing runs)."""
     bs, bps = col.kv.block_size, col.bytes_per_slot
     for rid, t in col.requests.items():
-        col.rows.fill(t.row, request_row(rid, col.groups[rid], t, bs, bps, col.keep_outputs))
+        col.rows.fill(t.row, request_row(rid, col.groups[rid], t, bs, bps, col.keep_outputs,
+                                         col.api))
     return col.rows
 
 

@@ -47,6 +47,10 @@ class RooflineConfig:
     # prompt_token_s) or offline (trtllm-bench, LLM.generate: none). Also picks vLLM V1's
     # default batch sizes (API server or LLM class).
     served: bool = True
+    # A served run's API server as a serial stage (harness.metrics.api_server: one process
+    # takes each request's input and each streamed token's output in turn, so a burst
+    # queues there), where its profile has one; false: the front end's delay alone.
+    api_server: bool = True
     # true: the engine's own scheduling (the profile's mixing, chunked prefill, admission
     # and prefix caching: harness.roofline.engines) where the command line sets none;
     # false: kvbench's (the decode lanes stay on), only the batch sizes follow the engine.

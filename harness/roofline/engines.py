@@ -79,6 +79,10 @@ class EngineProfile:
     # A served request's front-end seconds (fitted to served points' TTFT at low load).
     request_s: float = 0.0
     prompt_token_s: float = 0.0
+    # Its API server as a serial stage (harness.metrics.api_server; fitted to served
+    # bursts): seconds of one process per request's input and per streamed token.
+    api_request_s: float = 0.0
+    api_token_s: float = 0.0
     scheduler: dict[str, Any] = field(default_factory=dict)
     memory_utilization: float = 0.9  # the share of GPU memory its published runs used
     memory_utilization_of: str = "total"  # of the device's memory, or "free" (after weights)
@@ -90,6 +94,11 @@ class EngineProfile:
         """A served request's front-end seconds: ``request_s + prompt_token_s x
         prompt_tokens`` (0 for an offline run: the caller decides whether it is served)."""
         return self.request_s + self.prompt_token_s * prompt_tokens
+
+    @property
+    def has_api_server(self) -> bool:
+        """Whether a served run queues through its API server (fitted, or set)."""
+        return bool(self.api_request_s or self.api_token_s)
 
     @property
     def has_frontend(self) -> bool:
@@ -170,7 +179,8 @@ FIT_RESULT = Path(__file__).resolve().parent / "published" / "fit_result.json"
 # all-reduce latency (fitted only for an engine with points at tp > 1).
 CONSTANTS = ("schedule_s", "schedule_per_seq_s", "step_s", "step_per_seq_s",
              "allreduce_latency_s")
-SERVED = ("request_s", "prompt_token_s")  # fitted to served points' TTFT, apart
+SERVED = ("request_s", "prompt_token_s",  # fitted to served points' TTFT, apart
+          "api_request_s", "api_token_s")  # ... and to served bursts
 
 
 def _with_fit(profiles: dict[str, EngineProfile], path: Path) -> dict[str, EngineProfile]:

@@ -20,6 +20,7 @@ from harness import layer_types
 from harness.backends.base import KVBackend, KVLayout
 from harness.engine.sampler import Sampler
 from harness.errors import UserError
+from harness.metrics.api_server import ApiServer
 from harness.metrics.groups import group_metrics
 from harness.metrics.requestlog import RequestLog
 from harness.model import ByteTokenizer, parse_dtype
@@ -106,6 +107,8 @@ def build_roofline(rc: RunConfig, workload: Workload, quiet: bool = False,
     ex.sizes = sizes.label()
     if r.served and profile is not None and profile.has_frontend:
         st.collector.frontend = profile.frontend_s  # TTFT and E2E, not the engine's steps
+    if r.served and r.api_server and profile is not None and profile.has_api_server:
+        st.collector.api = ApiServer(profile.api_request_s, profile.api_token_s)
     return st, ex
 
 

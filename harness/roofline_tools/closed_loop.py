@@ -11,6 +11,9 @@ long after it was sent. The queue admits it at the finish that freed its slot, s
 the front end is added back: to each request's TTFT and end-to-end time (from when its
 client sent it), and to each client's chain of requests (a closed loop's run is longer by
 its front ends; the schedule is kept, a first-order account: exact for one client).
+A closed loop runs without the API server's queue (``roofline.api_server=false``,
+harness.metrics.api_server): its c clients keep at most c requests in it, where the
+queue at t=0 would push every request through it at once.
 """
 
 from __future__ import annotations

@@ -190,6 +190,8 @@ def overrides(run: dict[str, Any], source: dict[str, Any]) -> list[str]:
                f"workload.output_max={o1}"]
     ov += [f"scheduler.{k}={str(v).lower() if isinstance(v, bool) else v}"
            for k, v in _scheduler(run, source).items()]
+    if "concurrency" in run:  # its queue at t=0 is not a burst: no API-server queue
+        ov.append("roofline.api_server=false")  # (harness.roofline_tools.closed_loop)
     return ov
 
 
