@@ -548,12 +548,15 @@ def do_fit(jobs: int) -> dict[str, Any]:
     and misprice every dense run (reported, never fitted)."""
     from harness.roofline.engines import reload_fit
     from harness.roofline.models import get_model_spec
+    from harness.roofline_tools.api_fit import bursts, fit_api
 
     sources: dict[str, Any] = {}
     fitted_runs: list[dict[str, Any]] = []
+    every: list[dict[str, Any]] = []
     for name in FITTED_SETS:
         s, runs = load(name)
         sources.update(s)
+        every += runs
         fitted_runs += [p for p in runs if is_fitted(p, s[p["source"]])
                         and not get_model_spec(p["model"]).num_experts]
     at_once = [p for p in fitted_runs if p["rate"] == 0]
@@ -562,6 +565,13 @@ def do_fit(jobs: int) -> dict[str, Any]:
     _fit_cpu(at_once, res, result)
     FIT_RESULT.write_text(json.dumps(result, indent=1) + "\n")
     reload_fit()  # the served points run with the CPU constants just fitted
+    # Each engine's API server, to its served bursts (harness.roofline_tools.api_fit).
+    for eng in sorted({p["engine"] for p in every}):
+        api = fit_api(eng, bursts(eng, every, sources), sources, jobs)
+        if api is not None:
+            result["engines"].setdefault(eng, {"points": [], "sources": []}).update(api)
+    FIT_RESULT.write_text(json.dumps(result, indent=1) + "\n")
+    reload_fit()
     light = [p for p in fitted_runs if (p["rate"] > 0 or p.get("concurrency"))
              and served(p, sources[p["source"]])
              and any(m.startswith("ttft") for m in p["figures"])]
@@ -611,8 +621,8 @@ def _fit_cpu(at_once: list[dict[str, Any]], res: dict[str, dict[str, Any]],
         if not ar:
             fitted["allreduce_latency_s"] = None
         old = result["engines"].get(eng, {})
-        kept = {k: old[k] for k in ("request_s", "prompt_token_s", "served_points")
-                if k in old}
+        kept = {k: v for k, v in old.items() if k.startswith(("request_s", "prompt_token_s",
+                                                              "served_points", "api_"))}
         result["engines"][eng] = {**fitted, **kept,
                                   "points": [p["id"] for p, _ in pts],
                                   "sources": sorted({p["source"] for p, _ in pts}
