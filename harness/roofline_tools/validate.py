@@ -339,6 +339,11 @@ def _run_point(point: dict[str, Any], source: dict[str, Any], trace: bool) -> di
             allreduce[:] = [m.allreduces, m.allreduce_latency,
                             0.0 if m.custom_ar else m.hw.allreduce_latency(m.tp),
                             m.overlap_cpu]
+            if st.collector.api is not None:  # (a fit reads the engine's own times)
+                raise UserError(f"{point['id']}: a served run through the API server's "
+                                "queue cannot be traced for a fit (its clients' times are "
+                                "not the engine's): fit its engine's API server to it "
+                                "(fit_api), or run it as a closed loop")
             return st
 
         RooflineTarget.build = build  # type: ignore[method-assign]

@@ -85,3 +85,35 @@ def test_a_burst_queues_on_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     assert min(s["ttft_ms"] for s in s_rows) >= 400.0
     assert max(a["ttft_ms"] for a in alone.requests) < 400.0
     assert served.metrics["throughput.requests_per_s"] < 20 / 0.4
+
+
+def test_the_grid_fit_recovers_an_api_server_it_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two bursts "published" by a run at 15 ms + 100 us: the grid's best is that pair,
+    # and the loss there is 0 (the figures are the what-if's own).
+    from harness.roofline import engines
+    from harness.roofline_tools import api_fit, validate
+
+    monkeypatch.setattr(api_fit, "GRID", ((0.0, 0.015), (100e-6, 400e-6)))
+    src = {"s": {"served": True, "fit_api": ["vllm-v1"]}}
+    pts = [{"id": f"b{i}", "set": "fit", "source": "s", "engine": "vllm-v1",
+            "model": "Llama-3.1-8B", "hardware": "h100-sxm", "tp": 1,
+            "weight_dtype": "bfloat16", "backend": "paged", "workload": wl,
+            "num_prompts": n, "rate": 0, "max_model_len": 2048, "figures": {}}
+           for i, (wl, n) in enumerate((({"input": 128, "output": 4}, 30),
+                                        ({"input": 512, "output": 32}, 12)))]
+    assert api_fit.bursts("vllm-v1", pts, src) == pts
+    assert api_fit.bursts("sglang", pts, src) == []
+    truth = dataclasses.replace(engines.PROFILES["vllm-v1"], api_request_s=0.015,
+                                api_token_s=100e-6)
+    with monkeypatch.context() as m:
+        m.setitem(engines.PROFILES, "vllm-v1", truth)
+        for p, r in zip(pts, validate.run_all(pts, src, 1)):
+            p["figures"] = {k: r["pred"][k] for k in ("requests_per_s", "ttft_ms_mean",
+                                                      "tpot_ms_mean", "e2e_ms_median")}
+    before = engines.PROFILES["vllm-v1"]
+    fit = api_fit.fit_api("vllm-v1", pts, src, 1)
+    assert engines.PROFILES["vllm-v1"] is before  # the profile is left as it was
+    assert fit is not None
+    assert (fit["api_request_s"], fit["api_token_s"]) == (0.015, 100e-6)
+    assert fit["api_loss"] == pytest.approx(0.0, abs=1e-9)
+    assert len(fit["api_grid"]) == 4 and min(v for v, _, _ in fit["api_grid"]) == 0.0
