@@ -40,7 +40,11 @@ token's detokenization and send) adds ``request_s + prompt_token_s x prompt toke
 each request's TTFT and end-to-end latency (``roofline.served``: benchmark clients over an
 HTTP server; ``false`` for offline benchmarks: trtllm-bench, ``LLM.generate``). It runs in a
 process of its own beside the engine (vLLM's API server, SGLang's tokenizer manager), so
-it delays each request, not the engine's steps.
+it delays each request, not the engine's steps. That process is also a queue
+(``api_request_s`` a request's input, ``api_token_s`` a streamed token's output, one at a
+time: harness.metrics.api_server, ``roofline.api_server``), fitted to served bursts: under
+1,000 requests sent at once it, not the GPU, sets the pace; the light-load delay above is
+then what its service does not already account for.
 
 A profile is ``calibrated`` only when fitted to published points of its own engine
 (harness/roofline/published/fit.yaml, by ``python -m harness.roofline_tools.validate --fit``);
