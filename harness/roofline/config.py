@@ -49,8 +49,12 @@ class RooflineConfig:
     served: bool = True
     # A served run's API server as a serial stage (harness.metrics.api_server: one process
     # takes each request's input and each streamed token's output in turn, so a burst
-    # queues there), where its profile has one; false: the front end's delay alone.
+    # queues there), where its seconds are set; false: the front end's delay alone.
     api_server: bool = True
+    # Its seconds a request's input and a streamed token's output (null: the profile's;
+    # none is fitted yet, docs/results/2026-12-05-whatif-api-server.md: measure yours).
+    api_request_s: float | None = None
+    api_token_s: float | None = None
     # true: the engine's own scheduling (the profile's mixing, chunked prefill, admission
     # and prefix caching: harness.roofline.engines) where the command line sets none;
     # false: kvbench's (the decode lanes stay on), only the batch sizes follow the engine.
@@ -92,6 +96,9 @@ class RooflineConfig:
             raise UserError(f"roofline.compute_dtype={c} multiplies {c} weights on the {c} "
                             f"units: set roofline.weight_dtype={c} (got {self.weight_dtype})")
         in_range(self, "roofline", "gpu_memory_utilization", 0.0, 1.0, lo_open=True)
+        for name in ("api_request_s", "api_token_s"):
+            if getattr(self, name) is not None:
+                at_least(self, "roofline", 0.0, name)
         one_of(self, "roofline", "memory_utilization_of", ("total", "free"))
         one_of(self, "roofline", "attention", ("spec", *ATTENTION))
 

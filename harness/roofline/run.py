@@ -27,7 +27,7 @@ from harness.model import ByteTokenizer, parse_dtype
 from harness.model.tokenizer import Tokenizer
 from harness.roofline.arch import ArchSpec
 from harness.roofline.bands import describe
-from harness.roofline.config import COMPUTE, WEIGHT_BYTES, auto_kv_budget
+from harness.roofline.config import COMPUTE, WEIGHT_BYTES, RooflineConfig, auto_kv_budget
 from harness.roofline.engines import PROFILES, EngineProfile, engine_name, get_engine
 from harness.roofline.executor import (
     SYNTHETIC_IDS,
@@ -105,20 +105,30 @@ def build_roofline(rc: RunConfig, workload: Workload, quiet: bool = False,
                         groups=plan, make_scheduler=lanes)
     ex.fast_path = "lanes" if lanes.why is None else f"off: {lanes.why}"
     ex.sizes = sizes.label()
-    api = r.served and r.api_server and profile is not None and profile.has_api_server
+    api_in, api_out = api_seconds(r, profile)
+    api = r.served and r.api_server and bool(api_in or api_out)
     if r.served and profile is not None and profile.has_frontend:
         # TTFT and E2E, not the engine's steps. The front end is a first token's delay at
         # light load; where the API server runs, what its service (an input, the first
         # token's output) does not already account for.
         if api:
-            served = profile.api_request_s + profile.api_token_s
-            st.collector.frontend = lambda n: max(0.0, profile.frontend_s(n) - served)
+            fe, served = profile.frontend_s, api_in + api_out
+            st.collector.frontend = lambda n: max(0.0, fe(n) - served)
         else:
             st.collector.frontend = profile.frontend_s
     if api:
-        assert profile is not None
-        st.collector.api = ApiServer(profile.api_request_s, profile.api_token_s)
+        st.collector.api = ApiServer(api_in, api_out)
     return st, ex
+
+
+def api_seconds(r: RooflineConfig, profile: EngineProfile | None) -> tuple[float, float]:
+    """The API server's seconds a request's input and a streamed token's output: the
+    run's ``roofline.api_request_s`` / ``api_token_s``, else its engine profile's."""
+    a = r.api_request_s if r.api_request_s is not None else \
+        (profile.api_request_s if profile is not None else 0.0)
+    b = r.api_token_s if r.api_token_s is not None else \
+        (profile.api_token_s if profile is not None else 0.0)
+    return a, b
 
 
 # kvbench's own scheduling (SchedulerConfig's defaults), what engine_scheduling replaces.

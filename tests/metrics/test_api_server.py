@@ -65,13 +65,14 @@ def test_a_burst_queues_on_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     # 20 ms apart, so the run lasts at least 0.4 s and the last first token comes after
     # every input; without the server (roofline.api_server=false) the engine alone.
     from harness.config import compose_config
+    from harness.errors import UserError
     from harness.roofline import engines
     from harness.runner import run
 
-    prof = dataclasses.replace(engines.PROFILES["vllm-v1"], api_request_s=0.02,
-                               api_token_s=1e-3, request_s=0.0, prompt_token_s=0.0)
+    prof = dataclasses.replace(engines.PROFILES["vllm-v1"], request_s=0.0, prompt_token_s=0.0)
     monkeypatch.setitem(engines.PROFILES, "vllm-v1", prof)
     ov = ["executor=roofline", "roofline.model=Llama-3.1-8B", "roofline.engine=vllm-v1",
+          "roofline.api_request_s=0.02", "roofline.api_token_s=0.001",
           "workload=random", "workload.num_requests=20", "workload.rate=0",
           "workload.distribution=uniform", "workload.input_min=128",
           "workload.input_max=128", "workload.output_min=4", "workload.output_max=4",
@@ -85,6 +86,8 @@ def test_a_burst_queues_on_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     assert min(s["ttft_ms"] for s in s_rows) >= 400.0
     assert max(a["ttft_ms"] for a in alone.requests) < 400.0
     assert served.metrics["throughput.requests_per_s"] < 20 / 0.4
+    with pytest.raises(UserError, match=r"roofline.api_token_s=-0.001 is out of range"):
+        run(compose_config([*ov, "roofline.api_token_s=-0.001"]))
 
 
 def test_the_grid_fit_recovers_an_api_server_it_made(monkeypatch: pytest.MonkeyPatch) -> None:
