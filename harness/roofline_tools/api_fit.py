@@ -16,9 +16,8 @@ minimum.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
-
-from harness.roofline_tools import validate
 
 # Candidates: seconds of input a request, seconds of output a streamed token.
 GRID = ((0.0, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04),
@@ -26,29 +25,33 @@ GRID = ((0.0, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04),
 FITTED_KINDS = ("throughput", "ttft", "tpot", "e2e")
 
 
-def bursts(engine: str, runs: list[dict[str, Any]], sources: dict[str, Any]
-           ) -> list[dict[str, Any]]:
-    """``engine``'s served bursts that its API server is fitted to."""
+Rows = list[dict[str, Any]]  # harness.roofline_tools.validate.compare's rows
+
+
+def bursts(engine: str, runs: list[dict[str, Any]], sources: dict[str, Any],
+           served: Callable[[dict[str, Any], dict[str, Any]], bool]) -> list[dict[str, Any]]:
+    """``engine``'s served bursts that its API server is fitted to (``served``: whether a
+    run went through an HTTP server, validate.served)."""
     from harness.roofline.models import get_model_spec
 
     return [p for p in runs if p["engine"] == engine and p["rate"] == 0
-            and "concurrency" not in p and validate.served(p, sources[p["source"]])
+            and "concurrency" not in p and served(p, sources[p["source"]])
             and engine in sources[p["source"]].get("fit_api", ())
             and not get_model_spec(p["model"]).num_experts]
 
 
-def loss(points: list[dict[str, Any]], results: list[dict[str, Any]]) -> float:
-    """Mean |predicted / published - 1| over the fitted figures (a point the what-if
-    refuses: 1 a figure, as the validation counts it)."""
-    errs = [abs(row["error_pct"]) / 100.0 for row in validate.compare(points, results)
-            if row["kind"] in FITTED_KINDS]
+def loss(rows: Rows) -> float:
+    """Mean |predicted / published - 1| over the fitted figures of validate's rows (a
+    point the what-if refuses: 1 a figure, as the validation counts it)."""
+    errs = [abs(row["error_pct"]) / 100.0 for row in rows if row["kind"] in FITTED_KINDS]
     return sum(errs) / len(errs) if errs else 0.0
 
 
-def fit_api(engine: str, points: list[dict[str, Any]], sources: dict[str, Any],
-            jobs: int) -> dict[str, Any] | None:
+def fit_api(engine: str, points: list[dict[str, Any]],
+            rerun: Callable[[list[dict[str, Any]]], Rows]) -> dict[str, Any] | None:
     """The grid's best ``(api_request_s, api_token_s)`` for ``engine`` on ``points``
-    (:func:`bursts`), with its loss and each candidate's; None: no burst."""
+    (:func:`bursts`; ``rerun``: the points run again with the profiles as they are now,
+    as validate's rows), with its loss and each candidate's; None: no burst."""
     from harness.roofline.engines import PROFILES
 
     if not points:
@@ -59,7 +62,7 @@ def fit_api(engine: str, points: list[dict[str, Any]], sources: dict[str, Any],
         for a in GRID[0]:
             for b in GRID[1]:
                 PROFILES[engine] = dataclasses.replace(base, api_request_s=a, api_token_s=b)
-                tried.append((loss(points, validate.run_all(points, sources, jobs)), a, b))
+                tried.append((loss(rerun(points)), a, b))
     finally:
         PROFILES[engine] = base
     best = min(tried)

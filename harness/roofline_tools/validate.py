@@ -572,7 +572,8 @@ def do_fit(jobs: int) -> dict[str, Any]:
     reload_fit()  # the served points run with the CPU constants just fitted
     # Each engine's API server, to its served bursts (harness.roofline_tools.api_fit).
     for eng in sorted({p["engine"] for p in every}):
-        api = fit_api(eng, bursts(eng, every, sources), sources, jobs)
+        api = fit_api(eng, bursts(eng, every, sources, served),
+                      lambda pts: compare(pts, run_all(pts, sources, jobs)))
         if api is not None:
             result["engines"].setdefault(eng, {"points": [], "sources": []}).update(api)
     FIT_RESULT.write_text(json.dumps(result, indent=1) + "\n")

@@ -104,8 +104,8 @@ def test_the_grid_fit_recovers_an_api_server_it_made(monkeypatch: pytest.MonkeyP
             "num_prompts": n, "rate": 0, "max_model_len": 2048, "figures": {}}
            for i, (wl, n) in enumerate((({"input": 128, "output": 4}, 30),
                                         ({"input": 512, "output": 32}, 12)))]
-    assert api_fit.bursts("vllm-v1", pts, src) == pts
-    assert api_fit.bursts("sglang", pts, src) == []
+    assert api_fit.bursts("vllm-v1", pts, src, validate.served) == pts
+    assert api_fit.bursts("sglang", pts, src, validate.served) == []
     truth = dataclasses.replace(engines.PROFILES["vllm-v1"], api_request_s=0.015,
                                 api_token_s=100e-6)
     with monkeypatch.context() as m:
@@ -114,7 +114,8 @@ def test_the_grid_fit_recovers_an_api_server_it_made(monkeypatch: pytest.MonkeyP
             p["figures"] = {k: r["pred"][k] for k in ("requests_per_s", "ttft_ms_mean",
                                                       "tpot_ms_mean", "e2e_ms_median")}
     before = engines.PROFILES["vllm-v1"]
-    fit = api_fit.fit_api("vllm-v1", pts, src, 1)
+    fit = api_fit.fit_api("vllm-v1", pts,
+                          lambda ps: validate.compare(ps, validate.run_all(ps, src, 1)))
     assert engines.PROFILES["vllm-v1"] is before  # the profile is left as it was
     assert fit is not None
     assert (fit["api_request_s"], fit["api_token_s"]) == (0.015, 100e-6)
