@@ -109,9 +109,6 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
         progress.expect(lambda: int(workload.expected_requests))
     progress.watch_backlog(backlog_probe(stacks), backlog_hint(rc),
                            modelled=rc.executor == "roofline")
-    if cluster is not None:  # a cluster's replicas run without their API servers
-        for s in stacks:
-            s.collector.api = None
     t0, c0 = time.perf_counter(), time.process_time()
     with rare_collections():  # the loop makes no cycles for the collector to find
         # On the executor's clock (a cluster's: its latest replica's).

@@ -106,7 +106,9 @@ def build_roofline(rc: RunConfig, workload: Workload, quiet: bool = False,
     ex.fast_path = "lanes" if lanes.why is None else f"off: {lanes.why}"
     ex.sizes = sizes.label()
     api_in, api_out = api_seconds(r, profile)
-    api = r.served and r.api_server and bool(api_in or api_out)
+    # A cluster's replicas run without their API servers (the router feeds them).
+    clustered = rc.cluster.mode == "disaggregated" or rc.cluster.replicas > 1
+    api = r.served and r.api_server and bool(api_in or api_out) and not clustered
     if r.served and profile is not None and profile.has_frontend:
         # TTFT and E2E, not the engine's steps. The front end is a first token's delay at
         # light load; where the API server runs, what its service (an input, the first

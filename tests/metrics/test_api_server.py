@@ -88,6 +88,10 @@ def test_a_burst_queues_on_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     assert served.metrics["throughput.requests_per_s"] < 20 / 0.4
     with pytest.raises(UserError, match=r"roofline.api_token_s=-0.001 is out of range"):
         run(compose_config([*ov, "roofline.api_token_s=-0.001"]))
+    # A cluster's replicas run without it (the router feeds them), the same as off.
+    two = [*ov, "cluster.replicas=2"]
+    on, off = (run(compose_config(o)) for o in (two, [*two, "roofline.api_server=false"]))
+    assert [r["ttft_ms"] for r in on.requests] == [r["ttft_ms"] for r in off.requests]
 
 
 def test_the_grid_fit_recovers_an_api_server_it_made(monkeypatch: pytest.MonkeyPatch) -> None:
