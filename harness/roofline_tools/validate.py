@@ -546,10 +546,13 @@ def do_fit(jobs: int) -> dict[str, Any]:
     constants), then its served front end to its served points at light load
     (:func:`fit_served`: open loops at a finite rate and closed loops), then the CPU
     constants again with that front end in the all-at-once points' end-to-end times and
-    closed loops' lengths (the same traces: a front end does not change a schedule).
-    Dense models' points only: a mixture-of-experts point's error is the grouped expert
-    GEMMs' efficiency, which has no kernel profile yet
-    (docs/results/2026-12-05-whatif-physics.md); CPU time fitted to it would hide that
+    closed loops' lengths (the same traces: a front end does not change a schedule). The
+    API servers between (harness.roofline_tools.api_fit: bursts of ``fit_api`` sources).
+    The first pass traces the points with the front end fit_result.json had: a fit run
+    again from its own result moves little. Dense models' points only: a
+    mixture-of-experts point's error at full load is not yet explained (its expert GEMMs
+    have a kernel profile; prefill and scheduling at full load do not:
+    docs/results/2026-12-05-whatif-moe-kernels.md); CPU time fitted to it would hide that
     and misprice every dense run (reported, never fitted)."""
     from harness.roofline.engines import reload_fit
     from harness.roofline.models import get_model_spec
