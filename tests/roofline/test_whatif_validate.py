@@ -136,7 +136,7 @@ def test_fitted_figures_are_exactly_affine_in_the_constants(
              "workload": {"input": 300, "output": 24}, "concurrency": 3, "num_prompts": 7,
              "rate": 0, "max_model_len": 400,
              "figures": {"tpot_ms_mean": 20.0, "output_tokens_per_s": 100.0,
-                         "e2e_ms_median": 900.0}}
+                         "e2e_ms_median": 900.0, "e2e_ms_mean": 950.0}}
     src = sources[point["source"]]
     first = validate.run_point((point, src, True))
     rows = validate._figure_rows(point, first)
