@@ -42,9 +42,12 @@ HTTP server; ``false`` for offline benchmarks: trtllm-bench, ``LLM.generate``). 
 process of its own beside the engine (vLLM's API server, SGLang's tokenizer manager), so
 it delays each request, not the engine's steps. That process is also a queue
 (``api_request_s`` a request's input, ``api_token_s`` a streamed token's output, one at a
-time: harness.metrics.api_server, ``roofline.api_server``), fitted to served bursts: under
-1,000 requests sent at once it, not the GPU, sets the pace; the light-load delay above is
-then what its service does not already account for.
+time: harness.metrics.api_server, ``roofline.api_server``): under 1,000 requests sent at
+once it, not the GPU, can set the pace; the light-load delay above is then what its
+service does not already account for. ``--fit`` fits its seconds to served bursts of
+sources marked ``fit_api``; none is (they are the host's more than the engine's:
+docs/results/2026-12-05-whatif-api-server.md), so they are 0 unless a run sets
+``roofline.api_request_s`` / ``api_token_s``.
 
 A profile is ``calibrated`` only when fitted to published points of its own engine
 (harness/roofline/published/fit.yaml, by ``python -m harness.roofline_tools.validate --fit``);
@@ -98,11 +101,6 @@ class EngineProfile:
         """A served request's front-end seconds: ``request_s + prompt_token_s x
         prompt_tokens`` (0 for an offline run: the caller decides whether it is served)."""
         return self.request_s + self.prompt_token_s * prompt_tokens
-
-    @property
-    def has_api_server(self) -> bool:
-        """Whether a served run queues through its API server (fitted, or set)."""
-        return bool(self.api_request_s or self.api_token_s)
 
     @property
     def has_frontend(self) -> bool:

@@ -37,14 +37,15 @@ def closed_loop(finish: Sequence[float], clients: int) -> tuple[list[float], lis
     return sent, client
 
 
-def front_end_extra(finish: Sequence[float], front: Sequence[float], clients: int) -> float:
+def front_end_extra(finish: Sequence[float], front: Sequence[float],
+                    client: Sequence[int]) -> float:
     """Seconds a closed loop's run lasts past the engine's last finish once each request
     waits its front end (``front``, seconds) before the engine sees it: the latest of the
     clients' last finishes each pushed back by its own requests' front ends, less the
-    latest finish. 0 without a front end; exact for one client."""
+    latest finish (``client``: which client sent each, :func:`closed_loop`). 0 without a
+    front end; exact for one client."""
     if not finish or not any(front):
         return 0.0
-    _, client = closed_loop(finish, clients)
     last: dict[int, float] = {}
     paid: dict[int, float] = {}
     for f, fe, c in zip(finish, front, client):

@@ -272,11 +272,11 @@ def b200_rows(kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray
 
 
 def _errs(rel: np.ndarray) -> dict[str, Any]:
-    """A fit's median and worst absolute error (%), its row count and each row's error."""
+    """A fit's median and worst absolute error (%) and its row count, from each row's
+    relative error ``rel``."""
     a = np.abs(rel) * 100
     return {"median_err_pct": round(float(np.median(a)), 1),
-            "worst_err_pct": round(float(np.max(a)), 1), "rows": len(rel),
-            "rel_pct": [round(float(r) * 100, 1) for r in rel]}
+            "worst_err_pct": round(float(np.max(a)), 1), "rows": len(rel)}
 
 
 def fit_b200() -> dict[str, Any]:
@@ -286,19 +286,24 @@ def fit_b200() -> dict[str, Any]:
     (:func:`fit_gemm_rows`, on the weights' bytes as Vidur's rows are read); fp8 and
     fp4 rows each the share of their own peak with those kept (:func:`fit_share`, on all
     operand bytes as DeepGEMM's rows are read). Returns the constants, the
-    ``eff_gemm_dtype`` shares, and each kind's errors (:func:`_errs`)."""
+    ``eff_gemm_dtype`` shares, and each kind's errors (:func:`_errs`, with each row's)."""
     h = get_hardware("b200")
     m, n, k, y = b200_rows("bf16")
     eg, eb, p, t0, rel = fit_gemm_rows(n * k, m, y, h.flops("bf16"), h.mem_bw)
     out: dict[str, Any] = {"eff_gemm": round(eg, 3), "eff_bw": round(eb, 3),
                            "gemm_corner_p": p, "gemm_kernel_s": t0, "eff_gemm_dtype": {},
-                           "errors": {"bf16": _errs(rel)}}
+                           "errors": {"bf16": _row_errs(rel)}}
     for kind, elem in B200_ELEM_BYTES.items():
         m, n, k, y = b200_rows(kind)
         eff, rel = fit_share(m, n, k, y, elem, h.flops(kind), h.mem_bw, eb, p, t0)
         out["eff_gemm_dtype"][kind] = eff
-        out["errors"][kind] = _errs(rel)
+        out["errors"][kind] = _row_errs(rel)
     return out
+
+
+def _row_errs(rel: np.ndarray) -> dict[str, Any]:
+    """:func:`_errs` and each row's error (%)."""
+    return {**_errs(rel), "rel_pct": [round(float(r) * 100, 1) for r in rel]}
 
 
 @dataclass(frozen=True)
@@ -340,9 +345,9 @@ def moe_rows() -> list[MoeRow]:
                               bf16 if r["kind"] == "bf16" else fp8, bw)
             out.append(MoeRow(r["kind"], MOE_FAMILY[r["gpu"]], r["source"], roof,
                               mean_busy_tokens(n, e, k), float(r["time_us"]) * 1e-6))
+    _, fp8, bw = _card("h800")
     with open(GROUPED_TABLE, newline="") as f:
         for r in csv.DictReader(f):
-            _, fp8, bw = _card("h800")
             g, m = int(r["groups"]), int(r["m_per_group"])
             params = float(r["n"]) * float(r["k"])
             flops = 2.0 * g * m * params
@@ -405,10 +410,7 @@ def fit_moe(family: str = "hopper") -> dict[str, Any]:
                 f = shares[min(shares, key=lambda j: (abs(j - i), j))]
                 filled.append(lo)
             buckets.append([lo, f])
-        a = np.abs(rel) * 100
-        out[kind] = {"t0_s": t0, "buckets": buckets, "filled": filled,
-                     "median_err_pct": round(float(np.median(a)), 1),
-                     "worst_err_pct": round(float(np.max(a)), 1), "rows": len(rel)}
+        out[kind] = {"t0_s": t0, "buckets": buckets, "filled": filled, **_errs(rel)}
     return out
 
 
@@ -487,11 +489,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.fp8:
         eg, eb, p, t0, _ = fit_gemm("h100")
         _, rel = fit_fp8(eb, p, t0)
-        a = np.abs(rel) * 100
         print(json.dumps({**fp8_shares(eg, eb, p, t0),
-                          "fp8_block_median_err_pct": round(float(np.median(a)), 1),
-                          "fp8_block_worst_err_pct": round(float(np.max(a)), 1),
-                          "fp8_block_rows": len(rel)}))
+                          **{f"fp8_block_{k}": v for k, v in _errs(rel).items()}}))
         return
     for g in args.gpu.split(","):
         print(json.dumps(asdict(fit(g)), indent=1))

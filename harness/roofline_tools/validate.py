@@ -286,13 +286,13 @@ def predicted(result: Any, concurrency: int = 0,
         # The engine's finishes (the front end out: it delays a request's arrival at the
         # engine, not the next one's send).
         fin = [rows[i]["arrival_s"] + e2e[i] / 1e3 - fe[i] for i in order]
-        sent, _ = closed_loop(fin, concurrency)
+        sent, client = closed_loop(fin, concurrency)
         for i, s_at in zip(order, sent):
             wait = (s_at - rows[i]["arrival_s"]) * 1e3
             ttft[i] -= wait
             e2e[i] -= wait
         wall = len(rows) / m["throughput.requests_per_s"]
-        scale = wall / (wall + front_end_extra(fin, [fe[i] for i in order], concurrency))
+        scale = wall / (wall + front_end_extra(fin, [fe[i] for i in order], client))
     return {"requests_per_s": m["throughput.requests_per_s"] * scale,
             "output_tokens_per_s": m["throughput.output_tokens_per_s"] * scale,
             "total_tokens_per_s": m["throughput.total_tokens_per_s"] * scale,
@@ -316,43 +316,45 @@ def run_point(args: tuple[dict[str, Any], dict[str, Any], bool]) -> dict[str, An
 
 def _run_point(point: dict[str, Any], source: dict[str, Any], trace: bool) -> dict[str, Any]:
     from harness.config import compose_config
-    from harness.roofline.engines import PROFILES
     from harness.roofline.run import RooflineTarget
     from harness.runner import run
 
     cfg = compose_config(overrides(point, source))
-    prof = PROFILES[point["engine"]]  # (its served front end, as the run adds it)
-    fe = prof.frontend_s if served(point, source) and prof.has_frontend else None
     t0 = time.perf_counter()
     traced: list[tuple[float, int, bool, float]] = []
     allreduce: list[Any] = []  # the step model's all-reduces a step and their latency
-    if trace:  # record the steps: RooflineTarget.build hands the executor over
-        orig = RooflineTarget.build
+    # The served front end the run's collector adds (seconds by prompt tokens; None:
+    # none), as harness.roofline.run decides it. RooflineTarget.build hands it over, and
+    # with ``trace`` the executor, to record the steps.
+    front: list[Callable[[int], float] | None] = [None]
+    orig = RooflineTarget.build
 
-        def build(self: RooflineTarget, workload: Any, quiet: bool = False) -> Any:
-            st = orig(self, workload, quiet)
-            assert self.executor is not None
-            self.executor.trace = traced
-            m = self.executor.model
-            # (the NCCL latency a profile without a fitted one takes: none with the
-            # engine's own kernels, whose time is inside the forward)
-            allreduce[:] = [m.allreduces, m.allreduce_latency,
-                            0.0 if m.custom_ar else m.hw.allreduce_latency(m.tp),
-                            m.overlap_cpu]
-            if st.collector.api is not None:  # (a fit reads the engine's own times)
-                raise UserError(f"{point['id']}: a served run through the API server's "
-                                "queue cannot be traced for a fit (its clients' times are "
-                                "not the engine's): fit its engine's API server to it "
-                                "(fit_api), or run it as a closed loop")
+    def build(self: RooflineTarget, workload: Any, quiet: bool = False) -> Any:
+        st = orig(self, workload, quiet)
+        front[0] = st.collector.frontend
+        if not trace:
             return st
+        assert self.executor is not None
+        self.executor.trace = traced
+        m = self.executor.model
+        # (the NCCL latency a profile without a fitted one takes: none with the
+        # engine's own kernels, whose time is inside the forward)
+        allreduce[:] = [m.allreduces, m.allreduce_latency,
+                        0.0 if m.custom_ar else m.hw.allreduce_latency(m.tp),
+                        m.overlap_cpu]
+        if st.collector.api is not None:  # (a fit reads the engine's own times)
+            raise UserError(f"{point['id']}: a served run through the API server's "
+                            "queue cannot be traced for a fit (its clients' times are "
+                            "not the engine's): fit its engine's API server to it "
+                            "(fit_api), or run it as a closed loop")
+        return st
 
-        RooflineTarget.build = build  # type: ignore[method-assign]
-        try:
-            res = run(cfg)
-        finally:
-            RooflineTarget.build = orig  # type: ignore[method-assign]
-    else:
+    RooflineTarget.build = build  # type: ignore[method-assign]
+    try:
         res = run(cfg)
+    finally:
+        RooflineTarget.build = orig  # type: ignore[method-assign]
+    fe = front[0]
     out = {"id": point["id"], "pred": predicted(res, int(point.get("concurrency", 0)), fe),
            "sim_s": time.perf_counter() - t0,
            "preemptions": res.metrics["sched.preemptions_recompute"],
@@ -450,8 +452,9 @@ def _figure_rows(point: dict[str, Any], r: dict[str, Any], c: np.ndarray | None 
     front = [q[5] for q in reqs]
     extra = 0.0
     if clients:
-        sent, _ = closed_loop([q[2] for q in reqs], clients)
-        extra = front_end_extra([q[2] for q in reqs], front, clients)
+        fin = [q[2] for q in reqs]
+        sent, client = closed_loop(fin, clients)
+        extra = front_end_extra(fin, front, client)
     fig = point["figures"]
     out: list[tuple[str, float, np.ndarray, float]] = []
     for metric, pub in fig.items():
@@ -554,7 +557,7 @@ def do_fit(jobs: int) -> dict[str, Any]:
     have a kernel profile; prefill and scheduling at full load do not:
     docs/results/2026-12-05-whatif-moe-kernels.md); CPU time fitted to it would hide that
     and misprice every dense run (reported, never fitted)."""
-    from harness.roofline.engines import reload_fit
+    from harness.roofline.engines import PROFILES, reload_fit
     from harness.roofline.models import get_model_spec
     from harness.roofline_tools.api_fit import bursts, fit_api
 
@@ -594,13 +597,14 @@ def do_fit(jobs: int) -> dict[str, Any]:
         entry = result["engines"].setdefault(eng, {"points": [], "sources": []})
         entry.update(front)
         entry["sources"] = sorted(set(entry["sources"]) | {p["source"] for p, _ in pts})
+    FIT_RESULT.write_text(json.dumps(result, indent=1) + "\n")
+    reload_fit()
     # The CPU constants again, each served point's requests paying the front end just
     # fitted (what its predicted end-to-end times and closed-loop lengths will carry).
     for p in at_once:
-        r, e = res[p["id"]], result["engines"].get(p["engine"], {})
+        r, fe = res[p["id"]], PROFILES[p["engine"]].frontend_s
         if "requests" in r and served(p, sources[p["source"]]):
-            a, b = e.get("request_s", 0.0), e.get("prompt_token_s", 0.0)
-            r["requests"] = [(*q[:5], a + b * q[4]) for q in r["requests"]]
+            r["requests"] = [(*q[:5], fe(q[4])) for q in r["requests"]]
     _fit_cpu(at_once, res, result)
     FIT_RESULT.write_text(json.dumps(result, indent=1) + "\n")
     reload_fit()

@@ -44,7 +44,7 @@ def test_sends_and_clients_match_an_event_simulation(seed: int) -> None:
     got_sent, got_owner = closed_loop(fin, c)
     assert got_sent == pytest.approx(sent)
     assert got_owner == owner
-    assert front_end_extra(fin, [0.0] * n, c) == 0.0
+    assert front_end_extra(fin, [0.0] * n, got_owner) == 0.0
     assert max(fin) == pytest.approx(end)
 
 
@@ -56,7 +56,8 @@ def test_one_client_pays_every_front_end(seed: int) -> None:
     front = [rng.uniform(0.0, 0.1) for _ in range(n)]
     fin = [s + w for s, w in zip(_simulate(work, [0.0] * n, 1)[0], work)]
     _, _, end = _simulate(work, front, 1)
-    assert max(fin) + front_end_extra(fin, front, 1) == pytest.approx(end)
+    assert max(fin) + front_end_extra(fin, front, closed_loop(fin, 1)[1]) == \
+        pytest.approx(end)
 
 
 def test_equal_chains_pay_their_own_front_ends() -> None:
@@ -64,5 +65,6 @@ def test_equal_chains_pay_their_own_front_ends() -> None:
     work, front = [1.0] * 6, [0.05] * 6
     fin = [s + w for s, w in zip(_simulate(work, [0.0] * 6, 2)[0], work)]
     _, owner, end = _simulate(work, front, 2)
-    assert closed_loop(fin, 2)[1] == owner
-    assert max(fin) + front_end_extra(fin, front, 2) == pytest.approx(end) == 3.15
+    client = closed_loop(fin, 2)[1]
+    assert client == owner
+    assert max(fin) + front_end_extra(fin, front, client) == pytest.approx(end) == 3.15
