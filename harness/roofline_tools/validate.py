@@ -429,7 +429,9 @@ def _figure_rows(point: dict[str, Any], r: dict[str, Any], c: np.ndarray | None 
                  ) -> list[tuple[str, float, np.ndarray, float]]:
     """Each fitted figure of a traced all-at-once run as ``(metric, base, a, published)``:
     predicted = base + a . constants, exactly, while the schedule stays the one traced (it
-    does not depend on time when every request is there at t=0). A run's length for a
+    does not depend on time when every request is there at t=0; an open loop at light
+    load keeps it to first order, and has no throughput figure here: its length is its
+    arrivals'). A run's length for a
     throughput figure (its tokens or requests over the figure); a request's end-to-end
     time, the sum of the steps up to the one that finished it and its served front end; a
     mean TPOT, each request's steps after its first token over its output tokens - 1. A
@@ -460,6 +462,8 @@ def _figure_rows(point: dict[str, Any], r: dict[str, Any], c: np.ndarray | None 
     for metric, pub in fig.items():
         kind = CLAIMED.get(metric)
         if kind == "throughput":
+            if point.get("rate", 0) > 0:  # an open loop's length is its arrivals', not its steps'
+                continue
             work = {"output_tokens_per_s": r["output_tokens"], "requests_per_s":
                     point["num_prompts"],
                     "total_tokens_per_s": r["output_tokens"] + r["prompt_tokens"]}[metric]
@@ -495,26 +499,68 @@ def _current(point: dict[str, Any], r: dict[str, Any]) -> np.ndarray:
     return np.array(c)
 
 
+# Where a multi-start fit of an engine that overlaps its CPU time with the forward
+# begins (seconds): its per-step term and its term per running sequence. Its figures are
+# flat in the constants wherever no step's CPU time outlasts its forward (every start
+# whose CPU time a step is under the forward's stays where it is), so starts must reach
+# CPU times of the order of a large batch's forward (~100 ms at ~500 sequences).
+OVERLAP_STARTS = {"step_s": (0.0, 2e-3, 10e-3, 40e-3),
+                  "step_per_seq_s": (0.0, 25e-6, 50e-6, 100e-6, 200e-6, 400e-6)}
+
+
 def fit_engine(runs: list[tuple[dict[str, Any], dict[str, Any]]],
                keys: tuple[int, ...]) -> dict[str, float]:
     """Non-negative least squares on the relative error of every fitted figure of each
     run (:func:`_figure_rows`), over the constants ``keys`` (indices into
-    :data:`CONSTANTS`); each run weighs the same whatever its number of figures."""
-    # An engine that overlaps its CPU time with the forward is not affine in the
-    # constants: solved again at each solution until the steps it linearizes at settle.
+    :data:`CONSTANTS`); each run weighs the same whatever its number of figures.
+
+    An engine that overlaps its CPU time with the forward (a step is max(forward, CPU))
+    is not affine in the constants: its least squares is linearized at a point and solved
+    again at each solution until the steps it linearizes at settle. That iteration stays
+    wherever it starts if no step's CPU time outlasts its forward there (the figures are
+    flat around it), so it starts from the profile's constants and from
+    :data:`OVERLAP_STARTS`, and the solution whose exact error is least is kept."""
     c = _current(*runs[0]) if runs else np.zeros(len(CONSTANTS))
-    for _ in range(6 if any(r.get("overlap_cpu") for _, r in runs) else 1):
-        out = _fit_at(runs, keys, c)
-        new = np.array([out[k] or 0.0 for k in CONSTANTS])
-        if np.allclose(new, c, rtol=1e-6, atol=1e-12):
-            break
-        c = new
+    c[[i for i in range(4) if i not in keys]] = 0.0  # (the CPU terms not fitted are 0)
+    if not any(r.get("overlap_cpu") for _, r in runs):
+        return _as_constants(_solve(*_system(runs, keys, c), keys), keys)
+    starts = [c]
+    for s, per in itertools.product(*OVERLAP_STARTS.values()):
+        start = c.copy()
+        for k, v in (("step_s", s), ("step_per_seq_s", per)):
+            if CONSTANTS.index(k) in keys:
+                start[CONSTANTS.index(k)] = v
+        if not any(np.array_equal(start, o) for o in starts):
+            starts.append(start)
+    best: tuple[float, np.ndarray] | None = None
+    for c in starts:
+        for _ in range(12):
+            new = c.copy()
+            new[list(keys)] = _solve(*_system(runs, keys, c), keys)
+            if np.allclose(new, c, rtol=1e-6, atol=1e-12):
+                break
+            c = new
+        A, b = _system(runs, keys, c)  # exact at c: its steps linearized at c itself
+        err = float(np.sum((A @ c[list(keys)] - b) ** 2))
+        if best is None or err < best[0] - 1e-12:
+            best = (err, c)
+    assert best is not None
+    return _as_constants(best[1][list(keys)], keys)
+
+
+def _as_constants(coef: np.ndarray, keys: tuple[int, ...]) -> dict[str, float]:
+    """``coef`` (one per fitted key) as every constant's value (0 for the others)."""
+    out = dict.fromkeys(CONSTANTS, 0.0)
+    for i, v in zip(keys, coef):
+        out[CONSTANTS[i]] = float(v)
     return out
 
 
-def _fit_at(runs: list[tuple[dict[str, Any], dict[str, Any]]], keys: tuple[int, ...],
-            c: np.ndarray) -> dict[str, float]:
-    """:func:`fit_engine`'s least squares, overlapping engines linearized at ``c``."""
+def _system(runs: list[tuple[dict[str, Any], dict[str, Any]]], keys: tuple[int, ...],
+            c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`fit_engine`'s least squares ``A x ~ b`` over the constants ``keys``,
+    overlapping engines' steps linearized at ``c`` (each figure's relative error: a run
+    weighs the same whatever its number of figures)."""
     rows, target = [], []
     ar = CONSTANTS.index("allreduce_latency_s")
     for point, r in runs:
@@ -525,9 +571,14 @@ def _fit_at(runs: list[tuple[dict[str, Any], dict[str, Any]]], keys: tuple[int, 
             w = 1.0 / np.sqrt(len(figs))
             rows.append(w * a[list(keys)] / pub)
             target.append(w * (1.0 - base / pub))
-    A, b = np.array(rows), np.array(target)
+    return np.array(rows), np.array(target)
+
+
+def _solve(A: np.ndarray, b: np.ndarray, keys: tuple[int, ...]) -> np.ndarray:
+    """Non-negative least squares of ``A x ~ b`` (every subset of the columns: the
+    optimum is one of them); zeros where no subset has a non-negative solution."""
     best: tuple[float, np.ndarray] | None = None
-    for k in range(len(keys), 0, -1):  # every subset: the NNLS optimum is one of them
+    for k in range(len(keys), 0, -1):
         for sub in itertools.combinations(range(len(keys)), k):
             coef, *_ = np.linalg.lstsq(A[:, sub], b, rcond=None)
             if (coef < 0).any():
@@ -537,11 +588,7 @@ def _fit_at(runs: list[tuple[dict[str, Any], dict[str, Any]]], keys: tuple[int, 
             err = float(np.sum((A @ full - b) ** 2))
             if best is None or err < best[0]:
                 best = (err, full)
-    out = dict.fromkeys(CONSTANTS, 0.0)
-    if best is not None:
-        for i, v in zip(keys, best[1]):
-            out[CONSTANTS[i]] = float(v)
-    return out
+    return best[1] if best is not None else np.zeros(len(keys))
 
 
 def do_fit(jobs: int) -> dict[str, Any]:
@@ -571,9 +618,18 @@ def do_fit(jobs: int) -> dict[str, Any]:
         fitted_runs += [p for p in runs if is_fitted(p, s[p["source"]])
                         and not get_model_spec(p["model"]).num_experts]
     at_once = [p for p in fitted_runs if p["rate"] == 0]
-    res = {r["id"]: r for r in run_all(at_once, sources, jobs, trace=True)}
+    light = [p for p in fitted_runs if (p["rate"] > 0 or p.get("concurrency"))
+             and served(p, sources[p["source"]])
+             and any(m.startswith("ttft") for m in p["figures"])]
+    online = [p for p in light if p["rate"] > 0]
+    res = {r["id"]: r for r in run_all(at_once + online, sources, jobs, trace=True)}
+    # The CPU constants' points: every all-at-once run, and the open loops at light load
+    # (their per-token figures: what pins the per-step time where the batch is small,
+    # which the full batches of the others cannot tell from a per-sequence term when the
+    # engine overlaps its CPU time with the forward).
+    cpu_pts = at_once + [p for p in online if _light(p, res[p["id"]])]
     result: dict[str, Any] = {"fitted_at": time.strftime("%Y-%m-%d"), "engines": {}}
-    _fit_cpu(at_once, res, result)
+    _fit_cpu(cpu_pts, res, result)
     FIT_RESULT.write_text(json.dumps(result, indent=1) + "\n")
     reload_fit()  # the served points run with the CPU constants just fitted
     # Each engine's API server, to its served bursts (harness.roofline_tools.api_fit).
@@ -584,9 +640,6 @@ def do_fit(jobs: int) -> dict[str, Any]:
             result["engines"].setdefault(eng, {"points": [], "sources": []}).update(api)
     FIT_RESULT.write_text(json.dumps(result, indent=1) + "\n")
     reload_fit()
-    light = [p for p in fitted_runs if (p["rate"] > 0 or p.get("concurrency"))
-             and served(p, sources[p["source"]])
-             and any(m.startswith("ttft") for m in p["figures"])]
     lres = {r["id"]: r for r in run_all(light, sources, jobs, trace=True)}
     for eng in sorted({p["engine"] for p in light}):
         pts = [(p, lres[p["id"]]) for p in light
@@ -601,11 +654,11 @@ def do_fit(jobs: int) -> dict[str, Any]:
     reload_fit()
     # The CPU constants again, each served point's requests paying the front end just
     # fitted (what its predicted end-to-end times and closed-loop lengths will carry).
-    for p in at_once:
+    for p in cpu_pts:
         r, fe = res[p["id"]], PROFILES[p["engine"]].frontend_s
         if "requests" in r and served(p, sources[p["source"]]):
             r["requests"] = [(*q[:5], fe(q[4])) for q in r["requests"]]
-    _fit_cpu(at_once, res, result)
+    _fit_cpu(cpu_pts, res, result)
     FIT_RESULT.write_text(json.dumps(result, indent=1) + "\n")
     reload_fit()
     return result
@@ -630,6 +683,13 @@ def _fit_cpu(at_once: list[dict[str, Any]], res: dict[str, dict[str, Any]],
             r["allreduces"] and any(CLAIMED.get(m) != "throughput" for m in p["figures"])
             for p, r in pts)
         keys = ((0, 1) if multi else ()) + (2, 3) + ((4,) if ar else ())
+        # An engine that overlaps its CPU time with the forward shows a fixed CPU term
+        # only where it outlasts a whole forward: at small batches, where what the model
+        # misses of the GPU's own time looks the same (a floor under every step, fitted
+        # on one model shape and priced on every other). Its per-sequence terms show at
+        # full batches, where the CPU time grows past the forward: those alone are fitted.
+        if any(r.get("overlap_cpu") for _, r in pts):
+            keys = tuple(k for k in keys if k in (1, 3, 4))
         fitted: dict[str, Any] = fit_engine(pts, keys)
         if not ar:
             fitted["allreduce_latency_s"] = None
@@ -645,6 +705,22 @@ def _fit_cpu(at_once: list[dict[str, Any]], res: dict[str, dict[str, Any]],
 LIGHT_TTFT_S = 0.2  # a served point's engine-side median TTFT below this: light load
 
 
+def _engine_ttft(point: dict[str, Any], r: dict[str, Any]) -> np.ndarray:
+    """Each request's TTFT as the engine made it in a traced run (no front end), counted
+    from when its client sent it (a closed loop's: harness.roofline_tools.closed_loop)."""
+    sent = [q[0] for q in r["requests"]]
+    if point.get("concurrency"):
+        sent, _ = closed_loop([q[2] for q in r["requests"]], int(point["concurrency"]))
+    return np.array([q[1] - s for q, s in zip(r["requests"], sent)])
+
+
+def _light(point: dict[str, Any], r: dict[str, Any]) -> bool:
+    """Whether a traced run is at light load: its engine's median TTFT under
+    :data:`LIGHT_TTFT_S` (no queue)."""
+    eng = _engine_ttft(point, r) if "requests" in r else np.zeros(0)
+    return bool(len(eng)) and float(np.median(eng)) < LIGHT_TTFT_S
+
+
 def fit_served(runs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any] | None:
     """A served engine's front end, ``request_s + prompt_token_s x prompt tokens`` added to
     each request's TTFT (harness.roofline.engines), by non-negative least squares on the
@@ -654,12 +730,9 @@ def fit_served(runs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, A
     client sent it (harness.roofline_tools.closed_loop). None: no such point."""
     rows, target, used = [], [], []
     for point, r in runs:
-        sent = [q[0] for q in r["requests"]]
-        if point.get("concurrency"):
-            sent, _ = closed_loop([q[2] for q in r["requests"]], int(point["concurrency"]))
-        eng = np.array([q[1] - s for q, s in zip(r["requests"], sent)])
+        eng = _engine_ttft(point, r)
         prompt = np.array([float(q[4]) for q in r["requests"]])
-        if not len(eng) or float(np.median(eng)) >= LIGHT_TTFT_S:
+        if not _light(point, r):
             continue
         used.append(point["id"])
         for metric, pub in point["figures"].items():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -291,3 +292,58 @@ def test_a_sharegpt_run_at_its_published_means_draws_those_means() -> None:
     got = validate.overrides(run, {})
     assert f"workload.output_mean={ov['workload.output_mean']}" in got
     assert "workload.output_mean=200" in validate.overrides({**run, "workload": "sharegpt"}, {})
+
+
+def _overlap_runs(truth: np.ndarray) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Synthetic all-at-once runs of an engine that overlaps its CPU time with the
+    forward: each step takes max(forward, CPU time at ``truth``); at their large batches
+    the CPU time outlasts the forward (a step's forward 20-60 ms, up to 600 sequences)."""
+    rng = np.random.default_rng(1)
+    runs = []
+    for i in range(4):
+        n = 300
+        seqs = np.concatenate([rng.integers(1, 40, n // 2), rng.integers(200, 600, n // 2)])
+        fwd = 20e-3 + 60e-6 * seqs + rng.uniform(0, 5e-3, n)
+        x = np.stack([np.ones(n), seqs, np.ones(n), seqs, np.zeros(n)], 1)
+        true_t = np.cumsum(np.maximum(fwd, x @ truth))
+        steps = [(float(f), int(q), True, float(t))
+                 for f, q, t in zip(fwd, seqs, np.cumsum(fwd))]
+        ends = (100 + i, 180, 250, 299)
+        reqs = [(0.0, float(np.cumsum(fwd)[5]), float(np.cumsum(fwd)[e]), e - 4, 100, 0.0)
+                for e in ends]
+        point = {"figures": {"requests_per_s": 100 / true_t[-1],
+                             "e2e_ms_median": 1e3 * np.median([true_t[e] for e in ends])},
+                 "num_prompts": 100, "engine": "sglang", "rate": 0}
+        runs.append((point, {"trace": steps, "output_tokens": 0, "prompt_tokens": 0,
+                             "requests": reqs, "allreduces": 0, "allreduce_latency": 0.0,
+                             "overlap_cpu": True}))
+    return runs
+
+
+def test_an_overlapping_engines_fit_leaves_a_start_where_no_step_is_cpu_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # From constants under which no step's CPU time outlasts its forward the figures are
+    # flat in the constants: a fit linearized there stayed at 0 (sglang's fitted 0 CPU
+    # time, 2026-12-05). The multi-start fit finds the per-sequence time that is there.
+    import dataclasses
+
+    from harness.roofline import engines
+
+    truth = np.array([0.0, 0.0, 0.0, 150e-6, 0.0])
+    monkeypatch.setitem(engines.PROFILES, "sglang", dataclasses.replace(
+        engines.PROFILES["sglang"], **dict.fromkeys(validate.CONSTANTS[:4], 0.0)))
+    got = validate.fit_engine(_overlap_runs(truth), (3,))
+    assert got["step_per_seq_s"] == pytest.approx(150e-6, rel=1e-3)
+    assert got["step_s"] == 0.0
+
+
+def test_an_open_loop_fits_per_token_figures_not_its_length() -> None:
+    # An open loop's length is its arrivals' (not a sum of steps): no throughput row;
+    # its end-to-end time is a row, and a run at light load (engine TTFT under 0.2 s) is
+    # told from one with a queue.
+    (point, r), = _overlap_runs(np.zeros(5))[:1]
+    point = {**point, "rate": 4.0}
+    assert [m for m, *_ in validate._figure_rows(point, r)] == ["e2e_ms_median"]
+    assert validate._light(point, r)
+    late = {**r, "requests": [(0.0, 0.5, *q[2:]) for q in r["requests"]]}
+    assert not validate._light(point, late)
