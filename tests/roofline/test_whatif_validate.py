@@ -331,7 +331,8 @@ def test_an_overlapping_engines_fit_leaves_a_start_where_no_step_is_cpu_bound(
 
     truth = np.array([0.0, 0.0, 0.0, 150e-6, 0.0])
     monkeypatch.setitem(engines.PROFILES, "sglang", dataclasses.replace(
-        engines.PROFILES["sglang"], **dict.fromkeys(validate.CONSTANTS[:4], 0.0)))
+        engines.PROFILES["sglang"], schedule_s=0.0, schedule_per_seq_s=0.0, step_s=0.0,
+        step_per_seq_s=0.0))
     got = validate.fit_engine(_overlap_runs(truth), (3,))
     assert got["step_per_seq_s"] == pytest.approx(150e-6, rel=1e-3)
     assert got["step_s"] == 0.0
