@@ -501,9 +501,9 @@ def _current(point: dict[str, Any], r: dict[str, Any]) -> np.ndarray:
 
 # Where a multi-start fit of an engine that overlaps its CPU time with the forward
 # begins (seconds): its per-step term and its term per running sequence. Its figures are
-# flat in the constants wherever no step's CPU time outlasts its forward (every start
-# whose CPU time a step is under the forward's stays where it is), so starts must reach
-# CPU times of the order of a large batch's forward (~100 ms at ~500 sequences).
+# flat in the constants wherever no step's CPU time outlasts its forward (a start under
+# which none does stays where it is), so the starts reach CPU times of the order of a
+# large batch's forward (~100 ms at ~500 sequences).
 OVERLAP_STARTS = {"step_s": (0.0, 2e-3, 10e-3, 40e-3),
                   "step_per_seq_s": (0.0, 25e-6, 50e-6, 100e-6, 200e-6, 400e-6)}
 
@@ -592,11 +592,12 @@ def _solve(A: np.ndarray, b: np.ndarray, keys: tuple[int, ...]) -> np.ndarray:
 
 
 def do_fit(jobs: int) -> dict[str, Any]:
-    """Fit every engine profile with all-at-once points in :data:`FITTED_SETS` (its CPU
-    constants), then its served front end to its served points at light load
-    (:func:`fit_served`: open loops at a finite rate and closed loops), then the CPU
-    constants again with that front end in the all-at-once points' end-to-end times and
-    closed loops' lengths (the same traces: a front end does not change a schedule). The
+    """Fit every engine profile with all-at-once points in :data:`FITTED_SETS` and its
+    open loops at light load (its CPU constants: the open loops' per-token figures), then
+    its served front end to its served points at light load (:func:`fit_served`: open
+    loops at a finite rate and closed loops), then the CPU constants again with that front
+    end in those points' end-to-end times and closed loops' lengths (the same traces: a
+    front end does not change a schedule). The
     API servers between (harness.roofline_tools.api_fit: bursts of ``fit_api`` sources).
     The first pass traces the points with the front end fit_result.json had: a fit run
     again from its own result moves little. Dense models' points only: a
