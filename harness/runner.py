@@ -171,7 +171,8 @@ def run(cfg: DictConfig | dict[str, Any] | RunConfig) -> RunResult:
     if st.tiers is not None:
         if cluster is None:  # a cluster's tiers: their hit rates only (cache.hit_rate.*)
             metrics.update(tier_metrics(st.tiers, steps, st.sizing.block_bytes,
-                                        st.engine.executor.transfer_s))
+                                        st.engine.executor.transfer_s,
+                                        st.engine.executor.transfer_exposed_s))
         metrics.update(ttft_by_source(rows))
     target.score(st, workload, outputs, metrics, rows)
     metrics.update(slo_metrics(rows, rc.slo, clock_s))  # after quality: its agreement floor

@@ -114,6 +114,13 @@ class Executor(Protocol):
         executor's measured copies; the roofline's modelled transfers)."""
         ...
 
+    @property
+    def transfer_exposed_s(self) -> float:
+        """Of :attr:`transfer_s`, the seconds the steps paid: all of it where the copies
+        run in the step (the model executor's), only what outlasts a step's own work
+        where they overlap it (``cache.tiers.overlap=true`` in the roofline)."""
+        ...
+
 
 @runtime_checkable
 class LaneExecutor(Executor, Protocol):
@@ -170,6 +177,10 @@ class ModelExecutor:
         """Wall seconds the prefix cache's tier operations took (measured)."""
         ts = self.backend.tier_storage
         return ts.transfer_s if ts is not None else 0.0
+
+    @property
+    def transfer_exposed_s(self) -> float:
+        return self.transfer_s  # synchronous copies, inside the steps
 
     def apply_cache_ops(self, rec: StepRecord) -> None:
         if rec.tier_ops:  # first: StepRecord says why they may

@@ -42,8 +42,10 @@ def hit_rates_of(st: KVStats, below: Sequence[int]) -> dict[str, float]:
 
 
 def tier_metrics(tiers: LowerTiers, steps: Sequence[StepRow], block_bytes: int,
-                 transfer_s: float) -> dict[str, Any]:
-    """Capacity, traffic and time of each lower tier (``cache.tier.*``)."""
+                 transfer_s: float, exposed_s: float) -> dict[str, Any]:
+    """Capacity, traffic and time of each lower tier (``cache.tier.*``): ``transfer_s``
+    the seconds its transfers took, ``exposed_s`` those the steps paid (overlapped
+    transfers show only where they outlast a step's own work)."""
     s = tiers.stats
     m: dict[str, Any] = {}
     for i, t in enumerate(tiers.tiers):
@@ -64,6 +66,7 @@ def tier_metrics(tiers: LowerTiers, steps: Sequence[StepRow], block_bytes: int,
         m["cache.tier.disk.write_failures"] = s.disk_write_failures
         m["cache.tier.disk.damaged_blocks"] = s.disk_damaged
     m["cache.tier.transfer_s"] = transfer_s
+    m["cache.tier.exposed_s"] = exposed_s
     return m
 
 

@@ -142,6 +142,7 @@ class RooflineExecutor:
         self.model, self.backend = model, backend
         self.links = tiers
         self.transfer_s = 0.0  # tier transfers, modelled (overlapped or not)
+        self.transfer_exposed_s = 0.0  # ... of which the steps paid
         self._tier_s = 0.0
         self.clock = VirtualClock()
         self.totals = RooflineTotals()
@@ -210,8 +211,9 @@ class RooflineExecutor:
         if self._tier_s:
             # Overlapped, a transfer shows only where it outlasts the step's own work.
             assert self.links is not None
-            t.overhead += max(0.0, self._tier_s - t.total) if self.links.overlap \
-                else self._tier_s
+            shown = max(0.0, self._tier_s - t.total) if self.links.overlap else self._tier_s
+            t.overhead += shown
+            self.transfer_exposed_s += shown
             self.transfer_s += self._tier_s
             self._tier_s = 0.0
         self.totals.add(t)

@@ -97,6 +97,10 @@ class Recorder:
     def transfer_s(self) -> float:
         return self.inner.transfer_s
 
+    @property
+    def transfer_exposed_s(self) -> float:
+        return self.inner.transfer_exposed_s
+
 
 @dataclass
 class Measured:
