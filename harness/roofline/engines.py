@@ -177,7 +177,8 @@ PRIORS: dict[str, EngineProfile] = {p.name: p for p in (
 
 
 FIT_RESULT = Path(__file__).resolve().parent / "published" / "fit_result.json"
-# What `--fit` fits (harness.roofline_tools.validate): the CPU time's four terms and the
+# What `--fit` fits (harness.roofline_tools.validate): the CPU time's four terms (of an
+# engine that overlaps it with the forward, its two per-sequence terms) and the
 # all-reduce latency (fitted only for an engine with points at tp > 1).
 CONSTANTS = ("schedule_s", "schedule_per_seq_s", "step_s", "step_per_seq_s",
              "allreduce_latency_s")

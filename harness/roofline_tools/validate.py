@@ -12,9 +12,11 @@ composed as kvbench overrides (:func:`overrides`): its engine's profile and sche
 settings (harness.roofline.engines), then its source's, then its own (``concurrency: c``,
 a closed-loop client, as ``scheduler.max_num_seqs=c`` over a queue). ``--fit`` fits each
 engine profile's CPU constants to that engine's all-at-once points of the fit and
-calibration sets: their schedules do not depend on time, so the step shapes are recorded
+calibration sets and its open loops at light load: an all-at-once schedule does not
+depend on time (a light open loop's, to first order), so the step shapes are recorded
 once and every fitted figure (a run's length for its throughput, a request's end-to-end
-time, its mean TPOT) is affine in the constants (:func:`_figure_rows`), solved by
+time, its mean TPOT) is affine in the constants (:func:`_figure_rows`; an engine that
+overlaps its CPU time with the forward, piecewise: :func:`fit_engine`), solved by
 non-negative least squares on the relative error; it writes ``fit_result.json``, which
 harness.roofline.engines reads. ``validation_result.json``
 (what every roofline run's ``roofline.expected_error_pct`` is read from) is written after
@@ -77,6 +79,9 @@ def load(name: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         unknown = set(r["figures"]) - set(METRICS)
         if unknown:
             raise UserError(f"{SETS[name]}: run {r['id']} has unknown metrics {unknown}")
+        if r.get("concurrency") and r["rate"]:  # (a closed loop is sent at t=0)
+            raise UserError(f"{SETS[name]}: run {r['id']} has both a rate and a "
+                            "concurrency: give one (rate: 0 for a closed loop)")
     return d["sources"], d["runs"]
 
 
@@ -427,7 +432,7 @@ def _steps(r: dict[str, Any], c: np.ndarray | None = None
 
 def _figure_rows(point: dict[str, Any], r: dict[str, Any], c: np.ndarray | None = None
                  ) -> list[tuple[str, float, np.ndarray, float]]:
-    """Each fitted figure of a traced all-at-once run as ``(metric, base, a, published)``:
+    """Each fitted figure of a traced run as ``(metric, base, a, published)``:
     predicted = base + a . constants, exactly, while the schedule stays the one traced (it
     does not depend on time when every request is there at t=0; an open loop at light
     load keeps it to first order, and has no throughput figure here: its length is its
@@ -478,8 +483,11 @@ def _figure_rows(point: dict[str, Any], r: dict[str, Any], c: np.ndarray | None 
                    for _, first, fin, n, *_ in reqs if n > 1]
         else:
             continue  # TTFT and ITL are not fitted
-        if metric.endswith("_median"):
-            per = sorted(per, key=lambda p: float(p[0] + p[1] @ now))
+        if not per:  # (no request with two tokens: no TPOT to fit)
+            continue
+        if metric.endswith("_median"):  # the median request at the linearization point
+            lin = now if c is None else c
+            per = sorted(per, key=lambda p: float(p[0] + p[1] @ lin))
             mid = per[(len(per) - 1) // 2: len(per) // 2 + 1]
         else:
             mid = per
@@ -500,12 +508,13 @@ def _current(point: dict[str, Any], r: dict[str, Any]) -> np.ndarray:
 
 
 # Where a multi-start fit of an engine that overlaps its CPU time with the forward
-# begins (seconds): its per-step term and its term per running sequence. Its figures are
-# flat in the constants wherever no step's CPU time outlasts its forward (a start under
-# which none does stays where it is), so the starts reach CPU times of the order of a
-# large batch's forward (~100 ms at ~500 sequences).
-OVERLAP_STARTS = {"step_s": (0.0, 2e-3, 10e-3, 40e-3),
-                  "step_per_seq_s": (0.0, 25e-6, 50e-6, 100e-6, 200e-6, 400e-6)}
+# begins: each fitted per-sequence term at each of these seconds (the fixed terms of such
+# an engine are not fitted: _fit_cpu). Its least squares has no column where no step's
+# CPU time outlasts its forward (a start under which none does falls to 0), so the
+# starts reach CPU times of the order of a large batch's forward (~100 ms at ~500
+# sequences).
+OVERLAP_STARTS = (0.0, 25e-6, 50e-6, 100e-6, 200e-6, 400e-6)
+PER_SEQ = (CONSTANTS.index("schedule_per_seq_s"), CONSTANTS.index("step_per_seq_s"))
 
 
 def fit_engine(runs: list[tuple[dict[str, Any], dict[str, Any]]],
@@ -516,20 +525,19 @@ def fit_engine(runs: list[tuple[dict[str, Any], dict[str, Any]]],
 
     An engine that overlaps its CPU time with the forward (a step is max(forward, CPU))
     is not affine in the constants: its least squares is linearized at a point and solved
-    again at each solution until the steps it linearizes at settle. That iteration stays
-    wherever it starts if no step's CPU time outlasts its forward there (the figures are
-    flat around it), so it starts from the profile's constants and from
-    :data:`OVERLAP_STARTS`, and the solution whose exact error is least is kept."""
+    again at each solution until the steps it linearizes at settle. Started where no
+    step's CPU time outlasts its forward, that iteration has nothing to fit and falls to
+    0, so it starts from the profile's constants and from :data:`OVERLAP_STARTS`, and the
+    solution whose exact error (its least squares at its own point) is least is kept."""
     c = _current(*runs[0]) if runs else np.zeros(len(CONSTANTS))
     c[[i for i in range(4) if i not in keys]] = 0.0  # (the CPU terms not fitted are 0)
     if not any(r.get("overlap_cpu") for _, r in runs):
         return _as_constants(_solve(*_system(runs, keys, c), keys), keys)
     starts = [c]
-    for s, per in itertools.product(*OVERLAP_STARTS.values()):
+    fitted_per_seq = [k for k in PER_SEQ if k in keys]
+    for values in itertools.product(OVERLAP_STARTS, repeat=len(fitted_per_seq)):
         start = c.copy()
-        for k, v in (("step_s", s), ("step_per_seq_s", per)):
-            if CONSTANTS.index(k) in keys:
-                start[CONSTANTS.index(k)] = v
+        start[fitted_per_seq] = values
         if not any(np.array_equal(start, o) for o in starts):
             starts.append(start)
     best: tuple[float, np.ndarray] | None = None
@@ -571,6 +579,9 @@ def _system(runs: list[tuple[dict[str, Any], dict[str, Any]]], keys: tuple[int, 
             w = 1.0 / np.sqrt(len(figs))
             rows.append(w * a[list(keys)] / pub)
             target.append(w * (1.0 - base / pub))
+    if not rows:
+        raise UserError("the CPU fit has no figure to fit: its points publish no "
+                        "throughput of a run at t=0, TPOT or end-to-end time")
     return np.array(rows), np.array(target)
 
 
@@ -655,6 +666,9 @@ def do_fit(jobs: int) -> dict[str, Any]:
     reload_fit()
     # The CPU constants again, each served point's requests paying the front end just
     # fitted (what its predicted end-to-end times and closed-loop lengths will carry).
+    # The open loops' traces are the ones just made at the first pass's constants (an
+    # open loop's schedule depends on them; an all-at-once run's does not).
+    res.update({k: v for k, v in lres.items() if k in res and "error" not in v})
     for p in cpu_pts:
         r, fe = res[p["id"]], PROFILES[p["engine"]].frontend_s
         if "requests" in r and served(p, sources[p["source"]]):
@@ -665,14 +679,15 @@ def do_fit(jobs: int) -> dict[str, Any]:
     return result
 
 
-def _fit_cpu(at_once: list[dict[str, Any]], res: dict[str, dict[str, Any]],
+def _fit_cpu(points: list[dict[str, Any]], res: dict[str, dict[str, Any]],
              result: dict[str, Any]) -> None:
-    """Each engine's CPU constants fitted to its traced all-at-once runs ``res``, into
-    ``result["engines"]`` (a front end fitted before is kept)."""
+    """Each engine's CPU constants fitted to its traced ``points`` (all-at-once runs and
+    open loops at light load; ``res``: their traces), into ``result["engines"]`` (a front
+    end fitted before is kept)."""
     from harness.roofline.engines import PROFILES
 
-    for eng in sorted({p["engine"] for p in at_once}):
-        pts = [(p, res[p["id"]]) for p in at_once
+    for eng in sorted({p["engine"] for p in points}):
+        pts = [(p, res[p["id"]]) for p in points
                if p["engine"] == eng and "error" not in res[p["id"]]]
         # An engine whose points all schedule every step cannot tell scheduling from
         # per-step time: fit the per-step pair only. Its all-reduce latency only from
@@ -689,8 +704,13 @@ def _fit_cpu(at_once: list[dict[str, Any]], res: dict[str, dict[str, Any]],
         # misses of the GPU's own time looks the same (a floor under every step, fitted
         # on one model shape and priced on every other). Its per-sequence terms show at
         # full batches, where the CPU time grows past the forward: those alone are fitted.
-        if any(r.get("overlap_cpu") for _, r in pts):
-            keys = tuple(k for k in keys if k in (1, 3, 4))
+        overlap = {bool(r.get("overlap_cpu")) for _, r in pts}
+        if len(overlap) > 1:
+            raise UserError(f"{eng}: its fitted points mix CPU time overlapped with the "
+                            "forward and not (async scheduling on some): one profile "
+                            "cannot be fitted to both; mark one kind fit: false")
+        if overlap == {True}:
+            keys = tuple(k for k in keys if k in (*PER_SEQ, 4))
         fitted: dict[str, Any] = fit_engine(pts, keys)
         if not ar:
             fitted["allreduce_latency_s"] = None
@@ -715,10 +735,11 @@ def _engine_ttft(point: dict[str, Any], r: dict[str, Any]) -> np.ndarray:
     return np.array([q[1] - s for q, s in zip(r["requests"], sent)])
 
 
-def _light(point: dict[str, Any], r: dict[str, Any]) -> bool:
-    """Whether a traced run is at light load: its engine's median TTFT under
-    :data:`LIGHT_TTFT_S` (no queue)."""
-    eng = _engine_ttft(point, r) if "requests" in r else np.zeros(0)
+def _light(point: dict[str, Any], r: dict[str, Any], eng: np.ndarray | None = None) -> bool:
+    """Whether a traced run is at light load: its engine's median TTFT (``eng``, else
+    computed) under :data:`LIGHT_TTFT_S` (no queue)."""
+    if eng is None:
+        eng = _engine_ttft(point, r) if "requests" in r else np.zeros(0)
     return bool(len(eng)) and float(np.median(eng)) < LIGHT_TTFT_S
 
 
@@ -733,7 +754,7 @@ def fit_served(runs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, A
     for point, r in runs:
         eng = _engine_ttft(point, r)
         prompt = np.array([float(q[4]) for q in r["requests"]])
-        if not _light(point, r):
+        if not _light(point, r, eng):
             continue
         used.append(point["id"])
         for metric, pub in point["figures"].items():

@@ -15,6 +15,7 @@ import pytest
 from omegaconf import DictConfig, OmegaConf
 
 from harness.config import compose_config, run_config
+from harness.errors import UserError
 from harness.roofline import bands
 from harness.roofline.hardware import A100_KERNELS, H100_KERNELS, get_hardware
 from harness.roofline.models import get_model_spec
@@ -335,7 +336,23 @@ def test_an_overlapping_engines_fit_leaves_a_start_where_no_step_is_cpu_bound(
         step_per_seq_s=0.0))
     got = validate.fit_engine(_overlap_runs(truth), (3,))
     assert got["step_per_seq_s"] == pytest.approx(150e-6, rel=1e-3)
-    assert got["step_s"] == 0.0
+    # _fit_cpu fits such an engine's per-sequence terms alone (a fixed term it overlaps
+    # shows only as a floor under small forwards), and refuses a mix of overlapping and
+    # synchronous points of one engine.
+    runs = _overlap_runs(truth)
+    points = [{**p, "id": f"p{i}", "source": "synthetic"} for i, (p, _) in enumerate(runs)]
+    res = {f"p{i}": {**r, "trace": [(*s[:2], False, s[3]) if j % 2 else s
+                                    for j, s in enumerate(r["trace"])]}
+           for i, (_, r) in enumerate(runs)}
+    result: dict[str, Any] = {"engines": {}}
+    validate._fit_cpu(points, res, result)
+    fit = result["engines"]["sglang"]
+    assert (fit["schedule_s"], fit["step_s"]) == (0.0, 0.0)
+    assert fit["step_per_seq_s"] == pytest.approx(150e-6, rel=1e-3)
+    assert fit["schedule_per_seq_s"] == pytest.approx(0.0, abs=1e-9)
+    res["p1"] = {**res["p1"], "overlap_cpu": False}
+    with pytest.raises(UserError, match="mix CPU time overlapped"):
+        validate._fit_cpu(points, res, {"engines": {}})
 
 
 def test_an_open_loop_fits_per_token_figures_not_its_length() -> None:
