@@ -532,7 +532,7 @@ def fit_engine(runs: list[tuple[dict[str, Any], dict[str, Any]]],
     c = _current(*runs[0]) if runs else np.zeros(len(CONSTANTS))
     c[[i for i in range(4) if i not in keys]] = 0.0  # (the CPU terms not fitted are 0)
     if not any(r.get("overlap_cpu") for _, r in runs):
-        return _as_constants(_solve(*_system(runs, keys, c), keys), keys)
+        return _as_constants(_solve(*_system(runs, keys, c)), keys)
     starts = [c]
     fitted_per_seq = [k for k in PER_SEQ if k in keys]
     for values in itertools.product(OVERLAP_STARTS, repeat=len(fitted_per_seq)):
@@ -544,7 +544,7 @@ def fit_engine(runs: list[tuple[dict[str, Any], dict[str, Any]]],
     for c in starts:
         for _ in range(12):
             new = c.copy()
-            new[list(keys)] = _solve(*_system(runs, keys, c), keys)
+            new[list(keys)] = _solve(*_system(runs, keys, c))
             if np.allclose(new, c, rtol=1e-6, atol=1e-12):
                 break
             c = new
@@ -585,21 +585,22 @@ def _system(runs: list[tuple[dict[str, Any], dict[str, Any]]], keys: tuple[int, 
     return np.array(rows), np.array(target)
 
 
-def _solve(A: np.ndarray, b: np.ndarray, keys: tuple[int, ...]) -> np.ndarray:
+def _solve(A: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Non-negative least squares of ``A x ~ b`` (every subset of the columns: the
     optimum is one of them); zeros where no subset has a non-negative solution."""
+    n = A.shape[1]
     best: tuple[float, np.ndarray] | None = None
-    for k in range(len(keys), 0, -1):
-        for sub in itertools.combinations(range(len(keys)), k):
+    for k in range(n, 0, -1):
+        for sub in itertools.combinations(range(n), k):
             coef, *_ = np.linalg.lstsq(A[:, sub], b, rcond=None)
             if (coef < 0).any():
                 continue
-            full = np.zeros(len(keys))
+            full = np.zeros(n)
             full[list(sub)] = coef
             err = float(np.sum((A @ full - b) ** 2))
             if best is None or err < best[0]:
                 best = (err, full)
-    return best[1] if best is not None else np.zeros(len(keys))
+    return best[1] if best is not None else np.zeros(n)
 
 
 def do_fit(jobs: int) -> dict[str, Any]:
@@ -666,8 +667,9 @@ def do_fit(jobs: int) -> dict[str, Any]:
     reload_fit()
     # The CPU constants again, each served point's requests paying the front end just
     # fitted (what its predicted end-to-end times and closed-loop lengths will carry).
-    # The open loops' traces are the ones just made at the first pass's constants (an
-    # open loop's schedule depends on them; an all-at-once run's does not).
+    # The light points' traces are the ones just made at the first pass's constants (an
+    # open loop's schedule depends on them; a closed loop's, queued at t=0, does not: its
+    # new trace has the same steps).
     res.update({k: v for k, v in lres.items() if k in res and "error" not in v})
     for p in cpu_pts:
         r, fe = res[p["id"]], PROFILES[p["engine"]].frontend_s
@@ -770,18 +772,7 @@ def fit_served(runs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, A
             target.append(1.0 - base / y)
     if not rows:
         return None
-    A, b = np.array(rows), np.array(target)
-    best: tuple[float, np.ndarray] | None = None
-    for sub in ((0, 1), (0,), (1,)):
-        coef, *_ = np.linalg.lstsq(A[:, sub], b, rcond=None)
-        if (coef < 0).any():
-            continue
-        full = np.zeros(2)
-        full[list(sub)] = coef
-        err = float(np.sum((A @ full - b) ** 2))
-        if best is None or err < best[0]:
-            best = (err, full)
-    a, per = best[1] if best is not None else (0.0, 0.0)
+    a, per = _solve(np.array(rows), np.array(target))
     return {"request_s": float(a), "prompt_token_s": float(per), "served_points": used}
 
 
