@@ -129,3 +129,61 @@ def llama_like(name: str, layers: int, hidden: int, ffn: int, heads: int, kv_hea
     per_layer = attn + 3 * hidden * ffn
     return ArchSpec(name, layers, hidden, vocab, heads, kv_heads, head_dim, head_dim,
                     head_dim, layers * per_layer, max_pos, tied, intermediate_size=ffn)
+
+
+@dataclass(frozen=True)
+class MLA:
+    """Multi-head latent attention's sizes (DeepSeek-V2/V3, Kimi-K2): queries through a
+    rank-``q_lora`` bottleneck (0: a plain projection), keys and values cached as one
+    ``kv_lora`` latent plus a ``rope``-dim shared key, each head's q.k over ``nope +
+    rope`` dims and values over ``v`` in prefill (up-projected from the latent)."""
+
+    q_lora: int
+    kv_lora: int
+    nope: int
+    rope: int
+    v: int
+
+
+def fine_grained_moe(name: str, layers: int, hidden: int, vocab: int, max_pos: int,
+                     heads: int, *, experts: int, per_token: int, expert_ffn: int,
+                     shared_ffn: int, dense_layers: int, dense_ffn: int,
+                     kv_heads: int = 0, head_dim: int = 128, qkv_bias: bool = False,
+                     mla: MLA | None = None, tied: bool = False,
+                     fp8_block_scaled: bool = False) -> ArchSpec:
+    """A DeepSeek-style mixture of experts: the first ``dense_layers`` layers a dense
+    SwiGLU of ``dense_ffn``, every later one ``experts`` routed SwiGLU experts of
+    ``expert_ffn`` (``per_token`` of them a token) beside a shared expert of
+    ``shared_ffn`` (0: none) and a router (hidden x experts), all run for every token.
+    Attention is GQA (``kv_heads`` x ``head_dim``, GLM-4.5) or, with ``mla``, the latent
+    form (DeepSeek-V3: the cache one "head" of (kv_lora + rope) / 2 elements for K and as
+    many for V, so that 2 x heads x head_dim is the latent's; decode absorbed, prefill
+    un-absorbed: :class:`ArchSpec`'s prefill dims). A multi-token-prediction layer
+    (``num_nextn_predict_layers``) is not counted: engines load it only to speculate."""
+    moe_layers = layers - dense_layers
+    if mla is None:
+        q, kv = heads * head_dim, kv_heads * head_dim
+        attn = hidden * (q + 2 * kv) + q * hidden + ((q + 2 * kv) if qkv_bias else 0)
+        cache_heads, cache_dim, qk, v = kv_heads, head_dim, head_dim, head_dim
+        pre_qk = pre_v = upproj = 0  # prefill runs as decode
+    else:
+        m = mla
+        q_proj = (hidden * m.q_lora + m.q_lora * heads * (m.nope + m.rope) if m.q_lora
+                  else hidden * heads * (m.nope + m.rope))
+        upproj = m.kv_lora * heads * (m.nope + m.v)  # kv_b_proj
+        attn = q_proj + hidden * (m.kv_lora + m.rope) + upproj + heads * m.v * hidden
+        if (m.kv_lora + m.rope) % 2:
+            raise UserError(f"{name}: kv_lora_rank + qk_rope_head_dim = "
+                            f"{m.kv_lora + m.rope} must be even (the cache's K/V halves)")
+        cache_heads, cache_dim = 1, (m.kv_lora + m.rope) // 2
+        qk, v = m.kv_lora + m.rope, m.kv_lora
+        pre_qk, pre_v = m.nope + m.rope, m.v
+    dense = (layers * attn + dense_layers * 3 * hidden * dense_ffn
+             + moe_layers * (3 * hidden * shared_ffn + hidden * experts))
+    return ArchSpec(name, layers, hidden, vocab, heads, cache_heads, cache_dim, qk, v,
+                    dense, max_pos, tied,
+                    expert_params=moe_layers * experts * 3 * hidden * expert_ffn,
+                    num_experts=experts, experts_per_token=per_token, moe_layers=moe_layers,
+                    intermediate_size=per_token * expert_ffn + shared_ffn,
+                    prefill_qk_dim=pre_qk, prefill_v_dim=pre_v,
+                    prefill_upproj_params=upproj, fp8_block_scaled=fp8_block_scaled)

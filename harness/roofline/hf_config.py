@@ -11,12 +11,19 @@ layouts this reader knows:
   ``intermediate_size``, ``num_experts_per_tok`` per token, and a router;
 * ``qwen2_moe`` / ``qwen3_moe`` / ``olmoe``: ``num_experts`` experts of
   ``moe_intermediate_size`` (+ a shared expert of ``shared_expert_intermediate_size``
-  and its gate, qwen2_moe), ``num_experts_per_tok`` per token, every layer sparse.
+  and its gate, qwen2_moe), ``num_experts_per_tok`` per token, every layer sparse;
+* ``deepseek_v2`` / ``deepseek_v3`` / ``kimi_k2`` / ``glm4_moe`` (DeepSeek's layout):
+  the first ``first_k_dense_replace`` layers dense (``intermediate_size``), then
+  ``n_routed_experts`` experts of ``moe_intermediate_size``, ``num_experts_per_tok`` a
+  token, beside ``n_shared_experts`` shared ones of the same size; attention latent
+  (MLA: ``kv_lora_rank``, ``q_lora_rank`` (null: none), ``qk_nope_head_dim``,
+  ``qk_rope_head_dim``, ``v_head_dim``) or, GLM-4.5's, GQA (:func:`fine_grained_moe`).
+  A multi-token-prediction layer (``num_nextn_predict_layers``) is not counted.
 
-Any other config with experts (DeepSeek's ``n_routed_experts``, gpt-oss, Llama 4, a
-Qwen-MoE with dense layers between sparse ones) is refused with what to use instead: read
-as dense it would be a wrong number (a Mixtral read as dense put 50 GiB of KV on one
-A100-80GB).
+Any other config with experts (gpt-oss, Llama 4, a Qwen-MoE with dense layers between
+sparse ones, DeepSeek's layout with ``moe_layer_freq`` above 1) is refused with what to
+use instead: read as dense it would be a wrong number (a Mixtral read as dense put 50 GiB
+of KV on one A100-80GB).
 """
 
 from __future__ import annotations
@@ -28,11 +35,12 @@ from typing import Any
 
 from harness import layer_types
 from harness.errors import UserError
-from harness.roofline.arch import ArchSpec, llama_like
+from harness.roofline.arch import MLA, ArchSpec, fine_grained_moe, llama_like
 
 # Keys that mean "this model has routed experts", in the configs we know of.
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+FINE_GRAINED = ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", *FINE_GRAINED)
 
 
 class _Config:
@@ -127,8 +135,11 @@ def _moe(c: _Config, name: str, model_type: str, experts: dict[str, Any], layers
         raise c.fail(f"a mixture-of-experts model ({found}, model_type {model_type!r}) "
                      f"whose layout this reader does not know (it knows "
                      f"{', '.join(MOE_TYPES)}); read as dense its FLOPs, weights and KV "
-                     "room would be wrong. Use a preset (roofline.model=DeepSeek-V3 for "
-                     "DeepSeek-V3/R1) or a config of a known layout")
+                     "room would be wrong. Use a preset (roofline.model=gpt-oss-120b, "
+                     "Llama-4-Scout: harness/roofline/models.py) or a config of a known "
+                     "layout")
+    if model_type in FINE_GRAINED:
+        return _fine_grained(c, name, model_type, layers, hidden, heads, kv_heads, common)
     if model_type == "mixtral":
         n, ffn, shared = c.int("num_local_experts"), c.int("intermediate_size"), 0
     else:
@@ -149,3 +160,35 @@ def _moe(c: _Config, name: str, model_type: str, experts: dict[str, Any], layers
                     attn.dense_params + layers * per_layer, attn.max_position_embeddings,
                     attn.tie_word_embeddings, expert_params=layers * n * 3 * hidden * ffn,
                     num_experts=n, experts_per_token=k)
+
+
+def _fine_grained(c: _Config, name: str, model_type: str, layers: int, hidden: int,
+                  heads: int, kv_heads: int, common: dict[str, Any]) -> ArchSpec:
+    """DeepSeek's layout (module docstring): dense layers first, then routed + shared
+    experts; MLA where the config has ``kv_lora_rank``, else GQA (GLM-4.5)."""
+    if c.int("moe_layer_freq", 1) != 1:
+        raise c.fail("moe_layer_freq above 1 makes every other layer dense: this reader "
+                     "takes every layer after first_k_dense_replace sparse; not supported")
+    n, k = c.int("n_routed_experts"), c.int("num_experts_per_tok")
+    if k > n:
+        raise c.fail(f"num_experts_per_tok={k} exceeds the {n} experts")
+    ffn = c.int("moe_intermediate_size")
+    shared = c.int("n_shared_experts", minimum=0) * ffn
+    dense_layers = c.int("first_k_dense_replace", minimum=0)
+    if dense_layers >= layers:
+        raise c.fail(f"first_k_dense_replace={dense_layers} leaves no sparse layer of the "
+                     f"{layers}")
+    mla = None
+    if c.raw.get("kv_lora_rank") is not None:
+        mla = MLA(c.int("q_lora_rank", 0, minimum=0), c.int("kv_lora_rank"),
+                  c.int("qk_nope_head_dim"), c.int("qk_rope_head_dim"), c.int("v_head_dim"))
+    elif model_type != "glm4_moe":
+        raise c.fail(f"model_type {model_type!r} without kv_lora_rank: DeepSeek's layout "
+                     "is read with its latent attention's sizes (kv_lora_rank, q_lora_rank, "
+                     "qk_nope_head_dim, qk_rope_head_dim, v_head_dim)")
+    return fine_grained_moe(
+        name, layers, hidden, common["vocab"], common["max_pos"], heads, experts=n,
+        per_token=k, expert_ffn=ffn, shared_ffn=shared, dense_layers=dense_layers,
+        dense_ffn=c.int("intermediate_size") if dense_layers else 0, kv_heads=kv_heads,
+        head_dim=common["head_dim"], qkv_bias=common["qkv_bias"], mla=mla,
+        tied=common["tied"])

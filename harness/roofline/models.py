@@ -24,7 +24,7 @@ from typing import Any
 
 from harness.errors import UserError
 from harness.layer_types import FULL, LayerAttention
-from harness.roofline.arch import ArchSpec, llama_like
+from harness.roofline.arch import MLA, ArchSpec, fine_grained_moe, llama_like
 from harness.roofline.hf_config import from_hf_config
 
 
@@ -32,19 +32,27 @@ def _deepseek_v3() -> ArchSpec:
     # config.json of deepseek-ai/DeepSeek-V3: 61 layers (first 3 dense, FFN 18432), hidden
     # 7168, 128 heads, q_lora 1536, kv_lora 512, qk_nope 128, qk_rope 64, v_head 128;
     # 256 routed experts (FFN 2048) + 1 shared, 8 per token; vocab 129280. 671B / 37B.
-    h, layers, heads, moe_layers = 7168, 61, 128, 58
-    attn = (h * 1536 + 1536 * heads * (128 + 64) + h * (512 + 64)
-            + 512 * heads * (128 + 128) + heads * 128 * h)
-    dense_ffn = 3 * (3 * h * 18432)
-    shared = moe_layers * 3 * h * 2048
-    router = moe_layers * h * 256
-    routed = moe_layers * 256 * 3 * h * 2048
-    return ArchSpec("DeepSeek-V3", layers, h, 129280, heads, 1, 288, 512 + 64, 512,
-                    layers * attn + dense_ffn + shared + router, 163840,
-                    expert_params=routed, num_experts=256, experts_per_token=8,
-                    moe_layers=moe_layers, prefill_qk_dim=128 + 64,
-                    prefill_v_dim=128, prefill_upproj_params=512 * heads * (128 + 128),
-                    fp8_block_scaled=True)
+    return fine_grained_moe("DeepSeek-V3", 61, 7168, 129280, 163840, 128, experts=256,
+                            per_token=8, expert_ffn=2048, shared_ffn=2048, dense_layers=3,
+                            dense_ffn=18432, mla=MLA(1536, 512, 128, 64, 128),
+                            fp8_block_scaled=True)
+
+
+# GLM-4.5 and GLM-4.5-Air (zai-org/GLM-4.5*/config.json, model_type glm4_moe; the keys as
+# transformers' Glm4MoeConfig names them, read 2026-12-05 through slime's Megatron
+# scripts scripts/models/glm4.5-355B-A32B.sh and glm4.5-106B-A12B.sh): GQA, 96 heads, 8 KV
+# heads x 128 (q 12288 wide, above the hidden size), q/k/v biases, untied, vocab 151552,
+# 131072 positions. GLM-4.5: 92 layers (3 dense of FFN 12288, then 89 of 160 experts of
+# 1536, 8 a token, + 1 shared of 1536), hidden 5120: 353B without its MTP layer (published
+# 355B with it), 32B active. Air: 46 layers (1 dense of 10944, then 45 of 128 experts of
+# 1408, 8 a token, + 1 shared), hidden 4096: 107B (published 106B), 12B active.
+GLM_4_5 = fine_grained_moe("GLM-4.5", 92, 5120, 151552, 131072, 96, experts=160,
+                           per_token=8, expert_ffn=1536, shared_ffn=1536, dense_layers=3,
+                           dense_ffn=12288, kv_heads=8, head_dim=128, qkv_bias=True)
+GLM_4_5_AIR = fine_grained_moe("GLM-4.5-Air", 46, 4096, 151552, 131072, 96, experts=128,
+                               per_token=8, expert_ffn=1408, shared_ffn=1408,
+                               dense_layers=1, dense_ffn=10944, kv_heads=8, head_dim=128,
+                               qkv_bias=True)
 
 
 def _hybrid(name: str, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
@@ -121,7 +129,7 @@ MODEL_SPECS: dict[str, ArchSpec] = {s.name.lower(): s for s in (
     llama_like("Qwen3-14B", 40, 5120, 17408, 40, 8, 151936, 40960),
     llama_like("Qwen3-32B", 64, 5120, 25600, 64, 8, 151936, 40960),
     llama_like("SmolLM2-135M", 30, 576, 1536, 9, 3, 49152, 8192, head_dim=64, tied=True),
-    _deepseek_v3(),
+    _deepseek_v3(), GLM_4_5, GLM_4_5_AIR,
     GPT_OSS_120B, GEMMA_2_27B, GEMMA_3_27B, LLAMA_4_SCOUT,
 )}
 

@@ -201,8 +201,8 @@ ROOFLINE_SPECS = [
     ("rf_no_layers", "num_hidden_layers=0 must be >= 1"),
     ("rf_neg_layers", "num_hidden_layers=-2 must be >= 1"),
     ("rf_kv_not_dividing", "num_attention_heads=32 is not a multiple of num_key_value_heads=5"),
-    ("rf_deepseek", "a mixture-of-experts model (n_routed_experts=256, model_type "
-                    "'deepseek_v3') whose layout this reader does not know"),
+    # DeepSeek's layout is read (GLM-4.5, DeepSeek-V3, Kimi-K2): strictly, key by key
+    ("rf_deepseek", "lacks 'moe_intermediate_size' (a positive integer)"),
     ("rf_gpt_oss", "(num_local_experts=32, model_type 'gpt_oss')"),
     ("rf_llama4", "(num_local_experts=16, model_type 'llama4_text')"),
 ]

@@ -8,6 +8,7 @@ Face, the keys this reader uses)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -113,3 +114,72 @@ def test_tp_follows_vllms_rule(model: str, tp: int, ok: bool) -> None:
     else:
         with pytest.raises(UserError, match=rf"roofline\.tp={tp} must divide"):
             a.check_tp(tp)
+
+
+# DeepSeek's layout (issue #53, finding 9): the config.json files as zai-org and deepseek-ai
+# publish them (the keys this reader uses; transformers' Glm4MoeConfig / DeepseekV3Config).
+GLM_4_5 = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+           "attention_bias": True, "head_dim": 128, "hidden_size": 5120,
+           "intermediate_size": 12288, "max_position_embeddings": 131072,
+           "moe_intermediate_size": 1536, "num_attention_heads": 96, "n_routed_experts": 160,
+           "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+           "num_hidden_layers": 92, "num_key_value_heads": 8, "num_nextn_predict_layers": 1,
+           "partial_rotary_factor": 0.5, "tie_word_embeddings": False, "use_qk_norm": True,
+           "vocab_size": 151552}
+GLM_4_5_AIR = {**GLM_4_5, "hidden_size": 4096, "intermediate_size": 10944,
+               "moe_intermediate_size": 1408, "n_routed_experts": 128,
+               "first_k_dense_replace": 1, "num_hidden_layers": 46, "use_qk_norm": False}
+DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+               "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+               "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+               "n_shared_experts": 1, "n_routed_experts": 256, "num_experts_per_tok": 8,
+               "first_k_dense_replace": 3, "moe_layer_freq": 1, "q_lora_rank": 1536,
+               "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+               "v_head_dim": 128, "vocab_size": 129280, "max_position_embeddings": 163840,
+               "tie_word_embeddings": False, "num_nextn_predict_layers": 1,
+               "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+
+
+@pytest.mark.parametrize(("cfg", "preset", "total", "active"), [
+    # zai-org's model card: 355B total with the MTP layer (353B without it, as engines load
+    # it), 32B active; Air 106B / 12B. Active counts exclude the embeddings, as published.
+    (GLM_4_5, "glm-4.5", 355e9, 32e9), (GLM_4_5_AIR, "glm-4.5-air", 106e9, 12e9),
+    (DEEPSEEK_V3, "deepseek-v3", 671e9, None)], ids=["glm-4.5", "glm-4.5-air", "deepseek-v3"])
+def test_deepseek_layout_reads_as_its_preset(tmp_path: Path, cfg: dict[str, object],
+                                             preset: str, total: float,
+                                             active: float | None) -> None:
+    a = from_hf_config(_write(tmp_path, cfg))
+    assert a == dataclasses.replace(MODEL_SPECS[preset], name=a.name)
+    assert a.total_params() == pytest.approx(total, rel=0.01)
+    if active is not None:
+        assert a.active_params == pytest.approx(active, rel=0.02)
+    # What a step multiplies: one token's 8 experts and the shared one, never all of them.
+    assert a.num_experts > 0 and a.active_params < a.total_params() / 8
+    assert a.moe_layers == cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
+
+
+def test_glm_attention_is_gqa_and_its_cache_follows() -> None:
+    # GLM-4.5 caches 8 KV heads of 128 on 92 layers (bf16: 368 KiB a token); its queries
+    # are 96 x 128 = 12288 wide, above its hidden size (the q/o projections are not square).
+    a = MODEL_SPECS["glm-4.5"]
+    assert a.num_layers * a.kv_elems_per_layer * 2 == 92 * 2 * 8 * 128 * 2
+    h, q, kv = 5120, 96 * 128, 8 * 128
+    attn = h * (q + 2 * kv) + q * h + (q + 2 * kv)  # with the q/k/v biases
+    moe = 3 * h * 1536 + h * 160  # the shared expert and the router
+    assert a.dense_params == 92 * attn + 3 * 3 * h * 12288 + 89 * moe
+    a.check_tp(8)
+    with pytest.raises(UserError, match=r"roofline\.tp=5"):
+        a.check_tp(5)
+
+
+@pytest.mark.parametrize(("change", "phrase"), [
+    ({"moe_layer_freq": 2}, "moe_layer_freq above 1"),
+    ({"first_k_dense_replace": 92}, "leaves no sparse layer"),
+    ({"num_experts_per_tok": 200}, "num_experts_per_tok=200 exceeds the 160 experts"),
+    ({"model_type": "deepseek_v3"}, "without kv_lora_rank"),
+    ({"first_k_dense_replace": None}, "lacks 'first_k_dense_replace'"),
+])
+def test_deepseek_layout_refusals(tmp_path: Path, change: dict[str, object],
+                                  phrase: str) -> None:
+    with pytest.raises(UserError, match=phrase):
+        from_hf_config(_write(tmp_path, {**GLM_4_5, **change}))
