@@ -72,8 +72,8 @@ class RooflineConfig:
     # int8 units; needs weight_dtype of the same, as TensorRT-LLM's FP8 and SmoothQuant
     # checkpoints are; weight_dtype=int8 alone is weight-only, W8A16), or fp4 (W4A4 on
     # Blackwell's FP4 units, weight_dtype mxfp4 or nvfp4; elsewhere those weights run
-    # weight-only). int8's and fp4's shares of their peaks have no kernel profile yet: the
-    # spec's bf16 share (a prior).
+    # weight-only). int8's share of its peak has no kernel profile yet: the spec's bf16
+    # share (a prior); fp4's is the B200's NVFP4 kernel tables' (hardware.BLACKWELL_GEMM).
     compute_dtype: str = "auto"
     # Decode lanes (harness/roofline/fastpath): running decodes advanced as sums, touched only
     # when they take or fill a block, finish or are preempted; every number equals

@@ -225,14 +225,17 @@ BLACKWELL_KERNELS: dict[str, Any] = dict(
     H100_KERNELS, eff_gemm=0.64, eff_bw=0.80, gemm_corner_p=3.0, gemm_kernel_s=2e-6)
 # Low-precision GEMMs on the B200, each the share of its own peak that fits (same fit):
 # fp8 per-channel / per-token (vLLM's CUTLASS, tuned for SM100 in vLLM #18778 / #19566;
-# 13 rows to 1024 tokens: median 6.3%, worst 17.6%) 0.54. NVFP4 stays the prior (the
-# bf16 share): its only table (#20578) times vLLM's CUTLASS kernel before its SM100
-# configs were tuned (vLLM #20646 shows it as "Before"), not a kernel any engine runs
-# now; it fits 0.36 (11 rows: median 21.6%, worst 62.0%), a lower bound, where a later
-# kernel reports 0.58 (#42235, shape unread). Block-wise fp8 is timed by no B200 table:
+# 13 rows to 1024 tokens: median 6.3%, worst 17.6%) 0.54. NVFP4 0.42 (the bf16 share,
+# 0.64, was its prior until 2026-12-05's eighth session), from the kernels engines run
+# now: FlashInfer's CUTLASS mm_fp4 (TensorRT-LLM's kernel; #1979 at 1024 x 7168 x 4608,
+# #1732 at one token) and SGLang's JIT CUTLASS (#22091, 12 shapes of 512-18144 tokens);
+# 14 rows, median 38.9%, worst 60.5%: one share fits them badly, NVFP4 reaching 0.59-0.67
+# of its peak at 18144 tokens and 0.17-0.27 at 512-4608 tokens on small matrices (its
+# one-token GEMV streams at 0.23 of the bandwidth where the bf16 share is 0.80). vLLM's
+# table timed before its SM100 tuning (#20578; #20646's "Before") fits 0.36 (11 rows:
+# median 21.6%, worst 62.0%), kept apart. Block-wise fp8 is timed by no B200 table:
 # Hopper's share, a prior.
-BLACKWELL_GEMM = {"fp8": 0.54, "fp8_block": HOPPER_FP8["fp8_block"],
-                  "fp4": BLACKWELL_KERNELS["eff_gemm"]}
+BLACKWELL_GEMM = {"fp8": 0.54, "fp8_block": HOPPER_FP8["fp8_block"], "fp4": 0.42}
 B200_FP4_UNTUNED = 0.36  # kernel_fit --b200's fit of the untuned NVFP4 table (not used)
 
 # MoE expert GEMMs (`python -m harness.roofline_tools.kernel_fit --moe`, from harness/

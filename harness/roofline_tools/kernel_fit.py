@@ -31,9 +31,11 @@ by size. Three models come out of them, each a few constants of ``HardwareSpec``
   block-wise ratio. Vidur profiles no fp8.
 - **The B200's GEMMs** (``--b200``): published B200 kernel tables
   (harness/roofline_tools/data/vllm_b200: vLLM's GEMM benchmarks at Llama-3.1-8B's
-  layer shapes, 1-16384 tokens, torch bf16 / CUTLASS fp8 / CUTLASS NVFP4) fitted by the
-  same rules at the b200 spec's datasheet peaks: the bf16 rows give the GEMM model's
-  four constants, the fp8 and fp4 rows each the share of their peak. No B200 table
+  layer shapes, 1-16384 tokens, torch bf16 / CUTLASS fp8 / CUTLASS NVFP4; FlashInfer's
+  and SGLang's CUTLASS NVFP4 at 1-18144 tokens) fitted by the same rules at the b200
+  spec's datasheet peaks: the bf16 rows give the GEMM model's four constants, the fp8
+  and fp4 rows each the share of their peak (fp4: the current kernels' rows; vLLM's
+  untuned one apart, reported). No B200 table
   times the non-GEMM kernels or the all-reduce: those stay the H100's (a prior).
 - **MoE expert GEMMs on Hopper and the A100** (``--moe``): published fused-MoE kernel
   tables (harness/roofline_tools/data/moe: vLLM's and SGLang's Triton ``fused_experts``
@@ -260,12 +262,20 @@ def device_shares(rows: list[dict[str, Any]], peaks: dict[str, float],
     return out
 
 
-def b200_rows(kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+# The NVFP4 table timed before vLLM tuned its kernel for SM100 (#20646 shows it as
+# "Before"): fitted and reported apart (B200_FP4_UNTUNED), not the share engines reach.
+FP4_UNTUNED_SOURCES = ("vllm-20578",)
+
+
+def b200_rows(kind: str, untuned: bool | None = None
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(M, N, K, seconds) of the B200 table's GEMMs of ``kind`` (bf16: torch's, fp8:
-    vLLM's CUTLASS per-channel / per-token, fp4: vLLM's CUTLASS NVFP4; each without the
-    activations' quantization), timed as TFLOP/s at that shape."""
+    vLLM's CUTLASS per-channel / per-token, fp4: NVFP4 GEMMs; each without the
+    activations' quantization), timed as TFLOP/s at that shape. ``untuned`` (fp4): True,
+    only the rows of :data:`FP4_UNTUNED_SOURCES`; False, only the others; None, all."""
     with open(B200_TABLE, newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r["kind"] == kind]
+        rows = [r for r in csv.DictReader(f) if r["kind"] == kind
+                and (untuned is None or (r["source"] in FP4_UNTUNED_SOURCES) == untuned)]
     m, n, k = (np.array([float(r[c]) for r in rows]) for c in ("m", "n", "k"))
     tflops = np.array([float(r["tflops"]) for r in rows])
     return m, n, k, 2.0 * m * n * k / (tflops * 1e12)
@@ -294,10 +304,14 @@ def fit_b200() -> dict[str, Any]:
                            "gemm_corner_p": p, "gemm_kernel_s": t0, "eff_gemm_dtype": {},
                            "errors": {"bf16": _row_errs(rel)}}
     for kind, elem in B200_ELEM_BYTES.items():
-        m, n, k, y = b200_rows(kind)
+        m, n, k, y = b200_rows(kind, False if kind == "fp4" else None)
         eff, rel = fit_share(m, n, k, y, elem, h.flops(kind), h.mem_bw, eb, p, t0)
         out["eff_gemm_dtype"][kind] = eff
         out["errors"][kind] = _row_errs(rel)
+    m, n, k, y = b200_rows("fp4", True)
+    eff, rel = fit_share(m, n, k, y, B200_ELEM_BYTES["fp4"], h.flops("fp4"), h.mem_bw, eb,
+                         p, t0)
+    out["fp4_untuned"] = {"eff": eff, "errors": _row_errs(rel)}
     return out
 
 
