@@ -772,8 +772,42 @@ def fit_served(runs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, A
             target.append(1.0 - base / y)
     if not rows:
         return None
-    a, per = _solve(np.array(rows), np.array(target))
+    a, per = _bounded_front_end(np.array(rows), np.array(target))
     return {"request_s": float(a), "prompt_token_s": float(per), "served_points": used}
+
+
+# A front end's time a prompt token is its tokenizer's (the rest of a request's path,
+# HTTP, templating, queueing for the engine, does not grow with the prompt): a BPE
+# tokenizer encodes at 1.6-1.9 us a token on one core of this machine
+# (scripts/tokenizer_cost.py, 2026-12-05), rounded up. Unbounded, the fit had priced what
+# the step model misses of long prompts' prefill at light load (SGLang 0.4.0's 41 us a
+# token, trtllm-serve's 18) as a front end every served request of every host pays.
+TOKENIZE_S = 2e-6
+
+
+def _bounded_front_end(A: np.ndarray, b: np.ndarray, cap: float = TOKENIZE_S
+                       ) -> tuple[float, float]:
+    """Least squares of ``A [a, per] ~ b`` with ``a >= 0`` and ``0 <= per <= cap``: the
+    unbounded non-negative solution where it keeps under the cap, else the best on the
+    box's faces (per = cap, or a = 0; the objective is convex, so one of these holds the
+    optimum)."""
+    def err(x: np.ndarray) -> float:
+        return float(np.sum((A @ x - b) ** 2))
+
+    free = _solve(A, b)
+    if free[1] <= cap:
+        return float(free[0]), float(free[1])
+    cands = []
+    for col, fixed in ((0, 1), (1, 0)):  # per = cap (fit a), then a = 0 (fit per)
+        x = np.zeros(2)
+        if fixed == 1:
+            x[1] = cap
+        rest = b - A[:, 1] * x[1]
+        v = float(np.dot(A[:, col], rest) / np.dot(A[:, col], A[:, col]))
+        x[col] = min(max(v, 0.0), cap) if col == 1 else max(v, 0.0)
+        cands.append(x)
+    best = min(cands, key=err)
+    return float(best[0]), float(best[1])
 
 
 # -- the report -----------------------------------------------------------------------
