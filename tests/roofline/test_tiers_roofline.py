@@ -46,11 +46,14 @@ def test_tiers_in_the_what_if() -> None:
     assert on["cache.hit_rate.cpu"] > 0.1
     assert on["cache.prefill_tokens_computed"] < off["cache.prefill_tokens_computed"]
     assert on["cache.hit_rate.miss"] < off["cache.hit_rate.miss"]
-    # The same blocks move either way; overlapped, the transfers hide behind compute:
-    # the steps pay none of them here (each step's transfers are far under its own work),
-    # where unoverlapped they pay every one. (Not the run's wall: it is the arrivals' and
-    # think times', and a schedule moved by the hidden 0.25 s can end either side of it.)
-    assert lapped["cache.tier.cpu.blocks_up"] == on["cache.tier.cpu.blocks_up"]
+    # About the same blocks move either way (the hidden 0.25 s moves the schedule, and a
+    # turn that comes back a step earlier or later can find one block more or less);
+    # overlapped, the transfers hide behind compute: the steps pay none of them here
+    # (each step's transfers are far under its own work), where unoverlapped they pay
+    # every one. (Not the run's wall: it is the arrivals' and think times', and a
+    # schedule moved by the hidden 0.25 s can end either side of it.)
+    assert lapped["cache.tier.cpu.blocks_up"] == pytest.approx(
+        on["cache.tier.cpu.blocks_up"], rel=0.01)
     assert on["cache.tier.transfer_s"] > 0
     assert on["cache.tier.exposed_s"] == on["cache.tier.transfer_s"]
     assert lapped["cache.tier.transfer_s"] > 0 and lapped["cache.tier.exposed_s"] == 0.0
