@@ -5,7 +5,8 @@ encode time per token, on this machine's CPU, one thread.
 
 Encodes the repository's docs (English prose with code, ~60k tokens) as prompts of ~4,000
 tokens with Hugging Face ``tokenizers`` (the Rust BPE vLLM's and SGLang's servers run), and
-prints the best of five passes in microseconds a token. Default tokenizer: the first
+prints the best and the median of five passes in microseconds a token, with the
+tokenizer's vocabulary size and the CPU. Default tokenizer: the first
 ``tokenizer.json`` under ``$KVBENCH_CACHE/tokenizers`` (the GGUF models' tokenizers, written
 there by the main job's first run). harness/roofline_tools/validate.py bounds the fitted
 front ends' per-token term by it (``TOKENIZE_S``)."""
@@ -36,14 +37,20 @@ def main() -> None:
     total = len(tok.encode(text).ids)
     step = max(1, len(text) * 4000 // total)
     prompts = [text[i:i + step] for i in range(0, len(text), step)]
-    best = float("inf")
+    per: list[float] = []
     for _ in range(5):
         t0, n = time.perf_counter(), 0
         for p in prompts:
             n += len(tok.encode(p).ids)
-        best = min(best, (time.perf_counter() - t0) / n)
-    print(f"{path.parent.name}: {best * 1e6:.2f} us a token ({len(prompts)} prompts of "
-          f"~{n // len(prompts)} tokens, best of 5)")
+        per.append((time.perf_counter() - t0) / n)
+    per.sort()
+    cpu = next((line.split(":", 1)[1].strip() for line in
+                Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown CPU") \
+        if Path("/proc/cpuinfo").exists() else "unknown CPU"
+    print(f"{path.parent.name} ({tok.get_vocab_size()} entries) on {cpu}: "
+          f"{per[0] * 1e6:.2f} us a token best, {per[2] * 1e6:.2f} median of 5 passes "
+          f"({len(prompts)} prompts of ~{n // len(prompts)} tokens)")
 
 
 if __name__ == "__main__":

@@ -157,9 +157,10 @@ def fine_grained_moe(name: str, layers: int, hidden: int, vocab: int, max_pos: i
     ``shared_ffn`` (0: none) and a router (hidden x experts), all run for every token.
     Attention is GQA (``kv_heads`` x ``head_dim``, GLM-4.5) or, with ``mla``, the latent
     form (DeepSeek-V3: the cache one "head" of (kv_lora + rope) / 2 elements for K and as
-    many for V, so that 2 x heads x head_dim is the latent's; decode absorbed, prefill
-    un-absorbed: :class:`ArchSpec`'s prefill dims). A multi-token-prediction layer
-    (``num_nextn_predict_layers``) is not counted: engines load it only to speculate."""
+    many for V, so that its 2 x 1 x head_dim elements are the latent's kv_lora + rope;
+    decode absorbed, prefill un-absorbed: :class:`ArchSpec`'s prefill dims). A
+    multi-token-prediction layer (``num_nextn_predict_layers``) is not counted: engines
+    load it only to speculate."""
     moe_layers = layers - dense_layers
     if mla is None:
         q, kv = heads * head_dim, kv_heads * head_dim

@@ -229,7 +229,7 @@ BLACKWELL_KERNELS: dict[str, Any] = dict(
 # 0.64, was its prior until 2026-12-05's eighth session), from the kernels engines run
 # now: FlashInfer's CUTLASS mm_fp4 (TensorRT-LLM's kernel; #1979 at 1024 x 7168 x 4608,
 # #1732 at one token) and SGLang's JIT CUTLASS (#22091, 12 shapes of 512-18144 tokens);
-# 14 rows, median 38.9%, worst 60.5%: one share fits them badly, NVFP4 reaching 0.59-0.67
+# 14 rows, median 38.9%, worst 60.5%: one share fits them badly, NVFP4 reaching 0.49-0.67
 # of its peak at 18144 tokens and 0.17-0.27 at 512-4608 tokens on small matrices (its
 # one-token GEMV streams at 0.23 of the bandwidth where the bf16 share is 0.80). vLLM's
 # table timed before its SM100 tuning (#20578; #20646's "Before") fits 0.36 (11 rows:

@@ -173,7 +173,8 @@ def _fine_grained(c: _Config, name: str, model_type: str, layers: int, hidden: i
     if k > n:
         raise c.fail(f"num_experts_per_tok={k} exceeds the {n} experts")
     ffn = c.int("moe_intermediate_size")
-    shared = c.int("n_shared_experts", minimum=0) * ffn
+    # (null: none, as the DeepSeek modeling code reads it)
+    shared = c.int("n_shared_experts", 0, minimum=0) * ffn
     dense_layers = c.int("first_k_dense_replace", minimum=0)
     if dense_layers >= layers:
         raise c.fail(f"first_k_dense_replace={dense_layers} leaves no sparse layer of the "
@@ -182,6 +183,9 @@ def _fine_grained(c: _Config, name: str, model_type: str, layers: int, hidden: i
     if c.raw.get("kv_lora_rank") is not None:
         mla = MLA(c.int("q_lora_rank", 0, minimum=0), c.int("kv_lora_rank"),
                   c.int("qk_nope_head_dim"), c.int("qk_rope_head_dim"), c.int("v_head_dim"))
+        if (mla.kv_lora + mla.rope) % 2:
+            raise c.fail(f"kv_lora_rank + qk_rope_head_dim = {mla.kv_lora + mla.rope} must "
+                         "be even (the cache is laid out as K and V halves of the latent)")
     elif model_type != "glm4_moe":
         raise c.fail(f"model_type {model_type!r} without kv_lora_rank: DeepSeek's layout "
                      "is read with its latent attention's sizes (kv_lora_rank, q_lora_rank, "

@@ -273,6 +273,8 @@ def b200_rows(kind: str, untuned: bool | None = None
     vLLM's CUTLASS per-channel / per-token, fp4: NVFP4 GEMMs; each without the
     activations' quantization), timed as TFLOP/s at that shape. ``untuned`` (fp4): True,
     only the rows of :data:`FP4_UNTUNED_SOURCES`; False, only the others; None, all."""
+    if untuned is not None and kind != "fp4":
+        raise ValueError(f"b200_rows: untuned= splits the fp4 rows only (got kind {kind!r})")
     with open(B200_TABLE, newline="") as f:
         rows = [r for r in csv.DictReader(f) if r["kind"] == kind
                 and (untuned is None or (r["source"] in FP4_UNTUNED_SOURCES) == untuned)]

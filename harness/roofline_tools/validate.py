@@ -747,7 +747,8 @@ def _light(point: dict[str, Any], r: dict[str, Any], eng: np.ndarray | None = No
 
 def fit_served(runs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any] | None:
     """A served engine's front end, ``request_s + prompt_token_s x prompt tokens`` added to
-    each request's TTFT (harness.roofline.engines), by non-negative least squares on the
+    each request's TTFT (harness.roofline.engines), by least squares with ``request_s >=
+    0`` and ``0 <= prompt_token_s <=`` :data:`TOKENIZE_S` (:func:`_bounded_front_end`) on the
     relative error of every TTFT figure of its served points at light load (the engine's
     own median TTFT under :data:`LIGHT_TTFT_S`: no queue, so what the model misses there
     is the front end, not the schedule). A closed loop's request counts from when its
@@ -778,8 +779,11 @@ def fit_served(runs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, A
 
 # A front end's time a prompt token is its tokenizer's (the rest of a request's path,
 # HTTP, templating, queueing for the engine, does not grow with the prompt): a BPE
-# tokenizer encodes at 1.6-1.9 us a token on one core of this machine
-# (scripts/tokenizer_cost.py, 2026-12-05), rounded up. Unbounded, the fit had priced what
+# tokenizer encodes at 1.1-1.9 us a token on one core of this machine's AMD EPYC
+# (scripts/tokenizer_cost.py, 2026-12-05: SmolLM2's 49k-entry BPE, best to median of five
+# passes over three runs under varying load), above every median here. The served models'
+# own tokenizers (Llama-3's 128k entries, Qwen's) were not at hand (no Hugging Face hub
+# here): a bound to measure again with them, on a server's CPU. Unbounded, the fit had priced what
 # the step model misses of long prompts' prefill at light load (SGLang 0.4.0's 41 us a
 # token, trtllm-serve's 18) as a front end every served request of every host pays.
 TOKENIZE_S = 2e-6
@@ -789,8 +793,8 @@ def _bounded_front_end(A: np.ndarray, b: np.ndarray, cap: float = TOKENIZE_S
                        ) -> tuple[float, float]:
     """Least squares of ``A [a, per] ~ b`` with ``a >= 0`` and ``0 <= per <= cap``: the
     unbounded non-negative solution where it keeps under the cap, else the best on the
-    box's faces (per = cap, or a = 0; the objective is convex, so one of these holds the
-    optimum)."""
+    box's faces (the objective is convex: past the cap the optimum is on per = cap; the
+    a = 0 face is tried too, at no cost)."""
     def err(x: np.ndarray) -> float:
         return float(np.sum((A @ x - b) ** 2))
 
@@ -803,7 +807,8 @@ def _bounded_front_end(A: np.ndarray, b: np.ndarray, cap: float = TOKENIZE_S
         if fixed == 1:
             x[1] = cap
         rest = b - A[:, 1] * x[1]
-        v = float(np.dot(A[:, col], rest) / np.dot(A[:, col], A[:, col]))
+        norm = float(np.dot(A[:, col], A[:, col]))
+        v = float(np.dot(A[:, col], rest)) / norm if norm > 0 else 0.0
         x[col] = min(max(v, 0.0), cap) if col == 1 else max(v, 0.0)
         cands.append(x)
     best = min(cands, key=err)

@@ -142,7 +142,8 @@ DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepse
 
 @pytest.mark.parametrize(("cfg", "preset", "total", "active"), [
     # zai-org's model card: 355B total with the MTP layer (353B without it, as engines load
-    # it), 32B active; Air 106B / 12B. Active counts exclude the embeddings, as published.
+    # it), 32B active; Air 106B / 12B. zai-org's active counts exclude the embeddings
+    # (DeepSeek's 37B includes them: test_roofline.py checks it so).
     (GLM_4_5, "glm-4.5", 355e9, 32e9), (GLM_4_5_AIR, "glm-4.5-air", 106e9, 12e9),
     (DEEPSEEK_V3, "deepseek-v3", 671e9, None)], ids=["glm-4.5", "glm-4.5-air", "deepseek-v3"])
 def test_deepseek_layout_reads_as_its_preset(tmp_path: Path, cfg: dict[str, object],
@@ -156,6 +157,34 @@ def test_deepseek_layout_reads_as_its_preset(tmp_path: Path, cfg: dict[str, obje
     # What a step multiplies: one token's 8 experts and the shared one, never all of them.
     assert a.num_experts > 0 and a.active_params < a.total_params() / 8
     assert a.moe_layers == cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
+
+
+DEEPSEEK_V2_LITE = {"model_type": "deepseek_v2", "hidden_size": 2048, "intermediate_size": 10944,
+                    "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+                    "num_attention_heads": 16, "num_key_value_heads": 16,
+                    "n_shared_experts": 2, "n_routed_experts": 64, "num_experts_per_tok": 6,
+                    "first_k_dense_replace": 1, "moe_layer_freq": 1, "q_lora_rank": None,
+                    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                    "v_head_dim": 128, "vocab_size": 102400,
+                    "max_position_embeddings": 163840, "tie_word_embeddings": False}
+
+
+def test_mla_sizes_by_hand(tmp_path: Path) -> None:
+    # DeepSeek-V3's sizes as the hand-written preset had them before it was built on
+    # fine_grained_moe (7ce1c1c): every term of MLA's attention (q_a, q_b, kv_a, kv_b, o),
+    # the dense layers, shared experts, routers and routed experts.
+    a = MODEL_SPECS["deepseek-v3"]
+    assert (a.dense_params, a.expert_params) == (15263268864, 653908770816)
+    # DeepSeek-V2-Lite (deepseek-ai's card: 15.7B total, 2.4B activated: with the lm_head
+    # a token multiplies, 2.45B here): no query bottleneck (q_lora_rank null: one q
+    # projection), two shared experts of 1408, 64 routed of which 6 a token.
+    lite = from_hf_config(_write(tmp_path, DEEPSEEK_V2_LITE))
+    h, heads = 2048, 16
+    attn = h * heads * 192 + h * (512 + 64) + 512 * heads * 256 + heads * 128 * h
+    assert lite.dense_params == 27 * attn + 3 * h * 10944 + 26 * (3 * h * 2 * 1408 + h * 64)
+    assert lite.total_params() == pytest.approx(15.7e9, rel=0.01)
+    assert lite.active_params + 102400 * h == pytest.approx(2.4e9, rel=0.03)
+    assert lite.prefill_upproj_params == 512 * heads * 256
 
 
 def test_glm_attention_is_gqa_and_its_cache_follows() -> None:
@@ -178,6 +207,8 @@ def test_glm_attention_is_gqa_and_its_cache_follows() -> None:
     ({"num_experts_per_tok": 200}, "num_experts_per_tok=200 exceeds the 160 experts"),
     ({"model_type": "deepseek_v3"}, "without kv_lora_rank"),
     ({"first_k_dense_replace": None}, "lacks 'first_k_dense_replace'"),
+    ({"model_type": "deepseek_v3", "kv_lora_rank": 511, "qk_nope_head_dim": 128,
+      "qk_rope_head_dim": 64, "v_head_dim": 128}, "must be even"),
 ])
 def test_deepseek_layout_refusals(tmp_path: Path, change: dict[str, object],
                                   phrase: str) -> None:

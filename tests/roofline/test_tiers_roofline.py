@@ -52,8 +52,7 @@ def test_tiers_in_the_what_if() -> None:
     # (each step's transfers are far under its own work), where unoverlapped they pay
     # every one. (Not the run's wall: it is the arrivals' and think times', and a
     # schedule moved by the hidden 0.25 s can end either side of it.)
-    assert lapped["cache.tier.cpu.blocks_up"] == pytest.approx(
-        on["cache.tier.cpu.blocks_up"], rel=0.01)
+    assert abs(lapped["cache.tier.cpu.blocks_up"] - on["cache.tier.cpu.blocks_up"]) <= 2
     assert on["cache.tier.transfer_s"] > 0
     assert on["cache.tier.exposed_s"] == on["cache.tier.transfer_s"]
     assert lapped["cache.tier.transfer_s"] > 0 and lapped["cache.tier.exposed_s"] == 0.0
