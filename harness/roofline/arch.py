@@ -144,6 +144,12 @@ class MLA:
     rope: int
     v: int
 
+    def __post_init__(self) -> None:
+        if (self.kv_lora + self.rope) % 2:
+            raise UserError(f"kv_lora_rank + qk_rope_head_dim = {self.kv_lora + self.rope} "
+                            "must be even (the cache is laid out as K and V halves of the "
+                            "latent)")
+
 
 def fine_grained_moe(name: str, layers: int, hidden: int, vocab: int, max_pos: int,
                      heads: int, *, experts: int, per_token: int, expert_ffn: int,
@@ -173,9 +179,6 @@ def fine_grained_moe(name: str, layers: int, hidden: int, vocab: int, max_pos: i
                   else hidden * heads * (m.nope + m.rope))
         upproj = m.kv_lora * heads * (m.nope + m.v)  # kv_b_proj
         attn = q_proj + hidden * (m.kv_lora + m.rope) + upproj + heads * m.v * hidden
-        if (m.kv_lora + m.rope) % 2:
-            raise UserError(f"{name}: kv_lora_rank + qk_rope_head_dim = "
-                            f"{m.kv_lora + m.rope} must be even (the cache's K/V halves)")
         cache_heads, cache_dim = 1, (m.kv_lora + m.rope) // 2
         qk, v = m.kv_lora + m.rope, m.kv_lora
         pre_qk, pre_v = m.nope + m.rope, m.v

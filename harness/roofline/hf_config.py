@@ -148,9 +148,7 @@ def _moe(c: _Config, name: str, model_type: str, experts: dict[str, Any], layers
         if c.int("decoder_sparse_step", 1) != 1 or c.raw.get("mlp_only_layers"):
             raise c.fail("decoder_sparse_step / mlp_only_layers make some layers dense: "
                          "this reader takes every layer sparse; not supported")
-    k = c.int("num_experts_per_tok")
-    if k > n:
-        raise c.fail(f"num_experts_per_tok={k} exceeds the {n} experts")
+    k = _per_token(c, n)
     # Attention from the dense reader (no MLP), then the experts apart: each a SwiGLU of
     # `ffn`; the router (hidden x n) and a shared expert with its gate run for every token.
     attn = llama_like(name, layers, hidden, 0, heads, kv_heads, **common)
@@ -162,6 +160,14 @@ def _moe(c: _Config, name: str, model_type: str, experts: dict[str, Any], layers
                     num_experts=n, experts_per_token=k)
 
 
+def _per_token(c: _Config, experts: int) -> int:
+    """``num_experts_per_tok``, checked against the ``experts`` it picks from."""
+    k = c.int("num_experts_per_tok")
+    if k > experts:
+        raise c.fail(f"num_experts_per_tok={k} exceeds the {experts} experts")
+    return k
+
+
 def _fine_grained(c: _Config, name: str, model_type: str, layers: int, hidden: int,
                   heads: int, kv_heads: int, common: dict[str, Any]) -> ArchSpec:
     """DeepSeek's layout (module docstring): dense layers first, then routed + shared
@@ -169,9 +175,8 @@ def _fine_grained(c: _Config, name: str, model_type: str, layers: int, hidden: i
     if c.int("moe_layer_freq", 1) != 1:
         raise c.fail("moe_layer_freq above 1 makes every other layer dense: this reader "
                      "takes every layer after first_k_dense_replace sparse; not supported")
-    n, k = c.int("n_routed_experts"), c.int("num_experts_per_tok")
-    if k > n:
-        raise c.fail(f"num_experts_per_tok={k} exceeds the {n} experts")
+    n = c.int("n_routed_experts")
+    k = _per_token(c, n)
     ffn = c.int("moe_intermediate_size")
     # (null: none, as the DeepSeek modeling code reads it)
     shared = c.int("n_shared_experts", 0, minimum=0) * ffn
@@ -181,11 +186,12 @@ def _fine_grained(c: _Config, name: str, model_type: str, layers: int, hidden: i
                      f"{layers}")
     mla = None
     if c.raw.get("kv_lora_rank") is not None:
-        mla = MLA(c.int("q_lora_rank", 0, minimum=0), c.int("kv_lora_rank"),
-                  c.int("qk_nope_head_dim"), c.int("qk_rope_head_dim"), c.int("v_head_dim"))
-        if (mla.kv_lora + mla.rope) % 2:
-            raise c.fail(f"kv_lora_rank + qk_rope_head_dim = {mla.kv_lora + mla.rope} must "
-                         "be even (the cache is laid out as K and V halves of the latent)")
+        sizes = (c.int("q_lora_rank", 0, minimum=0), c.int("kv_lora_rank"),
+                 c.int("qk_nope_head_dim"), c.int("qk_rope_head_dim"), c.int("v_head_dim"))
+        try:
+            mla = MLA(*sizes)
+        except UserError as e:  # (named by its file, as every other key is)
+            raise c.fail(str(e)) from None
     elif model_type != "glm4_moe":
         raise c.fail(f"model_type {model_type!r} without kv_lora_rank: DeepSeek's layout "
                      "is read with its latent attention's sizes (kv_lora_rank, q_lora_rank, "

@@ -783,36 +783,25 @@ def fit_served(runs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, A
 # (scripts/tokenizer_cost.py, 2026-12-05: SmolLM2's 49k-entry BPE, best to median of five
 # passes over three runs under varying load), above every median here. The served models'
 # own tokenizers (Llama-3's 128k entries, Qwen's) were not at hand (no Hugging Face hub
-# here): a bound to measure again with them, on a server's CPU. Unbounded, the fit had priced what
-# the step model misses of long prompts' prefill at light load (SGLang 0.4.0's 41 us a
-# token, trtllm-serve's 18) as a front end every served request of every host pays.
+# here): a bound to measure again with them, on a server's CPU. Unbounded, the fit had
+# priced what the step model misses of long prompts' prefill at light load (SGLang
+# 0.4.0's 41 us a token, trtllm-serve's 18) as a front end every served request of every
+# host pays.
 TOKENIZE_S = 2e-6
 
 
 def _bounded_front_end(A: np.ndarray, b: np.ndarray, cap: float = TOKENIZE_S
                        ) -> tuple[float, float]:
     """Least squares of ``A [a, per] ~ b`` with ``a >= 0`` and ``0 <= per <= cap``: the
-    unbounded non-negative solution where it keeps under the cap, else the best on the
-    box's faces (the objective is convex: past the cap the optimum is on per = cap; the
-    a = 0 face is tried too, at no cost)."""
-    def err(x: np.ndarray) -> float:
-        return float(np.sum((A @ x - b) ** 2))
-
-    free = _solve(A, b)
-    if free[1] <= cap:
-        return float(free[0]), float(free[1])
-    cands = []
-    for col, fixed in ((0, 1), (1, 0)):  # per = cap (fit a), then a = 0 (fit per)
-        x = np.zeros(2)
-        if fixed == 1:
-            x[1] = cap
-        rest = b - A[:, 1] * x[1]
-        norm = float(np.dot(A[:, col], A[:, col]))
-        v = float(np.dot(A[:, col], rest)) / norm if norm > 0 else 0.0
-        x[col] = min(max(v, 0.0), cap) if col == 1 else max(v, 0.0)
-        cands.append(x)
-    best = min(cands, key=err)
-    return float(best[0]), float(best[1])
+    non-negative solution where it keeps under the cap, else ``per = cap`` and ``a`` the
+    non-negative fit of the rest (the objective is convex: from a point of the box off
+    that face, the way toward the non-negative optimum past the cap goes down and stays in
+    the box, so the box's optimum is on it)."""
+    a, per = _solve(A, b)
+    if per <= cap:
+        return float(a), float(per)
+    (a,) = _solve(A[:, :1], b - cap * A[:, 1])
+    return float(a), cap
 
 
 # -- the report -----------------------------------------------------------------------
